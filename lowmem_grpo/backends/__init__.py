@@ -1,0 +1,114 @@
+"""The one place that branches on Unsloth vs plain transformers: load model + tokenizer, add LoRA.
+
+Call `prepare(recipe)` before anything imports trl/transformers/peft: it imports Unsloth first when
+the run will use it, so that Unsloth can patch those libraries.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
+from lowmem_grpo.device import is_installed
+from lowmem_grpo.errors import BadInputError, LowmemError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model with its LoRA adapter attached, and what was chosen to load it."""
+
+    model: Any
+    tokenizer: Any
+    backend: str
+    device: str
+    dtype: str
+    model_path: str
+
+
+def choose_backend(requested: str) -> str:
+    """auto -> unsloth when CUDA and unsloth are both present, else hf."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    chosen = "unsloth" if torch.cuda.is_available() and is_installed("unsloth") else "hf"
+    log.info("backend auto -> %s (cuda=%s, unsloth installed=%s)", chosen, torch.cuda.is_available(),
+             is_installed("unsloth"))
+    return chosen
+
+
+def prepare(backend: str) -> None:
+    """Import Unsloth before trl/transformers/peft when it will be used."""
+    if backend == "unsloth":
+        if not is_installed("unsloth"):
+            raise BadInputError("model.backend=unsloth but unsloth is not installed",
+                                fix="pip install unsloth, or set model.backend=hf")
+        import unsloth  # noqa: F401  (import order matters: it patches transformers/trl/peft)
+
+
+def resolve_model_path(name: str) -> str:
+    """A local folder or hub id to load; embedded models are converted to a cached folder first."""
+    if is_embedded(name):
+        return str(embedded_model_dir(name))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise BadInputError(f"model.name {name!r}: folder has no config.json",
+                                fix="point model.name at a saved model folder or a hub id")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise BadInputError(f"model.name {name!r}: no such folder", fix="check the path, or give a hub id like Org/Name")
+    return name
+
+
+def resolve_dtype(dtype: str, cuda: bool) -> str:
+    """auto -> bfloat16 on GPUs that support it, float16 on older GPUs, float32 on CPU."""
+    if dtype != "auto":
+        return dtype
+    if not cuda:
+        return "float32"
+    import torch
+
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
+    """The wanted module names that exist in the model; an error when none do."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    present = [m for m in wanted if m in names]
+    if not present:
+        raise BadInputError(f"lora.target_modules {wanted} match no module of this model",
+                            fix="name linear layers of the model, e.g. q_proj,v_proj")
+    return present
+
+
+def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str | None = None) -> LoadedModel:
+    """Load the recipe's model on `backend` and attach a fresh LoRA adapter (or load `adapter_path`)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    path = resolve_model_path(recipe.model.name)
+    dtype = resolve_dtype(recipe.model.dtype, cuda)
+    try:
+        if backend == "unsloth":
+            from lowmem_grpo.backends.unsloth_backend import load_unsloth
+
+            model, tokenizer = load_unsloth(recipe, path, dtype, cuda, with_lora, adapter_path)
+        elif backend == "hf":
+            from lowmem_grpo.backends.hf_backend import load_hf
+
+            model, tokenizer = load_hf(recipe, path, dtype, cuda, with_lora, adapter_path)
+        else:
+            raise BadInputError(f"model.backend {backend!r} is unknown", fix="use auto, unsloth or hf")
+    except OSError as exc:
+        raise LowmemError(f"could not load model {recipe.model.name!r}: {exc}",
+                          fix="check the hub id and network, or point model.name at a local folder") from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    log.info("loaded %s on %s (%s, %s, lora=%s)", path, "cuda" if cuda else "cpu", backend, dtype, with_lora)
+    return LoadedModel(model, tokenizer, backend, "cuda" if cuda else "cpu", dtype, path)

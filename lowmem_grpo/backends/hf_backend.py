@@ -1,0 +1,44 @@
+"""Plain transformers + PEFT (+ bitsandbytes nf4 on CUDA): the backend that runs anywhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_hf(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
+            adapter_path: str | None) -> tuple[Any, Any]:
+    """Model and tokenizer with a LoRA adapter, the base quantized to 4-bit on CUDA when asked."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowmem_grpo.backends import present_target_modules
+
+    m, lora = recipe.model, recipe.lora
+    torch_dtype = getattr(torch, dtype)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": m.trust_remote_code}
+    quantized = m.load_in_4bit and cuda  # bitsandbytes 4-bit training needs CUDA kernels
+    if quantized:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch_dtype,
+        )
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if cuda and not quantized:
+        model = model.to("cuda")
+    if not (with_lora or adapter_path):
+        return model, tokenizer
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.train.gradient_checkpointing)
+    if adapter_path:
+        return PeftModel.from_pretrained(model, adapter_path, is_trainable=with_lora), tokenizer
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
+        target_modules=present_target_modules(model, lora.target_modules),
+    )
+    return get_peft_model(model, config), tokenizer

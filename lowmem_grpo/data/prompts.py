@@ -1,0 +1,101 @@
+"""Turn GSM8K rows into prompts: system prompt + question, rendered with the model's chat template.
+
+Prompts are rendered to text here (not left as message lists) so that an assistant prefill can
+follow the generation prompt, and so that the length TRL sees is exactly the length measured here.
+TRL 1.x never truncates prompts, so the `max_prompt_length` rule is applied in this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lowmem_grpo.errors import DataError
+from lowmem_grpo.rewards.parsing import gold_number
+
+log = logging.getLogger(__name__)
+
+
+def messages_for(question: str, system_prompt: str) -> list[dict[str, str]]:
+    """The conversation of one problem: the format instruction, then the question."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    return messages
+
+
+def render_prompt(tokenizer: Any, question: str, system_prompt: str, prefill: str = "") -> str:
+    """Chat-template text that generation continues from, with the prefill appended.
+
+    A leading BOS token is dropped from the text when the tokenizer adds one itself, so that the
+    prompt is not tokenized with two BOS tokens.
+    """
+    text = tokenizer.apply_chat_template(
+        messages_for(question, system_prompt), tokenize=False, add_generation_prompt=True
+    )
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos):
+        ids = tokenizer("x")["input_ids"]
+        if ids and ids[0] == tokenizer.bos_token_id:
+            text = text[len(bos):]
+    return text + prefill
+
+
+def prompt_length(tokenizer: Any, text: str) -> int:
+    """Tokens in a rendered prompt, counted the way TRL tokenizes it."""
+    return len(tokenizer(text)["input_ids"])
+
+
+def _truncate_question(tokenizer: Any, question: str, system_prompt: str, prefill: str, limit: int) -> str | None:
+    """Cut the question from the left until the prompt fits; None when even an empty question does not."""
+    ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+    overhead = prompt_length(tokenizer, render_prompt(tokenizer, "", system_prompt, prefill))
+    keep = limit - overhead
+    while keep > 0:
+        cut = tokenizer.decode(ids[-keep:], skip_special_tokens=True).lstrip()
+        text = render_prompt(tokenizer, cut, system_prompt, prefill)
+        if prompt_length(tokenizer, text) <= limit:
+            return text
+        keep -= 1
+    return None
+
+
+def build_examples(
+    rows: list[dict[str, str]],
+    tokenizer: Any,
+    system_prompt: str,
+    prefill: str,
+    max_prompt_length: int,
+    long_prompts: str = "filter",
+) -> list[dict[str, Any]]:
+    """Examples with `prompt` (rendered text), `answer` (gold number), `question`, `solution`, `prefill`.
+
+    Raises DataError when no prompt fits `max_prompt_length`.
+    """
+    examples, dropped, truncated = [], 0, 0
+    for row in rows:
+        text = render_prompt(tokenizer, row["question"], system_prompt, prefill)
+        if prompt_length(tokenizer, text) > max_prompt_length:
+            if long_prompts == "truncate":
+                text = _truncate_question(tokenizer, row["question"], system_prompt, prefill, max_prompt_length)
+                truncated += text is not None
+            else:
+                text = None
+            if text is None:
+                dropped += 1
+                continue
+        examples.append({
+            "prompt": text,
+            "answer": gold_number(row["answer"]),
+            "question": row["question"],
+            "solution": row["answer"],
+            "prefill": prefill,
+        })
+    if dropped or truncated:
+        log.info("prompt length rule (max %d tokens): %d dropped, %d truncated, %d kept",
+                 max_prompt_length, dropped, truncated, len(examples))
+    if not examples:
+        raise DataError(
+            f"no prompt fits data.max_prompt_length={max_prompt_length} tokens ({dropped} of {len(rows)} too long)",
+            fix="raise data.max_prompt_length (and model.max_seq_length), or use data.long_prompts=truncate",
+        )
+    return examples

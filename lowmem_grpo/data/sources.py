@@ -1,0 +1,117 @@
+"""GSM8K sources: the hub, local files, and the embedded sample shipped in the package.
+
+Every source yields rows `{"question": str, "answer": str}` where answer is a worked solution
+ending in "#### N", checked here so that a malformed file fails before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo.errors import DataError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "resources" / "gsm8k"
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def embedded_path(split: str) -> Path:
+    """The shipped jsonl file of one split (train or test)."""
+    path = EMBEDDED_DIR / f"{split}.jsonl"
+    if not path.exists():
+        known = sorted(p.stem for p in EMBEDDED_DIR.glob("*.jsonl"))
+        raise DataError(f"the embedded sample has no split {split!r}", fix=f"use one of {', '.join(known)}")
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})", fix="write one JSON object per line") from exc
+    return rows
+
+
+def _read_file(path: Path, split: str) -> list[dict[str, Any]]:
+    if path.is_dir():
+        candidates = [path / f"{split}{ext}" for ext in FILE_FORMATS]
+        found = [c for c in candidates if c.exists()]
+        if not found:
+            raise DataError(f"{path}: folder holds no {split}.jsonl/.json/.parquet/.csv",
+                            fix=f"name the file {split}.jsonl (or .json, .parquet, .csv)")
+        path = found[0]
+    fmt = FILE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(f"{path}: unsupported file type {path.suffix!r}", fix="use .jsonl, .json, .parquet or .csv")
+    if path.suffix.lower() == ".jsonl":
+        return _read_jsonl(path)
+    import datasets  # heavy: only for the formats that need it
+
+    try:
+        table = datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as exc:
+        raise DataError(f"{path}: could not be read as {fmt}: {exc}", fix="check the file's format") from exc
+    return [dict(row) for row in table]
+
+
+def _read_hub(name: str, config: str, split: str) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        table = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:
+        raise DataError(f"could not load {name} ({config}, split {split}) from the hub: {exc}",
+                        fix="check the network and the dataset id, or use data.source=embedded or a local file") from exc
+    return [dict(row) for row in table]
+
+
+def check_rows(rows: list[dict[str, Any]], origin: str) -> list[dict[str, str]]:
+    """Keep question/answer, and require every answer to end in '#### N'."""
+    from lowmem_grpo.rewards.parsing import gold_number
+
+    if not rows:
+        raise DataError(f"{origin}: the dataset is empty", fix="point data.source at a file with problems in it")
+    missing = [c for c in ("question", "answer") if c not in rows[0]]
+    if missing:
+        raise DataError(f"{origin}: missing column(s) {', '.join(missing)}; found {', '.join(map(str, rows[0]))}",
+                        fix="provide GSM8K's columns: question, and answer ending in '#### N'")
+    checked = []
+    for index, row in enumerate(rows):
+        question, answer = row.get("question"), row.get("answer")
+        if not isinstance(question, str) or not isinstance(answer, str) or not question.strip():
+            raise DataError(f"{origin}: row {index} has an empty or non-text question/answer",
+                            fix="every row needs a question and an answer string")
+        try:
+            gold_number(answer)
+        except ValueError as exc:
+            raise DataError(f"{origin}: row {index}: {exc}",
+                            fix="end each answer with a line '#### N' holding the final number") from exc
+        checked.append({"question": question.strip(), "answer": answer})
+    return checked
+
+
+def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_config: str = "main") -> list[dict[str, str]]:
+    """Rows of one split from `source`: hub, embedded, or a file/folder path."""
+    if source == "embedded":
+        path = embedded_path(split)
+        return check_rows(_read_jsonl(path), f"embedded {split}")
+    if source == "hub":
+        return check_rows(_read_hub(hub_name, hub_config, split), f"{hub_name} {split}")
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"data.source {source!r}: no such file or folder",
+                        fix="give an existing .jsonl/.json/.parquet/.csv path, or use hub or embedded")
+    return check_rows(_read_file(path, split), str(path))
+
+
+def source_exists(source: str) -> bool:
+    """Cheap check for validate: named sources always exist, paths must."""
+    return source in ("hub", "embedded") or Path(source).expanduser().exists()

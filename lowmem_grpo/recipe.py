@@ -1,0 +1,268 @@
+"""The typed recipe: nested dataclasses, one docstring line per field, and their validation.
+
+Loading files, overrides and YAML round-trips live in `lowmem_grpo.recipe_io`; this module is the
+schema and the rules that reject a bad recipe before any model loads. It imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lowmem_grpo.errors import RecipeError
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Respond in the following format:\n"
+    "<reasoning>\n...\n</reasoning>\n"
+    "<answer>\n...\n</answer>"
+)
+
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# GRPOConfig fields the recipe owns elsewhere; setting them under `train` would be silently ignored.
+MANAGED_TRAINER_FIELDS = {
+    "output_dir": "output.dir",
+    "reward_weights": "rewards.<name>",
+    "max_prompt_length": "data.max_prompt_length",
+    "warmup_steps": "train.warmup_ratio",
+    "use_cpu": "(chosen from the device)",
+}
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how."""
+
+    name: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    """Hub id, local folder, or `embedded:smollm2-135m-instruct` (the registry-shipped CPU default)."""
+    backend: Literal["auto", "unsloth", "hf"] = "auto"
+    """auto: Unsloth when CUDA and unsloth are present, else plain transformers + PEFT."""
+    load_in_4bit: bool = True
+    """Quantize base weights to 4-bit nf4 (bitsandbytes); ignored by `hf` on CPU."""
+    max_seq_length: int = 1024
+    """Longest prompt + completion the model is prepared for."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Compute dtype; auto = bfloat16 where the GPU supports it, float16 on older GPUs, float32 on CPU."""
+    fast_inference: bool | None = None
+    """Generate with vLLM through Unsloth; None = when vLLM and CUDA are both present."""
+    gpu_memory_utilization: float = 0.6
+    """Share of GPU memory vLLM may reserve when fast_inference is on."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub (needed by a few architectures)."""
+
+
+@dataclass
+class LoraConfig:
+    """The LoRA adapter that GRPO trains."""
+
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input; 0 lets Unsloth use its fast path."""
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    """Module names to adapt."""
+    max_lora_rank: int | None = None
+    """Largest rank vLLM reserves for (Unsloth fast_inference); None = r."""
+
+
+@dataclass
+class DataConfig:
+    """Where the GSM8K problems come from and how prompts are built."""
+
+    source: str = "hub"
+    """hub (openai/gsm8k), embedded (the sample shipped in the package), or a .jsonl/.json/.parquet/.csv path."""
+    hub_name: str = "openai/gsm8k"
+    """Dataset id used when source is hub."""
+    hub_config: str = "main"
+    """Dataset config used when source is hub."""
+    train_split: str = "train"
+    """Split trained on."""
+    eval_split: str = "test"
+    """Held-out split for evaluation."""
+    limit: int | None = None
+    """Use at most this many training problems (after shuffling); None = all."""
+    shuffle_seed: int = 42
+    """Seed of the shuffle before `limit` is applied."""
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    """System message asking for the reasoning/answer format."""
+    prefill: str = ""
+    """Text that starts every assistant turn (e.g. "<reasoning>\\n"); rewards score prefill + completion."""
+    max_prompt_length: int = 256
+    """Longest prompt in tokens, measured with the model's chat template."""
+    long_prompts: Literal["filter", "truncate"] = "filter"
+    """What to do with longer prompts: drop them, or cut the question from the left."""
+
+
+@dataclass
+class TrainConfig:
+    """GRPO settings; any other GRPOConfig field may be added here and is passed through."""
+
+    max_steps: int = 250
+    """Optimizer steps."""
+    num_generations: int = 8
+    """Completions sampled per prompt (the GRPO group)."""
+    per_device_train_batch_size: int = 8
+    """Completions per device per forward/backward micro-batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    steps_per_generation: int | None = None
+    """Micro-batches generated at once; None = gradient_accumulation_steps."""
+    max_completion_length: int = 256
+    """Longest completion in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature during generation."""
+    learning_rate: float = 5e-6
+    """Peak learning rate."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    warmup_ratio: float = 0.1
+    """Share of steps spent warming up (TRL 1.x dropped the field; mapped to its ratio form)."""
+    lr_scheduler_type: str = "cosine"
+    """Learning-rate schedule."""
+    max_grad_norm: float = 0.1
+    """Gradient clipping norm."""
+    optim: str = "auto"
+    """auto = paged_adamw_8bit on CUDA, adamw_torch on CPU (8-bit states need CUDA); or any transformers optimizer name."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass to save memory."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """auto = bf16 where supported, fp16 on older GPUs, fp32 on CPU."""
+    beta: float = 0.0
+    """KL coefficient; > 0 keeps a reference model (more memory)."""
+    logging_steps: int = 1
+    """Log every this many steps."""
+    save_steps: int = 50
+    """Checkpoint every this many steps."""
+    save_total_limit: int = 2
+    """Checkpoints kept."""
+    seed: int = 42
+    """Seed for sampling and initialisation."""
+    report_to: str = "none"
+    """none, tensorboard, wandb or trackio."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
+
+    def steps_per_generation_resolved(self) -> int:
+        """The micro-batches TRL generates at once."""
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    def generation_batch_size(self, num_processes: int = 1) -> int:
+        """Completions generated per generation round, as TRL computes it."""
+        explicit = self.extra.get("generation_batch_size")
+        if explicit:
+            return int(explicit)
+        return self.per_device_train_batch_size * num_processes * self.steps_per_generation_resolved()
+
+
+@dataclass
+class OutputConfig:
+    """Where the run directory goes."""
+
+    dir: str | None = None
+    """Run directory; None = <root>/<recipe name>-<timestamp>."""
+    root: str = "runs"
+    """Parent of generated run directories."""
+
+
+@dataclass
+class Recipe:
+    """One model x task training recipe."""
+
+    name: str = "recipe"
+    """Short name, used for the run directory."""
+    task: str = "gsm8k"
+    """Task the reward set and data belong to."""
+    description: str = ""
+    """One line shown by `lowmem-grpo recipes`."""
+    gpu_memory_gb: int | None = None
+    """GPU memory the recipe is tuned for (8, 12, 16, 24); None = CPU."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model and backend."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data and prompts."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Reward name (or module:function) -> weight; empty = the task's default set."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """GRPO trainer settings."""
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Run directory."""
+
+
+def _require(condition: bool, key: str, problem: str, fix: str) -> None:
+    if not condition:
+        raise RecipeError(f"{key}: {problem}", fix=fix)
+
+
+def validate(recipe: Recipe, num_processes: int = 1) -> None:
+    """Reject invalid values and combinations, naming the key and the fix. Loads no model."""
+    from lowmem_grpo.rewards import GSM8K_DEFAULT_WEIGHTS, get_reward
+
+    m, lo, d, t = recipe.model, recipe.lora, recipe.data, recipe.train
+    _require(bool(m.name), "model.name", "is empty", "set a hub id or a local folder")
+    _require(m.max_seq_length > 0, "model.max_seq_length", "must be positive", "e.g. model.max_seq_length=1024")
+    _require(0 < m.gpu_memory_utilization <= 1, "model.gpu_memory_utilization",
+             f"is {m.gpu_memory_utilization}, outside (0, 1]", "e.g. model.gpu_memory_utilization=0.6")
+    _require(lo.r > 0, "lora.r", f"is {lo.r}", "use a positive rank, e.g. lora.r=16")
+    _require(lo.alpha > 0, "lora.alpha", f"is {lo.alpha}", "use a positive alpha, e.g. lora.alpha=32")
+    _require(0 <= lo.dropout < 1, "lora.dropout", f"is {lo.dropout}", "use 0 <= dropout < 1")
+    _require(bool(lo.target_modules), "lora.target_modules", "is empty", "name at least one module")
+    if lo.max_lora_rank is not None:
+        _require(lo.max_lora_rank >= lo.r, "lora.max_lora_rank", f"{lo.max_lora_rank} is below lora.r={lo.r}",
+                 f"set lora.max_lora_rank>={lo.r} or leave it unset")
+    _require(d.max_prompt_length > 0, "data.max_prompt_length", "must be positive", "e.g. data.max_prompt_length=256")
+    if d.limit is not None:
+        _require(d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
+
+    _require(t.num_generations >= 2, "train.num_generations", f"is {t.num_generations}; GRPO compares completions "
+             "inside a group and needs at least 2", "set train.num_generations=2 or more (8 is typical)")
+    gen_batch = t.generation_batch_size(num_processes)
+    _require(gen_batch % t.num_generations == 0, "train.num_generations",
+             f"the generation batch ({gen_batch} = per_device_train_batch_size {t.per_device_train_batch_size} x "
+             f"{num_processes} process(es) x steps_per_generation {t.steps_per_generation_resolved()}) is not "
+             f"divisible by num_generations={t.num_generations}",
+             f"make train.per_device_train_batch_size a multiple of {t.num_generations}, or change "
+             "train.num_generations to a divisor of the generation batch")
+    total = d.max_prompt_length + t.max_completion_length
+    _require(total <= m.max_seq_length, "model.max_seq_length",
+             f"data.max_prompt_length ({d.max_prompt_length}) + train.max_completion_length "
+             f"({t.max_completion_length}) = {total} exceeds model.max_seq_length ({m.max_seq_length})",
+             f"raise model.max_seq_length to {total} or shorten the prompt or completion limit")
+    for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length",
+                "logging_steps", "save_steps", "save_total_limit"):
+        value = getattr(t, key)
+        _require(value > 0, f"train.{key}", f"is {value}", "use a positive integer")
+    _require(t.learning_rate > 0 and math.isfinite(t.learning_rate), "train.learning_rate",
+             f"is {t.learning_rate}", "use a positive learning rate, e.g. 5e-6")
+    _require(0 <= t.warmup_ratio < 1, "train.warmup_ratio", f"is {t.warmup_ratio}", "use 0 <= warmup_ratio < 1")
+    _require(t.temperature > 0, "train.temperature", f"is {t.temperature}", "use a positive temperature")
+    _require(t.beta >= 0, "train.beta", f"is {t.beta}", "use beta >= 0 (0 disables the reference model)")
+    _require(t.report_to in ("none", "tensorboard", "wandb", "trackio"), "train.report_to",
+             f"is {t.report_to!r}", "use none, tensorboard, wandb or trackio")
+    for key, owner in MANAGED_TRAINER_FIELDS.items():
+        _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
+
+    rewards = recipe.rewards or (GSM8K_DEFAULT_WEIGHTS if recipe.task == "gsm8k" else {})
+    _require(bool(rewards), "rewards", "no reward functions are configured", "add e.g. rewards.correctness=2.0")
+    for name, weight in rewards.items():
+        _require(isinstance(weight, (int, float)) and math.isfinite(weight), f"rewards.{name}",
+                 f"weight {weight!r} is not a finite number", "use a number, e.g. 0.5")
+        try:
+            get_reward(name)
+        except (KeyError, ValueError, ImportError) as exc:
+            raise RecipeError(f"rewards.{name}: {exc}", fix="use a registered name or package.module:function") from exc
+
+
+def resolved_rewards(recipe: Recipe) -> dict[str, float]:
+    """Reward name -> weight, the task's default set when the recipe names none."""
+    from lowmem_grpo.rewards import GSM8K_DEFAULT_WEIGHTS
+
+    return dict(recipe.rewards) if recipe.rewards else dict(GSM8K_DEFAULT_WEIGHTS)

@@ -1,0 +1,39 @@
+"""Reward functions for GRPO (TRL protocol), standard library only.
+
+Importing this package registers the GSM8K rewards; look them up with
+``get_reward("correctness")`` or an import string ``"package.module:function"``.
+"""
+
+from .gsm8k import (
+    GSM8K_DEFAULT_WEIGHTS,
+    completion_texts,
+    correctness,
+    integer,
+    soft_format,
+    strict_format,
+    xml_count,
+)
+from .registry import (
+    InvalidRewardSpecError,
+    RewardFunc,
+    UnknownRewardError,
+    available_rewards,
+    get_reward,
+    register,
+)
+
+__all__ = [
+    "GSM8K_DEFAULT_WEIGHTS",
+    "InvalidRewardSpecError",
+    "RewardFunc",
+    "UnknownRewardError",
+    "available_rewards",
+    "completion_texts",
+    "correctness",
+    "get_reward",
+    "integer",
+    "register",
+    "soft_format",
+    "strict_format",
+    "xml_count",
+]

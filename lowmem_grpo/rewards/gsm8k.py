@@ -1,0 +1,174 @@
+"""GSM8K rewards for the ``<reasoning>...</reasoning><answer>...</answer>`` format.
+
+Each function follows TRL's protocol ``fn(completions, **kwargs) -> list[float]`` and
+returns its UNWEIGHTED score; see ``GSM8K_DEFAULT_WEIGHTS`` for the usual weights.
+Dataset columns arrive as keyword arguments: ``answer`` (gold, required by
+``correctness``) and optionally ``prefill`` (see ``completion_texts``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from decimal import Decimal
+from typing import Any
+
+from .parsing import extract_answer_block, find_numbers, gold_number, last_number, parse_number
+from .registry import register
+
+__all__ = [
+    "GSM8K_DEFAULT_WEIGHTS",
+    "completion_texts",
+    "correctness",
+    "integer",
+    "soft_format",
+    "strict_format",
+    "xml_count",
+]
+
+GSM8K_DEFAULT_WEIGHTS: dict[str, float] = {
+    "correctness": 2.0,
+    "integer": 0.5,
+    "strict_format": 0.5,
+    "soft_format": 0.5,
+    "xml_count": 0.5,
+}
+
+_TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
+# Block contents may span lines but may not contain any of the four tags.
+_CONTENT = r"(?:(?!</?(?:reasoning|answer)>).)"
+_STRICT_RE = re.compile(
+    rf"<reasoning>\n(?P<reasoning>{_CONTENT}+?)\n</reasoning>\n"
+    rf"<answer>\n(?P<answer>{_CONTENT}+?)\n</answer>",
+    re.DOTALL,
+)
+_SOFT_RE = re.compile(
+    rf"<reasoning>{_CONTENT}*?</reasoning>\s*<answer>{_CONTENT}*?</answer>", re.DOTALL
+)
+_INTEGER_RE = re.compile(r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)")
+XML_TAIL_PENALTY = 0.002
+
+
+def _message_text(content: Any) -> str:
+    """Text of a message ``content``: a string, or a list of ``{"type": "text"}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        return "".join(
+            (part.get("text") or "") if isinstance(part, dict) else str(part) for part in content
+        )
+    return str(content)
+
+
+def _completion_text(completion: Any) -> str:
+    if completion is None:
+        return ""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        completion = [completion]
+    messages = [m for m in completion if isinstance(m, dict)]
+    assistant = [m for m in messages if m.get("role") == "assistant"]
+    if assistant:
+        return _message_text(assistant[-1].get("content"))
+    return "".join(_message_text(m.get("content")) for m in messages)
+
+
+def completion_texts(completions: Sequence[Any], **kwargs: Any) -> list[str]:
+    """Plain text of each completion, with its ``prefill`` prepended when given.
+
+    A completion is a string, ``None`` (treated as ``""``), or a conversational message
+    list (the content of the last assistant message is used; without one, all contents
+    are joined). ``prefill`` (a list, one string per completion, entries may be ``None``)
+    is the part of the assistant turn the recipe wrote before generation.
+    """
+    texts = [_completion_text(c) for c in completions]
+    prefill = kwargs.get("prefill")
+    if prefill is None:
+        return texts
+    if isinstance(prefill, str):
+        prefill = [prefill] * len(texts)
+    if len(prefill) != len(texts):
+        raise ValueError(f"got {len(prefill)} prefill entries for {len(texts)} completions")
+    return [(p or "") + t for p, t in zip(prefill, texts)]
+
+
+def _gold_value(gold: Any) -> Decimal | None:
+    """Gold answer as a Decimal: a full GSM8K solution ('... #### N') or a bare number."""
+    if gold is None:
+        return None
+    text = str(gold)
+    if "####" in text:
+        return parse_number(gold_number(text))
+    value = parse_number(text)
+    return value if value is not None else parse_number(last_number(text))
+
+
+@register("correctness")
+def correctness(completions: Sequence[Any], answer: Sequence[Any] | None = None,
+                **kwargs: Any) -> list[float]:
+    """1.0 when the answer block holds exactly one number equal to the gold ``answer``."""
+    texts = completion_texts(completions, **kwargs)
+    if answer is None:
+        raise ValueError("correctness needs the gold answers as the `answer` dataset column")
+    if isinstance(answer, (str, int, float, Decimal)):
+        answer = [answer] * len(texts)
+    if len(answer) != len(texts):
+        raise ValueError(f"got {len(answer)} gold answers for {len(texts)} completions")
+    scores = []
+    for text, gold in zip(texts, answer):
+        numbers = find_numbers(extract_answer_block(text))
+        target = _gold_value(gold)
+        ok = len(numbers) == 1 and target is not None and parse_number(numbers[0]) == target
+        scores.append(1.0 if ok else 0.0)
+    return scores
+
+
+@register("integer")
+def integer(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """1.0 when the stripped answer block is an integer literal (``18``, ``-3``, ``1,234``)."""
+    scores = []
+    for text in completion_texts(completions, **kwargs):
+        block = extract_answer_block(text)
+        ok = block is not None and _INTEGER_RE.fullmatch(block.strip()) is not None
+        scores.append(1.0 if ok else 0.0)
+    return scores
+
+
+@register("strict_format")
+def strict_format(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """1.0 when the whole (stripped) completion is exactly the newline-separated tag format."""
+    scores = []
+    for text in completion_texts(completions, **kwargs):
+        match = _STRICT_RE.fullmatch(text.strip())
+        ok = (
+            match is not None
+            and match.group("reasoning").strip() != ""
+            and match.group("answer").strip() != ""
+        )
+        scores.append(1.0 if ok else 0.0)
+    return scores
+
+
+@register("soft_format")
+def soft_format(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """1.0 when a reasoning block followed by an answer block appears anywhere."""
+    return [
+        1.0 if _SOFT_RE.search(text) else 0.0 for text in completion_texts(completions, **kwargs)
+    ]
+
+
+def _xml_count_one(text: str) -> float:
+    score = 0.25 * sum(1 for tag in _TAGS if text.count(tag) == 1)
+    _, closer, tail = text.rpartition("</answer>")
+    if closer:
+        score -= XML_TAIL_PENALTY * len(tail.strip())
+    return score
+
+
+@register("xml_count")
+def xml_count(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """0.25 per tag present exactly once, minus 0.002 per character after the last ``</answer>``."""
+    return [_xml_count_one(text) for text in completion_texts(completions, **kwargs)]

@@ -1,0 +1,136 @@
+"""Name -> reward-function registry, plus ``package.module:function`` import strings.
+
+Reward functions follow TRL's protocol: ``fn(completions, **kwargs) -> list[float | None]``.
+TRL logs each one as ``rewards/<fn.__name__>/mean``, so a registered function's
+``__name__`` must equal its registry name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = [
+    "InvalidRewardSpecError",
+    "RewardFunc",
+    "UnknownRewardError",
+    "available_rewards",
+    "get_reward",
+    "register",
+]
+
+RewardFunc = Callable[..., list[Any]]
+F = TypeVar("F", bound=Callable[..., Any])
+
+_REGISTRY: dict[str, RewardFunc] = {}
+
+_SPEC_HELP = (
+    "Pass a registered name, or an import string of the form "
+    "'package.module:function' (e.g. 'lowmem_grpo.rewards.gsm8k:correctness')."
+)
+
+
+class UnknownRewardError(KeyError, ValueError):
+    """Raised by ``get_reward`` for a name that is neither registered nor an import string."""
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidRewardSpecError(ImportError, ValueError):
+    """Raised by ``get_reward`` for an import string whose module or attribute is unusable."""
+
+
+def register(name: str) -> Callable[[F], F]:
+    """Decorator registering a reward function under ``name``.
+
+    ``name`` must equal the function's ``__name__`` (TRL logs by ``__name__``); a
+    callable without ``__name__`` (e.g. ``functools.partial``) gets it set. Registering
+    a different function under a taken name raises ``ValueError``.
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
+
+    def decorator(fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(f"can only register callables, got {type(fn).__name__}")
+        fn_name = getattr(fn, "__name__", None)
+        if fn_name is None:
+            fn.__name__ = name  # type: ignore[attr-defined]
+        elif fn_name != name:
+            raise ValueError(
+                f"reward registered as {name!r} has __name__ {fn_name!r}; they must match "
+                "because TRL logs rewards as 'rewards/<__name__>/mean'"
+            )
+        existing = _REGISTRY.get(name)
+        if existing is not None and _qualname(existing) != _qualname(fn):
+            raise ValueError(f"a different reward is already registered as {name!r}")
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def available_rewards() -> list[str]:
+    """Return the registered reward names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _import_reward(spec: str) -> RewardFunc:
+    module_name, _, attr = spec.partition(":")
+    module_name, attr = module_name.strip(), attr.strip()
+    if not module_name or not attr:
+        raise InvalidRewardSpecError(
+            f"malformed reward import string {spec!r}: expected 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InvalidRewardSpecError(
+            f"cannot import module {module_name!r} for reward {spec!r}: {exc}"
+        ) from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise InvalidRewardSpecError(
+                f"module {module_name!r} has no attribute {attr!r} (reward {spec!r})"
+            ) from exc
+    if not callable(obj):
+        raise InvalidRewardSpecError(
+            f"{spec!r} resolves to a non-callable {type(obj).__name__}, not a reward function"
+        )
+    return obj
+
+
+def get_reward(name: str | RewardFunc) -> RewardFunc:
+    """Return the reward registered as ``name``, or import a ``module:function`` string.
+
+    A callable is returned unchanged. Unknown names raise ``UnknownRewardError``
+    (a ``KeyError`` and ``ValueError``) listing the known names with a did-you-mean;
+    unusable import strings raise ``InvalidRewardSpecError`` (an ``ImportError`` and
+    ``ValueError``).
+    """
+    if callable(name):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"reward must be a name or callable, got {type(name).__name__}")
+    key = name.strip()
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    if ":" in key:
+        return _import_reward(key)
+    known = available_rewards()
+    close = difflib.get_close_matches(key, known, n=3)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise UnknownRewardError(
+        f"unknown reward {name!r}.{hint} Known rewards: {', '.join(known) or '(none)'}. "
+        + _SPEC_HELP
+    )

@@ -1,0 +1,189 @@
+"""The training entry point, top to bottom: backend -> run dir -> data -> model -> rewards -> trainer -> train -> save."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo import telemetry
+from lowmem_grpo.errors import BadInputError, RecipeError
+from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
+from lowmem_grpo.recipe_io import dump_yaml
+
+log = logging.getLogger(__name__)
+
+
+def grpo_fields() -> dict[str, Any]:
+    """GRPOConfig's field names -> default values (imports trl)."""
+    from trl import GRPOConfig
+
+    return {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+
+
+def check_trainer_fields(recipe: Recipe) -> None:
+    """Every extra key of the train section must be a GRPOConfig field of a compatible type."""
+    fields = grpo_fields()
+    for key, value in recipe.train.extra.items():
+        if key not in fields:
+            known = list(fields) + [f.name for f in dataclasses.fields(type(recipe.train)) if f.name != "extra"]
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            fix = f"did you mean train.{close[0]}?" if close else "see TRL's GRPOConfig for the accepted fields"
+            raise RecipeError(f"unknown key 'train.{key}': not a lowmem_grpo train setting nor a GRPOConfig field",
+                              fix=fix)
+        default = fields[key]
+        if isinstance(default, bool) and not isinstance(value, bool) or (
+            isinstance(default, (int, float)) and not isinstance(default, bool)
+            and (isinstance(value, bool) or not isinstance(value, (int, float)))
+        ):
+            raise RecipeError(f"train.{key}: expected {type(default).__name__}, got {type(value).__name__} {value!r}",
+                              fix=f"give train.{key} a {type(default).__name__}")
+
+
+def make_run_dir(recipe: Recipe) -> Path:
+    """The run directory: output.dir, or <root>/<name>-<timestamp>; refuses one holding another run."""
+    if recipe.output.dir:
+        run_dir = Path(recipe.output.dir).expanduser()
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(recipe.output.root).expanduser() / f"{recipe.name}-{stamp}"
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise BadInputError(f"run directory {run_dir} already holds files",
+                            fix="choose another output.dir, or leave it unset for a fresh timestamped folder")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise BadInputError(f"run directory {run_dir} is not writable: {exc}",
+                            fix="set output.dir (or output.root) to a writable folder") from exc
+    return run_dir
+
+
+def precision_flags(precision: str, cuda: bool) -> dict[str, bool]:
+    """bf16/fp16 flags for GRPOConfig; TRL resolves bf16=None to True even on CPU, so always pass both."""
+    if precision == "auto":
+        if not cuda:
+            precision = "fp32"
+        else:
+            import torch
+
+            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
+
+
+def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights: list[float]) -> Any:
+    """GRPOConfig from the recipe's train section, with the small-GPU defaults resolved."""
+    from trl import GRPOConfig
+
+    t = recipe.train
+    optim = t.optim if t.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch")
+    return GRPOConfig(
+        output_dir=str(run_dir),
+        max_steps=t.max_steps,
+        num_generations=t.num_generations,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        steps_per_generation=None if "generation_batch_size" in t.extra else t.steps_per_generation,
+        max_completion_length=t.max_completion_length,
+        temperature=t.temperature,
+        learning_rate=t.learning_rate,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_ratio,  # TRL 1.x reads a float below 1 as a ratio of max_steps
+        lr_scheduler_type=t.lr_scheduler_type,
+        max_grad_norm=t.max_grad_norm,
+        optim=optim,
+        gradient_checkpointing=t.gradient_checkpointing,
+        beta=t.beta,
+        logging_steps=t.logging_steps,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        seed=t.seed,
+        report_to=[] if t.report_to == "none" else [t.report_to],
+        reward_weights=reward_weights,
+        use_cpu=not cuda,
+        disable_tqdm=True,  # the telemetry line per step carries progress and ETA
+        **precision_flags(t.precision, cuda),
+        **t.extra,
+    )
+
+
+def grpo_trainer_class(backend: str, device: str) -> type:
+    """TRL's GRPOTrainer (Unsloth's patched one when imported), or the CPU-safe subclass for hf on CPU."""
+    if backend == "hf" and device == "cpu":
+        from lowmem_grpo.trainer_cpu import cpu_safe_grpo_trainer
+
+        return cpu_safe_grpo_trainer()
+    from trl import GRPOTrainer
+
+    return GRPOTrainer
+
+
+def load_train_rows(recipe: Recipe) -> list[dict[str, str]]:
+    """The training split, shuffled with the recipe's seed and cut to data.limit."""
+    from lowmem_grpo.data import load_rows
+
+    d = recipe.data
+    rows = load_rows(d.source, d.train_split, d.hub_name, d.hub_config)
+    random.Random(d.shuffle_seed).shuffle(rows)
+    return rows[: d.limit] if d.limit else rows
+
+
+def train(recipe: Recipe) -> Path:
+    """Train the recipe's LoRA adapter with GRPO; returns the run directory holding it."""
+    from lowmem_grpo.backends import choose_backend, load, prepare
+
+    validate(recipe)
+    backend = choose_backend(recipe.model.backend)
+    prepare(backend)  # Unsloth must be imported before trl/transformers/peft
+    check_trainer_fields(recipe)
+    rows = load_train_rows(recipe)  # bad data fails here, before the model loads
+    rewards = resolved_rewards(recipe)
+    run_dir = make_run_dir(recipe)
+    (run_dir / telemetry.RECIPE_FILE).write_text(dump_yaml(recipe), encoding="utf-8")
+    log.info("run directory: %s", run_dir)
+
+    loaded = load(recipe, backend)
+    telemetry.write_env(run_dir, backend)
+    from datasets import Dataset
+
+    from lowmem_grpo.data import build_examples
+
+    d = recipe.data
+    examples = build_examples(rows, loaded.tokenizer, d.system_prompt, d.prefill, d.max_prompt_length, d.long_prompts)
+    dataset = Dataset.from_list(examples)
+
+    from lowmem_grpo.rewards import get_reward
+
+    reward_funcs = [get_reward(name) for name in rewards]
+    config = build_grpo_config(recipe, run_dir, loaded.device == "cuda", list(rewards.values()))
+    trainer_cls = grpo_trainer_class(backend, loaded.device)
+    trainer = trainer_cls(
+        model=loaded.model,
+        reward_funcs=reward_funcs,
+        args=config,
+        train_dataset=dataset,
+        processing_class=loaded.tokenizer,
+        callbacks=[telemetry.make_callback(run_dir, "grpo", [f.__name__ for f in reward_funcs])],
+    )
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
+    started = time.monotonic()
+    trainer.train()
+    log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
+
+    adapter_dir = run_dir / telemetry.ADAPTER_DIR
+    trainer.model.save_pretrained(str(adapter_dir))
+    loaded.tokenizer.save_pretrained(str(adapter_dir))
+    log.info("adapter saved to %s", adapter_dir)
+    return run_dir
