@@ -34,3 +34,9 @@ class RecipeError(BadInputError):
 
 class DataError(BadInputError):
     """A dataset is missing, malformed or empty."""
+
+
+class NoSignalError(LowmemError):
+    """The rewards cannot vary inside the GRPO groups, so training would learn nothing: exit code 3."""
+
+    exit_code = EXIT_NO_SIGNAL

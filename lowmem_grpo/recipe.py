@@ -146,6 +146,8 @@ class TrainConfig:
     """Seed for sampling and initialisation."""
     report_to: str = "none"
     """none, tensorboard, wandb or trackio."""
+    completions_every: int = 10
+    """Write sampled completions with their per-reward scores to completions.jsonl every N steps (0 = never)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 
@@ -159,6 +161,28 @@ class TrainConfig:
         if explicit:
             return int(explicit)
         return self.per_device_train_batch_size * num_processes * self.steps_per_generation_resolved()
+
+
+@dataclass
+class PrimeConfig:
+    """The supervised format warm start of the same LoRA adapter before GRPO (lowmem_grpo.prime)."""
+
+    enabled: bool = False
+    """Prime the adapter on worked solutions rendered in the target format, then run GRPO on it."""
+    max_steps: int = 30
+    """Optimizer steps of priming (the examples are cycled when there are fewer)."""
+    num_examples: int | None = None
+    """Prime on the first N training problems (after the shuffle); None = all of them."""
+    learning_rate: float = 2e-4
+    """Peak learning rate of priming."""
+    per_device_train_batch_size: int = 8
+    """Rendered solutions per device per micro-batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    lr_scheduler_type: str = "constant"
+    """Learning-rate schedule of priming."""
+    warmup_ratio: float = 0.0
+    """Share of priming steps spent warming up."""
 
 
 @dataclass
@@ -193,6 +217,8 @@ class Recipe:
     """Reward name (or module:function) -> weight; empty = the task's default set."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """GRPO trainer settings."""
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
+    """Supervised format priming before GRPO."""
     output: OutputConfig = field(default_factory=OutputConfig)
     """Run directory."""
 
@@ -247,8 +273,11 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
     _require(t.beta >= 0, "train.beta", f"is {t.beta}", "use beta >= 0 (0 disables the reference model)")
     _require(t.report_to in ("none", "tensorboard", "wandb", "trackio"), "train.report_to",
              f"is {t.report_to!r}", "use none, tensorboard, wandb or trackio")
+    _require(t.completions_every >= 0, "train.completions_every", f"is {t.completions_every}",
+             "use 0 (never) or a positive number of steps, e.g. train.completions_every=10")
     for key, owner in MANAGED_TRAINER_FIELDS.items():
         _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
+    _validate_prime(recipe)
 
     rewards = recipe.rewards or (GSM8K_DEFAULT_WEIGHTS if recipe.task == "gsm8k" else {})
     _require(bool(rewards), "rewards", "no reward functions are configured", "add e.g. rewards.correctness=2.0")
@@ -259,6 +288,24 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
             get_reward(name)
         except (KeyError, ValueError, ImportError) as exc:
             raise RecipeError(f"rewards.{name}: {exc}", fix="use a registered name or package.module:function") from exc
+
+
+def _validate_prime(recipe: Recipe) -> None:
+    p = recipe.prime
+    for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"):
+        _require(getattr(p, key) > 0, f"prime.{key}", f"is {getattr(p, key)}", "use a positive integer")
+    if p.num_examples is not None:
+        _require(p.num_examples > 0, "prime.num_examples", f"is {p.num_examples}",
+                 "use a positive number or leave it unset (all training problems)")
+    _require(p.learning_rate > 0 and math.isfinite(p.learning_rate), "prime.learning_rate",
+             f"is {p.learning_rate}", "use a positive learning rate, e.g. prime.learning_rate=2e-4")
+    _require(0 <= p.warmup_ratio < 1, "prime.warmup_ratio", f"is {p.warmup_ratio}", "use 0 <= warmup_ratio < 1")
+    if p.enabled:
+        _require(recipe.task == "gsm8k", "prime.enabled", f"priming renders GSM8K solutions; task is {recipe.task!r}",
+                 "set prime.enabled=false for other tasks")
+        from lowmem_grpo.prime import check_prefill
+
+        check_prefill(recipe.data.prefill)
 
 
 def resolved_rewards(recipe: Recipe) -> dict[str, float]:

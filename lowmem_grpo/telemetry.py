@@ -18,6 +18,12 @@ METRICS_FILE = "metrics.jsonl"
 RECIPE_FILE = "recipe.yaml"
 ENV_FILE = "env.json"
 ADAPTER_DIR = "adapter"
+PRIMED_ADAPTER_DIR = "primed_adapter"  # the adapter after the prime stage, before GRPO (lowmem_grpo.prime)
+EVAL_FILE = "eval.json"
+COMPLETIONS_FILE = "completions.jsonl"  # written by lowmem_grpo.completions
+# report_to value -> (module that must be importable, pip package that provides it)
+REPORT_TO_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                      "trackio": ("trackio", "trackio")}
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -28,11 +34,30 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The metrics lines of a run, oldest first."""
+    """The metrics lines of a run, oldest first; a half-written line (read mid-run) is skipped."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def check_report_to(report_to: str) -> None:
+    """train.report_to needs its logger installed; say which package before any model loads."""
+    from lowmem_grpo.device import is_installed
+    from lowmem_grpo.errors import BadInputError
+
+    if report_to not in REPORT_TO_PACKAGES:
+        return
+    module, package = REPORT_TO_PACKAGES[report_to]
+    if not is_installed(module) and not (report_to == "tensorboard" and is_installed("tensorboardX")):
+        raise BadInputError(f"train.report_to={report_to} but {package} is not installed",
+                            fix=f"pip install {package}, or set train.report_to=none")
 
 
 def write_env(run_dir: Path, backend: str) -> dict[str, Any]:
@@ -50,9 +75,13 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 
 def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: float, reward_names: list[str]) -> str:
-    """step/total, reward mean +- std, each reward's mean, length, KL, step time, ETA, peak GPU memory."""
-    parts = [f"step {step}/{max_steps}",
-             f"reward {_fmt(logs.get('reward'))} +- {_fmt(logs.get('reward_std'))}"]
+    """step/total, reward mean +- std (or the loss, for a stage without rewards such as prime), each reward's
+    mean, length, KL, step time, ETA, peak GPU memory."""
+    parts = [f"step {step}/{max_steps}"]
+    if "reward" in logs or "loss" not in logs:
+        parts.append(f"reward {_fmt(logs.get('reward'))} +- {_fmt(logs.get('reward_std'))}")
+    else:
+        parts.append(f"loss {_fmt(logs.get('loss'))}")
     for name in reward_names:
         value = logs.get(f"rewards/{name}/mean")
         if value is not None:
@@ -71,9 +100,14 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
     return " | ".join(parts)
 
 
-def make_callback(run_dir: Path, stage: str, reward_names: list[str]) -> Any:
-    """A transformers TrainerCallback writing metrics.jsonl and the console line (imports transformers)."""
+def make_callback(run_dir: Path, stage: str, reward_names: list[str], recorder: Any = None) -> Any:
+    """A TrainerCallback writing metrics.jsonl, the console line and health warnings (imports transformers).
+
+    `recorder` (a lowmem_grpo.completions.CompletionRecorder) is flushed to completions.jsonl at each step end.
+    """
     from transformers import TrainerCallback
+
+    from lowmem_grpo.health import WarningLatch
 
     metrics_path = Path(run_dir) / METRICS_FILE
 
@@ -82,6 +116,12 @@ def make_callback(run_dir: Path, stage: str, reward_names: list[str]) -> Any:
 
         def __init__(self) -> None:
             self.started = time.monotonic()
+            self.recent: list[dict[str, Any]] = []  # the newest records, for the health checks
+            self.latch = WarningLatch()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
+            if recorder is not None:
+                recorder.flush(write=state.is_world_process_zero)
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any):
             if not logs or not state.is_world_process_zero:
@@ -96,5 +136,8 @@ def make_callback(run_dir: Path, stage: str, reward_names: list[str]) -> Any:
             if "train_runtime" not in logs:  # the final summary line is logged by train()
                 log.info(console_line(logs, state.global_step, state.max_steps,
                                       time.monotonic() - self.started, reward_names))
+                self.recent = (self.recent + [record])[-20:]
+                for warning in self.latch.update(self.recent):
+                    log.warning("%s", warning)
 
     return TelemetryCallback()

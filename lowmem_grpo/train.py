@@ -7,6 +7,7 @@ import difflib
 import logging
 import random
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -138,21 +139,26 @@ def load_train_rows(recipe: Recipe) -> list[dict[str, str]]:
     return rows[: d.limit] if d.limit else rows
 
 
-def train(recipe: Recipe) -> Path:
-    """Train the recipe's LoRA adapter with GRPO; returns the run directory holding it."""
-    from lowmem_grpo.backends import choose_backend, load, prepare
+def train(recipe: Recipe, *, callbacks: Sequence[Any] = ()) -> Path:
+    """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
+
+    `callbacks` are extra transformers TrainerCallbacks for the GRPO trainer (e.g. to inspect its start state).
+    """
+    from lowmem_grpo.backends import choose_backend, load, prepare, resolve_model_path
 
     validate(recipe)
     backend = choose_backend(recipe.model.backend)
     prepare(backend)  # Unsloth must be imported before trl/transformers/peft
     check_trainer_fields(recipe)
+    telemetry.check_report_to(recipe.train.report_to)
     rows = load_train_rows(recipe)  # bad data fails here, before the model loads
     rewards = resolved_rewards(recipe)
+    model_path = resolve_model_path(recipe.model.name)  # a missing model folder fails before the run dir exists
     run_dir = make_run_dir(recipe)
     (run_dir / telemetry.RECIPE_FILE).write_text(dump_yaml(recipe), encoding="utf-8")
     log.info("run directory: %s", run_dir)
 
-    loaded = load(recipe, backend)
+    loaded = load(recipe, backend, model_path=model_path)
     telemetry.write_env(run_dir, backend)
     from datasets import Dataset
 
@@ -161,19 +167,30 @@ def train(recipe: Recipe) -> Path:
     d = recipe.data
     examples = build_examples(rows, loaded.tokenizer, d.system_prompt, d.prefill, d.max_prompt_length, d.long_prompts)
     dataset = Dataset.from_list(examples)
+    if recipe.prime.enabled:  # the same LoRA-wrapped model object goes on to GRPO
+        from lowmem_grpo.prime import prime
+
+        cuda = loaded.device == "cuda"
+        prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend, cuda=cuda,
+              precision=precision_flags(recipe.train.precision, cuda))
 
     from lowmem_grpo.rewards import get_reward
 
+    from lowmem_grpo.completions import CompletionRecorder
+
     reward_funcs = [get_reward(name) for name in rewards]
+    recorder = CompletionRecorder(run_dir / telemetry.COMPLETIONS_FILE, recipe.train.completions_every,
+                                  {f.__name__: w for f, w in zip(reward_funcs, rewards.values())})
     config = build_grpo_config(recipe, run_dir, loaded.device == "cuda", list(rewards.values()))
     trainer_cls = grpo_trainer_class(backend, loaded.device)
     trainer = trainer_cls(
         model=loaded.model,
-        reward_funcs=reward_funcs,
+        reward_funcs=recorder.wrap_all(reward_funcs),  # same __name__s; they record completions.jsonl
         args=config,
         train_dataset=dataset,
         processing_class=loaded.tokenizer,
-        callbacks=[telemetry.make_callback(run_dir, "grpo", [f.__name__ for f in reward_funcs])],
+        callbacks=[telemetry.make_callback(run_dir, "grpo", [f.__name__ for f in reward_funcs], recorder),
+                   *callbacks],
     )
     from transformers.trainer_callback import PrinterCallback
 
@@ -186,4 +203,7 @@ def train(recipe: Recipe) -> Path:
     trainer.model.save_pretrained(str(adapter_dir))
     loaded.tokenizer.save_pretrained(str(adapter_dir))
     log.info("adapter saved to %s", adapter_dir)
+    from lowmem_grpo.report import write_report
+
+    log.info("report: %s", write_report(run_dir))
     return run_dir

@@ -1,4 +1,4 @@
-"""A GRPOTrainer whose log-prob pass runs in plain torch, for the hf backend without a GPU.
+"""A GRPOTrainer and an SFTTrainer whose log-prob pass runs in plain torch, for the hf backend without a GPU.
 
 TRL 1.15 (the newest Unsloth allows) computes log-probs with a Triton kernel only, which has no
 CPU driver; TRL 1.16 added a torch fallback. Until the pin can move, this subclass computes the
@@ -43,3 +43,52 @@ def cpu_safe_grpo_trainer() -> type:
             return torch.cat(all_logps, dim=0), entropies, None
 
     return CpuSafeGRPOTrainer
+
+
+def cpu_safe_sft_trainer() -> type:
+    """SFTTrainer subclass whose completion loss runs in plain torch off-GPU (imports trl).
+
+    TRL 1.15's SFTTrainer scores tokens through the same Triton fused LM head. Off-GPU this computes
+    the same token-mean NLL from full logits, with the entropy and token-accuracy metrics, and defers
+    to TRL on a GPU and for the options it does not cover (custom loss, label smoothing, MoE aux loss).
+    """
+    import torch
+    from trl import SFTTrainer
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    class CpuSafeSFTTrainer(SFTTrainer):
+        """SFTTrainer that avoids the Triton log-prob kernel on CPU."""
+
+        def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                         num_items_in_batch: Any = None):
+            ids = inputs["input_ids"]
+            if (ids.device.type in ("cuda", "xpu") or return_outputs or self.compute_loss_func is not None
+                    or self.label_smoother is not None or self.aux_loss_enabled or "labels" not in inputs):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            mode = "train" if self.model.training else "eval"
+            forward_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+            forward_inputs["use_cache"] = False
+            logits = model(**forward_inputs).logits[:, :-1, :].float()
+            targets = inputs["labels"][:, 1:]
+            mask = targets != -100
+            logps = selective_log_softmax(logits, targets.masked_fill(~mask, 0))
+            per_token = -logps * mask
+            if self.args.loss_type == "dft":
+                per_token = per_token * logps.exp().detach()
+            num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
+            loss = per_token.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            with torch.no_grad():
+                valid = mask.sum()
+                entropy = (entropy_from_logits(logits) * mask).sum()
+                correct = ((logits.argmax(dim=-1) == targets) & mask).sum()
+                metrics = self._metrics[mode]
+                metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+                metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+                if mode == "train" and "attention_mask" in inputs:
+                    self._total_train_tokens += int(inputs["attention_mask"].sum().item())
+                metrics["num_tokens"] = [self._total_train_tokens]
+            return loss
+
+    return CpuSafeSFTTrainer

@@ -87,12 +87,16 @@ def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
     return present
 
 
-def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str | None = None) -> LoadedModel:
-    """Load the recipe's model on `backend` and attach a fresh LoRA adapter (or load `adapter_path`)."""
+def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str | None = None,
+         model_path: str | None = None) -> LoadedModel:
+    """Load the recipe's model on `backend` and attach a fresh LoRA adapter (or load `adapter_path`).
+
+    `model_path` is the already resolved `resolve_model_path(recipe.model.name)`, when the caller has it.
+    """
     import torch
 
     cuda = torch.cuda.is_available()
-    path = resolve_model_path(recipe.model.name)
+    path = model_path or resolve_model_path(recipe.model.name)
     dtype = resolve_dtype(recipe.model.dtype, cuda)
     try:
         if backend == "unsloth":

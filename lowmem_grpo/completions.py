@@ -1,0 +1,132 @@
+"""completions.jsonl: sampled completions with their score under each reward, every N steps.
+
+The reward functions are wrapped (the wrapper keeps `__name__`, which TRL logs rewards by), so
+nothing in TRL is patched: every wrapper sees the same batch of prompts and completions, records
+its own scores, and the training callback writes the batch when the step ends. One line per
+prompt group: {"step", "prompt", "question", "answer", "prefill", "completions": [{"text",
+"rewards": {name: score}, "total"}]}, where total is the weighted sum TRL trains on.
+Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+COMPLETIONS_FILE = "completions.jsonl"
+CONTEXT_COLUMNS = ("question", "answer", "prefill")
+
+
+def should_record(step: int, every: int, max_steps: int | None = None) -> bool:
+    """Record at the first step, every `every` steps, and the last step; never when every is 0."""
+    if every <= 0 or step <= 0:
+        return False
+    return step == 1 or step % every == 0 or (max_steps is not None and step == max_steps)
+
+
+def _text(item: Any) -> str:
+    """A completion or prompt as text: a string, or the last message of a conversation."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, list) and item and isinstance(item[-1], dict):
+        return str(item[-1].get("content", ""))
+    return str(item)
+
+
+def _score(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class CompletionRecorder:
+    """Collects what the wrapped reward functions see at recorded steps; `flush` writes it."""
+
+    def __init__(self, path: Path, every: int, weights: dict[str, float]) -> None:
+        self.path = Path(path)
+        self.every = every
+        self.weights = dict(weights)  # reward __name__ -> weight
+        self.pending: list[dict[str, Any]] = []
+        self._batch: dict[str, Any] | None = None
+
+    def wrap(self, func: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        """A reward function that records its scores and returns them unchanged (same __name__)."""
+        name = func.__name__
+        recorder = self
+
+        @functools.wraps(func)
+        def recorded(*args: Any, **kwargs: Any) -> list[Any]:
+            scores = func(*args, **kwargs)
+            completions = kwargs.get("completions", args[0] if args else None)
+            prompts = kwargs.get("prompts")
+            state = kwargs.get("trainer_state")
+            if state is not None and completions is not None:
+                step = int(state.global_step) + 1  # rewards are computed for the step being trained
+                if should_record(step, recorder.every, getattr(state, "max_steps", None)):
+                    recorder.record(name, step, prompts, completions, kwargs, scores)
+            return scores
+
+        return recorded
+
+    def wrap_all(self, funcs: list[Callable[..., list[Any]]]) -> list[Callable[..., list[Any]]]:
+        """Every reward function wrapped."""
+        return [self.wrap(f) for f in funcs]
+
+    def record(self, name: str, step: int, prompts: Any, completions: Any, columns: dict[str, Any],
+               scores: list[Any]) -> None:
+        """Add one reward's scores; a new batch starts when the completions object changes."""
+        batch = self._batch
+        if batch is None or batch["completions_obj"] is not completions or name in batch["scores"]:
+            batch = {"step": step, "completions_obj": completions, "prompts": [_text(p) for p in prompts or []],
+                     "texts": [_text(c) for c in completions], "scores": {},
+                     "columns": {k: list(columns[k]) for k in CONTEXT_COLUMNS if isinstance(columns.get(k), list)}}
+            self._batch = batch
+            self.pending.append(batch)
+        batch["scores"][name] = [_score(s) for s in scores]
+
+    def lines(self) -> list[dict[str, Any]]:
+        """The pending batches as completions.jsonl lines, one per prompt group."""
+        out = []
+        for batch in self.pending:
+            prompts, texts, cols = batch["prompts"], batch["texts"], batch["columns"]
+            group: dict[str, Any] | None = None
+            for i, text in enumerate(texts):
+                prompt = prompts[i] if i < len(prompts) else ""
+                if group is None or group["prompt"] != prompt:
+                    group = {"step": batch["step"], "prompt": prompt}
+                    group.update({k: v[i] for k, v in cols.items() if i < len(v)})
+                    group["completions"] = []
+                    out.append(group)
+                rewards = {name: vals[i] for name, vals in batch["scores"].items() if i < len(vals)}
+                total = sum(self.weights.get(n, 1.0) * v for n, v in rewards.items() if v is not None)
+                group["completions"].append({"text": text, "rewards": rewards, "total": total})
+        return out
+
+    def flush(self, write: bool = True) -> int:
+        """Append the pending lines to completions.jsonl (when `write`), then forget them; returns the count."""
+        lines = self.lines()
+        if write and lines:
+            with self.path.open("a", encoding="utf-8") as handle:
+                for line in lines:
+                    handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self.pending, self._batch = [], None
+        return len(lines) if write else 0
+
+
+def read_completions(run_dir: Path) -> list[dict[str, Any]]:
+    """The completions lines of a run, oldest first; a half-written last line (mid-run) is skipped."""
+    path = Path(run_dir) / COMPLETIONS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

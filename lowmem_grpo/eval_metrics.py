@@ -1,0 +1,224 @@
+"""Evaluation metrics as pure functions of text: verdicts per completion, aggregates, bootstrap CIs.
+
+No torch here: everything is testable on fixed strings. The rules are the reward set's own:
+
+- strict accuracy: the `correctness` reward (the answer block holds exactly one number, equal to gold);
+- lenient accuracy: the last number anywhere in the completion equals gold (compared as exact
+  decimals, with math-verify as a second opinion on the same two numbers);
+- strict / soft format rate: the `strict_format` / `soft_format` rewards score 1.0;
+- truncated: generation stopped at max_new_tokens without emitting EOS.
+
+Completions are scored as prefill + generated text, exactly as the rewards see them in training.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lowmem_grpo.rewards import correctness, soft_format, strict_format
+from lowmem_grpo.rewards.parsing import extract_answer_block, last_number, numbers_equal
+
+# The four headline metrics plus the length ones, in table order.
+CORE_METRICS = ["strict_accuracy", "lenient_accuracy", "strict_format_rate", "soft_format_rate",
+                "mean_completion_tokens", "truncated_rate"]
+# Per-completion verdict behind each rate metric.
+VERDICT_OF = {"strict_accuracy": "strict_correct", "lenient_accuracy": "lenient_correct",
+              "strict_format_rate": "strict_format", "soft_format_rate": "soft_format",
+              "mean_completion_tokens": "completion_tokens", "truncated_rate": "truncated"}
+BOOTSTRAP_RESAMPLES = 2000
+
+
+@dataclass
+class Verdict:
+    """Everything judged about one completion (prefill + generated text)."""
+
+    completion: str
+    """The scored text: prefill + generated text."""
+    extracted_answer: str | None
+    """Stripped content of the last <answer>...</answer> block, None without one."""
+    last_number: str | None
+    """Last number anywhere in the completion (the lenient rule's pick)."""
+    strict_correct: bool
+    """`correctness` reward: the answer block holds exactly one number and it equals gold."""
+    lenient_correct: bool
+    """The last number anywhere equals gold."""
+    strict_format: bool
+    """`strict_format` reward is 1.0."""
+    soft_format: bool
+    """`soft_format` reward is 1.0."""
+    truncated: bool
+    """Generation hit max_new_tokens without EOS."""
+    completion_tokens: int
+    """Generated tokens (EOS included, prefill not)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_MATH_VERIFY: Any = None
+
+
+def _math_verify_equal(token: str, gold: str) -> bool:
+    """math-verify's numeric equality of two number strings; False when it is unavailable or unsure."""
+    global _MATH_VERIFY
+    if _MATH_VERIFY is None:
+        try:
+            import math_verify
+
+            _MATH_VERIFY = math_verify
+        except ImportError:  # pragma: no cover - a pinned dependency; lenient falls back to decimals
+            _MATH_VERIFY = False
+    if not _MATH_VERIFY:
+        return False
+    # math-verify's timeout is a SIGALRM, which only the main thread may set; the inputs here are two
+    # short number tokens, so elsewhere it runs without one.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold_parsed = _MATH_VERIFY.parse(gold.replace(",", ""), parsing_timeout=timeout)
+        pred_parsed = _MATH_VERIFY.parse(token.replace(",", ""), parsing_timeout=timeout)
+        return bool(gold_parsed and pred_parsed and _MATH_VERIFY.verify(gold_parsed, pred_parsed,
+                                                                         timeout_seconds=timeout))
+    except Exception:  # noqa: BLE001 - a parser failure is "not equal", never a crash
+        return False
+
+
+def lenient_equal(token: str | None, gold: str) -> bool:
+    """The lenient rule's equality: exact decimal equality, else math-verify on the same two numbers."""
+    if token is None:
+        return False
+    return numbers_equal(token, gold) or _math_verify_equal(token, gold)
+
+
+def judge(completion: str, gold: str, *, truncated: bool = False, completion_tokens: int = 0) -> Verdict:
+    """All verdicts for one completion (already prefill + generated text) against the gold number."""
+    block = extract_answer_block(completion)
+    last = last_number(completion)
+    return Verdict(
+        completion=completion,
+        extracted_answer=block.strip() if block is not None else None,
+        last_number=last,
+        strict_correct=correctness([completion], answer=[gold])[0] == 1.0,
+        lenient_correct=lenient_equal(last, gold),
+        strict_format=strict_format([completion])[0] == 1.0,
+        soft_format=soft_format([completion])[0] == 1.0,
+        truncated=bool(truncated),
+        completion_tokens=int(completion_tokens),
+    )
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def problem_value(verdicts: Sequence[Verdict], metric: str) -> float:
+    """One problem's value of a core metric: the mean over its samples."""
+    key = VERDICT_OF[metric]
+    return _mean([float(getattr(v, key)) for v in verdicts])
+
+
+def aggregate(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
+    """Core metrics over problems (each a list of k sample verdicts), plus pass@k / mean@k when k > 1.
+
+    Rates are means over all completions; with k samples, strict_accuracy equals mean@k, pass@k is
+    the share of problems with at least one strictly correct sample, lenient_pass@k likewise.
+    """
+    flat = [v for samples in per_problem for v in samples]
+    metrics = {name: _mean([float(getattr(v, VERDICT_OF[name])) for v in flat]) for name in CORE_METRICS}
+    metrics["num_problems"] = len(per_problem)
+    metrics["num_completions"] = len(flat)
+    k = max((len(s) for s in per_problem), default=1)
+    if k > 1:
+        metrics[f"pass@{k}"] = _mean([float(any(v.strict_correct for v in s)) for s in per_problem])
+        metrics[f"mean@{k}"] = metrics["strict_accuracy"]
+        metrics[f"lenient_pass@{k}"] = _mean([float(any(v.lenient_correct for v in s)) for s in per_problem])
+    return metrics
+
+
+def weighted_rewards(reward_weights: dict[str, float], completions: list[str], kwargs: dict[str, list[Any]],
+                     get: Callable[[str], Callable[..., list[Any]]] | None = None) -> dict[str, list[float]]:
+    """Each reward's raw scores on `completions` (generated text, TRL's protocol) plus `total` (weighted).
+
+    `kwargs` are the dataset columns TRL would pass (answer, prefill, prompts, ...). None scores
+    become NaN and count as 0 in the total, as in TRL.
+    """
+    if get is None:
+        from lowmem_grpo.rewards import get_reward as get
+    scores: dict[str, list[float]] = {}
+    total = [0.0] * len(completions)
+    for name, weight in reward_weights.items():
+        raw = get(name)(completions=completions, **kwargs)
+        values = [float("nan") if r is None else float(r) for r in raw]
+        if len(values) != len(completions):
+            raise ValueError(f"reward {name!r} returned {len(values)} scores for {len(completions)} completions")
+        scores[name] = values
+        total = [t + (weight * v if math.isfinite(v) else 0.0) for t, v in zip(total, values)]
+    scores["total"] = total
+    return scores
+
+
+def paired_bootstrap(base: Sequence[float], other: Sequence[float], *, n_resamples: int = BOOTSTRAP_RESAMPLES,
+                     confidence: float = 0.95, seed: int = 0) -> dict[str, float]:
+    """Difference of means (other - base) over paired problems and its percentile bootstrap CI.
+
+    Problems are resampled with replacement, keeping each problem's pair together; the same seed
+    gives the same interval.
+    """
+    if len(base) != len(other):
+        raise ValueError(f"paired bootstrap needs equal lengths, got {len(base)} and {len(other)}")
+    if not base:
+        raise ValueError("paired bootstrap needs at least one problem")
+    diffs = [o - b for b, o in zip(base, other)]
+    n = len(diffs)
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(n_resamples))
+    alpha = (1.0 - confidence) / 2.0
+    low = means[min(n_resamples - 1, max(0, int(math.floor(alpha * n_resamples))))]
+    high = means[min(n_resamples - 1, max(0, int(math.ceil((1.0 - alpha) * n_resamples)) - 1))]
+    return {"diff": sum(diffs) / n, "low": low, "high": high}
+
+
+def compare(base: Sequence[Sequence[Verdict]], other: Sequence[Sequence[Verdict]], *, seed: int = 0,
+            n_resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = 0.95) -> dict[str, dict[str, float]]:
+    """Per core metric: base value, other value, difference and its paired-bootstrap CI."""
+    if len(base) != len(other):
+        raise ValueError(f"compare needs the same problems, got {len(base)} and {len(other)}")
+    result = {}
+    for metric in CORE_METRICS:
+        a = [problem_value(s, metric) for s in base]
+        b = [problem_value(s, metric) for s in other]
+        ci = paired_bootstrap(a, b, n_resamples=n_resamples, confidence=confidence, seed=seed)
+        result[metric] = {"base": _mean(a), "adapter": _mean(b), **ci}
+    return result
+
+
+def _fmt(metric: str, value: float) -> str:
+    if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if metric in ("mean_completion_tokens", "num_problems", "num_completions"):
+        return f"{value:.1f}" if metric == "mean_completion_tokens" else f"{int(value)}"
+    return f"{value:.3f}"
+
+
+def metrics_table(metrics: dict[str, float]) -> str:
+    """A markdown table of the metrics, core ones first."""
+    order = CORE_METRICS + [k for k in metrics if k not in CORE_METRICS]
+    lines = ["| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(k, metrics[k])} |" for k in order if k in metrics]
+    return "\n".join(lines) + "\n"
+
+
+def compare_table(comparison: dict[str, dict[str, float]], confidence: float = 0.95) -> str:
+    """A markdown table: metric, base, adapter, difference and its CI."""
+    pct = f"{confidence * 100:.0f}%"
+    lines = [f"| metric | base | adapter | diff | {pct} CI |", "|---|---|---|---|---|"]
+    for metric, row in comparison.items():
+        diff = _fmt(metric, row["diff"])
+        sign = "+" if row["diff"] > 0 else ""
+        lines.append(f"| {metric} | {_fmt(metric, row['base'])} | {_fmt(metric, row['adapter'])} | "
+                     f"{sign}{diff} | [{_fmt(metric, row['low'])}, {_fmt(metric, row['high'])}] |")
+    return "\n".join(lines) + "\n"

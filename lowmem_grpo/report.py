@@ -1,0 +1,269 @@
+"""Plots and report.md from a run directory: works mid-run and on a run that only has metrics.jsonl.
+
+`write_report(run_dir)` reads metrics.jsonl (and completions.jsonl, eval.json, recipe.yaml when
+present) and writes plots/*.png (matplotlib, Agg: no display needed) and report.md. Files are
+replaced atomically, so reading the report while a run writes it never shows a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo import health, telemetry
+from lowmem_grpo.completions import read_completions
+from lowmem_grpo.errors import BadInputError
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "report.md"
+PLOTS_DIR = "plots"
+SMOOTHING = 0.8
+"""Weight of the past in the exponential moving average drawn over the raw curves."""
+SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time"]
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Debiased exponential moving average (the TensorBoard curve)."""
+    out, avg = [], 0.0
+    for i, value in enumerate(values, start=1):
+        avg = weight * avg + (1 - weight) * value
+        out.append(avg / (1 - weight**i) if weight < 1 else value)
+    return out
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """Steps and finite values of one metric (missing and null points skipped)."""
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(int(r.get("step", len(xs) + 1)))
+            ys.append(float(v))
+    return xs, ys
+
+
+def reward_names(records: list[dict[str, Any]]) -> list[str]:
+    """Reward function names in the order they were logged (rewards/<name>/mean)."""
+    names: list[str] = []
+    for r in records:
+        for key in r:
+            m = re.fullmatch(r"rewards/(.+)/mean", key)
+            if m and m.group(1) not in names:
+                names.append(m.group(1))
+    return names
+
+
+def _panel(ax: Any, records: list[dict[str, Any]], keys: list[tuple[str, str]], ylabel: str,
+           smoothed: bool = False) -> None:
+    drawn = False
+    for label, key in keys:
+        xs, ys = series(records, key)
+        if not xs:
+            continue
+        drawn = True
+        if smoothed and len(ys) > 1:
+            line, = ax.plot(xs, ys, alpha=0.3, linewidth=1)
+            ax.plot(xs, smooth(ys), color=line.get_color(), linewidth=2, label=f"{label} (smoothed)")
+        else:
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, linewidth=1.5, label=label)
+    if not drawn:
+        ax.text(0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+    else:
+        ax.legend(fontsize=8, loc="best")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
+
+
+def _figure(title: str, rows: int) -> tuple[Any, list[Any]]:
+    from matplotlib.figure import Figure  # no pyplot: no global backend, no display
+
+    fig = Figure(figsize=(8, 2.6 * rows), layout="constrained")
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    fig.suptitle(title)
+    axes[-1].set_xlabel("step")
+    return fig, list(axes)
+
+
+def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """The PNG plots of one run's training records; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = reward_names(records)
+    written = []
+
+    fig, ax = _figure("Reward (total and per reward function)", 2)
+    _panel(ax[0], records, [("total reward", "reward")], "total reward mean", smoothed=True)
+    _panel(ax[1], records, [(n, f"rewards/{n}/mean") for n in names], "per-reward mean", smoothed=True)
+    written.append(out_dir / "rewards.png")
+    _save(fig, written[-1])
+
+    fig, ax = _figure("Reward spread (no spread = no GRPO gradient)", 2)
+    _panel(ax[0], records, [("reward_std", "reward_std")], "reward_std")
+    _panel(ax[1], records, [("frac_reward_zero_std", "frac_reward_zero_std")], "frac zero std")
+    ax[1].set_ylim(-0.05, 1.05)
+    written.append(out_dir / "reward_spread.png")
+    _save(fig, written[-1])
+
+    fig, ax = _figure("Completions", 2)
+    _panel(ax[0], records, [("mean", "completions/mean_length"), ("min", "completions/min_length"),
+                            ("max", "completions/max_length")], "length (tokens)")
+    _panel(ax[1], records, [("clipped ratio", "completions/clipped_ratio")], "clipped ratio")
+    ax[1].set_ylim(-0.05, 1.05)
+    written.append(out_dir / "completions.png")
+    _save(fig, written[-1])
+
+    fig, ax = _figure("Optimisation", 3)
+    _panel(ax[0], records, [("loss", "loss")], "loss")
+    _panel(ax[1], records, [("grad_norm", "grad_norm")], "grad norm")
+    _panel(ax[2], records, [("learning rate", "learning_rate")], "learning rate")
+    written.append(out_dir / "optimization.png")
+    _save(fig, written[-1])
+
+    if series(records, "kl")[0]:
+        fig, ax = _figure("KL to the reference model", 1)
+        _panel(ax[0], records, [("kl", "kl")], "kl")
+        written.append(out_dir / "kl.png")
+        _save(fig, written[-1])
+    return written
+
+
+def _num(value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-" if value is None else str(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        return f"{value:.3e}"
+    return f"{value:.4f}".rstrip("0").rstrip(".") if not float(value).is_integer() else str(int(value))
+
+
+def summary_table(records: list[dict[str, Any]]) -> list[str]:
+    """Markdown rows: first, last, min, max and mean of each logged metric."""
+    keys = SUMMARY_KEYS[:1] + [f"rewards/{n}/mean" for n in reward_names(records)] + SUMMARY_KEYS[1:]
+    lines = ["| metric | first | last | min | max | mean |", "|---|---|---|---|---|---|"]
+    for key in keys:
+        _, ys = series(records, key)
+        if ys:
+            lines.append(f"| {key} | {_num(ys[0])} | {_num(ys[-1])} | {_num(min(ys))} | {_num(max(ys))} | "
+                         f"{_num(sum(ys) / len(ys))} |")
+    return lines
+
+
+def _fence(text: str) -> str:
+    longest = max((len(m) for m in re.findall(r"~+", text)), default=0)
+    return "~" * max(4, longest + 1)
+
+
+def sample_completions(rows: list[dict[str, Any]], last_steps: int = 2, count: int = 3
+                       ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The recorded steps used, and the best and worst completions among the last `last_steps` of them."""
+    steps = sorted({int(r.get("step", 0)) for r in rows})[-last_steps:]
+    flat = []
+    for row in rows:
+        if int(row.get("step", 0)) in steps:
+            for c in row.get("completions", []):
+                flat.append({**c, "step": row.get("step"), "question": row.get("question", row.get("prompt", "")),
+                             "answer": row.get("answer"), "prefill": row.get("prefill", "")})
+    flat.sort(key=lambda c: c.get("total") or 0.0, reverse=True)
+    k = min(count, max(1, len(flat) // 2)) if flat else 0
+    best, worst = flat[:k], flat[k:][::-1][:count]
+    return steps, best, worst
+
+
+def _sample_md(c: dict[str, Any]) -> list[str]:
+    scores = ", ".join(f"{k} {_num(v)}" for k, v in (c.get("rewards") or {}).items())
+    question = str(c.get("question", ""))
+    question = question if len(question) <= 400 else question[:400] + " ..."
+    text = f"{c.get('prefill') or ''}{c.get('text', '')}"
+    fence = _fence(text)
+    return [f"**step {c.get('step')}, total {_num(c.get('total'))}** ({scores}); gold answer: `{c.get('answer')}`",
+            "", f"> {' '.join(question.split())}", "", f"{fence}text", text, fence, ""]
+
+
+def _recipe_info(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / telemetry.RECIPE_FILE
+    if not path.exists():
+        return {}
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError:
+        return {}
+
+
+def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Path],
+                   completions: list[dict[str, Any]]) -> str:
+    """report.md's text."""
+    info = _recipe_info(run_dir)
+    steps = health.training_records(records)
+    done = [r for r in records if "train_runtime" in r]
+    max_steps = (info.get("train") or {}).get("max_steps")
+    last = steps[-1].get("step") if steps else 0
+    state = (f"finished in {_num(done[-1]['train_runtime'])} s" if done
+             else f"in progress (or stopped) at step {last}")
+    lines = [f"# Run report: {info.get('name', run_dir.name)}", "",
+             f"- run directory: `{run_dir}`",
+             f"- model: `{(info.get('model') or {}).get('name', '?')}`",
+             f"- steps logged: {len(steps)} (last step {last} of {max_steps or '?'}), {state}",
+             f"- written: {time.strftime('%Y-%m-%d %H:%M:%S')}", "", "## Summary", ""]
+    lines += summary_table(steps) if steps else ["No training step logged yet."]
+    lines += ["", "## Warnings", ""]
+    warnings = health.scan(steps)
+    lines += [f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."]
+    eval_path = run_dir / telemetry.EVAL_FILE
+    if eval_path.exists():
+        try:
+            results = json.loads(eval_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            results = {}
+        scalars = {k: v for k, v in results.items() if isinstance(v, (int, float, str))} if isinstance(
+            results, dict) else {}
+        lines += ["", "## Evaluation", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_num(v)} |" for k, v in scalars.items()]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{p.stem}]({PLOTS_DIR}/{p.name})" for p in plots]
+    lines += ["", "## Sample completions", ""]
+    if not completions:
+        lines.append(f"No {telemetry.COMPLETIONS_FILE} in the run directory (train.completions_every=0, "
+                     "or no recorded step yet).")
+    else:
+        used, best, worst = sample_completions(completions)
+        lines += [f"From the last recorded step(s): {', '.join(map(str, used))}.", "", "### Best", ""]
+        for c in best:
+            lines += _sample_md(c)
+        lines += ["### Worst", ""]
+        for c in worst:
+            lines += _sample_md(c)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(run_dir: Path | str) -> Path:
+    """Write plots/*.png and report.md into the run directory; returns the report's path."""
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise BadInputError(f"run directory {run_dir} does not exist", fix="give the folder a training run wrote")
+    if not (run_dir / telemetry.METRICS_FILE).exists():
+        raise BadInputError(f"{run_dir} has no {telemetry.METRICS_FILE}",
+                            fix="give a run directory; metrics appear after the first logged step")
+    records = telemetry.read_metrics(run_dir)
+    steps = health.training_records(records)
+    plots = plot_all(steps, run_dir / PLOTS_DIR)
+    text = build_markdown(run_dir, records, plots, read_completions(run_dir))
+    path = run_dir / REPORT_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    log.info("wrote %s and %d plots", path, len(plots))
+    return path
