@@ -70,6 +70,67 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if problems else EXIT_OK
 
 
+def _unescape(text: str | None) -> str | None:
+    """`\\n` and `\\t` typed on the command line become a newline and a tab."""
+    return None if text is None else text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lowmem_grpo.eval_run import EvalOptions, render, run
+
+    opts = EvalOptions(model=args.model, adapter=args.adapter, recipe=args.recipe, data=args.data, split=args.split,
+                       limit=args.limit, batch_size=args.batch_size, seed=args.seed, samples=args.samples,
+                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, out=args.out,
+                       compare=args.compare, prefill=_unescape(args.prefill),
+                       system_prompt=_unescape(args.system_prompt), engine=args.engine, progress=not args.no_progress)
+    sys.stdout.write(render(run(opts)))
+    return EXIT_OK
+
+
+def cmd_check_rewards(args: argparse.Namespace) -> int:
+    from lowmem_grpo.errors import EXIT_NO_SIGNAL
+    from lowmem_grpo.preflight import check_rewards, render
+    from lowmem_grpo.recipe_io import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    result = check_rewards(recipe, recipe.train.preflight_prompts if args.prompts is None else args.prompts)
+    sys.stdout.write(render(result, recipe))
+    return EXIT_NO_SIGNAL if result.no_signal else EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from lowmem_grpo.export import export
+
+    result = export(args.run_dir, args.format, args.out, checkpoint=args.checkpoint, overwrite=args.overwrite,
+                    dtype=args.dtype, tolerance=args.tolerance, llama_cpp=args.llama_cpp, base=args.base)
+    proof = "" if result.max_abs_diff is None else (
+        f", max |logit diff| {result.max_abs_diff:.3g} <= {result.tolerance:.3g} ({result.dtype})")
+    sys.stdout.write(f"exported {result.format} to {result.out} in {result.seconds:.1f} s{proof}\n")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from lowmem_grpo.report import write_report
+
+    sys.stdout.write(f"{write_report(args.run_dir)}\n")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from lowmem_grpo.memory import default_budget, format_plan, parse_size, plan
+    from lowmem_grpo.recipe import validate
+    from lowmem_grpo.recipe_io import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    validate(recipe)
+    budget = parse_size(args.gpu_memory) if args.gpu_memory else default_budget(recipe)
+    result = plan(recipe, budget)
+    sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else format_plan(result, recipe.name))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
     parser = argparse.ArgumentParser(prog="lowmem-grpo", description="GRPO on one small GPU, in the least memory.")
@@ -95,6 +156,60 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="print the environment and known-bad combinations")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("eval", help="GSM8K accuracy and format rates of a model, adapter or run (--compare: base vs adapter)")
+    p.add_argument("--model", required=True, help="hub id, local folder, embedded:NAME, or a run directory")
+    p.add_argument("--adapter", help="adapter folder or run directory (default: the run directory's adapter/)")
+    p.add_argument("--recipe", help="recipe whose prompts and model settings to use (default: the run's recipe.yaml)")
+    p.add_argument("--data", help="gsm8k, embedded, or a .jsonl/.json/.parquet/.csv path (default: the recipe's)")
+    p.add_argument("--split", help="split to evaluate (default: the recipe's data.eval_split, test)")
+    p.add_argument("--limit", type=int, help="evaluate the first N problems")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences generated at once (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed (default 0)")
+    p.add_argument("--samples", type=int, default=1, help="completions per problem; >1 adds pass@k and mean@k")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
+    p.add_argument("--max-new-tokens", type=int, help="default: the recipe's train.max_completion_length")
+    p.add_argument("--out", help="output folder (default: RUN_DIR/eval/SPLIT-TIME or evals/MODEL-TIME)")
+    p.add_argument("--compare", action="store_true", help="base model vs adapter on the same problems, with 95%% CIs")
+    p.add_argument("--prefill", help="assistant-turn prefill, e.g. '<reasoning>\\n' (\\n is a newline)")
+    p.add_argument("--system-prompt", help="system prompt (default: the recipe's)")
+    p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto",
+                   help="auto = vLLM when installed with CUDA, else transformers generate")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("check-rewards", help="reward preflight: would GRPO get a signal? (exit 3 if not); never trains")
+    p.add_argument("recipe", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
+    p.add_argument("overrides", nargs="*", help=overrides_help)
+    p.add_argument("--prompts", type=int, help="prompt groups to sample (default: train.preflight_prompts, 4)")
+    p.set_defaults(func=cmd_check_rewards)
+
+    p = sub.add_parser("export", help="export a run's adapter: lora, merged-16bit, merged-4bit or gguf (logit-proven)")
+    p.add_argument("run_dir", help="the run directory `train` wrote")
+    p.add_argument("--format", required=True, choices=["lora", "merged-16bit", "merged-4bit", "gguf"])
+    p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
+    p.add_argument("--checkpoint", type=int, metavar="STEP", help="export checkpoint-STEP instead of the final adapter")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only once the export succeeded)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="precision of the merge and its proof (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--tolerance", type=float,
+                   help="max |logit diff| allowed (default per dtype: float32 1e-4, float16 0.1, bfloat16 0.5; 4-bit 2.0)")
+    p.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp folder holding convert_hf_to_gguf.py "
+                   "(default: $LLAMA_CPP_DIR); needed by --format gguf")
+    p.add_argument("--base", help="base model to merge into (default: the recipe's model.name)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="write plots/*.png and report.md for a run (also mid-run)")
+    p.add_argument("run_dir", help="the run directory `train` writes")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("plan", help="predicted peak GPU memory of a recipe, term by term, and the settings that fit")
+    p.add_argument("recipe", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
+    p.add_argument("overrides", nargs="*", help=overrides_help)
+    p.add_argument("--gpu-memory", metavar="SIZE", help="budget, e.g. 8GiB, 12GB, 24G (default: the recipe's "
+                   "gpu_memory_gb, else the visible GPU's memory)")
+    p.add_argument("--json", action="store_true", help="one JSON object: total_bytes, fits, terms, proposal, ...")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -82,6 +82,18 @@ def choose_engine(model: Any, engine: str = "auto") -> str:
     return engine
 
 
+def split_generated(ids: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], int, bool]:
+    """Generated ids -> (ids before the first EOS, tokens generated incl. EOS, truncated).
+
+    Truncated means the generation reached max_new_tokens without an EOS; padding after an EOS
+    (a finished row in a batch) is not counted.
+    """
+    end = next((j for j, t in enumerate(ids) if t in eos), None)
+    if end is None:
+        return list(ids), len(ids), len(ids) >= max_new_tokens
+    return list(ids[:end]), end + 1, False
+
+
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     config = getattr(model, "generation_config", None)
@@ -135,11 +147,8 @@ def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, ma
             for i in range(len(batch)):
                 samples = []
                 for ids in generated[i * num_samples:(i + 1) * num_samples]:
-                    end = next((j for j, t in enumerate(ids) if t in eos), None)
-                    kept = ids if end is None else ids[:end]
-                    samples.append(Generation(text=tokenizer.decode(kept, skip_special_tokens=True),
-                                              tokens=len(ids) if end is None else end + 1,
-                                              truncated=end is None and len(ids) >= max_new_tokens))
+                    kept, tokens, truncated = split_generated(ids, eos, max_new_tokens)
+                    samples.append(Generation(tokenizer.decode(kept, skip_special_tokens=True), tokens, truncated))
                 results.append(samples)
             bar.update(len(batch))
     finally:

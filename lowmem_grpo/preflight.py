@@ -165,6 +165,8 @@ def check_rewards(recipe: Any, n_prompts: int) -> PreflightResult:
     from lowmem_grpo.recipe import validate
 
     validate(recipe)
+    if n_prompts < 1:
+        raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix="e.g. --prompts 4")
     backend = choose_backend(recipe.model.backend)
     prepare(backend)
     from lowmem_grpo.data import build_examples

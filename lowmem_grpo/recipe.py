@@ -148,6 +148,16 @@ class TrainConfig:
     """none, tensorboard, wandb or trackio."""
     completions_every: int = 10
     """Write sampled completions with their per-reward scores to completions.jsonl every N steps (0 = never)."""
+    preflight: bool = True
+    """Before training, sample a few GRPO groups and refuse to start when the rewards cannot vary."""
+    preflight_prompts: int = 4
+    """Prompt groups (of num_generations completions each) the preflight samples."""
+    allow_no_signal: bool = False
+    """Train even when the preflight finds no reward variance (GRPO would learn nothing)."""
+    eval_every: int = 0
+    """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
+    eval_limit: int = 50
+    """Problems of data.eval_split the periodic evaluation uses (the first N)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 
@@ -275,6 +285,11 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
              f"is {t.report_to!r}", "use none, tensorboard, wandb or trackio")
     _require(t.completions_every >= 0, "train.completions_every", f"is {t.completions_every}",
              "use 0 (never) or a positive number of steps, e.g. train.completions_every=10")
+    _require(t.preflight_prompts > 0, "train.preflight_prompts", f"is {t.preflight_prompts}",
+             "use a positive number of prompts, e.g. train.preflight_prompts=4")
+    _require(t.eval_every >= 0, "train.eval_every", f"is {t.eval_every}",
+             "use 0 (never) or a positive number of steps, e.g. train.eval_every=10")
+    _require(t.eval_limit > 0, "train.eval_limit", f"is {t.eval_limit}", "use a positive number of problems")
     for key, owner in MANAGED_TRAINER_FIELDS.items():
         _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
     _validate_prime(recipe)

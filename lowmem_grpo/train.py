@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo import telemetry
+from lowmem_grpo import distributed, telemetry
 from lowmem_grpo.errors import BadInputError, RecipeError
 from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
@@ -146,20 +146,24 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = ()) -> Path:
     """
     from lowmem_grpo.backends import choose_backend, load, prepare, resolve_model_path
 
-    validate(recipe)
+    validate(recipe, num_processes=distributed.world_size())
     backend = choose_backend(recipe.model.backend)
     prepare(backend)  # Unsloth must be imported before trl/transformers/peft
+    distributed.setup(recipe.train.extra)  # joins the launcher's process group; nothing for one process
     check_trainer_fields(recipe)
     telemetry.check_report_to(recipe.train.report_to)
     rows = load_train_rows(recipe)  # bad data fails here, before the model loads
     rewards = resolved_rewards(recipe)
-    model_path = resolve_model_path(recipe.model.name)  # a missing model folder fails before the run dir exists
-    run_dir = make_run_dir(recipe)
-    (run_dir / telemetry.RECIPE_FILE).write_text(dump_yaml(recipe), encoding="utf-8")
+    with distributed.main_process_first():  # an embedded model is converted once, by rank 0
+        model_path = resolve_model_path(recipe.model.name)  # a missing model folder fails before the run dir exists
+    run_dir = distributed.agree_on_run_dir(lambda: make_run_dir(recipe))  # rank 0 makes it, all ranks use it
+    if distributed.is_main_process():
+        (run_dir / telemetry.RECIPE_FILE).write_text(dump_yaml(recipe), encoding="utf-8")
     log.info("run directory: %s", run_dir)
 
     loaded = load(recipe, backend, model_path=model_path)
-    telemetry.write_env(run_dir, backend)
+    if distributed.is_main_process():
+        telemetry.write_env(run_dir, backend)
     from datasets import Dataset
 
     from lowmem_grpo.data import build_examples
@@ -200,9 +204,11 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = ()) -> Path:
     log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
 
     adapter_dir = run_dir / telemetry.ADAPTER_DIR
-    trainer.model.save_pretrained(str(adapter_dir))
-    loaded.tokenizer.save_pretrained(str(adapter_dir))
+    trainer.save_model(str(adapter_dir))  # adapter + tokenizer, written by rank 0; gathers ZeRO-3 shards first
+    distributed.check_ranks_agree(trainer, run_dir)  # several processes: distributed.json, same adapter on all
     log.info("adapter saved to %s", adapter_dir)
+    if not distributed.is_main_process():
+        return run_dir
     from lowmem_grpo.report import write_report
 
     log.info("report: %s", write_report(run_dir))

@@ -13,6 +13,7 @@ from typing import Any
 
 from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
 from lowmem_grpo.device import is_installed
+from lowmem_grpo.distributed import world_size
 from lowmem_grpo.errors import BadInputError, LowmemError
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,12 @@ class LoadedModel:
 
 
 def choose_backend(requested: str) -> str:
-    """auto -> unsloth when CUDA and unsloth are both present, else hf."""
+    """auto -> unsloth when CUDA and unsloth are both present and one process runs, else hf."""
     if requested != "auto":
         return requested
+    if world_size() > 1:
+        log.info("backend auto -> hf (%d processes; unsloth runs one process only)", world_size())
+        return "hf"
     import torch
 
     chosen = "unsloth" if torch.cuda.is_available() and is_installed("unsloth") else "hf"
@@ -45,6 +49,11 @@ def choose_backend(requested: str) -> str:
 def prepare(backend: str) -> None:
     """Import Unsloth before trl/transformers/peft when it will be used."""
     if backend == "unsloth":
+        if world_size() > 1:  # before the import, which patches transformers/trl/peft process-wide
+            raise BadInputError(f"model.backend=unsloth under {world_size()} processes (WORLD_SIZE={world_size()}): "
+                                "lowmem_grpo runs Unsloth in a single process only",
+                                fix="set model.backend=hf for accelerate launch / torchrun (DDP or DeepSpeed "
+                                    "ZeRO, recipes/accelerate/), or run one process with unsloth")
         if not is_installed("unsloth"):
             raise BadInputError("model.backend=unsloth but unsloth is not installed",
                                 fix="pip install unsloth, or set model.backend=hf")

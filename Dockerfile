@@ -1,0 +1,59 @@
+# The reproducible GPU image of lowmem_grpo.
+#   docker build -t lowmem-grpo .
+#   docker run --gpus all -v "$PWD/runs:/runs" -v hf-cache:/cache lowmem-grpo train recipes/NAME.py
+#
+# Base: CUDA 13.0, the major version of torch 2.14.1's default PyPI wheels (torch+cu130, whose
+# cuda-toolkit / nvidia-*-cu13 wheels bring cuBLAS, cuDNN and NCCL themselves; the base image gives the
+# CUDA runtime and the driver hooks of the NVIDIA container toolkit). Needs a host driver for CUDA 13.
+# Python 3.11.18 is a pinned uv-managed CPython build; every Python package comes from
+# constraints.txt, the one resolved set every install path uses (tests/test_docker.py checks the pins).
+FROM ghcr.io/astral-sh/uv:0.13.8 AS uv
+
+FROM nvidia/cuda:13.0.2-runtime-ubuntu22.04
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    UV_PYTHON_INSTALL_DIR=/opt/python \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+# gcc and the libc headers: Triton (Unsloth's kernels, TRL's log-prob kernel) compiles a small C
+# launcher on first use. Ubuntu's security updates replace these versions, so they are not pinned;
+# the base tag and the Python set are what make the image reproducible.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+COPY --from=uv /uv /usr/local/bin/uv
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN uv python install 3.11.18 \
+    && "$(uv python find 3.11.18)" -m venv /opt/venv \
+    && python --version
+
+WORKDIR /app
+COPY constraints.txt pyproject.toml README.md ./
+# The CUDA torch build first (several GB), in its own layer: a code change does not download it again.
+RUN pip install --no-cache-dir -c constraints.txt torch==2.14.1 torchvision==0.29.1
+
+COPY lowmem_grpo ./lowmem_grpo
+COPY recipes ./recipes
+# Editable, so the package finds recipes/ beside it (`lowmem-grpo recipes`, bare recipe names).
+RUN pip install --no-cache-dir -c constraints.txt -e . \
+    && lowmem-grpo --help > /dev/null
+
+# A non-root user; /cache (HF_HOME: hub models and datasets, converted embedded models) and /runs
+# (run directories) are volumes. Recipes write to output.root="runs", i.e. /app/runs -> /runs.
+RUN useradd --create-home --uid 1000 --shell /bin/bash lowmem \
+    && mkdir -p /cache /runs \
+    && chown lowmem:lowmem /cache /runs \
+    && ln -s /runs /app/runs
+ENV HF_HOME=/cache \
+    LOWMEM_GRPO_CACHE=/cache/lowmem_grpo \
+    UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache
+VOLUME ["/cache", "/runs"]
+USER 1000:1000
+
+ENTRYPOINT ["lowmem-grpo"]
+CMD ["--help"]

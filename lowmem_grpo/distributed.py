@@ -1,0 +1,211 @@
+"""Several processes (`accelerate launch`, `torchrun`): ranks, one run directory, and the rank agreement check.
+
+A launcher starts one copy of `lowmem-grpo train` per process and tells each its place through the
+environment (WORLD_SIZE, RANK, LOCAL_RANK). Under several processes:
+- `setup` joins the launcher's process group once, with the trainer's backend and timeout, before
+  anything needs it (the trainer later reuses that group);
+- rank 0 alone creates the run directory and broadcasts its path (`agree_on_run_dir`), so the ranks
+  never make two timestamped folders or refuse the folder another rank has just filled;
+- rank 0 alone writes the run's files (`is_main_process`); checkpoints follow the trainer's own rule;
+- after training, every rank hashes its LoRA weights and rank 0 writes distributed.json with each
+  rank's pid, host and hash (`check_ranks_agree`): data-parallel ranks must end with identical adapters.
+With one process (no launcher, or WORLD_SIZE=1) nothing here touches torch.distributed.
+Imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo.errors import BadInputError, LowmemError
+
+log = logging.getLogger(__name__)
+
+DISTRIBUTED_FILE = "distributed.json"
+DEFAULT_TIMEOUT_S = 1800  # transformers' ddp_timeout default, so the early process group matches the trainer's
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def world_size() -> int:
+    """Processes in this run, as the launcher set WORLD_SIZE (1 without a launcher)."""
+    return max(1, _env_int("WORLD_SIZE", 1))
+
+
+def rank() -> int:
+    """This process's global rank (RANK), 0 without a launcher."""
+    return _env_int("RANK", 0)
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (LOCAL_RANK), 0 without a launcher."""
+    return _env_int("LOCAL_RANK", 0)
+
+
+def is_distributed() -> bool:
+    """Whether a launcher started several processes."""
+    return world_size() > 1
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the run's files (global rank 0)."""
+    return rank() == 0
+
+
+def cuda_device_index() -> int:
+    """The GPU this process loads its model onto: its LOCAL_RANK under a launcher, else the current device."""
+    import torch
+
+    if is_distributed() and local_rank() < torch.cuda.device_count():
+        return local_rank()
+    return torch.cuda.current_device()
+
+
+def deepspeed_zero_stage() -> int | None:
+    """The ZeRO stage `accelerate launch` set up (from its config keys or its DeepSpeed JSON), None without DeepSpeed."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true", "yes"):
+        return None
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if stage is None and config_file:
+        try:
+            stage = json.loads(Path(config_file).read_text(encoding="utf-8")).get("zero_optimization", {}).get("stage")
+        except (OSError, ValueError) as exc:
+            raise BadInputError(f"DeepSpeed config {config_file}: {exc}",
+                                fix="point deepspeed_config_file at a readable JSON file") from exc
+    try:
+        return int(stage) if stage is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def setup(train_extra: dict[str, Any] | None = None) -> None:
+    """Join the launcher's process group (once); a no-op for one process.
+
+    Uses the GRPOConfig fields `ddp_backend` and `ddp_timeout` when the recipe sets them under `train`,
+    so the group is the one the trainer would have made (it reuses an initialised group).
+    """
+    if not is_distributed():
+        return
+    import torch
+    from accelerate import PartialState
+
+    extra = train_extra or {}
+    state = PartialState(cpu=not torch.cuda.is_available(), backend=extra.get("ddp_backend"),
+                         timeout=timedelta(seconds=int(extra.get("ddp_timeout", DEFAULT_TIMEOUT_S))))
+    log.info("process %d of %d (local rank %d, pid %d, %s, %s over %s)", state.process_index, state.num_processes,
+             state.local_process_index, os.getpid(), state.device,
+             getattr(state.distributed_type, "value", state.distributed_type), getattr(state, "backend", None))
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Rank 0 runs the block first, the others after it (one-time conversions, downloads into a shared cache)."""
+    if not is_distributed():
+        yield
+        return
+    from accelerate import PartialState
+
+    with PartialState().main_process_first():
+        yield
+
+
+def agree_on_run_dir(make: Callable[[], Path]) -> Path:
+    """Rank 0 calls `make` and every rank gets its path; an error there is raised on every rank alike."""
+    if not is_distributed():
+        return make()
+    from accelerate.utils import broadcast_object_list
+
+    payload: list[Any] = [None]
+    error: BaseException | None = None
+    if is_main_process():
+        try:
+            payload = [("ok", str(make()), None)]
+        except BadInputError as exc:
+            error = exc
+            payload = [("bad_input", str(exc.args[0]) if exc.args else "", exc.fix)]
+        except Exception as exc:  # noqa: BLE001 - the other ranks must hear of any failure, or they wait forever
+            error = exc
+            payload = [("failure", f"{type(exc).__name__}: {exc}", None)]
+    broadcast_object_list(payload, from_process=0)
+    kind, value, fix = payload[0]
+    if error is not None:
+        raise error
+    if kind == "bad_input":
+        raise BadInputError(value, fix=fix)
+    if kind == "failure":
+        raise LowmemError(f"rank 0 could not create the run directory: {value}")
+    return Path(value)
+
+
+def tensors_digest(tensors: dict[str, Any]) -> str:
+    """sha256 over the names, dtypes, shapes and exact bytes of tensors, in name order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def adapter_digest(model: Any) -> str:
+    """The digest of a PEFT model's adapter weights, as save_pretrained writes them."""
+    from peft import get_peft_model_state_dict
+
+    return tensors_digest(get_peft_model_state_dict(model))
+
+
+def _zero3(trainer: Any) -> bool:
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and getattr(plugin, "zero_stage", None) == 3
+
+
+def check_ranks_agree(trainer: Any, run_dir: Path) -> dict[str, Any] | None:
+    """Gather each rank's pid, host, steps and adapter digest; rank 0 writes distributed.json.
+
+    Raises LowmemError on every rank when data-parallel ranks hold different adapters. Skipped (None)
+    for one process; under ZeRO-3 the digests are not compared (each rank holds a shard).
+    """
+    if not is_distributed():
+        return None
+    import torch.distributed as dist
+
+    state = trainer.accelerator.state
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    zero3 = _zero3(trainer)
+    mine = {"rank": state.process_index, "local_rank": state.local_process_index, "pid": os.getpid(),
+            "host": socket.gethostname(), "device": str(state.device), "global_step": trainer.state.global_step,
+            "adapter_sha256": None if zero3 else adapter_digest(model)}
+    ranks: list[Any] = [None] * state.num_processes
+    dist.all_gather_object(ranks, mine)
+    digests = {r["adapter_sha256"] for r in ranks}
+    identical = None if zero3 else len(digests) == 1
+    kind = getattr(state.distributed_type, "value", str(state.distributed_type))
+    record = {"num_processes": state.num_processes, "distributed_type": kind,
+              "backend": getattr(state, "backend", None), "adapters_identical": identical, "ranks": ranks}
+    if is_main_process():
+        (Path(run_dir) / DISTRIBUTED_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+    if identical is False:
+        raise LowmemError(f"the {state.num_processes} ranks ended with different LoRA weights "
+                          f"({len(digests)} distinct digests, see {DISTRIBUTED_FILE}); the saved adapter is rank 0's",
+                          fix="report this with distributed.json; data-parallel ranks must stay in sync")
+    log.info("%d ranks agree on the adapter (sha256 %s)", state.num_processes,
+             "not compared under ZeRO-3" if zero3 else next(iter(digests))[:12])
+    return record

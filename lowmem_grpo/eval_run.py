@@ -1,0 +1,257 @@
+"""The `lowmem-grpo eval` flow: resolve model/adapter/recipe, load once, evaluate (or compare), write files.
+
+MODEL is a hub id, a local folder, `embedded:<name>`, or a run directory (then the base model, the
+adapter and the prompts come from its recipe.yaml). Writes eval.json (metrics, settings, versions)
+and eval.jsonl (one line per problem and variant) into the output folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo import telemetry
+from lowmem_grpo.errors import BadInputError
+
+log = logging.getLogger(__name__)
+
+EVAL_JSON = "eval.json"
+EVAL_JSONL = "eval.jsonl"
+DATA_ALIASES = {"gsm8k": "hub", "hub": "hub", "embedded": "embedded"}
+
+
+@dataclass
+class EvalOptions:
+    """What `lowmem-grpo eval` was asked for (None = from the recipe)."""
+
+    model: str
+    adapter: str | None = None
+    recipe: str | None = None
+    data: str | None = None
+    split: str | None = None
+    limit: int | None = None
+    batch_size: int = 8
+    seed: int = 0
+    samples: int = 1
+    temperature: float = 0.0
+    max_new_tokens: int | None = None
+    out: str | None = None
+    compare: bool = False
+    prefill: str | None = None
+    system_prompt: str | None = None
+    engine: str = "auto"
+    progress: bool = True
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A training run directory: holds recipe.yaml."""
+    return (Path(path).expanduser() / telemetry.RECIPE_FILE).is_file()
+
+
+def find_adapter(spec: str | Path) -> Path:
+    """An adapter folder from an adapter folder, a run directory (adapter/, else the newest checkpoint)."""
+    path = Path(spec).expanduser()
+    if (path / "adapter_config.json").is_file():
+        return path
+    if (path / telemetry.ADAPTER_DIR / "adapter_config.json").is_file():
+        return path / telemetry.ADAPTER_DIR
+    checkpoints = sorted((p for p in path.glob("checkpoint-*") if (p / "adapter_config.json").is_file()),
+                         key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+    if checkpoints:
+        log.info("no final adapter in %s: using %s", path, checkpoints[-1].name)
+        return checkpoints[-1]
+    raise BadInputError(f"adapter {spec!r}: no adapter_config.json in it, its adapter/ or a checkpoint-N/",
+                        fix="give a run directory or a folder saved by PEFT (holding adapter_config.json)")
+
+
+def resolve(opts: EvalOptions) -> tuple[Any, Path | None, Path | None]:
+    """The recipe to evaluate with, the adapter folder (or None) and the run directory (or None)."""
+    from lowmem_grpo.recipe import Recipe
+    from lowmem_grpo.recipe_io import load_recipe
+
+    run_dir = Path(opts.model).expanduser() if is_run_dir(opts.model) else None
+    adapter_run = Path(opts.adapter).expanduser() if opts.adapter and is_run_dir(opts.adapter) else None
+    if opts.recipe:
+        recipe = load_recipe(opts.recipe)
+    elif run_dir or adapter_run:
+        recipe = load_recipe(str((run_dir or adapter_run) / telemetry.RECIPE_FILE))
+    else:
+        recipe = Recipe()
+    if run_dir is None:
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, name=opts.model))
+    adapter = find_adapter(opts.adapter) if opts.adapter else (find_adapter(run_dir) if run_dir else None)
+    data = recipe.data
+    changes: dict[str, Any] = {}
+    if opts.data:
+        changes["source"] = DATA_ALIASES.get(opts.data, opts.data)
+    if opts.prefill is not None:
+        changes["prefill"] = opts.prefill
+    if opts.system_prompt is not None:
+        changes["system_prompt"] = opts.system_prompt
+    if changes:
+        recipe = dataclasses.replace(recipe, data=dataclasses.replace(data, **changes))
+    if opts.compare and adapter is None:
+        raise BadInputError("--compare needs a trained adapter to compare with the base model",
+                            fix="pass a run directory as --model, or --adapter RUN_DIR_OR_ADAPTER")
+    return recipe, adapter, run_dir
+
+
+def default_out(opts: EvalOptions, run_dir: Path | None, split: str) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    if run_dir is not None:
+        return run_dir / "eval" / f"{split}-{stamp}"
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", opts.model).strip("-")[-60:] or "model"
+    return Path("evals") / f"{slug}-{stamp}"
+
+
+def _vllm_engine(recipe: Any, model_path: str, adapter: Path | None, seed: int) -> tuple[Any, Any]:
+    """A vLLM engine on the base model, with the adapter as a LoRA request (CUDA machines with vllm)."""
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    rank = recipe.lora.max_lora_rank or recipe.lora.r
+    if adapter is not None:
+        config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+        rank = max(rank, int(config.get("r", rank)))
+    llm = LLM(model=model_path, seed=seed, enable_lora=adapter is not None, max_lora_rank=rank,
+              gpu_memory_utilization=recipe.model.gpu_memory_utilization,
+              max_model_len=recipe.model.max_seq_length, trust_remote_code=recipe.model.trust_remote_code)
+    return llm, (LoRARequest("adapter", 1, str(adapter)) if adapter is not None else None)
+
+
+def _want_vllm(engine: str) -> bool:
+    if engine == "transformers":
+        return False
+    from lowmem_grpo.device import is_installed
+
+    if not is_installed("vllm"):
+        if engine == "vllm":
+            raise BadInputError("--engine vllm but vllm is not installed", fix="pip install vllm, or use --engine auto")
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        if engine == "vllm":
+            raise BadInputError("--engine vllm needs a CUDA GPU", fix="use --engine auto or transformers")
+        return False
+    return True
+
+
+def _load(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
+    """(generator, tokenizer, LoRA request, info): a vLLM engine on CUDA with vllm, else the backend's model."""
+    from lowmem_grpo.backends import choose_backend, load, prepare, resolve_model_path
+
+    if _want_vllm(opts.engine):
+        from transformers import AutoTokenizer
+
+        path = resolve_model_path(recipe.model.name)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        engine, lora = _vllm_engine(recipe, path, adapter, opts.seed)
+        return engine, tokenizer, lora, {"model_path": path, "backend": "vllm", "device": "cuda",
+                                         "dtype": recipe.model.dtype}
+    backend = choose_backend(recipe.model.backend)
+    prepare(backend)
+    loaded = load(recipe, backend, with_lora=False, adapter_path=str(adapter) if adapter else None)
+    return loaded.model, loaded.tokenizer, None, {"model_path": loaded.model_path, "backend": loaded.backend,
+                                                  "device": loaded.device, "dtype": loaded.dtype}
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def run(opts: EvalOptions) -> dict[str, Any]:
+    """Evaluate (or compare) and write eval.json + eval.jsonl; returns eval.json's content plus `out_dir`."""
+    from lowmem_grpo.data import build_examples, load_rows
+    from lowmem_grpo.eval_metrics import BOOTSTRAP_RESAMPLES, compare
+    from lowmem_grpo.evaluate import run_eval
+
+    recipe, adapter, run_dir = resolve(opts)
+    d = recipe.data
+    split = opts.split or d.eval_split
+    if opts.limit is not None and opts.limit < 1:
+        raise BadInputError(f"--limit {opts.limit} must be at least 1", fix="give a positive number of problems")
+    rows = load_rows(d.source, split, d.hub_name, d.hub_config)  # bad data fails before the model loads
+    rows = rows[: opts.limit] if opts.limit else rows
+    max_new = opts.max_new_tokens or recipe.train.max_completion_length
+    out_dir = Path(opts.out).expanduser() if opts.out else default_out(opts, run_dir, split)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInputError(f"output folder {out_dir} cannot be created: {exc}", fix="pass a writable --out") from exc
+
+    engine, tokenizer, lora, info = _load(recipe, adapter, opts)
+    examples = build_examples(rows, tokenizer, d.system_prompt, d.prefill, d.max_prompt_length, d.long_prompts)
+    kwargs = dict(max_new_tokens=max_new, batch_size=opts.batch_size, num_samples=opts.samples,
+                  temperature=opts.temperature, seed=opts.seed, progress=opts.progress)
+    results = {}
+    if opts.compare:
+        if lora is None:
+            with engine.disable_adapter():
+                results["base"] = run_eval(engine, tokenizer, examples, **kwargs)
+        else:
+            results["base"] = run_eval(engine, tokenizer, examples, **kwargs)
+        results["adapter"] = run_eval(engine, tokenizer, examples, lora_request=lora, **kwargs)
+    else:
+        results["adapter" if adapter else "model"] = run_eval(engine, tokenizer, examples,
+                                                              lora_request=lora, **kwargs)
+    last = list(results.values())[-1]
+    from lowmem_grpo.device import describe
+
+    env = describe()
+    report: dict[str, Any] = {
+        "metrics": last.metrics,
+        "runs": {name: {"metrics": r.metrics, "seconds": r.seconds, "problems_per_minute": r.problems_per_minute}
+                 for name, r in results.items()},
+        "settings": {
+            "model": recipe.model.name, "model_path": info["model_path"], "adapter": str(adapter) if adapter else None,
+            "run_dir": str(run_dir) if run_dir else None, "recipe": recipe.name, "data": d.source, "split": split,
+            "limit": opts.limit, "num_problems": len(examples), "system_prompt": d.system_prompt,
+            "prefill": d.prefill, **last.settings, "backend": info["backend"], "device": info["device"],
+            "dtype": info["dtype"], "compare": opts.compare, "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
+            "confidence": 0.95, "lenient_equality": "decimal, then math-verify",
+            "started": datetime.now().isoformat(timespec="seconds"),
+        },
+        "versions": env["packages"], "python": env["python"],
+    }
+    if opts.compare:
+        report["comparison"] = compare(results["base"].verdicts, results["adapter"].verdicts, seed=opts.seed)
+    (out_dir / EVAL_JSON).write_text(json.dumps(_clean(report), indent=2), encoding="utf-8")
+    with (out_dir / EVAL_JSONL).open("w", encoding="utf-8") as handle:
+        for name, result in results.items():
+            for record in result.records:
+                handle.write(json.dumps(_clean({"variant": name, **record})) + "\n")
+    log.info("wrote %s and %s in %s", EVAL_JSON, EVAL_JSONL, out_dir)
+    return {**report, "out_dir": str(out_dir)}
+
+
+def render(report: dict[str, Any]) -> str:
+    """The markdown summary printed by `lowmem-grpo eval`."""
+    from lowmem_grpo.eval_metrics import compare_table, metrics_table
+
+    s = report["settings"]
+    head = (f"{s['model']}" + (f" + adapter {s['adapter']}" if s["adapter"] else "") +
+            f" on {s['data']}/{s['split']}: {s['num_problems']} problems, {s['num_samples']} sample(s), "
+            f"temperature {s['temperature']}, seed {s['seed']}, max_new_tokens {s['max_new_tokens']}\n\n")
+    if "comparison" in report:
+        body = compare_table(report["comparison"])
+    else:
+        body = metrics_table(report["metrics"])
+    speed = "; ".join(f"{name}: {r['problems_per_minute']:.1f} problems/min ({r['seconds']:.0f} s)"
+                      for name, r in report["runs"].items())
+    return head + body + f"\n{speed}\nwritten to {report['out_dir']}\n"

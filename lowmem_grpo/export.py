@@ -1,0 +1,371 @@
+"""`lowmem-grpo export`: the trained adapter, or a merged model proven to be the trained model.
+
+Formats:
+- lora: the PEFT adapter with tokenizer and chat template (files copied and checksummed).
+- merged-16bit: the base reloaded in 16 bits (or float32 with --dtype float32), the adapter applied
+  with PEFT and merged (merge_and_unload), saved as safetensors with tokenizer, chat template and
+  generation config. The same PEFT path serves Unsloth runs: they save a standard PEFT adapter, and
+  Unsloth's save_pretrained_merged needs the trained model in memory and, over a 4-bit base, merges
+  into dequantized nf4 weights instead of the 16-bit original.
+- merged-4bit: the merged 16-bit model quantized with bitsandbytes nf4 and serialized (needs CUDA).
+- gguf: the merged model converted by llama.cpp's convert_hf_to_gguf.py, found through --llama-cpp
+  or $LLAMA_CPP_DIR; nothing is downloaded or compiled.
+Proof: every merged export is reloaded with plain transformers and its logits on fixed prompts are
+compared with the adapter model in the same precision (export_proof.TOLERANCES); above the
+tolerance the export fails. Everything is written to a hidden temporary folder beside --out and
+renamed into place at the end, so an interrupted or failed export leaves nothing at --out.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo import export_proof as proof
+from lowmem_grpo import telemetry
+from lowmem_grpo.errors import BadInputError, LowmemError
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("lora", "merged-16bit", "merged-4bit", "gguf")
+DTYPES = ("float32", "bfloat16", "float16")
+GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+CONVERTER = "convert_hf_to_gguf.py"
+LLAMA_CPP_ENV = "LLAMA_CPP_DIR"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+PHASES = {
+    "lora": ["load", "copy", "verify", "card"],
+    "merged-16bit": ["load", "merge", "save", "prove", "card"],
+    "merged-4bit": ["load", "merge", "save", "prove", "quantize", "prove-4bit", "card"],
+    "gguf": ["load", "merge", "save", "prove", "convert", "prove-gguf", "card"],
+}
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote and how close it is to the adapter model."""
+
+    out: Path
+    format: str
+    source: Path
+    step: int | None
+    dtype: str | None = None
+    max_abs_diff: float | None = None
+    tolerance: float | None = None
+    adapter_effect: float | None = None
+    proof_tokens: int = 0
+    checks: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None]:
+    """The adapter folder to export (checkpoint-N, or the final adapter/) and its step."""
+    if checkpoint is not None:
+        src = run_dir / f"checkpoint-{checkpoint}"
+        if not (src / "adapter_config.json").exists():
+            found = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*")
+                           if p.name.split("-")[1].isdigit())
+            raise BadInputError(f"{run_dir} has no adapter checkpoint at step {checkpoint}",
+                                fix=f"use --checkpoint with one of {found}" if found else "leave out --checkpoint")
+        return src, checkpoint
+    src = run_dir / telemetry.ADAPTER_DIR
+    if not (src / "adapter_config.json").exists():
+        found = sorted(p.name for p in run_dir.glob("checkpoint-*"))
+        raise BadInputError(f"{run_dir} has no final adapter ({telemetry.ADAPTER_DIR}/): the run did not finish",
+                            fix=f"export a checkpoint with --checkpoint STEP ({', '.join(found) or 'none saved yet'})")
+    steps = [r["step"] for r in telemetry.read_metrics(run_dir) if isinstance(r.get("step"), int)]
+    return src, max(steps) if steps else None
+
+
+def find_converter(llama_cpp: str | Path | None = None) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py from --llama-cpp or $LLAMA_CPP_DIR (a folder or the script)."""
+    given = llama_cpp or os.environ.get(LLAMA_CPP_ENV)
+    how = (f"clone llama.cpp yourself (git clone https://github.com/ggml-org/llama.cpp), install its converter's "
+           f"requirements (pip install -r requirements/requirements-convert_hf_to_gguf.txt), then pass "
+           f"--llama-cpp DIR or set {LLAMA_CPP_ENV}=DIR; lowmem-grpo downloads nothing")
+    if not given:
+        raise BadInputError(f"--format gguf needs llama.cpp's {CONVERTER}, and neither --llama-cpp nor "
+                            f"{LLAMA_CPP_ENV} names one", fix=how)
+    path = Path(given).expanduser()
+    script = path if path.is_file() else path / CONVERTER
+    if not script.is_file():
+        raise BadInputError(f"no {CONVERTER} at {script}", fix=how)
+    return script
+
+
+def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
+    """Refuse a non-empty --out without --overwrite, and any --out that holds the run being exported."""
+    out = out.resolve()
+    for path in protected:
+        path = path.resolve()
+        if out == path or out in path.parents:
+            raise BadInputError(f"--out {out} would replace {path}, which the export reads",
+                                fix="choose an --out outside the run directory's adapter and checkpoints")
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"--out {out} is a file", fix="give a folder path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise BadInputError(f"--out {out} is not empty", fix="pass --overwrite to replace it, or choose another --out")
+
+
+class _Phases:
+    """A tqdm bar over the export's phases, and the after_phase hook (tests inject failures there)."""
+
+    def __init__(self, fmt: str, hook: Callable[[str], None] | None) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=len(PHASES[fmt]), desc=f"export {fmt}", unit="phase", disable=None)
+        self.hook = hook
+        self.started = time.monotonic()
+
+    def done(self, name: str) -> None:
+        log.debug("export phase %s done after %.1f s", name, time.monotonic() - self.started)
+        self.bar.set_postfix_str(name)
+        self.bar.update(1)
+        if self.hook:
+            self.hook(name)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _load_tokenizer(src: Path, base_path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    where = src if (src / "tokenizer_config.json").exists() else base_path
+    tokenizer = AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("the tokenizer has no chat template; the export will have none either")
+    return tokenizer
+
+
+def _export_lora(src: Path, tmp: Path, tokenizer: Any, result: ExportResult, phases: _Phases) -> None:
+    copied = [name for name in ADAPTER_FILES if (src / name).exists()]
+    for name in copied:
+        shutil.copy2(src / name, tmp / name)
+    tokenizer.save_pretrained(str(tmp))
+    phases.done("copy")
+    for name in copied:
+        if _sha256(src / name) != _sha256(tmp / name):
+            raise LowmemError(f"copy of {name} differs from {src / name}", fix="check the disk and run again")
+    phases.done("verify")
+
+
+def _merge(base_path: str, src: Path, target: Path, tokenizer: Any, inputs: list[list[int]], dtype: str,
+           device: str, trust_remote_code: bool, phases: _Phases) -> tuple[list[Any], float]:
+    """Adapter-model logits and the adapter's effect; the merged model saved to `target`."""
+    from peft import PeftModel
+
+    base = proof.load_causal_lm(base_path, dtype, device, trust_remote_code)
+    model = PeftModel.from_pretrained(base, str(src)).eval()
+    phases.done("load")
+    with model.disable_adapter():
+        base_logits = proof.logits_on(model, inputs)
+    reference = proof.logits_on(model, inputs)
+    effect = proof.max_abs_diff(reference, base_logits)
+    merged = model.merge_and_unload()
+    phases.done("merge")
+    merged.save_pretrained(str(target))
+    tokenizer.save_pretrained(str(target))
+    if not (target / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(merged.config).save_pretrained(str(target))
+    del merged, model, base
+    _free()
+    phases.done("save")
+    return reference, effect
+
+
+def _free() -> None:
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: list[list[int]], tolerance: float,
+           result: ExportResult, phases: _Phases) -> float:
+    """Reload with plain transformers, compare logits with `reference`, fail above `tolerance`."""
+    try:
+        model = load()
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise LowmemError(f"{name}: the exported model does not load with plain transformers: {exc}",
+                          fix="see the error above; nothing was written") from exc
+    diff = proof.max_abs_diff(reference, proof.logits_on(model, inputs))
+    del model
+    _free()
+    result.checks[name] = diff
+    log.info("%s: max |logit diff| vs the adapter model = %.3g (tolerance %.3g, %s, %d tokens)", name, diff,
+             tolerance, result.dtype, result.proof_tokens)
+    if not diff <= tolerance:
+        raise LowmemError(f"{name}: the exported model's logits differ from the adapter model's by {diff:.3g}, "
+                          f"above the tolerance {tolerance:.3g} ({result.dtype}); nothing was written",
+                          fix="export with --dtype float32 for an exact merge, or loosen --tolerance if this "
+                              "precision's rounding is acceptable")
+    phases.done(name)
+    return diff
+
+
+def _convert_gguf(script: Path, merged: Path, target: Path, outtype: str) -> None:
+    cmd = [sys.executable, str(script), str(merged), "--outfile", str(target), "--outtype", outtype]
+    log.info("converting to GGUF: %s", " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0 or not target.is_file():
+        tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-15:])
+        raise LowmemError(f"{script.name} failed (exit {done.returncode}):\n{tail}",
+                          fix="install the converter's requirements from the llama.cpp folder, or use a llama.cpp "
+                              "version that supports this architecture")
+
+
+def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | None = None,
+           overwrite: bool = False, dtype: str | None = None, tolerance: float | None = None,
+           llama_cpp: str | Path | None = None, base: str | None = None, require_cuda_for_4bit: bool = True,
+           after_phase: Callable[[str], None] | None = None) -> ExportResult:
+    """Export a run's adapter in `fmt` to `out`; see the module docstring. `after_phase(name)` runs after
+    each phase (tests raise there to simulate an interruption); `require_cuda_for_4bit=False` lets the
+    4-bit path run on bitsandbytes' CPU backend (tests only: slow, and the CLI always requires CUDA)."""
+    started = time.monotonic()
+    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+    if fmt not in FORMATS:
+        raise BadInputError(f"unknown export format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise BadInputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}", fix="use float32 or bfloat16")
+    if not (run_dir / telemetry.RECIPE_FILE).exists():
+        raise BadInputError(f"{run_dir} is not a run directory (no {telemetry.RECIPE_FILE})",
+                            fix="give the folder `lowmem-grpo train` wrote")
+    src, step = find_source(run_dir, checkpoint)
+    check_out_dir(out, overwrite, [run_dir / telemetry.ADAPTER_DIR, src, run_dir / telemetry.RECIPE_FILE])
+    script = find_converter(llama_cpp) if fmt == "gguf" else None
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if fmt == "merged-4bit":
+        if require_cuda_for_4bit and not cuda:
+            raise BadInputError("--format merged-4bit needs a CUDA GPU (bitsandbytes 4-bit serialization); "
+                                "none is visible", fix="run the export on a GPU machine, or use --format merged-16bit")
+        if not importlib.util.find_spec("bitsandbytes"):
+            raise BadInputError("--format merged-4bit needs bitsandbytes", fix="pip install bitsandbytes")
+    from lowmem_grpo.backends import resolve_dtype, resolve_model_path
+    from lowmem_grpo.recipe_io import load_recipe
+
+    recipe = load_recipe(str(run_dir / telemetry.RECIPE_FILE))
+    base_path = resolve_model_path(base or recipe.model.name)
+    trust = recipe.model.trust_remote_code
+    dtype = dtype or resolve_dtype("auto", cuda)
+    tolerance = proof.default_tolerance(fmt, dtype) if tolerance is None else tolerance
+    result = ExportResult(out=out, format=fmt, source=src, step=step, tolerance=tolerance)
+    if fmt != "lora":
+        proof.check_base_unquantized(base_path, trust)
+        result.dtype = dtype
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the published folder gets normal permissions
+    phases = _Phases(fmt, after_phase)
+    try:
+        tokenizer = _load_tokenizer(src, base_path, trust)
+        if fmt == "lora":
+            phases.done("load")
+            _export_lora(src, tmp, tokenizer, result, phases)
+        else:
+            _export_merged(fmt, base_path, src, tmp, tokenizer, recipe, result, dtype, tolerance, cuda, trust,
+                           script, phases)
+        from lowmem_grpo.export_card import write_card
+
+        write_card(tmp, run_dir, recipe, result, base or recipe.model.name, base_path)
+        phases.done("card")
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        phases.close()
+    result.seconds = time.monotonic() - started
+    log.info("exported %s (%s) to %s in %.1f s", src, fmt, out, result.seconds)
+    return result
+
+
+def _export_merged(fmt: str, base_path: str, src: Path, tmp: Path, tokenizer: Any, recipe: Any,
+                   result: ExportResult, dtype: str, tolerance: float, cuda: bool, trust: bool,
+                   script: Path | None, phases: _Phases) -> None:
+    device = "cuda" if cuda else "cpu"
+    inputs = proof.proof_inputs(tokenizer, recipe.data.system_prompt, recipe.data.prefill)
+    result.proof_tokens = sum(len(ids) for ids in inputs)
+    work = tmp / ".merged-16bit" if fmt != "merged-16bit" else tmp
+    work.mkdir(exist_ok=True)
+    merge_tol = proof.TOLERANCES[dtype] if fmt == "merged-4bit" else tolerance
+    reference, result.adapter_effect = _merge(base_path, src, work, tokenizer, inputs, dtype, device, trust, phases)
+    log.info("the adapter moves the base model's logits by up to %.3g", result.adapter_effect)
+    if result.adapter_effect == 0:
+        log.warning("the adapter does not change the model's logits (an untrained adapter?)")
+    result.max_abs_diff = _prove("prove", lambda: proof.load_causal_lm(work, dtype, device, trust), reference,
+                                 inputs, merge_tol, result, phases)
+    if fmt == "merged-4bit":
+        quantized = proof.load_causal_lm(work, dtype, device, trust, quantize_4bit=True)
+        quantized.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        del quantized
+        _free()
+        phases.done("quantize")
+        from peft import PeftModel
+
+        adapter4 = PeftModel.from_pretrained(proof.load_causal_lm(base_path, dtype, device, trust, True), str(src))
+        reference4 = proof.logits_on(adapter4.eval(), inputs)  # QLoRA: the adapter over the nf4 base
+        del adapter4
+        _free()
+        result.max_abs_diff = _prove("prove-4bit", lambda: proof.load_causal_lm(tmp, dtype, device, trust),
+                                     reference4, inputs, tolerance, result, phases)
+    elif fmt == "gguf":
+        outtype = GGUF_OUTTYPES[dtype]
+        target = tmp / f"{recipe.name}-{outtype}.gguf"
+        _convert_gguf(script, work, target, outtype)  # type: ignore[arg-type]
+        phases.done("convert")
+        from transformers import AutoModelForCausalLM
+
+        def load_gguf() -> Any:
+            return AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=target.name,
+                                                        dtype=proof.torch_dtype(dtype)).eval().to(device)
+
+        result.max_abs_diff = _prove("prove-gguf", load_gguf, reference, inputs, tolerance, result, phases)
+    if work != tmp:
+        shutil.rmtree(work)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished folder to `out`, replacing what is there only now that everything succeeded."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, old / "previous")
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old / "previous", out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

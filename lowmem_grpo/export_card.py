@@ -1,0 +1,119 @@
+"""The model card (README.md) of an export: what was trained, how, how well, and how to load it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo import __version__, health, telemetry
+from lowmem_grpo.recipe import resolved_rewards
+from lowmem_grpo.recipe_io import dump_yaml
+
+CARD_FILE = "README.md"
+CARD_METRICS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                "completions/clipped_ratio", "loss", "grad_norm", "kl", "step_time"]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def final_metrics(run_dir: Path, step: int | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The last training record at or before `step`, and the run's closing summary line (if it finished)."""
+    records = telemetry.read_metrics(run_dir)
+    steps = [r for r in health.training_records(records) if step is None or int(r.get("step", 0)) <= step]
+    summary = next((r for r in reversed(records) if "train_runtime" in r), None)
+    return (steps[-1] if steps else None), summary
+
+
+def eval_results(run_dir: Path) -> dict[str, Any] | None:
+    """eval.json's top-level scalars, when the run was evaluated."""
+    path = run_dir / telemetry.EVAL_FILE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    return {k: v for k, v in data.items() if isinstance(v, (int, float, str, bool))}
+
+
+def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_prompt: str, prefill: str) -> list[str]:
+    here = str(out)
+    if fmt == "gguf":
+        gguf = next((f for f in files if f.endswith(".gguf")), "model.gguf")
+        return ["```bash", f"llama-cli -m {here}/{gguf} -cnv        # or: llama-server -m {here}/{gguf}", "```"]
+    lines = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
+    if fmt == "lora":
+        lines += ["from peft import PeftModel", "",
+                  f"base = AutoModelForCausalLM.from_pretrained({base_name!r})",
+                  f"model = PeftModel.from_pretrained(base, {here!r})"]
+    elif fmt == "merged-4bit":
+        lines += [f"model = AutoModelForCausalLM.from_pretrained({here!r}, device_map='auto')  # needs bitsandbytes"]
+    else:
+        lines += [f"model = AutoModelForCausalLM.from_pretrained({here!r}, dtype='auto')"]
+    lines += [f"tokenizer = AutoTokenizer.from_pretrained({here!r})",
+              f"messages = [{{'role': 'system', 'content': {system_prompt!r}}},",
+              "            {'role': 'user', 'content': 'A question...'}]",
+              f"prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + {prefill!r}",
+              "ids = tokenizer(prompt, return_tensors='pt').to(model.device)",
+              "print(tokenizer.decode(model.generate(**ids, max_new_tokens=256)[0]))", "```"]
+    return lines
+
+
+def model_card(run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str, files: list[str]) -> str:
+    """README.md text for an export folder."""
+    last, summary = final_metrics(run_dir, result.step)
+    lines = [f"# {recipe.name} ({result.format})", "",
+             f"A LoRA adapter trained with GRPO by lowmem_grpo {__version__}"
+             + ("." if result.format == "lora" else ", merged into its base model."), "",
+             "| | |", "|---|---|",
+             f"| base model | `{base_name}` (loaded from `{base_path}`) |",
+             f"| recipe | `{recipe.name}`: {recipe.description or '-'} |",
+             f"| task | {recipe.task} |",
+             f"| training steps | {_fmt(result.step)} of {recipe.train.max_steps} |",
+             f"| LoRA | r={recipe.lora.r}, alpha={recipe.lora.alpha}, modules {', '.join(recipe.lora.target_modules)} |",
+             f"| exported from | `{result.source}` |", "",
+             "## Rewards", "", "| reward | weight |", "|---|---|"]
+    lines += [f"| {name} | {_fmt(weight)} |" for name, weight in resolved_rewards(recipe).items()]
+    lines += ["", "## Final training metrics", ""]
+    if last:
+        lines += [f"At step {last.get('step')} (from {telemetry.METRICS_FILE}):", "", "| metric | value |", "|---|---|"]
+        keys = CARD_METRICS[:1] + sorted(k for k in last if k.startswith("rewards/") and k.endswith("/mean")) \
+            + CARD_METRICS[1:]
+        lines += [f"| {k} | {_fmt(last[k])} |" for k in keys if k in last]
+        if summary and (result.step is None or summary.get("step") == result.step):
+            lines += [f"| train_runtime (s) | {_fmt(summary.get('train_runtime'))} |"]
+    else:
+        lines.append(f"No training metrics in {telemetry.METRICS_FILE}.")
+    evals = eval_results(run_dir)
+    lines += ["", "## Evaluation", ""]
+    if evals:
+        lines += ["| metric | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in evals.items()]
+    else:
+        lines.append(f"Not evaluated ({telemetry.EVAL_FILE} absent from the run directory).")
+    if result.format != "lora":
+        lines += ["", "## Export proof", "",
+                  f"Reloaded with plain transformers (no PEFT, no Unsloth) and compared on {result.proof_tokens} "
+                  f"tokens of fixed prompts with the adapter model, both in {result.dtype}:", ""]
+        lines += [f"- {name}: max |logit difference| {value:.3g}" for name, value in result.checks.items()]
+        lines += [f"- tolerance: {result.tolerance:.3g}",
+                  f"- the adapter itself moves the base model's logits by up to {_fmt(result.adapter_effect)}"]
+    lines += ["", "## How to load", ""]
+    lines += _how_to_load(result.format, result.out, base_name, files, recipe.data.system_prompt, recipe.data.prefill)
+    lines += ["", "## Files", ""] + [f"- `{f}`" for f in files]
+    lines += ["", "## Recipe", "", "```yaml", dump_yaml(recipe).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def write_card(folder: Path, run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str) -> Path:
+    """Write README.md into the export folder (listing the files already there)."""
+    files = sorted({p.name for p in folder.iterdir() if not p.name.startswith(".")} | {CARD_FILE})
+    path = folder / CARD_FILE
+    path.write_text(model_card(run_dir, recipe, result, base_name, base_path, files), encoding="utf-8")
+    return path

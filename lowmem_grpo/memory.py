@@ -1,0 +1,222 @@
+"""The GRPO memory planner: predicted peak GPU memory of a recipe, the largest settings that fit a
+budget, and auto-fit of the settings a user did not set. Pure arithmetic on a model config.
+
+    plan(recipe, budget_bytes)            -> Plan (terms, total, fits, proposal)
+    auto_fit(recipe, budget, explicit)    -> (recipe with fitted non-explicit settings, Plan)
+    explicit_keys(overrides)              -> the dotted keys a user set on the command line
+
+The terms and their formulas are in `lowmem_grpo.memory_terms`; architectures in
+`lowmem_grpo.memory_arch`. The peak is static terms + the larger of the generation phase and the
+training phase + the allocator's slack on that phase. Nothing here imports torch, except
+`default_budget`, which asks torch for the GPU only when the recipe names no GPU memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowmem_grpo import memory_terms as mt
+from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.memory_arch import Architecture, load_architecture
+from lowmem_grpo.memory_terms import GIB, MIB, Settings
+from lowmem_grpo.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 10**9, "m": MIB, "mi": MIB, "mib": MIB, "mb": 10**6,
+          "t": 2**40, "tib": 2**40, "tb": 10**12, "b": 1}
+
+
+@dataclass
+class Plan:
+    """A predicted peak: the terms (bytes), their sum per phase, and whether it fits the budget."""
+
+    architecture: Architecture
+    settings: Settings
+    terms: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    total_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    budget_bytes: int | None
+    proposal: dict[str, Any] | None = field(default=None)
+
+    @property
+    def fits(self) -> bool | None:
+        """total_bytes <= budget_bytes (None without a budget)."""
+        return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for `plan --json`: total_bytes, fits, terms, proposal, and the details."""
+        return {
+            "total_bytes": self.total_bytes,
+            "fits": self.fits,
+            "budget_bytes": self.budget_bytes,
+            "terms": dict(self.terms),
+            "proposal": self.proposal,
+            "peak_phase": self.peak_phase,
+            "phases": dict(self.phases),
+            "allocated_bytes": self.allocated_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "formulas": {name: _first_line(mt.TERMS[name][0].__doc__) for name in mt.TERMS},
+            "settings": dataclasses.asdict(self.settings),
+            "architecture": {**dataclasses.asdict(self.architecture),
+                             "total_params": self.architecture.total_params()},
+        }
+
+
+def _first_line(doc: str | None) -> str:
+    return (doc or "").strip().splitlines()[0] if doc else ""
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size like 8GiB, 12GB, 24G, 7.5GiB or 512MiB (a bare number is GiB; GB is 10^9)."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise BadInputError(f"GPU memory {text!r} is not a size", fix="write it like 8GiB, 12GB, 24G or 512MiB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise BadInputError(f"GPU memory {text!r} must be positive", fix="e.g. --gpu-memory 8GiB")
+    return value
+
+
+def format_bytes(n: int) -> str:
+    """1.23 GiB / 456.7 MiB, for people."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def default_budget(recipe: Recipe) -> int:
+    """The recipe's gpu_memory_gb (as GiB), else the visible GPU's total memory, else a BadInputError."""
+    if recipe.gpu_memory_gb:
+        return recipe.gpu_memory_gb * GIB
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    raise BadInputError("no GPU memory to plan for: the recipe sets no gpu_memory_gb and no CUDA GPU is visible",
+                        fix="pass --gpu-memory, e.g. --gpu-memory 8GiB")
+
+
+def device_budget(free_bytes: int, total_bytes: int, headroom: float = 0.05) -> int:
+    """The budget for a run on this GPU: free memory (measured after CUDA started, so this process's
+    context is already spent) + the context the plan counts again, less `headroom` x total."""
+    return int(free_bytes + mt.CUDA_CONTEXT_BYTES - headroom * total_bytes)
+
+
+def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunked") -> Settings:
+    """The recipe's memory-relevant settings as a CUDA run resolves them (auto values included)."""
+    from lowmem_grpo.device import is_installed
+
+    m, t = recipe.model, recipe.train
+    backend = m.backend if m.backend != "auto" else ("unsloth" if is_installed("unsloth") else "hf")
+    fast = m.fast_inference if m.fast_inference is not None else is_installed("vllm")
+    fp32 = m.dtype == "float32" or t.precision == "fp32"
+    return Settings(
+        backend=backend,
+        load_in_4bit=m.load_in_4bit,
+        compute_bytes=4 if fp32 else 2,
+        lora_r=recipe.lora.r,
+        target_modules=tuple(recipe.lora.target_modules),
+        optim="paged_adamw_8bit" if t.optim == "auto" else t.optim,
+        gradient_checkpointing=t.gradient_checkpointing,
+        per_device_batch=t.per_device_train_batch_size,
+        generation_batch=t.generation_batch_size(),
+        num_generations=t.num_generations,
+        prompt_len=recipe.data.max_prompt_length,
+        completion_len=t.max_completion_length,
+        beta=t.beta,
+        fast_inference=bool(fast) and backend == "unsloth",
+        gpu_memory_utilization=m.gpu_memory_utilization,
+        gpu_total_bytes=gpu_total_bytes,
+        logits=logits,
+    )
+
+
+def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -> Plan:
+    """Every term, the phase sums and the peak for one architecture and settings."""
+    terms = {name: int(func(arch, s)) for name, (func, _, _) in mt.TERMS.items()}
+    phases = {phase: sum(v for k, v in terms.items() if mt.TERMS[k][1] == phase)
+              for phase in ("static", "generation", "training")}
+    peak_phase = "generation" if phases["generation"] > phases["training"] else "training"
+    terms["allocator_slack"] = int(mt.ALLOCATOR_SLACK * phases[peak_phase])
+    allocated = phases[peak_phase] + sum(v for k, v in terms.items()
+                                         if k in mt.TERMS and mt.TERMS[k][1] == "static"
+                                         and mt.term_visibility(k, s) == "allocated")
+    total = phases["static"] + phases[peak_phase] + terms["allocator_slack"]
+    return Plan(arch, s, terms, phases, peak_phase, total, allocated, allocated + terms["allocator_slack"],
+                budget_bytes)
+
+
+def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
+         allow_hub: bool = True, logits: str = "chunked", propose: bool = True) -> Plan:
+    """Predicted peak GPU memory of a recipe, with the proposal of the largest settings that fit."""
+    arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
+                                     trust_remote_code=recipe.model.trust_remote_code)
+    total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
+    result = evaluate(arch, resolve_settings(recipe, total_gpu, logits), budget_bytes)
+    if propose and budget_bytes:
+        result.proposal = proposal(recipe, budget_bytes, arch=arch, logits=logits)
+    return result
+
+
+# --- fitting (lowmem_grpo.memory_fit) ------------------------------------------------------------
+
+
+def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture, logits: str = "chunked") -> dict[str, Any]:
+    """For each knob, the largest value that fits the budget with the other settings as in the recipe
+    (see lowmem_grpo.memory_fit.proposal)."""
+    from lowmem_grpo.memory_fit import proposal as _proposal
+
+    return _proposal(recipe, budget_bytes, arch=arch, logits=logits)
+
+
+def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture | None = None,
+             allow_hub: bool = True, logits: str = "chunked") -> tuple[Recipe, Plan]:
+    """Fit the recipe into the budget, changing only settings not in `explicit`; RecipeError naming the
+    explicit settings to lower when it cannot (see lowmem_grpo.memory_fit.auto_fit)."""
+    from lowmem_grpo.memory_fit import auto_fit as _auto_fit
+
+    return _auto_fit(recipe, budget_bytes, explicit, arch=arch, allow_hub=allow_hub, logits=logits)
+
+
+def explicit_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys set by `key.sub=value` overrides (values and malformed entries ignored)."""
+    keys = set()
+    for text in overrides or []:
+        key, sep, _ = text.partition("=")
+        if sep and key.strip():
+            keys.add(key.strip())
+    return keys
+
+
+def format_plan(p: Plan, title: str = "") -> str:
+    """The plan as a table for people: terms, phases, total against the budget, and the proposal."""
+    s = p.settings
+    lines = [f"memory plan{' for ' + title if title else ''}: {p.architecture.source} ({s.backend}, "
+             f"{'4-bit' if s.load_in_4bit else f'{8 * s.compute_bytes}-bit'} base, LoRA r={s.lora_r}, "
+             f"{p.architecture.total_params() / 1e9:.2f}B params)",
+             f"  settings: generation batch {s.generation_batch} x {s.seq_len} tokens (prompt {s.prompt_len} + "
+             f"completion {s.completion_len}), micro-batch {s.per_device_batch}, num_generations "
+             f"{s.num_generations}, optim {s.optim}, checkpointing {s.gradient_checkpointing}, vLLM {s.fast_inference}",
+             f"  {'term':<22}{'phase':<12}{'size':>12}  formula"]
+    for name, value in p.terms.items():
+        phase = mt.TERMS[name][1] if name in mt.TERMS else p.peak_phase
+        doc = _first_line(mt.TERMS[name][0].__doc__) if name in mt.TERMS else "caching-allocator slack on the peak phase"
+        lines.append(f"  {name:<22}{phase:<12}{format_bytes(value):>12}  {doc[:70]}")
+    verdict = "" if p.fits is None else (" -> fits" if p.fits else " -> does NOT fit")
+    budget = f" of {format_bytes(p.budget_bytes)}" if p.budget_bytes else ""
+    lines.append(f"  peak ({p.peak_phase} phase): {format_bytes(p.total_bytes)}{budget}{verdict}; torch allocated "
+                 f"~{format_bytes(p.allocated_bytes)}, reserved ~{format_bytes(p.reserved_bytes)}")
+    if p.proposal:
+        lines.append("  largest settings that fit (each with the others as set):")
+        for knob, entry in p.proposal.items():
+            text = "n/a" if entry is None else f"{entry['value']}  (peak {format_bytes(entry['total_bytes'])})"
+            lines.append(f"    {knob:<30}{text}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,256 @@
+"""Fitting settings to a GPU memory budget: the proposal of the largest settings that fit, and
+auto-fit of the settings a user did not set explicitly. Arithmetic on plans from lowmem_grpo.memory.
+
+A knob is one memory-relevant setting; its options come largest first, each a dict of dotted-key
+changes that keeps the recipe valid (generation batch divisible by num_generations and by the
+per-device batch, prompt + completion within model.max_seq_length).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any, Callable
+
+from lowmem_grpo import memory_terms as mt
+from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.memory import Plan, format_bytes, plan, resolve_settings
+from lowmem_grpo.memory_arch import Architecture, load_architecture
+from lowmem_grpo.memory_terms import Settings
+from lowmem_grpo.recipe import Recipe, validate
+
+log = logging.getLogger(__name__)
+
+NUM_GENERATIONS_LADDER = [2, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+COMPLETION_LADDER = [64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096]
+MAX_GENERATION_BATCH = 1024
+# keys whose values change the plan: named when explicit values cannot fit
+MEMORY_KEYS = ["model.name", "model.load_in_4bit", "model.gpu_memory_utilization", "lora.r", "lora.target_modules",
+               "data.max_prompt_length", "train.per_device_train_batch_size", "train.steps_per_generation",
+               "train.generation_batch_size", "train.gradient_accumulation_steps", "train.max_completion_length",
+               "train.num_generations", "train.gradient_checkpointing", "train.optim", "train.beta"]
+
+
+def _apply(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
+    """A copy of the recipe with dotted-key changes; "train.generation_batch" sets the generation
+    batch through steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
+    new = copy.deepcopy(recipe)
+    for key, value in changes.items():
+        if key == "train.generation_batch":
+            continue
+        section, name = key.split(".", 1)
+        if section == "train" and name == "generation_batch_size":
+            new.train.extra["generation_batch_size"] = value
+        else:
+            setattr(getattr(new, section), name, value)
+    if "train.generation_batch" in changes:
+        rows = changes["train.generation_batch"]
+        if "generation_batch_size" in new.train.extra:
+            new.train.extra["generation_batch_size"] = rows
+        else:
+            new.train.steps_per_generation = rows // new.train.per_device_train_batch_size
+    return new
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _gen_explicit(explicit: set[str]) -> bool:
+    return bool({"train.steps_per_generation", "train.generation_batch_size"} & explicit)
+
+
+def _opts_num_generations(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
+    """num_generations G' with the same prompts per round: generation batch = prompts x G'."""
+    t = r.train
+    rows, prompts = t.generation_batch_size(), max(1, t.generation_batch_size() // t.num_generations)
+    options = []
+    for g in sorted({*NUM_GENERATIONS_LADDER, t.num_generations}, reverse=True):
+        if g > upper:
+            continue
+        if _gen_explicit(explicit):  # the generation batch stays: G' must divide it
+            if rows % g == 0:
+                options.append({"train.num_generations": g})
+            continue
+        new_rows = prompts * g
+        batch = max(d for d in _divisors(new_rows) if d <= t.per_device_train_batch_size)
+        if "train.per_device_train_batch_size" in explicit and batch != t.per_device_train_batch_size:
+            continue
+        options.append({"train.num_generations": g, "train.per_device_train_batch_size": batch,
+                        "train.generation_batch": new_rows})
+    return options
+
+
+def _opts_per_device(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
+    """Per-device micro-batch b' dividing the generation batch (kept), gradient accumulation set to
+    the nearest round(b x accumulation / b') when it is not explicit (the optimizer batch stays)."""
+    t = r.train
+    rows, effective = t.generation_batch_size(), t.per_device_train_batch_size * t.gradient_accumulation_steps
+    options = []
+    for b in sorted(_divisors(rows), reverse=True):
+        if b > upper:
+            continue
+        change: dict[str, Any] = {"train.per_device_train_batch_size": b}
+        if _gen_explicit(explicit):
+            if "generation_batch_size" not in t.extra and (b * t.steps_per_generation_resolved()) % t.num_generations:
+                continue
+        else:
+            change["train.generation_batch"] = rows
+        if "train.gradient_accumulation_steps" not in explicit:
+            change["train.gradient_accumulation_steps"] = max(1, round(effective / b))
+        options.append(change)
+    return options
+
+
+def _opts_generation_batch(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
+    """Generation batch R' = k x lcm(b, G): more or fewer prompts per generation round."""
+    t = r.train
+    step = math.lcm(t.per_device_train_batch_size, t.num_generations)
+    values = [k * step for k in range(1, MAX_GENERATION_BATCH // step + 1)] or [step]
+    return [{"train.generation_batch": v} for v in sorted(values, reverse=True) if v <= upper]
+
+
+def _opts_completion(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
+    """max_completion_length C' (model.max_seq_length raised to P + C' when needed and not explicit)."""
+    prompt, seq = r.data.max_prompt_length, r.model.max_seq_length
+    options = []
+    for c in sorted({*COMPLETION_LADDER, r.train.max_completion_length}, reverse=True):
+        if c > upper:
+            continue
+        change: dict[str, Any] = {"train.max_completion_length": c}
+        if prompt + c > seq:
+            if "model.max_seq_length" in explicit:
+                continue
+            change["model.max_seq_length"] = prompt + c
+        options.append(change)
+    return options
+
+
+def _opts_vllm(r: Recipe, upper: float, explicit: set[str]) -> list[dict[str, Any]]:
+    """vLLM share u of the GPU, in steps of 0.05 (only with fast_inference)."""
+    return [{"model.gpu_memory_utilization": round(0.05 * k, 2)} for k in range(19, 0, -1)
+            if round(0.05 * k, 2) <= upper + 1e-9]
+
+
+# knob -> (recipe key(s) that make it explicit, current value, options generator)
+KNOBS: dict[str, tuple[tuple[str, ...], Callable[[Recipe], Any], Callable[..., list[dict[str, Any]]]]] = {
+    "per_device_train_batch_size": (("train.per_device_train_batch_size",),
+                                    lambda r: r.train.per_device_train_batch_size, _opts_per_device),
+    "generation_batch_size": (("train.steps_per_generation", "train.generation_batch_size"),
+                              lambda r: r.train.generation_batch_size(), _opts_generation_batch),
+    "max_completion_length": (("train.max_completion_length",), lambda r: r.train.max_completion_length,
+                              _opts_completion),
+    "num_generations": (("train.num_generations",), lambda r: r.train.num_generations, _opts_num_generations),
+    "gpu_memory_utilization": (("model.gpu_memory_utilization",), lambda r: r.model.gpu_memory_utilization,
+                               _opts_vllm),
+}
+
+
+def _fitting(recipe: Recipe, options: list[dict[str, Any]], arch: Architecture, budget: int,
+             logits: str) -> tuple[Recipe, Plan, dict[str, Any]] | None:
+    """The first option (they come largest first) that is a valid recipe and fits the budget."""
+    for change in options:
+        candidate = _apply(recipe, change)
+        try:
+            validate(candidate)
+        except RecipeError:
+            continue
+        result = plan(candidate, budget, arch=arch, logits=logits, propose=False)
+        if result.fits and _vllm_ok(arch, result.settings):
+            return candidate, result, change
+    return None
+
+
+def _vllm_ok(arch: Architecture, s: Settings) -> bool:
+    return not s.fast_inference or mt.vllm_reservation(arch, s) >= mt.vllm_minimum(arch, s)
+
+
+def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture, logits: str = "chunked") -> dict[str, Any]:
+    """For each knob, the largest value that fits the budget with the other settings as in the recipe:
+    {knob: {"value", "total_bytes", "changes"}} or None where no value fits (or, for
+    gpu_memory_utilization, where vLLM is not used)."""
+    settings = resolve_settings(recipe, budget_bytes, logits)
+    result: dict[str, Any] = {}
+    for knob, (_keys, _current, options) in KNOBS.items():
+        if knob == "gpu_memory_utilization" and not settings.fast_inference:
+            result[knob] = None
+            continue
+        best = _fitting(recipe, options(recipe, math.inf, set()), arch, budget_bytes, logits)
+        if best is None:
+            result[knob] = None
+        else:
+            _candidate, fitted, change = best
+            value = KNOBS[knob][1](_candidate)
+            result[knob] = {"value": value, "total_bytes": fitted.total_bytes,
+                            "changes": {k: v for k, v in change.items() if k != "train.generation_batch"}
+                            | ({"train.generation_batch_size": change["train.generation_batch"]}
+                               if "train.generation_batch" in change else {})}
+    return result
+
+
+def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture | None = None,
+             allow_hub: bool = True, logits: str = "chunked") -> tuple[Recipe, Plan]:
+    """Fit the recipe into `budget_bytes` by changing only settings whose keys are not in `explicit`.
+
+    Knobs are lowered in this order until the plan fits: per-device batch (gradient accumulation
+    raised to keep the optimizer batch), generation batch, max_completion_length, num_generations,
+    vLLM share; then each is raised back as far as the budget allows, never above the recipe's own
+    value. Raises RecipeError naming the explicit settings to lower when even that cannot fit.
+    """
+    arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
+                                     trust_remote_code=recipe.model.trust_remote_code)
+    explicit = set(explicit)
+    validate(recipe)
+    current = recipe
+    result = plan(current, budget_bytes, arch=arch, logits=logits, propose=False)
+    if result.fits and _vllm_ok(arch, result.settings):
+        return current, result
+    free = [k for k, (keys, _, _) in KNOBS.items() if not set(keys) & explicit
+            and (k != "gpu_memory_utilization" or result.settings.fast_inference)]
+    if not current.train.gradient_checkpointing and "train.gradient_checkpointing" not in explicit:
+        current = _apply(current, {"train.gradient_checkpointing": True})
+    # the vLLM share may move either way; every other knob only goes down from the recipe's value
+    original = {k: 0.95 if k == "gpu_memory_utilization" else KNOBS[k][1](recipe) for k in free}
+    for knob in free:  # lower
+        result = plan(current, budget_bytes, arch=arch, logits=logits, propose=False)
+        if result.fits and _vllm_ok(arch, result.settings):
+            break
+        upper = original[knob] if knob == "gpu_memory_utilization" else KNOBS[knob][1](current)
+        options = KNOBS[knob][2](current, upper, explicit)
+        best = _fitting(current, options, arch, budget_bytes, logits)
+        if best is not None:
+            current = best[0]
+            continue
+        for change in reversed(options):  # none fits yet: take the smallest valid value and go on
+            candidate = _apply(current, change)
+            try:
+                validate(candidate)
+            except RecipeError:
+                continue
+            current = candidate
+            break
+    for knob in free:  # raise back what later knobs made room for
+        best = _fitting(current, KNOBS[knob][2](current, original[knob], explicit), arch, budget_bytes, logits)
+        if best is not None:
+            current = best[0]
+    result = plan(current, budget_bytes, arch=arch, logits=logits, propose=False)
+    if not (result.fits and _vllm_ok(arch, result.settings)):
+        named = [f"{k}={_value(recipe, k)}" for k in MEMORY_KEYS if k in explicit]
+        fix = (f"lower one of the settings you gave: {', '.join(named)}" if named else
+               "use a smaller model (model.name), model.load_in_4bit=true, or a GPU with more memory")
+        raise RecipeError(f"predicted peak {format_bytes(result.total_bytes)} exceeds the GPU memory budget "
+                          f"{format_bytes(budget_bytes)} even with every other setting at its smallest", fix=fix)
+    changed = {k: (KNOBS[k][1](recipe), KNOBS[k][1](current)) for k in KNOBS
+               if KNOBS[k][1](recipe) != KNOBS[k][1](current)}
+    if changed:
+        log.info("auto-fit to %s: %s (predicted peak %s)", format_bytes(budget_bytes),
+                 ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), format_bytes(result.total_bytes))
+    return current, result
+
+
+def _value(recipe: Recipe, key: str) -> Any:
+    section, name = key.split(".", 1)
+    if section == "train" and name == "generation_batch_size":
+        return recipe.train.generation_batch_size()
+    return getattr(getattr(recipe, section), name, None)

@@ -1,0 +1,328 @@
+"""The terms of the GRPO memory model: one function per term, its formula in its docstring.
+
+Every term is plain integer arithmetic on an `Architecture` (memory_arch) and resolved `Settings`
+(below); `lowmem_grpo.memory` sums them into a plan. Notation used in the formulas:
+
+    L layers, H hidden_size, I intermediate_size, V vocab_size, hd head_dim,
+    q = num_heads x hd, kv = num_kv_heads x hd, r LoRA rank, cb bytes of the compute dtype
+    (2 for bf16/fp16, 4 for fp32), P prompt tokens (data.max_prompt_length), C completion tokens
+    (train.max_completion_length), S = P + C, b per-device micro-batch (completions), R generation
+    batch (completions generated at once = b x steps_per_generation), N = b x C scored tokens.
+
+A GRPO step has two phases that never hold their transient memory at the same time: generation
+(KV cache, prefill workspace) and the training forward/backward (LoRA gradients, activations, the
+log-prob pass). The planner adds the static terms to the larger phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from lowmem_grpo.memory_arch import Architecture
+
+MIB = 2**20
+GIB = 2**30
+NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize: one absmax per 64 weights
+DQ_BLOCK = 256  # double quantization: one fp32 absmax per 256 quantized absmax values
+NF4_CODE_BYTES = 64  # the 16-entry fp32 nf4 code table of each quantized tensor
+DQ_CODE_BYTES = 1024  # the 256-entry fp32 dynamic code of each tensor's second-level (double) quantization
+OPT8_BLOCK = 256  # bitsandbytes blockwise 8-bit optimizer: one fp32 absmax per 256 values per state
+OPT8_QMAP_BYTES = 1024  # the 256-entry fp32 quantization map of each 8-bit state
+OPT8_MIN_SIZE = 4096  # tensors below this many elements keep 32-bit optimizer states in bitsandbytes
+TOKEN_TILE = 4096  # TRL 1.15 chunked log-prob kernel: tokens per projection tile
+VOCAB_TILE = 32768  # TRL 1.15 `_CHUNKED_LOGPROB_CHUNK_SIZE`: vocabulary columns per tile
+CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context, cuBLAS/cuDNN handles and loaded kernels (outside torch's allocator)
+ALLOCATOR_SLACK = 0.10  # reserved-but-unallocated share of the transient phase (caching allocator fragmentation)
+UNSLOTH_KV_INCREMENT = 512  # unsloth KV_CACHE_INCREMENT: decode buffers grow by this many positions
+VLLM_MIN_OVERHEAD = 1 * GIB  # vLLM's own activations and CUDA graphs inside its reservation
+
+EIGHT_BIT_OPTIMIZERS = {"adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adam_8bit", "adam_8bit",
+                        "paged_lion_8bit", "lion_8bit", "rmsprop_bnb_8bit"}
+PAGED_OPTIMIZERS = {"paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw", "paged_adam_8bit", "paged_adam_32bit",
+                    "paged_lion_8bit", "paged_lion_32bit"}
+ONE_STATE_OPTIMIZERS = {"lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit",
+                        "rmsprop"}
+STATELESS_OPTIMIZERS = {"sgd"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The recipe's memory-relevant settings, resolved for a CUDA run."""
+
+    backend: str  # "unsloth" or "hf"
+    load_in_4bit: bool
+    compute_bytes: int
+    lora_r: int
+    target_modules: tuple[str, ...]
+    optim: str
+    gradient_checkpointing: bool
+    per_device_batch: int
+    generation_batch: int
+    num_generations: int
+    prompt_len: int
+    completion_len: int
+    beta: float
+    fast_inference: bool
+    gpu_memory_utilization: float
+    gpu_total_bytes: int
+    double_quant: bool = True
+    logits: str = "chunked"  # "chunked" (TRL 1.15 fused LM-head kernel) or "full" (materialized logits)
+
+    @property
+    def seq_len(self) -> int:
+        """S = P + C, the padded length of every sequence (worst case: no completion ends early)."""
+        return self.prompt_len + self.completion_len
+
+
+# --- static terms -------------------------------------------------------------------------------
+
+
+def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> int:
+    """Bytes of one bitsandbytes nf4 tensor of `numel` weights.
+
+    packed 4-bit data ceil(n/2) + absmax per 64-block: ceil(n/64) x 1 byte (uint8, double quant)
+    + second-level absmax ceil(ceil(n/64)/256) x 4 + offset 4 + nf4 code 64 + second-level code 1024;
+    without double quant: ceil(n/2) + ceil(n/64) x 4 + code 64. (Checked against
+    bitsandbytes.functional.quantize_4bit, whose quant state holds these tensors per weight.)
+    """
+    blocks = math.ceil(numel / NF4_BLOCK)
+    if double_quant:
+        return (math.ceil(numel / 2) + blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 4 + NF4_CODE_BYTES
+                + DQ_CODE_BYTES)
+    return math.ceil(numel / 2) + blocks * 4 + NF4_CODE_BYTES
+
+
+def unquantized_bytes(s: Settings) -> int:
+    """Bytes per element of the layers left unquantized (embeddings, lm_head, norms, biases).
+
+    unsloth: cb (kept in the compute dtype); hf with 4-bit: 4 (peft's prepare_model_for_kbit_training
+    casts every non-4-bit parameter to fp32); hf 16-bit: cb.
+    """
+    return 4 if (s.backend == "hf" and s.load_in_4bit) else s.compute_bytes
+
+
+def base_weights(a: Architecture, s: Settings) -> int:
+    """Frozen base model weights.
+
+    4-bit: L x sum over the 7 projections of nf4_tensor_bytes(in x out)
+           + (embeddings V x H, x2 if lm_head untied, + L x (norms + q/k norms + q/k/v biases) + H) x u,
+           u = unquantized_bytes (the embeddings and lm_head are never quantized).
+    16-bit: total_params x cb.
+    With vLLM (fast_inference) the weights live inside vllm_reservation (Unsloth shares them): 0.
+    """
+    if s.fast_inference:
+        return 0
+    if not s.load_in_4bit:
+        return a.total_params() * s.compute_bytes
+    quantized = a.num_layers * sum(nf4_tensor_bytes(i * o, s.double_quant) for i, o in a.linear_shapes().values())
+    small = a.embedding_params() + a.num_layers * a.small_params_per_layer() + a.hidden_size
+    return quantized + small * unquantized_bytes(s)
+
+
+def lora_tensors(a: Architecture, s: Settings) -> list[int]:
+    """Element counts of every LoRA matrix: A is r x in, B is out x r, per layer per target module.
+
+    The per-layer projections use their real shapes (GQA k/v: H -> kv; MLP: H -> I, I -> H);
+    `lm_head` / `embed_tokens` targets add one adapter of r x (H + V). Unknown names match nothing.
+    """
+    shapes = a.linear_shapes()
+    sizes: list[int] = []
+    for name in s.target_modules:
+        if name in shapes:
+            fan_in, fan_out = shapes[name]
+            sizes += [s.lora_r * fan_in, fan_out * s.lora_r] * a.num_layers
+        elif name in ("lm_head", "embed_tokens"):
+            sizes += [s.lora_r * a.hidden_size, a.vocab_size * s.lora_r]
+    return sizes
+
+
+def lora_param_count(a: Architecture, s: Settings) -> int:
+    """Trainable parameters: L x sum over targets of r x (in + out) (+ r x (H + V) per head target)."""
+    return sum(lora_tensors(a, s))
+
+
+def lora_params(a: Architecture, s: Settings) -> int:
+    """LoRA weights: lora_param_count x 4 (both backends keep trainable adapters in fp32)."""
+    return lora_param_count(a, s) * 4
+
+
+def optimizer_state(a: Architecture, s: Settings) -> int:
+    """Optimizer state of the LoRA parameters, per tensor of n elements.
+
+    AdamW 32-bit (adamw_torch, adamw_torch_fused, paged_adamw_32bit, ...): 2 states x 4 bytes = 8n.
+    8-bit (adamw_8bit, paged_adamw_8bit): 2 x (n x 1 + ceil(n/256) x 4 + 1024), the uint8 state, its
+    fp32 absmax per 256 values and its 256-entry fp32 quantization map; but 8n for n < 4096
+    (bitsandbytes keeps small tensors in 32-bit). One-state optimizers (Lion, RMSprop) halve it,
+    sgd stores nothing; any other name is taken as AdamW 32-bit. Paged optimizers allocate the same
+    bytes as CUDA managed memory, which torch's allocator statistics do not show. (Checked against
+    the state tensors of bitsandbytes.optim.AdamW8bit after one step.)
+    """
+    if s.optim in STATELESS_OPTIMIZERS:
+        return 0
+    states = 1 if s.optim in ONE_STATE_OPTIMIZERS else 2
+    total = 0
+    for n in lora_tensors(a, s):
+        if s.optim in EIGHT_BIT_OPTIMIZERS and n >= OPT8_MIN_SIZE:
+            total += states * (n + math.ceil(n / OPT8_BLOCK) * 4 + OPT8_QMAP_BYTES)
+        else:
+            total += states * 4 * n
+    return total
+
+
+def batch_buffers(a: Architecture, s: Settings) -> int:
+    """The generation batch kept for the whole step: R x S x 16 (int64 ids + int64 mask) + R x C x 8
+    (fp32 old log-probs and per-token advantages)."""
+    return s.generation_batch * s.seq_len * 16 + s.generation_batch * s.completion_len * 8
+
+
+def reference_model(a: Architecture, s: Settings) -> int:
+    """Reference model when beta > 0.
+
+    With a LoRA adapter TRL and Unsloth score the reference by disabling the adapter, so it shares
+    the base weights: the cost is its per-token log-probs, R x C x 4. beta = 0: 0 (no reference).
+    """
+    return s.generation_batch * s.completion_len * 4 if s.beta > 0 else 0
+
+
+def vllm_reservation(a: Architecture, s: Settings) -> int:
+    """vLLM's pool when fast_inference: gpu_memory_utilization x total GPU memory (weights, KV pool
+    and CUDA graphs live inside it; torch's allocator does not see it). Otherwise 0."""
+    return int(s.gpu_memory_utilization * s.gpu_total_bytes) if s.fast_inference else 0
+
+
+def vllm_minimum(a: Architecture, s: Settings) -> int:
+    """The least vLLM reservation that can run the step: 4-bit/16-bit weights + the KV cache of the
+    generation batch + VLLM_MIN_OVERHEAD (1 GiB for its activations and CUDA graphs)."""
+    plain = dataclasses.replace(s, fast_inference=False)
+    return base_weights(a, plain) + kv_cache(a, plain) + VLLM_MIN_OVERHEAD
+
+
+def cuda_context(a: Architecture, s: Settings) -> int:
+    """CUDA context, library handles and loaded kernels: a constant CUDA_CONTEXT_BYTES (512 MiB),
+    outside torch's allocator."""
+    return CUDA_CONTEXT_BYTES
+
+
+# --- generation phase ---------------------------------------------------------------------------
+
+
+def kv_cache(a: Architecture, s: Settings) -> int:
+    """Generation KV cache of the generation batch R: tokens x 2 (key and value) x kv x cb, where tokens is
+
+    hf (transformers DynamicCache): R x kv_tokens(S); kv_tokens sums the cached positions over layers,
+        L x S, except that sliding-window layers (Gemma 3) keep at most the window.
+    unsloth (its fast decode buffers, grown 512 positions at a time, plus the prefill's own cache that
+        is copied into them): R x L x (P + 1 + 512 x ceil(C / 512) + P).
+    With vLLM the cache is inside vllm_reservation: 0.
+    """
+    if s.fast_inference:
+        return 0
+    if s.backend == "unsloth":
+        positions = a.num_layers * (2 * s.prompt_len + 1 + UNSLOTH_KV_INCREMENT * math.ceil(s.completion_len
+                                                                                         / UNSLOTH_KV_INCREMENT))
+    else:
+        positions = a.kv_tokens(s.seq_len)
+    return s.generation_batch * positions * 2 * a.kv_dim * s.compute_bytes
+
+
+def generation_workspace(a: Architecture, s: Settings) -> int:
+    """Transient memory of generating: the prefill of one layer R x P x (H + 2I) x cb, the
+    dequantized copy of the largest 4-bit weight max(in x out) x cb, and the last position's fp32
+    logits and probabilities R x V x 4 x 2. With vLLM: 0 (inside its reservation)."""
+    if s.fast_inference:
+        return 0
+    prefill = s.generation_batch * s.prompt_len * (a.hidden_size + 2 * a.intermediate_size) * s.compute_bytes
+    dequant = max(i * o for i, o in a.linear_shapes().values()) * s.compute_bytes if s.load_in_4bit else 0
+    sampling = s.generation_batch * a.vocab_size * 4 * 2
+    return prefill + dequant + sampling
+
+
+# --- training phase -----------------------------------------------------------------------------
+
+
+def lora_grads(a: Architecture, s: Settings) -> int:
+    """Gradients of the LoRA parameters: lora_param_count x 4 (fp32, freed after each optimizer step)."""
+    return lora_param_count(a, s) * 4
+
+
+def layer_activation_bytes_per_token(a: Architecture, s: Settings) -> int:
+    """What autograd keeps for one decoder layer, per token.
+
+    cb x ((norms_per_layer + 2) x H      norm inputs and the two normed outputs feeding attention/MLP
+          + 3q + 2kv                      q, k, v after RoPE and the attention output (SDPA) + o_proj input
+          + (q + kv if q/k norms)         inputs of the per-head q/k RMSNorms
+          + m x I                         MLP: m = 3 (gate, up, act x up) on hf; 2 with Unsloth's fused SwiGLU
+          + r x targets)                  LoRA: the r-wide input of every lora_B
+    + 4 x (norms_per_layer + num_heads)   fp32 RMSNorm rstd and attention logsumexp
+    """
+    targets = sum(1 for name in s.target_modules if name in a.linear_shapes())
+    mlp = 2 if s.backend == "unsloth" else 3
+    width = (a.norms_per_layer + 2) * a.hidden_size + 3 * a.q_dim + 2 * a.kv_dim + mlp * a.intermediate_size
+    if a.qk_norm:
+        width += a.q_dim + a.kv_dim
+    width += s.lora_r * targets
+    return width * s.compute_bytes + 4 * (a.norms_per_layer + a.num_heads)
+
+
+def activations(a: Architecture, s: Settings) -> int:
+    """Activations of the training forward/backward of one micro-batch of T = b x S tokens.
+
+    no checkpointing:        L x T x layer_activation_bytes_per_token
+    plain checkpointing:     L x T x H x cb (each layer's saved input) + T x per_token (one layer recomputed)
+    Unsloth (offloaded):     2 x T x H x cb (inputs are offloaded to CPU RAM; two in flight) + T x per_token
+    always:                  + 4 x T x H x cb (final norm in/out, the gradient flowing between layers)
+                             + b x S x S (the boolean 4-D attention mask of a padded batch)
+    """
+    tokens = s.per_device_batch * s.seq_len
+    per_token = layer_activation_bytes_per_token(a, s)
+    hidden = tokens * a.hidden_size * s.compute_bytes
+    if not s.gradient_checkpointing:
+        body = a.num_layers * tokens * per_token
+    elif s.backend == "unsloth":
+        body = 2 * hidden + tokens * per_token
+    else:
+        body = a.num_layers * hidden + tokens * per_token
+    return body + 4 * hidden + s.per_device_batch * s.seq_len * s.seq_len
+
+
+def logits(a: Architecture, s: Settings) -> int:
+    """The log-prob pass over the vocabulary for the N = b x C completion tokens.
+
+    chunked (TRL 1.15's fused LM-head kernel, never the full logits):
+        min(N, 4096) x min(V, 32768) x cb      one projection tile (reused for every tile)
+        + N x H x (cb + 4)                     gathered hidden states + their fp32 gradient
+        + N x 32                               fp32 running max / sum-exp / target / entropy stats
+    full (materialized logits, the unchunked alternative):
+        N x V x (2 cb + 4)                     bf16 logits, their gradient, fp32 log-softmax
+    """
+    n = s.per_device_batch * s.completion_len
+    if s.logits == "full":
+        return n * a.vocab_size * (2 * s.compute_bytes + 4)
+    tile = min(n, TOKEN_TILE) * min(a.vocab_size, VOCAB_TILE) * s.compute_bytes
+    return tile + n * a.hidden_size * (s.compute_bytes + 4) + n * 32
+
+
+# name -> (function, phase, where it shows: "allocated" by torch, "device" only)
+TERMS = {
+    "base_weights": (base_weights, "static", "allocated"),
+    "lora_params": (lora_params, "static", "allocated"),
+    "optimizer_state": (optimizer_state, "static", "allocated"),
+    "batch_buffers": (batch_buffers, "static", "allocated"),
+    "reference_model": (reference_model, "static", "allocated"),
+    "vllm_reservation": (vllm_reservation, "static", "device"),
+    "cuda_context": (cuda_context, "static", "device"),
+    "kv_cache": (kv_cache, "generation", "allocated"),
+    "generation_workspace": (generation_workspace, "generation", "allocated"),
+    "lora_grads": (lora_grads, "training", "allocated"),
+    "activations": (activations, "training", "allocated"),
+    "logits": (logits, "training", "allocated"),
+}
+
+
+def term_visibility(name: str, s: Settings) -> str:
+    """allocated (counted by torch.cuda.max_memory_allocated) or device (CUDA memory torch does not track)."""
+    if name == "optimizer_state" and s.optim in PAGED_OPTIMIZERS:
+        return "device"
+    return TERMS[name][2]

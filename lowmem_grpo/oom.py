@@ -1,0 +1,203 @@
+"""After a CUDA out-of-memory error: which settings to lower, and the record of it in the run directory.
+
+How the next settings are chosen, in this order:
+1. the memory planner (lowmem_grpo.memory): the budget is the predicted peak with its non-static part
+   (generation or training phase, and the allocator slack) cut by a quarter, and `auto_fit` lowers the
+   settings in its own order (per-device batch with gradient accumulation raised to keep the optimizer
+   batch, generation batch, max_completion_length, num_generations);
+2. when the planner is missing, cannot read the architecture, or changes nothing, halving, one knob per
+   retry, the first that still gives a valid recipe:
+   a. the generation batch: per_device_train_batch_size / 2 and gradient_accumulation_steps x 2, with
+      steps_per_generation pinned to its old value, so the completions generated (and trained) at once
+      halve while the completions per optimizer step stay the same;
+   b. num_generations / 2 (at least 2), with the per-device batch halved alongside, so the same prompts
+      are sampled with half as many completions each;
+   c. max_completion_length / 2 (at least MIN_COMPLETION_LENGTH tokens).
+Each retry appends a line to RUN_DIR/oom_retries.jsonl and rewrites RUN_DIR/recipe.yaml with the
+lowered settings under a comment naming the change, so that `--resume` continues with them.
+Torch-free (torch only to recognise the error).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.recipe import Recipe, validate
+
+log = logging.getLogger(__name__)
+
+OOM_FILE = "oom_retries.jsonl"
+RECIPE_FILE = "recipe.yaml"
+MIN_COMPLETION_LENGTH = 16
+PLANNER_CUT = 0.25  # share of the planner's non-static peak to free per retry
+NOTE_PREFIX = "# lowmem-grpo: "
+_GENERATION_FRAMES = {"generate", "_generate", "_sample", "generate_completions", "_generate_single_turn"}
+
+
+def is_oom(exc: BaseException) -> bool:
+    """A CUDA (or allocator) out-of-memory error, as torch raises it."""
+    try:
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+    except ImportError:
+        pass
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def phase_of(exc: BaseException) -> str:
+    """'generation' when the error was raised under a generate() frame, else 'update'."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in _GENERATION_FRAMES:
+            return "generation"
+        tb = tb.tb_next
+    return "update"
+
+
+@dataclass
+class Lowering:
+    """Lowered settings: the new recipe, the changed keys (old, new) and how they were chosen."""
+
+    recipe: Recipe
+    changes: dict[str, tuple[Any, Any]]
+    how: str
+
+    def describe(self) -> str:
+        """'train.x 8 -> 4, train.y 1 -> 2 (how)'."""
+        return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.changes.items()) + f" ({self.how})"
+
+
+def _flat(recipe: Recipe) -> dict[str, Any]:
+    from lowmem_grpo.recipe_io import recipe_to_dict
+
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and key != "rewards":
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(recipe_to_dict(recipe), "")
+    return out
+
+
+def changes_between(old: Recipe, new: Recipe) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ, with (old, new)."""
+    a, b = _flat(old), _flat(new)
+    return {k: (a.get(k), b.get(k)) for k in {**a, **b} if a.get(k) != b.get(k)}
+
+
+def _valid(recipe: Recipe) -> bool:
+    try:
+        validate(recipe)
+    except RecipeError:
+        return False
+    return True
+
+
+def lower_by_planner(recipe: Recipe) -> Lowering | None:
+    """The planner's auto-fit into a quarter less than its predicted non-static peak; None when unusable."""
+    try:
+        from lowmem_grpo import memory
+        from lowmem_grpo.memory_arch import load_architecture
+
+        arch = load_architecture(recipe.model.name, allow_hub=False, trust_remote_code=recipe.model.trust_remote_code)
+        current = memory.plan(recipe, arch=arch, propose=False)
+        static = current.phases["static"]
+        budget = int(static + (1 - PLANNER_CUT) * (current.total_bytes - static))
+        new, _ = memory.auto_fit(recipe, budget, set(), arch=arch)
+    except Exception as exc:  # noqa: BLE001 - any planner failure falls back to halving
+        log.info("memory planner not usable for the OOM retry (%s: %s); halving instead", type(exc).__name__, exc)
+        return None
+    changes = changes_between(recipe, new)
+    return Lowering(new, changes, "memory planner") if changes and _valid(new) else None
+
+
+def _halve_generation_batch(recipe: Recipe) -> Recipe | None:
+    t = recipe.train
+    if t.per_device_train_batch_size < 2:
+        return None
+    new = copy.deepcopy(recipe)
+    n = new.train
+    if "generation_batch_size" in n.extra:
+        n.extra["generation_batch_size"] = int(n.extra["generation_batch_size"]) // 2
+    else:
+        n.steps_per_generation = t.steps_per_generation_resolved()
+    n.per_device_train_batch_size = t.per_device_train_batch_size // 2
+    n.gradient_accumulation_steps = t.gradient_accumulation_steps * 2
+    return new
+
+
+def _halve_num_generations(recipe: Recipe) -> Recipe | None:
+    t = recipe.train
+    if t.num_generations < 4 or t.per_device_train_batch_size < 2:
+        return None
+    new = copy.deepcopy(recipe)
+    new.train.num_generations = t.num_generations // 2
+    new.train.per_device_train_batch_size = t.per_device_train_batch_size // 2
+    if "generation_batch_size" in new.train.extra:
+        new.train.extra["generation_batch_size"] = int(new.train.extra["generation_batch_size"]) // 2
+    return new
+
+
+def _halve_completion_length(recipe: Recipe) -> Recipe | None:
+    length = recipe.train.max_completion_length // 2
+    if length < MIN_COMPLETION_LENGTH:
+        return None
+    new = copy.deepcopy(recipe)
+    new.train.max_completion_length = length
+    return new
+
+
+HALVING_ORDER = (("generation batch", _halve_generation_batch), ("num_generations", _halve_num_generations),
+                 ("max_completion_length", _halve_completion_length))
+
+
+def lower_by_halving(recipe: Recipe) -> Lowering | None:
+    """The first knob of HALVING_ORDER that halves into a valid recipe; None when every knob is at its floor."""
+    for name, halve in HALVING_ORDER:
+        new = halve(recipe)
+        if new is not None and _valid(new):
+            return Lowering(new, changes_between(recipe, new), f"halving: {name}")
+    return None
+
+
+def lower(recipe: Recipe, use_planner: bool = True) -> Lowering | None:
+    """Lower the memory settings after an OOM: the planner when usable, else halving."""
+    return (lower_by_planner(recipe) if use_planner else None) or lower_by_halving(recipe)
+
+
+def record(run_dir: Path, retry: int, step: int, phase: str, error: str, resumed_from: str | None,
+           lowering: Lowering, main_process: bool = True) -> dict[str, Any]:
+    """Append the retry to oom_retries.jsonl and rewrite recipe.yaml with the lowered settings and a note."""
+    from lowmem_grpo.recipe_io import dump_yaml
+
+    entry = {"retry": retry, "step": step, "phase": phase, "error": error[:300], "resumed_from": resumed_from,
+             "how": lowering.how, "changes": {k: list(v) for k, v in lowering.changes.items()},
+             "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    if not main_process:
+        return entry
+    run_dir = Path(run_dir)
+    with (run_dir / OOM_FILE).open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(entry) + "\n")
+    path = run_dir / RECIPE_FILE
+    notes = [line for line in path.read_text(encoding="utf-8").splitlines() if line.startswith(NOTE_PREFIX)] \
+        if path.exists() else []
+    notes.append(f"{NOTE_PREFIX}CUDA out of memory at step {step} ({phase}), retry {retry}: "
+                 f"{lowering.describe()}; see {OOM_FILE}")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("\n".join(notes) + "\n" + dump_yaml(lowering.recipe), encoding="utf-8")
+    tmp.replace(path)
+    return entry

@@ -1,0 +1,141 @@
+"""A guard around each reward function: a fault names the function, the step and the example. Standard library only.
+
+TRL calls a reward as ``fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns)``
+and expects one float or None per completion. The guard keeps that contract and makes every way of
+breaking it a clear error instead of a crash deep inside TRL or a silently poisoned advantage:
+
+- the function raises: RewardError naming it, the step being trained, and the first example that fails
+  on its own (the batch is re-run one example at a time to find it), with the exception chained;
+- an element is None: passed through, TRL's meaning (this reward skips that completion); a bare None
+  instead of a list is read the same way, for every completion, with a warning once;
+- an element is NaN, infinite or not a number, or the list has the wrong length: RewardError.
+
+The wrapper keeps the function's ``__name__`` (TRL logs ``rewards/<__name__>/mean``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+from lowmem_grpo.errors import LowmemError
+
+log = logging.getLogger(__name__)
+
+_WARNED_NONE: set[str] = set()
+TEXT_LIMIT = 160
+
+
+class RewardError(LowmemError):
+    """A reward function raised or returned something TRL cannot train on: exit code 1."""
+
+
+def _text(item: Any) -> str:
+    if isinstance(item, list) and item and isinstance(item[-1], dict):  # a conversation: its last message
+        item = item[-1].get("content", "")
+    text = str(item).replace("\n", "\\n")
+    return text if len(text) <= TEXT_LIMIT else text[:TEXT_LIMIT] + "..."
+
+
+def _step(kwargs: dict[str, Any]) -> str:
+    state = kwargs.get("trainer_state")
+    step = getattr(state, "global_step", None)
+    return f"step {int(step) + 1}" if isinstance(step, int) else "an unknown step"
+
+
+def describe_example(kwargs: dict[str, Any], index: int, count: int) -> str:
+    """'example I of N: question '...' (gold X), completion '...'' from the reward's keyword arguments."""
+    parts = [f"example {index} of {count}"]
+
+    def column(name: str) -> Any:
+        values = kwargs.get(name)
+        return values[index] if isinstance(values, (list, tuple)) and index < len(values) else None
+
+    question = column("question")
+    if question is None:
+        question = column("prompts")
+    if question is not None:
+        parts.append(f"question {_text(question)!r}")
+    gold = column("answer")
+    if gold is not None:
+        parts.append(f"gold {_text(gold)!r}")
+    completion = column("completions")
+    if completion is not None:
+        parts.append(f"completion {_text(completion)!r}")
+    return ": ".join(parts[:1]) + (": " + ", ".join(parts[1:]) if len(parts) > 1 else "")
+
+
+def _one_example(kwargs: dict[str, Any], index: int, count: int) -> dict[str, Any]:
+    return {k: ([v[index]] if isinstance(v, (list, tuple)) and len(v) == count else v) for k, v in kwargs.items()}
+
+
+def _first_failing(func: Callable[..., Any], kwargs: dict[str, Any], count: int) -> int | None:
+    """The first example the function raises on when called with it alone; None when each passes alone."""
+    for index in range(count):
+        try:
+            func(**_one_example(kwargs, index, count))
+        except Exception:  # noqa: BLE001 - any exception marks the example
+            return index
+    return None
+
+
+def _bad_value(value: Any) -> str | None:
+    """Why one score cannot be trained on, or None when it can (None itself is TRL's skip)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        try:
+            value = float(value)  # numpy / torch scalars
+        except (TypeError, ValueError):
+            return f"{type(value).__name__} {_text(value)!r} is not a number"
+    if not math.isfinite(float(value)):
+        return f"{float(value)} is not finite"
+    return None
+
+
+def guard_reward(func: Callable[..., Any]) -> Callable[..., Any]:
+    """`func` wrapped so that a raise, a NaN or a wrong-length result is a RewardError naming it, the step
+    and the example; None elements pass through (TRL skips them)."""
+    name = getattr(func, "__name__", repr(func))
+    skip_hint = "return None for a completion the reward does not apply to (TRL skips it)"
+
+    @functools.wraps(func)
+    def guarded(*args: Any, **kwargs: Any) -> list[Any]:
+        completions = kwargs.get("completions", args[0] if args else None)
+        count = len(completions) if completions is not None else 0
+        try:
+            scores = func(*args, **kwargs)
+        except Exception as exc:
+            index = _first_failing(func, kwargs, count) if not args and count else None
+            where = (describe_example(kwargs, index, count) if index is not None
+                     else f"a batch of {count} completions (no example fails on its own)")
+            raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc} at {_step(kwargs)}, "
+                              f"on {where}", fix=f"fix {name} for this input; {skip_hint}") from exc
+        if scores is None:
+            if name not in _WARNED_NONE:
+                _WARNED_NONE.add(name)
+                log.warning("reward %s returned None instead of a list: read as None (skip) for all %d completions",
+                            name, count)
+            return [None] * count
+        try:
+            scores = list(scores)
+        except TypeError:
+            raise RewardError(f"reward function {name!r} returned {type(scores).__name__}, not a list, at "
+                              f"{_step(kwargs)}", fix=f"return one float (or None) per completion from {name}") from None
+        if len(scores) != count:
+            raise RewardError(f"reward function {name!r} returned {len(scores)} scores for {count} completions at "
+                              f"{_step(kwargs)}", fix=f"return exactly one float (or None) per completion from {name}")
+        for index, value in enumerate(scores):
+            problem = _bad_value(value)
+            if problem is not None:
+                raise RewardError(f"reward function {name!r} returned {problem} at {_step(kwargs)}, on "
+                                  f"{describe_example(kwargs, index, count)}",
+                                  fix=f"return a finite float from {name}, or None to skip; {skip_hint}")
+        return scores
+
+    guarded.__lowmem_guarded__ = True  # type: ignore[attr-defined]
+    return guarded

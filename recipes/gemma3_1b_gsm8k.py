@@ -1,0 +1,34 @@
+"""gemma-3-1b-it on GSM8K with GRPO: Gemma 3 1B (gated on the hub: accept its license and set HF_TOKEN).
+
+Run:      lowmem-grpo train recipes/gemma3_1b_gsm8k.py
+          python recipes/gemma3_1b_gsm8k.py train.max_steps=10
+Hardware: tuned for one 8 GB CUDA GPU (`lowmem-grpo plan recipes/gemma3_1b_gsm8k.py` prints the breakdown).
+Planner:  predicted peak 2.69 GiB with Unsloth (backend auto), 4.12 GiB with plain
+          transformers + PEFT + bitsandbytes (model.backend=hf); the rest of the 8 GB is headroom until
+          benchmarks/memory_gpu.py has measured this architecture.
+Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step,
+          completions up to 512 tokens.
+"""
+
+from lowmem_grpo.recipe import DataConfig, LoraConfig, ModelConfig, OutputConfig, Recipe, TrainConfig
+
+
+def recipe() -> Recipe:
+    """gemma-3-1b-it, 8 GB GPU."""
+    return Recipe(
+        name="gemma3-1b-gsm8k",
+        description="gemma-3-1b-it on GSM8K (hub), 4-bit + LoRA, 8 GB GPU",
+        gpu_memory_gb=8,
+        model=ModelConfig(name="google/gemma-3-1b-it", backend="auto", load_in_4bit=True, max_seq_length=768),
+        lora=LoraConfig(r=16, alpha=32),
+        data=DataConfig(source="hub", max_prompt_length=256),
+        train=TrainConfig(max_steps=400, num_generations=8, per_device_train_batch_size=16,
+                          max_completion_length=512, learning_rate=5e-6, save_steps=50),
+        output=OutputConfig(root="runs"),
+    )
+
+
+if __name__ == "__main__":
+    from lowmem_grpo.cli import main_for_recipe
+
+    raise SystemExit(main_for_recipe(__file__))

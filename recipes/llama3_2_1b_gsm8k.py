@@ -1,0 +1,34 @@
+"""Llama-3.2-1B-Instruct on GSM8K with GRPO: Llama 3.2 1B (gated on the hub: accept its license and set HF_TOKEN).
+
+Run:      lowmem-grpo train recipes/llama3_2_1b_gsm8k.py
+          python recipes/llama3_2_1b_gsm8k.py train.max_steps=10
+Hardware: tuned for one 8 GB CUDA GPU (`lowmem-grpo plan recipes/llama3_2_1b_gsm8k.py` prints the breakdown).
+Planner:  predicted peak 3.07 GiB with Unsloth (backend auto), 4.49 GiB with plain
+          transformers + PEFT + bitsandbytes (model.backend=hf); the rest of the 8 GB is headroom until
+          benchmarks/memory_gpu.py has measured this architecture.
+Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step,
+          completions up to 512 tokens.
+"""
+
+from lowmem_grpo.recipe import DataConfig, LoraConfig, ModelConfig, OutputConfig, Recipe, TrainConfig
+
+
+def recipe() -> Recipe:
+    """Llama-3.2-1B-Instruct, 8 GB GPU."""
+    return Recipe(
+        name="llama3.2-1b-gsm8k",
+        description="Llama-3.2-1B-Instruct on GSM8K (hub), 4-bit + LoRA, 8 GB GPU",
+        gpu_memory_gb=8,
+        model=ModelConfig(name="meta-llama/Llama-3.2-1B-Instruct", backend="auto", load_in_4bit=True, max_seq_length=768),
+        lora=LoraConfig(r=16, alpha=32),
+        data=DataConfig(source="hub", max_prompt_length=256),
+        train=TrainConfig(max_steps=400, num_generations=8, per_device_train_batch_size=16,
+                          max_completion_length=512, learning_rate=5e-6, save_steps=50),
+        output=OutputConfig(root="runs"),
+    )
+
+
+if __name__ == "__main__":
+    from lowmem_grpo.cli import main_for_recipe
+
+    raise SystemExit(main_for_recipe(__file__))

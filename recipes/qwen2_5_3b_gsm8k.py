@@ -1,0 +1,34 @@
+"""Qwen2.5-3B-Instruct on GSM8K with GRPO: a stronger Qwen2.5 for a 12 GB card.
+
+Run:      lowmem-grpo train recipes/qwen2_5_3b_gsm8k.py
+          python recipes/qwen2_5_3b_gsm8k.py train.max_steps=10
+Hardware: tuned for one 12 GB CUDA GPU (`lowmem-grpo plan recipes/qwen2_5_3b_gsm8k.py` prints the breakdown).
+Planner:  predicted peak 4.33 GiB with Unsloth (backend auto), 6.94 GiB with plain
+          transformers + PEFT + bitsandbytes (model.backend=hf); the rest of the 12 GB is headroom until
+          benchmarks/memory_gpu.py has measured this architecture.
+Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step,
+          completions up to 512 tokens.
+"""
+
+from lowmem_grpo.recipe import DataConfig, LoraConfig, ModelConfig, OutputConfig, Recipe, TrainConfig
+
+
+def recipe() -> Recipe:
+    """Qwen2.5-3B-Instruct, 12 GB GPU."""
+    return Recipe(
+        name="qwen2.5-3b-gsm8k",
+        description="Qwen2.5-3B-Instruct on GSM8K (hub), 4-bit + LoRA, 12 GB GPU",
+        gpu_memory_gb=12,
+        model=ModelConfig(name="Qwen/Qwen2.5-3B-Instruct", backend="auto", load_in_4bit=True, max_seq_length=768),
+        lora=LoraConfig(r=16, alpha=32),
+        data=DataConfig(source="hub", max_prompt_length=256),
+        train=TrainConfig(max_steps=250, num_generations=8, per_device_train_batch_size=16,
+                          max_completion_length=512, learning_rate=5e-6, save_steps=50),
+        output=OutputConfig(root="runs"),
+    )
+
+
+if __name__ == "__main__":
+    from lowmem_grpo.cli import main_for_recipe
+
+    raise SystemExit(main_for_recipe(__file__))

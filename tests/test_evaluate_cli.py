@@ -1,0 +1,203 @@
+"""`lowmem-grpo eval` and `check-rewards` end to end on the tiny model and the embedded test split."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowmem_grpo.cli import main
+from lowmem_grpo.errors import EXIT_BAD_INPUT, EXIT_NO_SIGNAL, EXIT_OK, RecipeError
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_RECIPE = str(REPO / "recipes" / "smollm2_135m_gsm8k_cpu.py")
+CORE = ["strict_accuracy", "lenient_accuracy", "strict_format_rate", "soft_format_rate",
+        "mean_completion_tokens", "truncated_rate"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A 2-step GRPO run of the CPU recipe on the tiny model (adapter/ and recipe.yaml inside)."""
+    from tiny_run import train_tiny
+
+    path, _ = train_tiny(tiny_model_dir, tmp_path_factory.mktemp("eval-run") / "run", "train.max_steps=2",
+                         "train.preflight=false")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def eval_args(model: Path | str, out: Path, *extra: str) -> list[str]:
+    return ["eval", "--model", str(model), "--data", "embedded", "--max-new-tokens", "8", "--out", str(out),
+            "--no-progress", *extra]
+
+
+def test_eval_writes_metrics_records_and_table(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert main(eval_args(tiny_model_dir, out, "--limit", "3", "--prefill", "<reasoning>\\n")) == EXIT_OK
+    report = json.loads((out / "eval.json").read_text())
+    assert set(CORE) <= set(report["metrics"])
+    assert report["metrics"]["num_problems"] == 3
+    assert report["settings"]["prefill"] == "<reasoning>\n" and report["settings"]["split"] == "test"
+    assert report["settings"]["temperature"] == 0.0 and report["settings"]["engine"] == "transformers"
+    assert report["versions"]["transformers"] and report["versions"]["torch"]
+    assert report["runs"]["model"]["problems_per_minute"] > 0
+    records = read_jsonl(out / "eval.jsonl")
+    assert len(records) == 3
+    first_problem = json.loads((REPO / "lowmem_grpo/resources/gsm8k/test.jsonl").read_text().splitlines()[0])
+    assert records[0]["question"] == first_problem["question"]
+    assert records[0]["gold"] == first_problem["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+    for r in records:
+        assert r["completion"].startswith("<reasoning>\n")  # scored as prefill + generated text
+        assert r["completion_tokens"] <= 8
+        if r["truncated"]:
+            assert r["completion_tokens"] == 8
+        for key in ("extracted_answer", "last_number", "strict_correct", "lenient_correct", "strict_format",
+                    "soft_format"):
+            assert key in r
+    table = capsys.readouterr().out
+    assert "| strict_accuracy |" in table and "| truncated_rate |" in table and "problems/min" in table
+
+
+def test_same_seed_same_sampled_result(tiny_model_dir, tmp_path):
+    outs = [tmp_path / name for name in ("a", "b", "c")]
+    for out, seed in zip(outs, ("5", "5", "6")):
+        args = eval_args(tiny_model_dir, out, "--limit", "3", "--samples", "3", "--temperature", "1.0",
+                         "--seed", seed)
+        assert main(args) == EXIT_OK
+    a, b, c = (read_jsonl(out / "eval.jsonl") for out in outs)
+    texts = [[s["completion"] for s in r["samples"]] for r in a]
+    assert texts == [[s["completion"] for s in r["samples"]] for r in b]
+    assert texts != [[s["completion"] for s in r["samples"]] for r in c]
+    metrics = json.loads((outs[0] / "eval.json").read_text())["metrics"]
+    assert {"pass@3", "mean@3", "lenient_pass@3"} <= set(metrics)
+    assert metrics["num_completions"] == 9
+
+
+def test_compare_base_and_adapter_on_the_same_problems(run_dir, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(eval_args(run_dir, out, "--limit", "4", "--compare")) == EXIT_OK
+    report = json.loads((out / "eval.json").read_text())
+    assert report["settings"]["adapter"] == str(run_dir / "adapter")
+    assert report["settings"]["prefill"] == "<reasoning>\n"  # the run's recipe.yaml
+    assert set(report["runs"]) == {"base", "adapter"}
+    for metric in CORE:
+        row = report["comparison"][metric]
+        assert row["low"] <= row["diff"] <= row["high"]
+        assert row["diff"] == pytest.approx(row["adapter"] - row["base"])
+    records = read_jsonl(out / "eval.jsonl")
+    base = [r for r in records if r["variant"] == "base"]
+    adapter = [r for r in records if r["variant"] == "adapter"]
+    assert [r["question"] for r in base] == [r["question"] for r in adapter] and len(base) == 4
+    table = capsys.readouterr().out
+    assert "| metric | base | adapter | diff | 95% CI |" in table
+    # the same seed gives the same comparison, CI included
+    again = tmp_path / "cmp2"
+    assert main(eval_args(run_dir, again, "--limit", "4", "--compare")) == EXIT_OK
+    assert json.loads((again / "eval.json").read_text())["comparison"] == report["comparison"]
+
+
+def test_eval_command_from_a_run_dir_uses_its_recipe(run_dir):
+    """The installed entry point, defaults from recipe.yaml (embedded data), output under the run."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    proc = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "eval", "--model", str(run_dir), "--limit", "2",
+                           "--max-new-tokens", "4", "--no-progress"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| strict_accuracy |" in proc.stdout and "+ adapter" in proc.stdout
+    written = list((run_dir / "eval").glob("test-*/eval.json"))
+    assert len(written) == 1
+    assert json.loads(written[0].read_text())["settings"]["data"] == "embedded"
+
+
+def test_eval_bad_input_exits_2(tiny_model_dir, tmp_path, capsys):
+    assert main(eval_args(tiny_model_dir, tmp_path / "x", "--compare")) == EXIT_BAD_INPUT  # no adapter
+    assert main(eval_args(tiny_model_dir, tmp_path / "x", "--adapter", str(tmp_path))) == EXIT_BAD_INPUT
+    assert main(["eval", "--model", str(tiny_model_dir), "--data", str(tmp_path / "missing.jsonl")]) == EXIT_BAD_INPUT
+    assert main(eval_args(tiny_model_dir, tmp_path / "x", "--samples", "2")) == EXIT_BAD_INPUT  # greedy x 2
+    assert main(eval_args(tiny_model_dir, tmp_path / "x", "--limit", "0")) == EXIT_BAD_INPUT
+
+
+def check_rewards(model_dir: Path, *extra: str) -> list[str]:
+    return ["check-rewards", CPU_RECIPE, f"model.name={model_dir}", "train.max_completion_length=16", *extra,
+            "--prompts", "2"]
+
+
+def test_check_rewards_reports_no_signal_for_gsm8k_rewards_on_a_random_model(tiny_model_dir, capsys):
+    assert main(check_rewards(tiny_model_dir)) == EXIT_NO_SIGNAL
+    out = capsys.readouterr().out
+    assert "NO SIGNAL" in out and "prime.enabled=true" in out
+    assert "| weighted total |" in out and "| correctness | 2 |" in out
+    assert out.count("sample ") >= 2
+
+
+def test_check_rewards_passes_for_a_reward_that_varies(tiny_model_dir, capsys):
+    code = main(check_rewards(tiny_model_dir, "rewards={lowmem_test_rewards:length_reward: 1.0}"))
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    assert "ok:" in out and "NO SIGNAL" not in out
+
+
+def test_periodic_eval_callback_logs_eval_metrics(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerControl, TrainerState
+
+    from lowmem_grpo.evaluate import make_eval_callback
+    from lowmem_grpo.recipe_io import load_recipe
+
+    recipe = load_recipe(CPU_RECIPE, [f"model.name={tiny_model_dir}", "train.eval_every=2", "train.eval_limit=2",
+                                      "train.max_completion_length=8"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.train()
+    callback = make_eval_callback(recipe, tokenizer, tmp_path)
+    for step in (1, 2):
+        callback.on_step_end(None, TrainerState(global_step=step), TrainerControl(), model=model)
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(lines) == 1 and lines[0]["stage"] == "eval" and lines[0]["step"] == 2
+    assert lines[0]["eval/num_problems"] == 2 and "eval/strict_accuracy" in lines[0] and "eval/reward" in lines[0]
+    assert model.training  # restored after generating
+
+
+def test_preflight_as_train_calls_it_on_the_fresh_lora_model(tiny_model_dir):
+    """preflight(recipe, loaded, examples, n) on the LoRA-wrapped model train() builds, left in train mode."""
+    from lowmem_grpo.backends import load
+    from lowmem_grpo.data import build_examples, load_rows
+    from lowmem_grpo.preflight import preflight
+    from lowmem_grpo.recipe_io import load_recipe
+
+    recipe = load_recipe(CPU_RECIPE, [f"model.name={tiny_model_dir}", "train.max_completion_length=8",
+                                      "rewards={correctness: 2.0, lowmem_test_rewards:length_reward: 1.0}"])
+    loaded = load(recipe, "hf")
+    loaded.model.train()
+    d = recipe.data
+    examples = build_examples(load_rows("embedded", "train")[:3], loaded.tokenizer, d.system_prompt, d.prefill,
+                              d.max_prompt_length)
+    result = preflight(recipe, loaded, examples, 2)
+    assert (result.num_prompts, result.num_generations) == (2, recipe.train.num_generations)
+    assert [s.name for s in result.rewards] == ["correctness", "lowmem_test_rewards:length_reward", "total"]
+    assert result.rewards[0].mean == 0.0 and result.rewards[0].frac_zero_std == 1.0
+    assert not result.no_signal and result.frac_zero_std == 0.0
+    assert result.samples[0]["completion"].startswith("<reasoning>\n") and loaded.model.training
+
+
+def test_preflight_and_eval_fields_never_reach_grpo_config(tmp_path):
+    from lowmem_grpo.recipe import validate
+    from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.train import build_grpo_config, check_trainer_fields
+
+    recipe = load_recipe(CPU_RECIPE, ["train.preflight=false", "train.preflight_prompts=2",
+                                      "train.allow_no_signal=true", "train.eval_every=5", "train.eval_limit=10"])
+    validate(recipe)
+    check_trainer_fields(recipe)
+    assert recipe.train.extra == {}
+    config = build_grpo_config(recipe, tmp_path, False, [1.0])
+    assert not any(hasattr(config, k) for k in ("preflight", "preflight_prompts", "allow_no_signal", "eval_limit"))
+    for bad in ("train.preflight_prompts=0", "train.eval_every=-1", "train.eval_limit=0"):
+        with pytest.raises(RecipeError):
+            validate(load_recipe(CPU_RECIPE, [bad]))

@@ -1,0 +1,252 @@
+"""Exports of a tiny trained run: lora, merged (proven by logits), 4-bit and gguf refusals, folder safety."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_run import train_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A 2-step run with checkpoints at steps 1 and 2 and the final adapter."""
+    run, _ = train_tiny(tiny_model_dir, tmp_path_factory.mktemp("export") / "run", "train.max_steps=2",
+                        "train.save_steps=1")
+    return run
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    base_env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_DIR"}
+    return subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**base_env, "PYTHONPATH": str(REPO / "tests"), **(env or {})})
+
+
+def proof_ids(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok("Natalia sold clips to 48 of her friends in April.")["input_ids"],
+            tok("<reasoning>\nShe sold 48 / 2 = 24 clips in May.\n</reasoning>")["input_ids"]]
+
+
+def logits(model, ids_list):
+    import torch
+
+    with torch.inference_mode():
+        return [model(input_ids=torch.tensor([ids])).logits[0] for ids in ids_list]
+
+
+def max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def adapter_model(base_dir: Path, adapter_dir: Path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def no_leftovers(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+def test_lora_export_loads_with_peft(run_dir, tiny_model_dir, tmp_path):
+    from lowmem_grpo.export import export
+
+    out = tmp_path / "lora"
+    result = export(run_dir, "lora", out)
+    assert result.step == 2 and result.max_abs_diff is None
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja",
+                 "README.md"):
+        assert (out / name).is_file(), name
+    ids = proof_ids(tiny_model_dir)
+    exported = logits(adapter_model(tiny_model_dir, out), ids)
+    assert max_diff(exported, logits(adapter_model(tiny_model_dir, run_dir / "adapter"), ids)) == 0.0
+    card = (out / "README.md").read_text()
+    assert "PeftModel.from_pretrained" in card and "lowmem_test_rewards:length_reward | 1" in card
+    assert "correctness | 2" in card and "training steps | 2 of 2" in card
+
+
+def test_merged_fp32_reloads_in_plain_transformers_within_1e4(run_dir, tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_grpo.export import export
+
+    out = tmp_path / "merged"
+    result = export(run_dir, "merged-16bit", out, dtype="float32")
+    assert result.dtype == "float32" and result.tolerance == 1e-4
+    assert result.max_abs_diff is not None and result.max_abs_diff <= 1e-4
+    assert result.adapter_effect > 1e-3, "the adapter changes logits, so the comparison means something"
+    assert not (out / "adapter_config.json").exists()
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "chat_template.jinja", "README.md"):
+        assert (out / name).is_file(), name
+    # an independent check with other prompts: plain transformers vs base + adapter
+    ids = proof_ids(tiny_model_dir)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert not hasattr(merged, "peft_config")
+    reference = logits(adapter_model(tiny_model_dir, run_dir / "adapter"), ids)
+    assert max_diff(logits(merged, ids), reference) <= 1e-4
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert max_diff(logits(base, ids), reference) > 1e-3
+    card = (out / "README.md").read_text()
+    assert "## Export proof" in card and "max |logit difference|" in card and "float32" in card
+
+
+def test_cli_exports_a_checkpoint(run_dir, tmp_path):
+    out = tmp_path / "ckpt1"
+    done = cli("export", str(run_dir), "--checkpoint", "1", "--format", "lora", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "exported lora" in done.stdout
+    assert "training steps | 1 of 2" in (out / "README.md").read_text()
+    missing = cli("export", str(run_dir), "--checkpoint", "99", "--format", "lora", "--out", str(tmp_path / "x"))
+    assert missing.returncode == 2 and "checkpoint" in missing.stderr and "[1, 2]" in missing.stderr
+
+
+def test_non_empty_out_is_refused_without_overwrite(run_dir, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    refused = cli("export", str(run_dir), "--format", "lora", "--out", str(out))
+    assert refused.returncode == 2
+    assert "not empty" in refused.stderr and "--overwrite" in refused.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+    replaced = cli("export", str(run_dir), "--format", "lora", "--out", str(out), "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert not (out / "keep.txt").exists() and (out / "adapter_model.safetensors").exists()
+    assert no_leftovers(tmp_path)
+
+
+def test_out_inside_the_adapter_is_refused(run_dir):
+    from lowmem_grpo.errors import BadInputError
+    from lowmem_grpo.export import export
+
+    with pytest.raises(BadInputError, match="which the export reads"):
+        export(run_dir, "lora", run_dir / "adapter", overwrite=True)
+
+
+class Interrupt(KeyboardInterrupt):
+    """What Ctrl-C in the middle of an export raises."""
+
+
+@pytest.mark.parametrize("phase", ["merge", "save", "card"])
+def test_interrupted_export_leaves_nothing(run_dir, tmp_path, phase):
+    from lowmem_grpo.export import export
+
+    def interrupt(name: str) -> None:
+        if name == phase:
+            raise Interrupt(name)
+
+    out = tmp_path / "merged"
+    with pytest.raises(Interrupt):
+        export(run_dir, "merged-16bit", out, after_phase=interrupt)
+    assert not out.exists()
+    assert no_leftovers(tmp_path)
+
+
+def test_interrupted_overwrite_keeps_the_old_export(run_dir, tmp_path):
+    from lowmem_grpo.export import export
+
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous export")
+
+    def interrupt(name: str) -> None:
+        if name == "card":
+            raise Interrupt(name)
+
+    with pytest.raises(Interrupt):
+        export(run_dir, "lora", out, overwrite=True, after_phase=interrupt)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert no_leftovers(tmp_path)
+
+
+def test_proof_above_tolerance_fails_and_writes_nothing(run_dir, tmp_path):
+    from lowmem_grpo.errors import LowmemError
+    from lowmem_grpo.export import export
+
+    out = tmp_path / "strict"
+    with pytest.raises(LowmemError, match="above the tolerance"):
+        export(run_dir, "merged-16bit", out, dtype="bfloat16", tolerance=1e-9)
+    assert not out.exists() and no_leftovers(tmp_path)
+
+
+def test_gguf_without_converter_is_a_clear_error(run_dir, tmp_path):
+    out = tmp_path / "gguf"
+    done = cli("export", str(run_dir), "--format", "gguf", "--out", str(out))
+    assert done.returncode == 2
+    assert "convert_hf_to_gguf.py" in done.stderr and "--llama-cpp" in done.stderr
+    assert "LLAMA_CPP_DIR" in done.stderr and "downloads nothing" in done.stderr
+    empty = tmp_path / "llama.cpp"
+    empty.mkdir()
+    via_env = cli("export", str(run_dir), "--format", "gguf", "--out", str(out), env={"LLAMA_CPP_DIR": str(empty)})
+    assert via_env.returncode == 2 and f"no convert_hf_to_gguf.py at {empty}" in via_env.stderr
+    assert not out.exists()
+
+
+def test_gguf_converter_failure_leaves_nothing(run_dir, tmp_path):
+    from lowmem_grpo.errors import LowmemError
+    from lowmem_grpo.export import export
+
+    llama = tmp_path / "llama.cpp"
+    llama.mkdir()
+    (llama / "convert_hf_to_gguf.py").write_text("import sys\nprint('unsupported architecture', file=sys.stderr)\n"
+                                                 "sys.exit(1)\n")
+    out = tmp_path / "gguf"
+    with pytest.raises(LowmemError, match="unsupported architecture"):
+        export(run_dir, "gguf", out, llama_cpp=llama)
+    assert not out.exists() and no_leftovers(tmp_path)
+
+
+def test_gguf_broken_output_fails_the_proof(run_dir, tmp_path):
+    from lowmem_grpo.errors import LowmemError
+    from lowmem_grpo.export import export
+
+    llama = tmp_path / "llama.cpp"
+    llama.mkdir()
+    (llama / "convert_hf_to_gguf.py").write_text(
+        "import sys\nout = sys.argv[sys.argv.index('--outfile') + 1]\nopen(out, 'wb').write(b'not a gguf file')\n")
+    out = tmp_path / "gguf"
+    with pytest.raises(LowmemError, match="does not load with plain transformers"):
+        export(run_dir, "gguf", out, llama_cpp=llama)
+    assert not out.exists() and no_leftovers(tmp_path)
+
+
+def test_merged_4bit_needs_cuda(run_dir, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = cli("export", str(run_dir), "--format", "merged-4bit", "--out", str(tmp_path / "q"))
+    assert done.returncode == 2 and "CUDA" in done.stderr and "merged-16bit" in done.stderr
+
+
+def test_merged_4bit_path_on_the_bitsandbytes_cpu_backend(run_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_grpo.export import export
+
+    out = tmp_path / "q4"
+    result = export(run_dir, "merged-4bit", out, require_cuda_for_4bit=False)
+    assert set(result.checks) == {"prove", "prove-4bit"}
+    assert result.checks["prove"] <= 1e-4 and result.checks["prove-4bit"] <= result.tolerance
+    assert not (out / ".merged-16bit").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+
+
+def test_unknown_run_dir_and_format_are_bad_input(tmp_path):
+    assert cli("export", str(tmp_path), "--format", "lora", "--out", str(tmp_path / "o")).returncode == 2
+    assert cli("export", str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "o")).returncode == 2

@@ -1,0 +1,347 @@
+"""The GRPO memory planner: each term against hand arithmetic (and the libraries it models), its
+monotonicity, the proposal and auto-fit against their budgets, the shipped configs, and `plan --json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowmem_grpo import memory_terms as mt
+from lowmem_grpo.errors import BadInputError, RecipeError
+from lowmem_grpo.memory import GIB, MIB, auto_fit, explicit_keys, parse_size, plan, resolve_settings
+from lowmem_grpo.memory_arch import architecture_from_config, load_architecture, shipped_config_path, shipped_configs
+from lowmem_grpo.recipe import DEFAULT_TARGET_MODULES, validate
+from lowmem_grpo.recipe_io import apply_overrides, load_recipe, shipped_recipes
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 600, "tie_word_embeddings": True}
+GPU_RECIPES = [p for p in shipped_recipes() if load_recipe(str(p)).gpu_memory_gb]
+
+
+def tiny_settings(**changes) -> mt.Settings:
+    base = dict(backend="hf", load_in_4bit=True, compute_bytes=2, lora_r=8, target_modules=tuple(DEFAULT_TARGET_MODULES),
+                optim="paged_adamw_8bit", gradient_checkpointing=True, per_device_batch=4, generation_batch=8,
+                num_generations=4, prompt_len=32, completion_len=64, beta=0.0, fast_inference=False,
+                gpu_memory_utilization=0.5, gpu_total_bytes=8 * GIB)
+    return mt.Settings(**{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return architecture_from_config(TINY, "tiny")
+
+
+# --- terms against hand arithmetic --------------------------------------------------------------
+
+
+def test_lora_parameter_count_is_exact_for_a_tiny_llama(tiny):
+    # per layer, r x (in + out): q 8x(64+64)=1024, k and v 8x(64+32)=768 (GQA: 2 kv heads x 16),
+    # o 1024, gate and up 8x(64+128)=1536, down 8x(128+64)=1536 -> 8192; two layers -> 16384
+    s = tiny_settings()
+    assert mt.lora_param_count(tiny, s) == 16384
+    assert mt.lora_params(tiny, s) == mt.lora_grads(tiny, s) == 16384 * 4
+    only_qv = dataclasses.replace(s, target_modules=("q_proj", "v_proj", "not_a_module"))
+    assert mt.lora_param_count(tiny, only_qv) == 2 * (1024 + 768)
+
+
+def test_lora_count_matches_peft_on_the_real_model(tiny):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}))
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(DEFAULT_TARGET_MODULES)))
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert trainable == mt.lora_param_count(tiny, tiny_settings())
+    assert sum(p.numel() for p in model.parameters() if not p.requires_grad) == tiny.total_params()
+
+
+def test_nf4_bytes_by_hand_and_against_bitsandbytes():
+    # 4096 weights: 2048 packed + 64 uint8 absmax + 4 (one fp32 second-level absmax) + 4 offset + 64 code + 1024 code2
+    assert mt.nf4_tensor_bytes(4096) == 2048 + 64 + 4 + 4 + 64 + 1024
+    assert mt.nf4_tensor_bytes(4096, double_quant=False) == 2048 + 64 * 4 + 64
+    import torch
+    import bitsandbytes.functional as F
+
+    for shape in [(32, 64), (128, 64), (100, 70)]:
+        for dq in (True, False):
+            packed, state = F.quantize_4bit(torch.randn(*shape, dtype=torch.bfloat16), blocksize=64, quant_type="nf4",
+                                            compress_statistics=dq)
+            tensors = [packed, state.absmax, state.code] + ([state.state2.absmax, state.offset, state.state2.code]
+                                                            if dq else [])
+            measured = sum(t.numel() * t.element_size() for t in tensors)
+            assert mt.nf4_tensor_bytes(shape[0] * shape[1], dq) == measured
+
+
+def test_base_weights_4bit_by_hand(tiny):
+    # nf4 per tensor: 4096 -> 3208, 2048 -> 1024+32+4+4+64+1024 = 2152, 8192 -> 4096+128+4+4+64+1024 = 5320
+    quantized = 2 * (2 * 3208 + 2 * 2152 + 3 * 5320)  # q,o + k,v + gate,up,down, two layers = 53360
+    unquantized = 600 * 64 + 2 * 2 * 64 + 64  # tied embedding + 2 norms per layer + final norm = 38720
+    assert mt.base_weights(tiny, tiny_settings(backend="unsloth")) == quantized + 2 * unquantized
+    assert mt.base_weights(tiny, tiny_settings(backend="hf")) == quantized + 4 * unquantized  # peft casts to fp32
+    assert mt.base_weights(tiny, tiny_settings(load_in_4bit=False)) == tiny.total_params() * 2
+    assert mt.base_weights(tiny, tiny_settings(fast_inference=True)) == 0  # inside vLLM's reservation
+
+
+def test_optimizer_state_matches_bitsandbytes_and_torch():
+    import torch
+    import bitsandbytes as bnb
+
+    arch = architecture_from_config({**TINY, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+                                     "num_key_value_heads": 2})
+    s = tiny_settings(lora_r=16)
+    sizes = mt.lora_tensors(arch, s)
+    assert min(sizes) < mt.OPT8_MIN_SIZE <= max(sizes)  # both the 8-bit and the 32-bit fallback are exercised
+    for cls, optim in [(bnb.optim.AdamW8bit, "adamw_8bit"), (torch.optim.AdamW, "adamw_torch")]:
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+        opt = cls(params, lr=1e-3)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        measured = sum(v.numel() * v.element_size() for p in params for k, v in opt.state[p].items()
+                       if torch.is_tensor(v) and k != "step")
+        assert mt.optimizer_state(arch, dataclasses.replace(s, optim=optim)) == measured
+    assert mt.optimizer_state(arch, dataclasses.replace(s, optim="sgd")) == 0
+
+
+def test_kv_cache_logits_activations_by_hand(tiny):
+    s = tiny_settings()  # R=8, P=32, C=64, S=96, L=2, kv = 2 heads x 16 = 32, bf16
+    assert mt.kv_cache(tiny, s) == 8 * 2 * 96 * 2 * 32 * 2
+    unsloth = dataclasses.replace(s, backend="unsloth")  # decode buffers of P + 1 + 512, plus the prefill's P
+    assert mt.kv_cache(tiny, unsloth) == 8 * 2 * (32 + 1 + 512 + 32) * 2 * 32 * 2
+    assert mt.kv_cache(tiny, dataclasses.replace(s, fast_inference=True)) == 0
+    # N = b x C = 256 scored tokens: tile 256 x 600 x 2 + N x H x (2 + 4) + N x 32
+    assert mt.logits(tiny, s) == 256 * 600 * 2 + 256 * 64 * 6 + 256 * 32
+    assert mt.logits(tiny, dataclasses.replace(s, logits="full")) == 256 * 600 * (2 * 2 + 4)
+    # per token per layer (hf): 2 x ((2+2) x 64 + 3 x 64 + 2 x 32 + 3 x 128 + 8 x 7) + 4 x (2 + 4) = 1928
+    assert mt.layer_activation_bytes_per_token(tiny, s) == 1928
+    assert mt.layer_activation_bytes_per_token(tiny, unsloth) == 1928 - 2 * 128  # fused SwiGLU keeps 2 x I
+    tokens, hidden, extra = 4 * 96, 4 * 96 * 64 * 2, 4 * 4 * 96 * 64 * 2 + 4 * 96 * 96
+    assert mt.activations(tiny, s) == 2 * hidden + tokens * 1928 + extra
+    assert mt.activations(tiny, unsloth) == 2 * hidden + tokens * 1672 + extra
+    assert mt.activations(tiny, dataclasses.replace(s, gradient_checkpointing=False)) == 2 * tokens * 1928 + extra
+
+
+def test_reference_vllm_and_sliding_window_terms(tiny):
+    s = tiny_settings()
+    assert mt.reference_model(tiny, s) == 0
+    assert mt.reference_model(tiny, dataclasses.replace(s, beta=0.04)) == 8 * 64 * 4
+    assert mt.vllm_reservation(tiny, s) == 0
+    assert mt.vllm_reservation(tiny, dataclasses.replace(s, fast_inference=True)) == int(0.5 * 8 * GIB)
+    gemma = architecture_from_config({**TINY, "model_type": "gemma3_text", "num_hidden_layers": 6,
+                                      "sliding_window": 512, "sliding_window_pattern": 6, "head_dim": 16})
+    assert gemma.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert gemma.kv_tokens(768) == 5 * 512 + 768 and gemma.kv_tokens(100) == 600
+    assert gemma.norms_per_layer == 4 and gemma.qk_norm
+
+
+def test_plan_is_static_plus_the_larger_phase(tiny):
+    recipe = load_recipe("qwen2_5_1_5b_gsm8k")
+    p = plan(recipe, 8 * GIB)
+    gen, train = p.phases["generation"], p.phases["training"]
+    assert p.total_bytes == p.phases["static"] + max(gen, train) + p.terms["allocator_slack"]
+    assert p.peak_phase == ("generation" if gen > train else "training")
+    assert p.allocated_bytes < p.reserved_bytes < p.total_bytes
+    assert all(isinstance(v, int) and v >= 0 for v in p.terms.values())
+
+
+# --- monotonic in each setting ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key,values", [
+    ("train.max_completion_length", [64, 128, 256, 512, 1024]),
+    ("train.per_device_train_batch_size", [8, 16, 32, 64]),
+    ("lora.r", [4, 8, 16, 32, 64]),
+])
+def test_peak_grows_with_each_setting(key, values):
+    base = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.max_seq_length=2048"])
+    totals = [plan(apply_overrides(base, [f"{key}={v}"]), propose=False).total_bytes for v in values]
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+
+
+def test_peak_grows_with_num_generations():
+    base = load_recipe("llama3_2_1b_gsm8k")
+    totals = [plan(apply_overrides(base, [f"train.num_generations={g}", f"train.per_device_train_batch_size={2 * g}"]),
+                   propose=False).total_bytes for g in (2, 4, 8, 16)]  # two prompts per step, G completions each
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+
+
+# --- proposal -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe_name", ["qwen2_5_1_5b_gsm8k", "qwen3_4b_gsm8k", "gemma3_1b_gsm8k"])
+@pytest.mark.parametrize("gib", [2.5, 3, 4, 6, 8, 12, 24])
+def test_proposal_never_exceeds_the_budget(recipe_name, gib):
+    recipe = load_recipe(recipe_name)
+    budget = int(gib * GIB)
+    proposal = plan(recipe, budget).proposal
+    assert set(proposal) == {"num_generations", "per_device_train_batch_size", "generation_batch_size",
+                             "max_completion_length", "gpu_memory_utilization"}
+    for knob, entry in proposal.items():
+        if entry is None:
+            continue
+        assert entry["total_bytes"] <= budget, knob
+        changed = apply_overrides(recipe, [f"{k}={v}" for k, v in entry["changes"].items()])
+        validate(changed)  # a proposal is a valid recipe, and its total is what the plan of that recipe says
+        assert plan(changed, budget, propose=False).total_bytes == entry["total_bytes"]
+
+
+def test_proposal_is_empty_when_nothing_fits():
+    proposal = plan(load_recipe("qwen3_4b_gsm8k"), 1 * GIB).proposal
+    assert all(entry is None for entry in proposal.values())
+
+
+# --- shipped configs and recipes ----------------------------------------------------------------
+
+FAMILY = {"Qwen/Qwen2.5": "qwen2", "Qwen/Qwen3": "qwen3", "meta-llama/Llama": "llama", "google/gemma-3": "gemma3_text",
+          "HuggingFaceTB/SmolLM2": "llama"}
+
+
+@pytest.mark.parametrize("path", [str(p) for p in shipped_recipes()], ids=lambda p: Path(p).stem)
+def test_every_recipe_model_has_a_shipped_config_of_its_family(path):
+    name = load_recipe(path).model.name
+    config = shipped_config_path(name)
+    assert config is not None, f"no shipped config for {name}"
+    hub_id = "HuggingFaceTB/SmolLM2" if name.startswith("embedded:") else name
+    expected = next(v for k, v in FAMILY.items() if hub_id.startswith(k))
+    assert json.loads(config.read_text())["model_type"] == expected == load_architecture(name).model_type
+
+
+@pytest.mark.parametrize("hub_id", sorted(shipped_configs()))
+def test_shipped_config_builds_the_model_it_describes(hub_id):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    data = json.loads(shipped_configs()[hub_id].read_text())
+    assert data.get("_source"), "every shipped config says where it came from"
+    config = AutoConfig.for_model(**{k: v for k, v in data.items() if not k.startswith("_")})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == load_architecture(hub_id).total_params()
+
+
+@pytest.mark.parametrize("path", [str(p) for p in GPU_RECIPES], ids=lambda p: Path(p).stem)
+def test_every_gpu_recipe_is_predicted_under_its_target(path):
+    recipe = load_recipe(path)
+    assert recipe.gpu_memory_gb in (8, 12, 16, 24) and recipe.model.load_in_4bit and recipe.data.source == "hub"
+    doc = Path(path).read_text().split('"""')[1]
+    stated = re.search(r"predicted peak ([\d.]+) GiB with Unsloth.*?, ([\d.]+) GiB with plain", doc, re.S)
+    assert stated, "the docstring states the planner's prediction"
+    for backend, text in zip(("unsloth", "hf"), stated.groups()):
+        total = plan(apply_overrides(recipe, [f"model.backend={backend}"]), recipe.gpu_memory_gb * GIB,
+                     propose=False).total_bytes
+        assert total < recipe.gpu_memory_gb * GIB
+        assert abs(total / GIB - float(text)) <= 0.1 * float(text), f"docstring says {text} GiB, planner {total / GIB:.2f}"
+
+
+# --- auto-fit -----------------------------------------------------------------------------------
+
+
+def test_auto_fit_keeps_a_recipe_that_fits():
+    recipe = load_recipe("qwen2_5_1_5b_gsm8k")
+    fitted, p = auto_fit(recipe, 8 * GIB, set())
+    assert fitted == recipe and p.fits
+
+
+@pytest.mark.parametrize("explicit", [set(), {"train.max_completion_length"}, {"train.per_device_train_batch_size"},
+                                      {"train.num_generations", "train.max_completion_length"}])
+def test_auto_fit_fits_without_touching_explicit_keys(explicit):
+    recipe = apply_overrides(load_recipe("qwen3_4b_gsm8k"), ["train.max_completion_length=2048",
+                                                             "model.max_seq_length=2304"])
+    budget = 7 * GIB
+    assert not plan(recipe, budget, propose=False).fits
+    fitted, p = auto_fit(recipe, budget, explicit)
+    validate(fitted)
+    assert p.fits and p.total_bytes <= budget
+    assert plan(fitted, budget, propose=False).total_bytes == p.total_bytes
+    for key in explicit:
+        section, name = key.split(".", 1)
+        assert getattr(getattr(fitted, section), name) == getattr(getattr(recipe, section), name), key
+    t = fitted.train
+    assert t.generation_batch_size() % t.num_generations == 0
+    assert t.generation_batch_size() % t.per_device_train_batch_size == 0
+
+
+def test_auto_fit_names_the_explicit_settings_that_cannot_fit():
+    recipe = apply_overrides(load_recipe("qwen3_4b_gsm8k"), ["train.max_completion_length=4096",
+                                                             "model.max_seq_length=4352"])
+    explicit = explicit_keys(["train.max_completion_length=4096", "train.per_device_train_batch_size=16",
+                              "train.num_generations=8", "model.max_seq_length=4352"])
+    with pytest.raises(RecipeError) as info:
+        auto_fit(recipe, 6 * GIB, explicit)
+    message = str(info.value)
+    assert "train.max_completion_length=4096" in message and "train.per_device_train_batch_size=16" in message
+    with pytest.raises(RecipeError, match="smaller model"):
+        auto_fit(load_recipe("qwen3_4b_gsm8k"), 2 * GIB, set())  # the 4-bit weights alone do not fit
+
+
+def test_explicit_keys_and_sizes():
+    assert explicit_keys(["train.max_steps=5", " lora.r = 8", "junk", "=3"]) == {"train.max_steps", "lora.r"}
+    assert parse_size("8GiB") == 8 * GIB == parse_size("8") == parse_size("8 G")
+    assert parse_size("12GB") == 12 * 10**9 and parse_size("512MiB") == 512 * MIB and parse_size("7.5GiB") == 7.5 * GIB
+    for bad in ("lots", "8 parsecs", "0GiB", "-3G"):
+        with pytest.raises(BadInputError):
+            parse_size(bad)
+
+
+def test_architecture_sources(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert load_architecture(str(tmp_path)).hidden_size == 64
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInputError, match="no config.json"):
+        load_architecture(str(tmp_path / "empty"))
+    with pytest.raises(BadInputError, match="no shipped config"):
+        load_architecture("Someone/Unknown-Model", allow_hub=False)
+    assert load_architecture("embedded:smollm2-135m-instruct").hidden_size == 576
+    s = resolve_settings(load_recipe("smollm2_135m_gsm8k_cpu"))
+    assert (s.backend, s.load_in_4bit, s.compute_bytes) == ("hf", False, 4)
+
+
+# --- the CLI ------------------------------------------------------------------------------------
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, **env}, timeout=120)
+
+
+def test_plan_json_schema():
+    out = _cli("plan", "recipes/qwen2_5_1_5b_gsm8k.py", "train.max_completion_length=256", "--gpu-memory", "6GiB",
+               "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert {"total_bytes", "fits", "terms", "proposal"} <= set(data)
+    assert data["fits"] is True and data["budget_bytes"] == 6 * GIB and data["settings"]["completion_len"] == 256
+    assert {"base_weights", "lora_params", "lora_grads", "optimizer_state", "activations", "kv_cache", "logits",
+            "reference_model", "vllm_reservation", "cuda_context", "allocator_slack"} <= set(data["terms"])
+    assert all(isinstance(v, int) for v in data["terms"].values())
+    assert all(e is None or e["total_bytes"] <= 6 * GIB for e in data["proposal"].values())
+    text = _cli("plan", "qwen2_5_1_5b_gsm8k")  # the recipe's own 8 GB
+    assert text.returncode == 0 and "fits" in text.stdout and "kv_cache" in text.stdout
+
+
+def test_plan_bad_input_exits_2():
+    no_gpu = _cli("plan", "smollm2_135m_gsm8k_cpu", CUDA_VISIBLE_DEVICES="")
+    assert no_gpu.returncode == 2 and "--gpu-memory" in no_gpu.stderr
+    assert _cli("plan", "qwen2_5_1_5b_gsm8k", "--gpu-memory", "lots").returncode == 2
+    offline = _cli("plan", "qwen2_5_1_5b_gsm8k", "model.name=Someone/Unknown-Model", HF_HUB_OFFLINE="1")
+    assert offline.returncode == 2 and "fix:" in offline.stderr
+
+
+def test_planner_imports_nothing_heavy():
+    code = ("import sys, lowmem_grpo.memory, lowmem_grpo.memory_fit\n"
+            "from lowmem_grpo.memory import plan\nfrom lowmem_grpo.recipe_io import load_recipe\n"
+            "plan(load_recipe('qwen3_4b_gsm8k'), 8 * 2**30)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'unsloth', 'huggingface_hub') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

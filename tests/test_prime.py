@@ -1,0 +1,243 @@
+"""The prime stage: rendered targets earn full rewards, priming lowers the loss, GRPO starts from the primed adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowmem_grpo.data import load_rows
+from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.prime import clean_reasoning, priming_pairs, render_target
+from lowmem_grpo.recipe import validate
+from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.rewards import correctness, integer, soft_format, strict_format, xml_count
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_RECIPE = "recipes/smollm2_135m_gsm8k_cpu.py"
+PREFILLS = ["", "<reasoning>\n", "<reasoning>", "<reasoning>\nLet me work it out step by step.\n",
+            "<reasoning>\nFirst,"]
+FORMAT_REWARDS = [strict_format, soft_format, integer, xml_count]
+TRAIN_ROWS = load_rows("embedded", "train")
+
+
+@pytest.mark.parametrize("prefill", PREFILLS, ids=repr)
+def test_every_rendered_train_target_earns_the_full_score(prefill):
+    """A property over the whole embedded train split: prefill + target scores 1.0 under every GSM8K reward."""
+    completions = [render_target(row["answer"], prefill) for row in TRAIN_ROWS]
+    prefills = [prefill] * len(completions)
+    for reward in FORMAT_REWARDS:
+        scores = reward(completions, prefill=prefills)
+        failing = [(i, completions[i]) for i, s in enumerate(scores) if s != 1.0]
+        assert not failing, f"{reward.__name__} below 1.0 on {len(failing)} targets, e.g. {failing[0]!r}"
+    scores = correctness(completions, answer=[row["answer"] for row in TRAIN_ROWS], prefill=prefills)
+    assert scores == [1.0] * len(TRAIN_ROWS)
+
+
+def test_targets_drop_calculator_annotations_and_keep_the_arithmetic():
+    row = TRAIN_ROWS[0]
+    assert "<<" in row["answer"]
+    target = render_target(row["answer"], "<reasoning>\n")
+    assert "<<" not in target and ">>" not in target and "####" not in target
+    assert "7*7=49" in target and target.endswith("<answer>\n57\n</answer>")
+    assert clean_reasoning("A is 2*3=<<2*3=6>>6.\n\n#### 6") == "A is 2*3=6."
+    # a solution with no worked lines still renders a non-empty reasoning block
+    assert strict_format([render_target("#### 12", "")]) == [1.0]
+
+
+def test_the_prefill_is_what_separates_the_target_from_the_full_turn():
+    """Rewards score prefill + completion: without the prefill the completion alone is not in format."""
+    completion = render_target(TRAIN_ROWS[1]["answer"], "<reasoning>\n")
+    assert not completion.startswith("<reasoning>")
+    assert strict_format([completion]) == [0.0]
+    assert strict_format([completion], prefill=["<reasoning>\n"]) == [1.0]
+    assert xml_count([completion]) == [0.75] and xml_count([completion], prefill=["<reasoning>\n"]) == [1.0]
+
+
+def test_prompts_carry_the_prefill_and_pairs_complete_them(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from lowmem_grpo.data import build_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    examples = build_examples(TRAIN_ROWS[:8], tokenizer, "Use the format.", "<reasoning>\n", 256)
+    pairs = priming_pairs(examples, num_examples=5)
+    assert len(pairs) == 5
+    for example, pair in zip(examples, pairs):
+        assert example["prompt"].endswith("<|im_start|>assistant\n<reasoning>\n")
+        assert example["prefill"] == "<reasoning>\n" and pair["prompt"] == example["prompt"]
+        full = pair["prompt"][-len("<reasoning>\n"):] + pair["completion"]
+        assert strict_format([full]) == [1.0]
+        assert correctness([pair["completion"]], answer=[example["answer"]], prefill=[example["prefill"]]) == [1.0]
+
+
+@pytest.mark.parametrize("prefill", ["Answer:", "<answer>\n", "<reasoning>\n</reasoning>\n"])
+def test_priming_rejects_a_prefill_its_targets_cannot_follow(prefill):
+    with pytest.raises(RecipeError) as info:
+        render_target(TRAIN_ROWS[0]["answer"], prefill)
+    assert "data.prefill" in str(info.value) and info.value.fix
+    recipe = load_recipe(CPU_RECIPE, ["prime.enabled=true", f"data.prefill={json.dumps(prefill)}"])
+    with pytest.raises(RecipeError, match="data.prefill"):
+        validate(recipe)
+    validate(load_recipe(CPU_RECIPE, ["prime.enabled=false", f"data.prefill={json.dumps(prefill)}"]))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("prime.max_steps=0", "prime.max_steps"),
+    ("prime.learning_rate=0", "prime.learning_rate"),
+    ("prime.num_examples=0", "prime.num_examples"),
+    ("prime.per_device_train_batch_size=-1", "prime.per_device_train_batch_size"),
+    ("prime.warmup_ratio=1.5", "prime.warmup_ratio"),
+])
+def test_bad_prime_values_name_the_key(override, key):
+    with pytest.raises(RecipeError) as info:
+        validate(load_recipe(CPU_RECIPE, [override]))
+    assert key in str(info.value) and info.value.fix
+
+
+def test_prime_keys_are_strict_and_typed():
+    with pytest.raises(RecipeError, match="did you mean 'max_steps'"):
+        load_recipe(CPU_RECIPE, ["prime.max_step=3"])
+    with pytest.raises(RecipeError, match="prime.enabled"):
+        load_recipe(CPU_RECIPE, ["prime.enabled=sometimes"])
+    recipe = load_recipe(CPU_RECIPE, ["prime.learning_rate=5e-4", "prime.num_examples=16"])
+    assert recipe.prime.learning_rate == pytest.approx(5e-4) and recipe.prime.num_examples == 16
+
+
+def test_importing_prime_stays_light():
+    code = "import sys, lowmem_grpo.prime; print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# --- training on the tiny model -----------------------------------------------------------------
+
+PRIME_STEPS = 8
+
+
+def tiny_prime_overrides(model_dir: Path, run_dir: Path, backend: str) -> list[str]:
+    return [f"model.name={model_dir}", f"model.backend={backend}", f"output.dir={run_dir}",
+            "prime.enabled=true", f"prime.max_steps={PRIME_STEPS}", "prime.learning_rate=5e-3",
+            "prime.num_examples=32", "prime.per_device_train_batch_size=4",
+            "train.max_steps=2", "train.max_completion_length=16", "train.save_steps=10",
+            "rewards={strict_format: 0.5, 'prime_probe:prefill_seen': 1.0, 'lowmem_test_rewards:length_reward': 1.0}"]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_adapter_file(adapter_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def target_loss(model, tokenizer, pairs: list[dict[str, str]]) -> float:
+    """Mean per-token NLL of the completions (with EOS) given their prompts, in plain torch."""
+    import torch
+
+    losses = []
+    model.eval()
+    with torch.no_grad():
+        for pair in pairs:
+            prompt_ids = tokenizer(pair["prompt"])["input_ids"]
+            ids = tokenizer(pair["prompt"] + pair["completion"] + tokenizer.eos_token)["input_ids"]
+            start = next((i for i, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), len(prompt_ids))
+            labels = [-100] * start + ids[start:]
+            out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]))
+            losses.append(float(out.loss))
+    return sum(losses) / len(losses)
+
+
+def check_stages(run_dir: Path) -> None:
+    records = metrics(run_dir)
+    prime_steps = [r for r in records if r["stage"] == "prime" and "loss" in r]
+    assert [r["step"] for r in prime_steps] == list(range(1, PRIME_STEPS + 1))
+    assert all("reward" not in r for r in prime_steps)
+    grpo_steps = [r for r in records if r["stage"] == "grpo" and "reward" in r]
+    assert [r["step"] for r in grpo_steps] == [1, 2]
+    # TRL hands the prefill column to the rewards, which score prefill + completion
+    assert all(r["rewards/prefill_seen/mean"] == 1.0 for r in grpo_steps)
+    stage_order = [r["stage"] for r in records]
+    assert stage_order == sorted(stage_order, key=["prime", "grpo"].index), "prime lines come before GRPO's"
+
+
+def check_target_loss_fell(recipe, run_dir: Path) -> None:
+    """The primed adapter's loss on the rendered targets it trained on is below the base model's."""
+    from lowmem_grpo.backends import load
+    from lowmem_grpo.data import build_examples
+    from lowmem_grpo.train import load_train_rows
+
+    base = load(recipe, "hf", with_lora=False)
+    primed = load(recipe, "hf", with_lora=False, adapter_path=str(run_dir / "primed_adapter"))
+    d = recipe.data
+    examples = build_examples(load_train_rows(recipe), base.tokenizer, d.system_prompt, d.prefill, d.max_prompt_length)
+    pairs = priming_pairs(examples, recipe.prime.num_examples)  # the rendered targets it was primed on
+    before = target_loss(base.model, base.tokenizer, pairs)
+    after = target_loss(primed.model, primed.tokenizer, pairs)
+    # the tiny model starts near uniform (ln 600 = 6.4); 8 LoRA steps move it down by ~0.3, far past noise
+    assert after < before - 0.1, f"priming moved the target loss only from {before:.3f} to {after:.3f}"
+
+
+def check_start_state(start: dict, primed: dict, final: dict) -> None:
+    import torch
+
+    assert set(start) == set(primed) and start
+    for name, tensor in primed.items():
+        assert torch.equal(start[name], tensor), f"GRPO did not start from the primed {name}"
+    assert any(float(t.abs().max()) > 0 for n, t in primed.items() if "lora_B" in n), "priming moved LoRA B off 0"
+    assert any(not torch.equal(final[n], primed[n]) for n in primed), "GRPO then trained the primed adapter"
+
+
+@pytest.mark.slow
+def test_priming_lowers_the_target_loss_and_grpo_starts_from_it_hf(tiny_model_dir, tmp_path):
+    from prime_probe import start_state_probe
+
+    from lowmem_grpo.train import train
+
+    run_dir = tmp_path / "run"
+    recipe = load_recipe(CPU_RECIPE, tiny_prime_overrides(tiny_model_dir, run_dir, "hf"))
+    probe = start_state_probe()
+    train(recipe, callbacks=[probe])
+
+    assert probe.trainer_args == "GRPOConfig"
+    primed = load_adapter_file(run_dir / "primed_adapter")
+    check_start_state(probe.state, primed, load_adapter_file(run_dir / "adapter"))
+    check_stages(run_dir)
+
+    check_target_loss_fell(recipe, run_dir)
+
+
+PROBE_SCRIPT = """
+import sys
+from pathlib import Path
+from lowmem_grpo.backends import prepare
+prepare("unsloth")  # Unsloth first, as train() does, before the probe imports transformers
+from prime_probe import start_state_probe
+from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.train import train
+run_dir = Path(sys.argv[1])
+train(load_recipe(sys.argv[2], sys.argv[3:]), callbacks=[start_state_probe(run_dir.parent / "grpo_start.safetensors")])
+"""
+
+
+@pytest.mark.slow
+def test_unsloth_backend_primes_and_grpo_starts_from_it(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    done = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, str(run_dir), CPU_RECIPE,
+                           *tiny_prime_overrides(tiny_model_dir, run_dir, "unsloth")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((run_dir / "env.json").read_text())["backend"] == "unsloth"
+    start = load_file(str(tmp_path / "grpo_start.safetensors"))
+    check_start_state(start, load_adapter_file(run_dir / "primed_adapter"), load_adapter_file(run_dir / "adapter"))
+    check_stages(run_dir)
+    check_target_loss_fell(load_recipe(str(run_dir / "recipe.yaml")), run_dir)

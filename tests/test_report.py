@@ -1,0 +1,133 @@
+"""report.md and the PNG plots: after a tiny run, on a metrics-only run, and mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_run import train_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+PLOTS = ["rewards.png", "reward_spread.png", "completions.png", "optimization.png"]
+
+
+def assert_real_png(path: Path) -> None:
+    """A PNG file that opens, has a sensible size, and is not one flat colour."""
+    import numpy as np
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert path.stat().st_size > 5000, path
+    with Image.open(path) as image:
+        assert image.width >= 400 and image.height >= 200
+        pixels = np.asarray(image.convert("RGB"), dtype=float)
+    assert pixels.std() > 5, f"{path} looks blank"
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20, f"{path} has almost no distinct colours"
+
+
+def synthetic_metrics(steps: int, kl: bool = False) -> list[dict]:
+    records = []
+    for s in range(1, steps + 1):
+        record = {"stage": "grpo", "step": s, "loss": 0.02 / s, "grad_norm": 0.5 + 0.1 * (s % 3),
+                  "learning_rate": 1e-5 * (1 - s / (steps + 1)), "reward": 0.1 * s, "reward_std": 0.3,
+                  "frac_reward_zero_std": 0.5 if s < 3 else 0.2, "rewards/correctness/mean": 0.05 * s,
+                  "rewards/xml_count/mean": 0.02 * s, "completions/mean_length": 60.0 + s,
+                  "completions/min_length": 20.0, "completions/max_length": 96.0,
+                  "completions/clipped_ratio": 0.2, "step_time": 1.5}
+        if kl:
+            record["kl"] = 0.001 * s
+        records.append(record)
+    return records
+
+
+def write_run(run_dir: Path, records: list[dict], partial_line: str = "") -> Path:
+    run_dir.mkdir(parents=True)
+    text = "".join(json.dumps(r) + "\n" for r in records) + partial_line
+    (run_dir / "metrics.jsonl").write_text(text)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_run_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    run, _ = train_tiny(tiny_model_dir, tmp_path_factory.mktemp("report") / "run", "train.max_steps=3",
+                        "train.completions_every=2", "train.save_steps=10")
+    return run
+
+
+@pytest.mark.slow
+def test_training_writes_plots_and_report(tiny_run_dir):
+    for name in PLOTS:
+        assert_real_png(tiny_run_dir / "plots" / name)
+    assert not (tiny_run_dir / "plots" / "kl.png").exists()  # beta=0: no KL logged
+    report = (tiny_run_dir / "report.md").read_text()
+    assert "| reward |" in report and "| rewards/length_reward/mean |" in report
+    assert "last step 3 of 3" in report and "finished in" in report
+    for name in PLOTS:
+        assert f"(plots/{name})" in report
+    assert "### Best" in report and "### Worst" in report and "gold answer" in report
+    assert "From the last recorded step(s): 2, 3." in report
+    assert "max_completion_length" in report  # the clipped-completions warning
+
+
+@pytest.mark.slow
+def test_best_sample_scores_at_least_the_worst(tiny_run_dir):
+    from lowmem_grpo.completions import read_completions
+    from lowmem_grpo.report import sample_completions
+
+    steps, best, worst = sample_completions(read_completions(tiny_run_dir))
+    assert steps == [2, 3] and best and worst
+    assert min(c["total"] for c in best) >= max(c["total"] for c in worst)
+
+
+def test_report_on_a_run_with_only_metrics(tmp_path):
+    run_dir = write_run(tmp_path / "run", synthetic_metrics(12, kl=True))
+    done = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "report", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(run_dir / "report.md")
+    for name in PLOTS + ["kl.png"]:
+        assert_real_png(run_dir / "plots" / name)
+    report = (run_dir / "report.md").read_text()
+    assert "in progress (or stopped) at step 12" in report
+    assert "| rewards/xml_count/mean | 0.02 | 0.24 |" in report
+    assert "| kl |" in report and "No completions.jsonl" in report
+    assert "## Warnings\n\nNone." in report
+
+
+def test_report_mid_run_skips_a_half_written_line(tmp_path):
+    from lowmem_grpo.report import write_report
+
+    run_dir = write_run(tmp_path / "run", synthetic_metrics(2), partial_line='{"stage": "grpo", "step": 3, "lo')
+    report = write_report(run_dir).read_text()
+    assert "steps logged: 2" in report
+    assert not [p for p in run_dir.rglob(".*.tmp")]
+
+
+def test_report_lists_warnings_from_the_metrics(tmp_path):
+    from lowmem_grpo.report import write_report
+
+    records = synthetic_metrics(4)
+    for r in records:
+        r.update(reward_std=0.0, frac_reward_zero_std=1.0)
+    report = write_report(write_run(tmp_path / "run", records)).read_text()
+    assert "step 1: frac_reward_zero_std is 1.00" in report
+    assert "step 3: reward_std has been 0 for 3 logged steps" in report
+
+
+def test_report_without_metrics_is_bad_input(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "report", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "metrics.jsonl" in done.stderr
+
+
+def test_smooth_is_a_debiased_moving_average():
+    from lowmem_grpo.report import smooth
+
+    assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    values = smooth([0.0, 1.0, 1.0, 1.0], weight=0.5)
+    assert values[0] == 0.0 and 0 < values[1] < values[2] < values[3] < 1

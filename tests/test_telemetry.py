@@ -1,0 +1,217 @@
+"""Run telemetry: metrics.jsonl keys, completions.jsonl content, health warnings, report_to pass-through."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tiny_run import train_tiny
+
+REWARD_WEIGHTS = {"correctness": 2.0, "length_reward": 1.0}
+
+
+def healthy(step: int, **changes) -> dict:
+    record = {"stage": "grpo", "step": step, "loss": 0.01, "grad_norm": 0.3, "learning_rate": 1e-5, "reward": 0.8,
+              "reward_std": 0.4, "frac_reward_zero_std": 0.25, "completions/mean_length": 80.0,
+              "completions/clipped_ratio": 0.1, "rewards/correctness/mean": 0.3}
+    record.update(changes)
+    return record
+
+
+# ---- warnings: a pure function over metric records -------------------------------------------------
+
+def test_no_warning_on_healthy_metrics():
+    from lowmem_grpo.health import check, scan
+
+    records = [healthy(s) for s in range(1, 11)] + [{"stage": "grpo", "step": 10, "train_runtime": 5.0}]
+    assert check(records) == [] and scan(records) == []
+    assert check([]) == []
+
+
+def test_reward_std_zero_fires_after_three_steps_only():
+    from lowmem_grpo.health import check
+
+    records = [healthy(1), healthy(2, reward_std=0.0), healthy(3, reward_std=0.0)]
+    assert check(records) == []
+    records.append(healthy(4, reward_std=0.0))
+    (warning,) = check(records)
+    assert warning.code == "reward_std_zero" and warning.step == 4
+    assert "no gradient" in warning.message and "data.prefill" in warning.fix
+    assert check(records + [healthy(5)]) == []
+
+
+@pytest.mark.parametrize("frac,fires", [(0.9, False), (0.95, True), (1.0, True)])
+def test_frac_reward_zero_std_above_0_9(frac, fires):
+    from lowmem_grpo.health import check
+
+    codes = [w.code for w in check([healthy(1, frac_reward_zero_std=frac)])]
+    assert codes == (["frac_reward_zero_std"] if fires else [])
+
+
+@pytest.mark.parametrize("ratio,fires", [(0.5, False), (0.51, True), (1.0, True)])
+def test_clipped_ratio_above_half_suggests_longer_completions_or_length_reward(ratio, fires):
+    from lowmem_grpo.health import check
+
+    warnings = check([healthy(1, **{"completions/clipped_ratio": ratio})])
+    assert [w.code for w in warnings] == (["clipped_ratio"] if fires else [])
+    if fires:
+        assert "max_completion_length" in warnings[0].fix and "length reward" in warnings[0].fix
+
+
+@pytest.mark.parametrize("value", [float("nan"), None, float("inf")])
+def test_nan_grad_norm(value):
+    from lowmem_grpo.health import check
+
+    (warning,) = check([healthy(1), healthy(2, grad_norm=value)])
+    assert warning.code == "grad_norm_nan" and warning.step == 2
+
+
+def test_grad_norm_nan_read_back_from_metrics_jsonl(tmp_path):
+    from lowmem_grpo.health import check
+    from lowmem_grpo.telemetry import append_jsonl, read_metrics
+
+    append_jsonl(tmp_path / "metrics.jsonl", healthy(1, grad_norm=float("nan")))
+    assert [w.code for w in check(read_metrics(tmp_path))] == ["grad_norm_nan"]
+
+
+def test_scan_and_latch_report_each_warning_when_it_starts():
+    from lowmem_grpo.health import WarningLatch, scan
+
+    records = [healthy(1), healthy(2, frac_reward_zero_std=1.0), healthy(3, frac_reward_zero_std=1.0), healthy(4),
+               healthy(5, frac_reward_zero_std=1.0)]
+    assert [(w.code, w.step) for w in scan(records)] == [("frac_reward_zero_std", 2), ("frac_reward_zero_std", 5)]
+    latch = WarningLatch()
+    fired = [[w.step for w in latch.update(records[:end])] for end in range(1, 6)]
+    assert fired == [[], [2], [], [], [5]]
+
+
+# ---- completions.jsonl: wrapped reward functions ---------------------------------------------------
+
+def test_should_record_first_every_nth_and_last():
+    from lowmem_grpo.completions import should_record
+
+    assert [s for s in range(1, 26) if should_record(s, 10, 25)] == [1, 10, 20, 25]
+    assert not any(should_record(s, 0, 25) for s in range(1, 26))
+
+
+def test_wrapper_keeps_name_and_scores():
+    from lowmem_grpo.completions import CompletionRecorder
+    from lowmem_test_rewards import length_reward
+
+    recorder = CompletionRecorder(Path("unused"), 10, {"length_reward": 1.0})
+    wrapped = recorder.wrap(length_reward)
+    assert wrapped.__name__ == "length_reward"
+    assert wrapped(["ab", "abcd"]) == length_reward(["ab", "abcd"])
+    assert recorder.pending == []  # no trainer_state: nothing to record
+
+
+# ---- a tiny run --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_model_dir, tmp_path_factory):
+    """4 steps, completions every 3 steps (so steps 1, 3 and the last, 4), 16-token completions (all clipped)."""
+    return train_tiny(tiny_model_dir, tmp_path_factory.mktemp("telemetry") / "run", "train.max_steps=4",
+                      "train.completions_every=3", "train.save_steps=10")
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_metrics_jsonl_has_every_trainer_key(tiny_run):
+    run_dir, _ = tiny_run
+    records = lines(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    keys = {"stage", "step", "loss", "grad_norm", "learning_rate", "num_tokens", "reward", "reward_std",
+            "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "entropy", "step_time",
+            "rewards/correctness/mean", "rewards/correctness/std", "rewards/length_reward/mean"}
+    for record in steps:
+        assert keys <= set(record), keys - set(record)
+        assert record["stage"] == "grpo"
+    assert "train_runtime" in records[-1]
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["backend"] == "hf" and env["device"] == "cpu" and env["packages"]["trl"]
+
+
+@pytest.mark.slow
+def test_completions_jsonl_holds_prompts_answers_and_each_rewards_score(tiny_run):
+    from lowmem_grpo.rewards import get_reward
+    from lowmem_test_rewards import length_reward
+
+    run_dir, _ = tiny_run
+    rows = lines(run_dir / "completions.jsonl")
+    assert sorted({r["step"] for r in rows}) == [1, 3, 4]
+    correctness = get_reward("correctness")
+    metrics = {r["step"]: r for r in lines(run_dir / "metrics.jsonl") if "reward" in r}
+    for step in (1, 3, 4):
+        groups = [r for r in rows if r["step"] == step]
+        assert len(groups) == 2  # 8 completions per step in groups of num_generations=4
+        scores = []
+        for group in groups:
+            assert group["question"] in group["prompt"] and group["prompt"].endswith(group["prefill"])
+            assert group["answer"].lstrip("-").isdigit()
+            assert len(group["completions"]) == 4
+            for c in group["completions"]:
+                assert set(c["rewards"]) == set(REWARD_WEIGHTS)
+                # the recorded scores are what the reward functions give for this text and gold answer
+                assert c["rewards"]["length_reward"] == pytest.approx(length_reward([c["text"]])[0])
+                assert c["rewards"]["correctness"] == correctness(completions=[c["text"]], answer=[group["answer"]],
+                                                                  prefill=[group["prefill"]])[0]
+                assert c["total"] == pytest.approx(sum(REWARD_WEIGHTS[k] * v for k, v in c["rewards"].items()))
+                scores.append(c["rewards"]["length_reward"])
+        # ... and exactly what TRL trained on at that step
+        assert sum(scores) / len(scores) == pytest.approx(metrics[step]["rewards/length_reward/mean"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_training_warns_on_clipped_completions_once(tiny_run):
+    _, captured = tiny_run
+    warnings = [m for m in captured.messages(logging.WARNING) if "max_completion_length" in m]
+    assert len(warnings) == 1 and warnings[0].startswith("step 1:")
+    assert any(m.startswith("step 4/4 | reward") for m in captured.messages(logging.INFO))
+
+
+# ---- report_to ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["tensorboard", "wandb", "trackio"])
+def test_report_to_reaches_grpo_config(value, tmp_path):
+    from lowmem_grpo.recipe import Recipe
+    from lowmem_grpo.train import build_grpo_config
+
+    recipe = Recipe()
+    recipe.train.report_to = value
+    config = build_grpo_config(recipe, tmp_path, False, [1.0])
+    assert config.report_to == [value]
+    recipe.train.report_to = "none"
+    assert build_grpo_config(recipe, tmp_path, False, [1.0]).report_to == []
+    assert not hasattr(config, "completions_every")
+
+
+@pytest.mark.parametrize("value", ["tensorboard", "wandb", "trackio"])
+def test_report_to_without_its_package_is_bad_input(value):
+    from lowmem_grpo.device import is_installed
+    from lowmem_grpo.errors import BadInputError
+    from lowmem_grpo.telemetry import REPORT_TO_PACKAGES, check_report_to
+
+    module, package = REPORT_TO_PACKAGES[value]
+    if is_installed(module):
+        check_report_to(value)
+        return
+    with pytest.raises(BadInputError, match=f"pip install {package}"):
+        check_report_to(value)
+
+
+def test_completions_every_is_validated():
+    from lowmem_grpo.errors import RecipeError
+    from lowmem_grpo.recipe import Recipe, validate
+
+    recipe = Recipe()
+    recipe.train.completions_every = -1
+    with pytest.raises(RecipeError, match="train.completions_every"):
+        validate(recipe)
+    assert Recipe().train.completions_every == 10

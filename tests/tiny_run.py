@@ -1,0 +1,42 @@
+"""A tiny GRPO run, trained in-process for the export, telemetry and report tests."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
+REWARDS = "rewards={correctness: 2.0, 'lowmem_test_rewards:length_reward': 1.0}"
+
+
+class Captured(logging.Handler):
+    """Keeps every log record (module-scoped fixtures cannot use caplog)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, level: int = logging.DEBUG) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= level]
+
+
+def train_tiny(model_dir: Path, run_dir: Path, *extra: str) -> tuple[Path, Captured]:
+    """Train the CPU recipe on the tiny model (16-token completions) and return the run dir and its logs."""
+    from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.train import train
+
+    recipe = load_recipe(str(CPU_RECIPE), [f"model.name={model_dir}", f"output.dir={run_dir}",
+                                           "train.max_completion_length=16", REWARDS, *extra])
+    captured = Captured()
+    logger = logging.getLogger("lowmem_grpo")
+    old_level = logger.level
+    logger.addHandler(captured)
+    logger.setLevel(logging.INFO)
+    try:
+        return train(recipe), captured
+    finally:
+        logger.removeHandler(captured)
+        logger.setLevel(old_level)
