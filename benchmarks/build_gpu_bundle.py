@@ -7,7 +7,8 @@ pyarrow, pandas, xxhash, fsspec and huggingface-hub, but no trl, unsloth, unslot
 bitsandbytes or datasets, and nothing can be fetched there (docs: shared/environment.md). The plain
 wheels are too big together, so two are slimmed here, keeping their file names:
 
-- unsloth: without its `unsloth/studio/` web app (most of the 29 MB wheel);
+- unsloth: without its Studio web app, the wheel's top-level `studio/` package (most of the 29 MB
+  wheel; `import unsloth` never imports it);
 - bitsandbytes: with only `libbitsandbytes_cuda130.so` of its per-CUDA-version libraries.
 
 On the GPU machine (one `run` call, carry [".whl"]):
@@ -19,8 +20,8 @@ On the GPU machine (one `run` call, carry [".whl"]):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import base64
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         for spec in PACKAGES:
             wheel = download(spec, staging, args.python_version)
             if wheel.name.startswith("unsloth-"):
-                saved = slim(wheel, lambda n: n.startswith("unsloth/studio/"))
-                print(f"  slimmed {wheel.name}: -{saved / 2**20:.1f} MiB (unsloth/studio/)")
+                saved = slim(wheel, lambda n: n.startswith(("studio/", "unsloth/studio/")))
+                print(f"  slimmed {wheel.name}: -{saved / 2**20:.1f} MiB (studio/)")
             elif wheel.name.startswith("bitsandbytes-"):
                 saved = slim(wheel, lambda n: n.startswith("bitsandbytes/libbitsandbytes_")
                              and not n.endswith(KEEP_BNB_LIBRARY))

@@ -24,7 +24,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.train import train
 
-    run_dir = train(load_recipe(args.recipe, args.overrides))
+    if args.resume:  # the run's own recipe.yaml, from its last complete checkpoint
+        from lowmem_grpo.resilience import resume_recipe
+
+        run_dir = train(resume_recipe(args.resume, args.recipe, args.overrides), resume_dir=args.resume)
+    elif args.recipe is None:
+        raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
+                            fix="e.g. lowmem-grpo train smollm2_135m_gsm8k_cpu")
+    else:
+        run_dir = train(load_recipe(args.recipe, args.overrides))
     log.info("done: adapter in %s", Path(run_dir) / "adapter")
     return EXIT_OK
 
@@ -139,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     overrides_help = "key.sub=value overrides, e.g. train.max_steps=10 model.backend=hf"
 
     p = sub.add_parser("train", help="train a recipe (.py module or recipe.yaml)")
-    p.add_argument("recipe", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
+    p.add_argument("recipe", nargs="?", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
     p.add_argument("overrides", nargs="*", help=overrides_help)
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its last complete checkpoint, with its own recipe.yaml")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("validate", help="check a recipe without loading a model")
@@ -229,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     except LowmemError as exc:
         log.error("%s", exc)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         log.error("interrupted")
-        return 130
+        return getattr(exc, "exit_code", 130)  # a second SIGTERM (lowmem_grpo.resilience.Aborted): 143
 
 
 def main_for_recipe(recipe_file: str) -> int:

@@ -4,7 +4,8 @@ How the next settings are chosen, in this order:
 1. the memory planner (lowmem_grpo.memory): the budget is the predicted peak with its non-static part
    (generation or training phase, and the allocator slack) cut by a quarter, and `auto_fit` lowers the
    settings in its own order (per-device batch with gradient accumulation raised to keep the optimizer
-   batch, generation batch, max_completion_length, num_generations);
+   batch, generation batch, max_completion_length, num_generations); its fit is used only when the
+   predicted memory of the phase that ran out (generation, or the update = training) goes down;
 2. when the planner is missing, cannot read the architecture, or changes nothing, halving, one knob per
    retry, the first that still gives a valid recipe:
    a. the generation batch: per_device_train_batch_size / 2 and gradient_accumulation_steps x 2, with
@@ -107,8 +108,10 @@ def _valid(recipe: Recipe) -> bool:
     return True
 
 
-def lower_by_planner(recipe: Recipe) -> Lowering | None:
-    """The planner's auto-fit into a quarter less than its predicted non-static peak; None when unusable."""
+def lower_by_planner(recipe: Recipe, phase: str = "generation") -> Lowering | None:
+    """The planner's auto-fit into a quarter less than its predicted non-static peak, kept only when the
+    phase that ran out of memory ('generation' or 'update') shrinks too; None when unusable."""
+    planner_phase = "training" if phase == "update" else "generation"
     try:
         from lowmem_grpo import memory
         from lowmem_grpo.memory_arch import load_architecture
@@ -117,9 +120,16 @@ def lower_by_planner(recipe: Recipe) -> Lowering | None:
         current = memory.plan(recipe, arch=arch, propose=False)
         static = current.phases["static"]
         budget = int(static + (1 - PLANNER_CUT) * (current.total_bytes - static))
-        new, _ = memory.auto_fit(recipe, budget, set(), arch=arch)
+        new, fitted = memory.auto_fit(recipe, budget, set(), arch=arch)
     except Exception as exc:  # noqa: BLE001 - any planner failure falls back to halving
         log.info("memory planner not usable for the OOM retry (%s: %s); halving instead", type(exc).__name__, exc)
+        return None
+    if recipe.train.steps_per_generation is None and \
+            new.train.steps_per_generation == recipe.train.steps_per_generation_resolved():
+        new.train.steps_per_generation = None  # the same generation batch, written as before
+    if fitted.phases[planner_phase] >= current.phases[planner_phase]:
+        log.info("the memory planner's fit does not shrink the %s phase that ran out of memory; halving instead",
+                 planner_phase)
         return None
     changes = changes_between(recipe, new)
     return Lowering(new, changes, "memory planner") if changes and _valid(new) else None
@@ -174,9 +184,9 @@ def lower_by_halving(recipe: Recipe) -> Lowering | None:
     return None
 
 
-def lower(recipe: Recipe, use_planner: bool = True) -> Lowering | None:
-    """Lower the memory settings after an OOM: the planner when usable, else halving."""
-    return (lower_by_planner(recipe) if use_planner else None) or lower_by_halving(recipe)
+def lower(recipe: Recipe, use_planner: bool = True, phase: str = "generation") -> Lowering | None:
+    """Lower the memory settings after an OOM in `phase`: the planner when usable, else halving."""
+    return (lower_by_planner(recipe, phase) if use_planner else None) or lower_by_halving(recipe)
 
 
 def record(run_dir: Path, retry: int, step: int, phase: str, error: str, resumed_from: str | None,

@@ -158,6 +158,10 @@ class TrainConfig:
     """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
     eval_limit: int = 50
     """Problems of data.eval_split the periodic evaluation uses (the first N)."""
+    oom_retries: int = 2
+    """After a CUDA out-of-memory error, lower the memory settings and continue from the last complete checkpoint, at most this many times (0 = stop at the first)."""
+    test_faults: list[str] = field(default_factory=list)
+    """TEST ONLY, empty in real runs: faults to inject, e.g. oom@3, oom@3:update, enospc@4, sigint@2 (lowmem_grpo.faults)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 
@@ -290,6 +294,11 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
     _require(t.eval_every >= 0, "train.eval_every", f"is {t.eval_every}",
              "use 0 (never) or a positive number of steps, e.g. train.eval_every=10")
     _require(t.eval_limit > 0, "train.eval_limit", f"is {t.eval_limit}", "use a positive number of problems")
+    _require(t.oom_retries >= 0, "train.oom_retries", f"is {t.oom_retries}", "use 0 (stop at the first OOM) or more")
+    if t.test_faults:
+        from lowmem_grpo.faults import parse_faults
+
+        parse_faults(t.test_faults)
     for key, owner in MANAGED_TRAINER_FIELDS.items():
         _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
     _validate_prime(recipe)

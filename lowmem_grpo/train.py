@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo import distributed, telemetry
+from lowmem_grpo import checkpoints, distributed, resilience, telemetry
 from lowmem_grpo.errors import BadInputError, RecipeError
 from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
@@ -53,17 +53,13 @@ def make_run_dir(recipe: Recipe) -> Path:
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(recipe.output.root).expanduser() / f"{recipe.name}-{stamp}"
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise BadInputError(f"run directory {run_dir} already holds files",
-                            fix="choose another output.dir, or leave it unset for a fresh timestamped folder")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise BadInputError(f"run directory {run_dir} is not writable: {exc}",
-                            fix="set output.dir (or output.root) to a writable folder") from exc
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        holds_run = (run_dir / telemetry.RECIPE_FILE).exists()
+        raise BadInputError(f"run directory {run_dir} already holds {'a run' if holds_run else 'files'} "
+                            f"({checkpoints.describe_run_dir(run_dir)})",
+                            fix=(f"continue that run with `lowmem-grpo train --resume {run_dir}`, or " if holds_run
+                                 else "") + "choose another output.dir, or leave it unset for a fresh timestamped folder")
+    resilience.check_writable(run_dir)  # created only once the inputs are checked: bad input leaves nothing
     return run_dir
 
 
@@ -107,7 +103,7 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights:
         logging_steps=t.logging_steps,
         save_strategy="steps",
         save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
+        save_total_limit=None,  # lowmem_grpo.checkpoints.rotate keeps train.save_total_limit complete ones
         seed=t.seed,
         report_to=[] if t.report_to == "none" else [t.report_to],
         reward_weights=reward_weights,
@@ -139,10 +135,11 @@ def load_train_rows(recipe: Recipe) -> list[dict[str, str]]:
     return rows[: d.limit] if d.limit else rows
 
 
-def train(recipe: Recipe, *, callbacks: Sequence[Any] = ()) -> Path:
+def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Path | None = None) -> Path:
     """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
 
     `callbacks` are extra transformers TrainerCallbacks for the GRPO trainer (e.g. to inspect its start state).
+    `resume_dir` continues that run (whose recipe.yaml `recipe` is) from its last complete checkpoint.
     """
     from lowmem_grpo.backends import choose_backend, load, prepare, resolve_model_path
 
@@ -156,14 +153,15 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = ()) -> Path:
     rewards = resolved_rewards(recipe)
     with distributed.main_process_first():  # an embedded model is converted once, by rank 0
         model_path = resolve_model_path(recipe.model.name)  # a missing model folder fails before the run dir exists
-    run_dir = distributed.agree_on_run_dir(lambda: make_run_dir(recipe))  # rank 0 makes it, all ranks use it
-    if distributed.is_main_process():
-        (run_dir / telemetry.RECIPE_FILE).write_text(dump_yaml(recipe), encoding="utf-8")
+    resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
+    if resume is not None and resume.finished:
+        log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
+        return resume.run_dir
+    # rank 0 picks it, all ranks use it; nothing is written into it until the data and the model are checked
+    run_dir = resume.run_dir if resume else distributed.agree_on_run_dir(lambda: make_run_dir(recipe))
     log.info("run directory: %s", run_dir)
 
     loaded = load(recipe, backend, model_path=model_path)
-    if distributed.is_main_process():
-        telemetry.write_env(run_dir, backend)
     from datasets import Dataset
 
     from lowmem_grpo.data import build_examples
@@ -171,7 +169,15 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = ()) -> Path:
     d = recipe.data
     examples = build_examples(rows, loaded.tokenizer, d.system_prompt, d.prefill, d.max_prompt_length, d.long_prompts)
     dataset = Dataset.from_list(examples)
-    if recipe.prime.enabled:  # the same LoRA-wrapped model object goes on to GRPO
+    if distributed.is_main_process():  # the inputs are good: from here on the run directory is written
+        if resume is None:
+            resilience.create_run_dir(run_dir)
+            (run_dir / telemetry.RECIPE_FILE).write_text(dump_yaml(recipe), encoding="utf-8")
+        else:
+            checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
+        telemetry.write_env(run_dir, backend)
+    if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
+        # the same LoRA-wrapped model object goes on to GRPO
         from lowmem_grpo.prime import prime
 
         cuda = loaded.device == "cuda"
@@ -182,25 +188,34 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = ()) -> Path:
 
     from lowmem_grpo.completions import CompletionRecorder
 
-    reward_funcs = [get_reward(name) for name in rewards]
+    from lowmem_grpo.rewards.guard import guard_reward
+
+    # a raise, a NaN or a wrong-length list is an error naming the function, the step and the example
+    reward_funcs = [guard_reward(get_reward(name)) for name in rewards]
     recorder = CompletionRecorder(run_dir / telemetry.COMPLETIONS_FILE, recipe.train.completions_every,
                                   {f.__name__: w for f, w in zip(reward_funcs, rewards.values())})
-    config = build_grpo_config(recipe, run_dir, loaded.device == "cuda", list(rewards.values()))
-    trainer_cls = grpo_trainer_class(backend, loaded.device)
-    trainer = trainer_cls(
-        model=loaded.model,
-        reward_funcs=recorder.wrap_all(reward_funcs),  # same __name__s; they record completions.jsonl
-        args=config,
-        train_dataset=dataset,
-        processing_class=loaded.tokenizer,
-        callbacks=[telemetry.make_callback(run_dir, "grpo", [f.__name__ for f in reward_funcs], recorder),
-                   *callbacks],
-    )
-    from transformers.trainer_callback import PrinterCallback
+    def build_trainer(recipe: Recipe) -> Any:  # called again with lowered settings after a CUDA out-of-memory error
+        recorder.flush(write=False)  # a retried attempt drops what its failed step recorded
+        config = build_grpo_config(recipe, run_dir, loaded.device == "cuda", list(rewards.values()))
+        trainer_cls = grpo_trainer_class(backend, loaded.device)
+        trainer = trainer_cls(
+            model=loaded.model,
+            reward_funcs=recorder.wrap_all(reward_funcs),  # same __name__s; they record completions.jsonl
+            args=config,
+            train_dataset=dataset,
+            processing_class=loaded.tokenizer,
+            callbacks=[telemetry.make_callback(run_dir, "grpo", [f.__name__ for f in reward_funcs], recorder),
+                       *callbacks],
+        )
+        from transformers.trainer_callback import PrinterCallback
 
-    trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
+        trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
+        return trainer
+
     started = time.monotonic()
-    trainer.train()
+    # complete checkpoints, SIGINT/SIGTERM, OOM retries and a full disk are handled there (lowmem_grpo.resilience)
+    trainer = resilience.run_grpo(build_trainer, recipe, run_dir, model=loaded.model,
+                                  resume_from=resume.checkpoint if resume else None)
     log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
 
     adapter_dir = run_dir / telemetry.ADAPTER_DIR

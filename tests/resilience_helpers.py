@@ -1,0 +1,85 @@
+"""Helpers of the resilience and bad-input tests: the CLI in-process with its log, and subprocess runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+CPU_RECIPE = str(REPO / "recipes" / "smollm2_135m_gsm8k_cpu.py")
+REWARDS = "rewards={correctness: 2.0, 'lowmem_test_rewards:length_reward': 1.0}"
+
+
+def tiny_args(model_dir: Path, run_dir: Path, *extra: str, steps: int = 4, save_steps: int = 2) -> list[str]:
+    """`train CPU_RECIPE overrides` for a tiny hf run on CPU (16-token completions, no preflight)."""
+    return ["train", CPU_RECIPE, f"model.name={model_dir}", "model.backend=hf", f"output.dir={run_dir}",
+            f"train.max_steps={steps}", f"train.save_steps={save_steps}", "train.max_completion_length=16",
+            "train.preflight=false", "train.completions_every=1", REWARDS, *extra]
+
+
+class Captured(logging.Handler):
+    """Every record of the lowmem_grpo loggers."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(r.getMessage() for r in self.records)
+
+
+def cli_inprocess(*args: str) -> tuple[int, str]:
+    """Run `lowmem-grpo ARGS` in this process: (exit code, the log text)."""
+    from lowmem_grpo.cli import main
+
+    captured = Captured()
+    logger = logging.getLogger("lowmem_grpo")
+    old_level = logger.level
+    logger.addHandler(captured)
+    logger.setLevel(logging.INFO)
+    try:
+        code = main(list(args))
+    finally:
+        logger.removeHandler(captured)
+        logger.setLevel(old_level)
+    return code, captured.text
+
+
+def cli_popen(*args: str) -> subprocess.Popen:
+    """`python -m lowmem_grpo.cli ARGS` as a child process (tests/ on PYTHONPATH), output to a pipe."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    return subprocess.Popen([sys.executable, "-m", "lowmem_grpo.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def grpo_steps(run_dir: Path) -> list[int]:
+    """Step numbers of the GRPO training lines (the per-step logs, not the closing summary)."""
+    return [m["step"] for m in metrics(run_dir) if m.get("stage") == "grpo" and "reward" in m]
+
+
+def adapter_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(Path(folder) / "adapter_model.safetensors")
+
+
+def tree(path: Path) -> dict[str, int]:
+    """relative path -> size of every file under `path` ({} when it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
