@@ -20,7 +20,9 @@ On the lent GPU machine (the wheels come from benchmarks/build_gpu_bundle.py; ca
     python3 benchmarks/memory_gpu.py --recipes qwen2_5_1_5b_gsm8k,llama3_2_1b_gsm8k --steps 2 --time-budget 420
 
 Everything stops by --time-budget seconds (default 450, inside one 8-minute device call); what did not
-run is listed as skipped. --max-completion-length shortens every run (and its prediction).
+run is listed as skipped. --max-completion-length shortens every run (and its prediction). Without
+CUDA the same script is a plumbing smoke test only (fp32, no 4-bit, peak RSS in the CUDA columns):
+    python benchmarks/memory_gpu.py --recipes smollm2_135m_gsm8k_cpu --steps 1 --max-completion-length 8
 """
 
 from __future__ import annotations
@@ -232,7 +234,13 @@ def worker(args: argparse.Namespace) -> int:
         result["build_s"] = round(time.monotonic() - started, 1)
         run = run_lowmem if args.path == "lowmem" else run_plain
         recipe, probe = run(args, model_dir, work)
-        result.update(predicted(recipe, "unsloth" if args.path == "lowmem" else "hf"), **probe.peaks)
+        if args.path == "lowmem":
+            from lowmem_grpo.backends import choose_backend
+
+            backend = choose_backend(recipe.model.backend)  # what train() ran: unsloth on CUDA when installed
+        else:
+            backend = "hf"
+        result.update(predicted(recipe, backend), backend=backend, **probe.peaks)
         steps = [log for log in probe.logs if "step_time" in log]
         timed = steps[1:] or steps  # the first step also compiles kernels
         tokens = [log.get("completions/mean_length", 0) * recipe.train.generation_batch_size() / log["step_time"]

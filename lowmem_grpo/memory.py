@@ -27,6 +27,8 @@ from lowmem_grpo.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
+PLAN_FILE = "memory_plan.json"  # the plan of a run, in its run directory
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 10**9, "m": MIB, "mi": MIB, "mib": MIB, "mb": 10**6,
           "t": 2**40, "tib": 2**40, "tb": 10**12, "b": 1}
@@ -184,6 +186,30 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     from lowmem_grpo.memory_fit import auto_fit as _auto_fit
 
     return _auto_fit(recipe, budget_bytes, explicit, arch=arch, allow_hub=allow_hub, logits=logits)
+
+
+def fit_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05) -> tuple[Recipe, Plan | None]:
+    """auto_fit to this process's CUDA GPU (its free memory, less `headroom` x total), logging the chosen
+    values and the predicted peak; (recipe, None) when there is no CUDA GPU. Imports torch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return recipe, None
+    free, total = torch.cuda.mem_get_info()
+    budget = device_budget(free, total, headroom)
+    fitted, result = auto_fit(recipe, budget, explicit)
+    log.info("memory plan: predicted peak %s (%s phase) within a budget of %s (%s free of %s)",
+             format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(free),
+             format_bytes(total))
+    return fitted, result
+
+
+def write_plan(run_dir: Any, result: Plan) -> None:
+    """Save a plan as run_dir/memory_plan.json (the same object `plan --json` prints)."""
+    import json
+    from pathlib import Path
+
+    Path(run_dir, PLAN_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
 
 
 def explicit_keys(overrides: list[str]) -> set[str]:

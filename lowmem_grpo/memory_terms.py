@@ -228,18 +228,32 @@ def kv_cache(a: Architecture, s: Settings) -> int:
 
 
 def generation_workspace(a: Architecture, s: Settings) -> int:
-    """Transient memory of generating: the prefill of one layer R x P x (H + 2I) x cb, the
+    """Transient memory of generating: the prefill of one layer R x P x (H x rb + 2I x cb), the
     dequantized copy of the largest 4-bit weight max(in x out) x cb, and the last position's fp32
     logits and probabilities R x V x 4 x 2. With vLLM: 0 (inside its reservation)."""
     if s.fast_inference:
         return 0
-    prefill = s.generation_batch * s.prompt_len * (a.hidden_size + 2 * a.intermediate_size) * s.compute_bytes
-    dequant = max(i * o for i, o in a.linear_shapes().values()) * s.compute_bytes if s.load_in_4bit else 0
+    prefill = s.generation_batch * s.prompt_len * (a.hidden_size * residual_bytes(s)
+                                                   + 2 * a.intermediate_size * s.compute_bytes)
     sampling = s.generation_batch * a.vocab_size * 4 * 2
-    return prefill + dequant + sampling
+    return prefill + dequant_workspace(a, s) + sampling
 
 
 # --- training phase -----------------------------------------------------------------------------
+
+
+def residual_bytes(s: Settings) -> int:
+    """Bytes per element of the residual stream (layer inputs, norm inputs and outputs): rb.
+
+    hf with 4-bit: 4, because the fp32 embeddings and norms that prepare_model_for_kbit_training leaves
+    make every residual add fp32 under autocast; otherwise cb.
+    """
+    return unquantized_bytes(s)
+
+
+def dequant_workspace(a: Architecture, s: Settings) -> int:
+    """bitsandbytes dequantizes each 4-bit weight for its matmul: max(in x out) x cb at a time (0 in 16-bit)."""
+    return max(i * o for i, o in a.linear_shapes().values()) * s.compute_bytes if s.load_in_4bit else 0
 
 
 def lora_grads(a: Architecture, s: Settings) -> int:
@@ -250,41 +264,42 @@ def lora_grads(a: Architecture, s: Settings) -> int:
 def layer_activation_bytes_per_token(a: Architecture, s: Settings) -> int:
     """What autograd keeps for one decoder layer, per token.
 
-    cb x ((norms_per_layer + 2) x H      norm inputs and the two normed outputs feeding attention/MLP
-          + 3q + 2kv                      q, k, v after RoPE and the attention output (SDPA) + o_proj input
-          + (q + kv if q/k norms)         inputs of the per-head q/k RMSNorms
-          + m x I                         MLP: m = 3 (gate, up, act x up) on hf; 2 with Unsloth's fused SwiGLU
-          + r x targets)                  LoRA: the r-wide input of every lora_B
+    rb x (norms_per_layer + 2) x H        norm inputs and the two normed outputs feeding attention/MLP
+    + cb x (3q + 2kv                      q, k, v after RoPE and the attention output (SDPA) + o_proj input
+            + (q + kv if q/k norms)       inputs of the per-head q/k RMSNorms
+            + m x I                       MLP: m = 3 (gate, up, act x up) on hf; 2 with Unsloth's fused SwiGLU
+            + r x targets)                LoRA: the r-wide input of every lora_B
     + 4 x (norms_per_layer + num_heads)   fp32 RMSNorm rstd and attention logsumexp
     """
     targets = sum(1 for name in s.target_modules if name in a.linear_shapes())
     mlp = 2 if s.backend == "unsloth" else 3
-    width = (a.norms_per_layer + 2) * a.hidden_size + 3 * a.q_dim + 2 * a.kv_dim + mlp * a.intermediate_size
+    width = 3 * a.q_dim + 2 * a.kv_dim + mlp * a.intermediate_size + s.lora_r * targets
     if a.qk_norm:
         width += a.q_dim + a.kv_dim
-    width += s.lora_r * targets
-    return width * s.compute_bytes + 4 * (a.norms_per_layer + a.num_heads)
+    residual = (a.norms_per_layer + 2) * a.hidden_size * residual_bytes(s)
+    return residual + width * s.compute_bytes + 4 * (a.norms_per_layer + a.num_heads)
 
 
 def activations(a: Architecture, s: Settings) -> int:
     """Activations of the training forward/backward of one micro-batch of T = b x S tokens.
 
     no checkpointing:        L x T x layer_activation_bytes_per_token
-    plain checkpointing:     L x T x H x cb (each layer's saved input) + T x per_token (one layer recomputed)
-    Unsloth (offloaded):     2 x T x H x cb (inputs are offloaded to CPU RAM; two in flight) + T x per_token
-    always:                  + 4 x T x H x cb (final norm in/out, the gradient flowing between layers)
+    plain checkpointing:     L x T x H x rb (each layer's saved input) + T x per_token (one layer recomputed)
+    Unsloth (offloaded):     2 x T x H x rb (inputs are offloaded to CPU RAM; two in flight) + T x per_token
+    always:                  + 4 x T x H x rb (final norm in/out, the gradient flowing between layers)
                              + b x S x S (the boolean 4-D attention mask of a padded batch)
+                             + dequant_workspace (4-bit)
     """
     tokens = s.per_device_batch * s.seq_len
     per_token = layer_activation_bytes_per_token(a, s)
-    hidden = tokens * a.hidden_size * s.compute_bytes
+    hidden = tokens * a.hidden_size * residual_bytes(s)
     if not s.gradient_checkpointing:
         body = a.num_layers * tokens * per_token
     elif s.backend == "unsloth":
         body = 2 * hidden + tokens * per_token
     else:
         body = a.num_layers * hidden + tokens * per_token
-    return body + 4 * hidden + s.per_device_batch * s.seq_len * s.seq_len
+    return body + 4 * hidden + s.per_device_batch * s.seq_len * s.seq_len + dequant_workspace(a, s)
 
 
 def logits(a: Architecture, s: Settings) -> int:
@@ -292,16 +307,19 @@ def logits(a: Architecture, s: Settings) -> int:
 
     chunked (TRL 1.15's fused LM-head kernel, never the full logits):
         min(N, 4096) x min(V, 32768) x cb      one projection tile (reused for every tile)
-        + N x H x (cb + 4)                     gathered hidden states + their fp32 gradient
+        + N x H x (rb + 4)                     gathered hidden states + their fp32 gradient
         + N x 32                               fp32 running max / sum-exp / target / entropy stats
+        + min(V, 32768) x H x cb if rb != cb   the cb copy of an fp32 lm_head chunk (hf with 4-bit)
     full (materialized logits, the unchunked alternative):
         N x V x (2 cb + 4)                     bf16 logits, their gradient, fp32 log-softmax
     """
     n = s.per_device_batch * s.completion_len
     if s.logits == "full":
         return n * a.vocab_size * (2 * s.compute_bytes + 4)
+    rb = residual_bytes(s)
     tile = min(n, TOKEN_TILE) * min(a.vocab_size, VOCAB_TILE) * s.compute_bytes
-    return tile + n * a.hidden_size * (s.compute_bytes + 4) + n * 32
+    head_copy = min(a.vocab_size, VOCAB_TILE) * a.hidden_size * s.compute_bytes if rb != s.compute_bytes else 0
+    return tile + n * a.hidden_size * (rb + 4) + n * 32 + head_copy
 
 
 # name -> (function, phase, where it shows: "allocated" by torch, "device" only)

@@ -10,15 +10,10 @@ def _step(kwargs):
 
 
 def raising_reward(completions, answer, **kwargs):
-    """From step 2 on, raises on every example whose gold answer is an odd number."""
+    """Scores 0 at step 1, raises from step 2 on (naming the first gold answer it sees)."""
     if _step(kwargs) < 2:
         return [0.0] * len(completions)
-    out = []
-    for gold in answer:
-        if int(float(gold)) % 2:
-            raise ValueError(f"cannot score gold {gold}")
-        out.append(0.0)
-    return out
+    raise ValueError(f"cannot score gold {answer[0]}")
 
 
 def nan_reward(completions, **kwargs):

@@ -119,16 +119,23 @@ def test_kv_cache_logits_activations_by_hand(tiny):
     unsloth = dataclasses.replace(s, backend="unsloth")  # decode buffers of P + 1 + 512, plus the prefill's P
     assert mt.kv_cache(tiny, unsloth) == 8 * 2 * (32 + 1 + 512 + 32) * 2 * 32 * 2
     assert mt.kv_cache(tiny, dataclasses.replace(s, fast_inference=True)) == 0
-    # N = b x C = 256 scored tokens: tile 256 x 600 x 2 + N x H x (2 + 4) + N x 32
-    assert mt.logits(tiny, s) == 256 * 600 * 2 + 256 * 64 * 6 + 256 * 32
+    # N = b x C = 256 scored tokens: tile 256 x 600 x 2 + N x H x (rb + 4) + N x 32 (+ the bf16 copy of an
+    # fp32 lm_head chunk, 600 x 64 x 2, on hf with 4-bit, whose residual stream is fp32: rb = 4)
+    assert mt.logits(tiny, unsloth) == 256 * 600 * 2 + 256 * 64 * (2 + 4) + 256 * 32
+    assert mt.logits(tiny, s) == 256 * 600 * 2 + 256 * 64 * (4 + 4) + 256 * 32 + 600 * 64 * 2
     assert mt.logits(tiny, dataclasses.replace(s, logits="full")) == 256 * 600 * (2 * 2 + 4)
-    # per token per layer (hf): 2 x ((2+2) x 64 + 3 x 64 + 2 x 32 + 3 x 128 + 8 x 7) + 4 x (2 + 4) = 1928
-    assert mt.layer_activation_bytes_per_token(tiny, s) == 1928
-    assert mt.layer_activation_bytes_per_token(tiny, unsloth) == 1928 - 2 * 128  # fused SwiGLU keeps 2 x I
-    tokens, hidden, extra = 4 * 96, 4 * 96 * 64 * 2, 4 * 4 * 96 * 64 * 2 + 4 * 96 * 96
-    assert mt.activations(tiny, s) == 2 * hidden + tokens * 1928 + extra
-    assert mt.activations(tiny, unsloth) == 2 * hidden + tokens * 1672 + extra
-    assert mt.activations(tiny, dataclasses.replace(s, gradient_checkpointing=False)) == 2 * tokens * 1928 + extra
+    # per token per layer: rb x (2 + 2) x 64 + 2 x (3 x 64 + 2 x 32 + m x 128 + 8 x 7) + 4 x (2 + 4)
+    assert mt.layer_activation_bytes_per_token(tiny, unsloth) == 2 * 256 + 2 * (192 + 64 + 2 * 128 + 56) + 24 == 1672
+    assert mt.layer_activation_bytes_per_token(tiny, s) == 4 * 256 + 2 * (192 + 64 + 3 * 128 + 56) + 24 == 2440
+    sixteen = dataclasses.replace(s, load_in_4bit=False)
+    assert mt.layer_activation_bytes_per_token(tiny, sixteen) == 2 * 256 + 2 * (192 + 64 + 3 * 128 + 56) + 24 == 1928
+    # T = b x S = 384 tokens; + 4 x T x H x rb, the 4 x 96 x 96 mask, the 64 x 128 x 2 dequantized weight
+    tokens, mask, dequant = 4 * 96, 4 * 96 * 96, 64 * 128 * 2
+    hidden_hf, hidden_bf16 = tokens * 64 * 4, tokens * 64 * 2
+    assert mt.activations(tiny, s) == 2 * hidden_hf + tokens * 2440 + 4 * hidden_hf + mask + dequant  # L saved inputs
+    assert mt.activations(tiny, unsloth) == 2 * hidden_bf16 + tokens * 1672 + 4 * hidden_bf16 + mask + dequant
+    no_gc = dataclasses.replace(sixteen, gradient_checkpointing=False)
+    assert mt.activations(tiny, no_gc) == 2 * tokens * 1928 + 4 * hidden_bf16 + mask  # every layer kept, no 4-bit
 
 
 def test_reference_vllm_and_sliding_window_terms(tiny):
@@ -291,6 +298,30 @@ def test_explicit_keys_and_sizes():
     for bad in ("lots", "8 parsecs", "0GiB", "-3G"):
         with pytest.raises(BadInputError):
             parse_size(bad)
+
+
+def test_fit_to_device_without_cuda_and_the_saved_plan(tmp_path):
+    from lowmem_grpo.memory import PLAN_FILE, fit_to_device, write_plan
+
+    recipe = load_recipe("qwen2_5_1_5b_gsm8k")
+    assert fit_to_device(recipe, set()) == (recipe, None)  # this machine has no CUDA GPU: nothing changes
+    result = plan(recipe, 8 * GIB)
+    write_plan(tmp_path, result)
+    saved = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert saved["total_bytes"] == result.total_bytes and saved["terms"] == result.terms
+
+
+def test_gpu_benchmark_tokenizer_and_prompts_have_the_real_sizes(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import memory_gpu
+
+    tokenizer = memory_gpu.build_tokenizer(1000, tmp_path)
+    assert len(tokenizer) == 1000 and tokenizer.eos_token_id < 1000
+    memory_gpu.write_rows(tmp_path / "rows.jsonl", 40, count=3)
+    for line in (tmp_path / "rows.jsonl").read_text().splitlines():
+        text = tokenizer.apply_chat_template([{"role": "user", "content": json.loads(line)["question"]}],
+                                             tokenize=False, add_generation_prompt=True)
+        assert len(tokenizer(text)["input_ids"]) == 40  # the planner's prompt length, exactly
 
 
 def test_architecture_sources(tmp_path):
