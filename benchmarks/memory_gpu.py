@@ -288,7 +288,8 @@ def table(results: list[dict]) -> str:
     widths = [max(len(str(row[i])) for row in rows if len(str(row[2])) < 40 or i != 2) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(widths[i]) if i < 2 else str(c).rjust(widths[i]) for i, c in enumerate(row))
              for row in rows]
-    return "\n".join(lines) + "\n(GiB; err = (predicted - measured) / measured; tok/s = completion tokens per second of step time)\n"
+    return "\n".join(lines) + ("\n(GiB; err = (predicted - measured) / measured; tok/s = completion tokens per "
+                                "second of step time)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             if left < 30:
                 results.append({"recipe": name, "path": path, "skipped": "skipped: out of --time-budget"})
                 continue
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--recipe", name, "--path", path, "--steps", str(args.steps),
-                   "--workdir", args.workdir] + (["--max-completion-length", str(args.max_completion_length)]
-                                                 if args.max_completion_length else [])
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--recipe", name, "--path", path,
+                   "--steps", str(args.steps), "--workdir", args.workdir]
+            if args.max_completion_length:
+                cmd += ["--max-completion-length", str(args.max_completion_length)]
             print(f"== {name} / {path} ({left:.0f} s left)", flush=True)
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, cwd=args.workdir)

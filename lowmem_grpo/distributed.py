@@ -80,9 +80,9 @@ def deepspeed_zero_stage() -> int | None:
     """The ZeRO stage `accelerate launch` set up (from its config keys or its DeepSpeed JSON), None without DeepSpeed."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true", "yes"):
         return None
-    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    stage: Any = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if stage is None and config_file:
+    if config_file:  # the JSON is authoritative: accelerate refuses config keys beside it
         try:
             stage = json.loads(Path(config_file).read_text(encoding="utf-8")).get("zero_optimization", {}).get("stage")
         except (OSError, ValueError) as exc:
@@ -206,6 +206,9 @@ def check_ranks_agree(trainer: Any, run_dir: Path) -> dict[str, Any] | None:
         raise LowmemError(f"the {state.num_processes} ranks ended with different LoRA weights "
                           f"({len(digests)} distinct digests, see {DISTRIBUTED_FILE}); the saved adapter is rank 0's",
                           fix="report this with distributed.json; data-parallel ranks must stay in sync")
-    log.info("%d ranks agree on the adapter (sha256 %s)", state.num_processes,
-             "not compared under ZeRO-3" if zero3 else next(iter(digests))[:12])
+    if zero3:
+        log.info("%d ranks finished; adapter digests not compared under ZeRO-3 (each rank holds a shard)",
+                 state.num_processes)
+    else:
+        log.info("%d ranks agree on the adapter (sha256 %s)", state.num_processes, next(iter(digests))[:12])
     return record

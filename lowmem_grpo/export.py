@@ -11,8 +11,9 @@ Formats:
 - gguf: the merged model converted by llama.cpp's convert_hf_to_gguf.py, found through --llama-cpp
   or $LLAMA_CPP_DIR; nothing is downloaded or compiled.
 Proof: every merged export is reloaded with plain transformers and its logits on fixed prompts are
-compared with the adapter model in the same precision (export_proof.TOLERANCES); above the
-tolerance the export fails. Everything is written to a hidden temporary folder beside --out and
+compared with the adapter model in the same precision; above the tolerance (--tolerance, or per
+dtype the larger of a floor and a share of the largest |logit|: export_proof.TOLERANCES) the export
+fails. Everything is written to a hidden temporary folder beside --out and
 renamed into place at the end, so an interrupted or failed export leaves nothing at --out.
 """
 
@@ -66,6 +67,7 @@ class ExportResult:
     tolerance: float | None = None
     adapter_effect: float | None = None
     proof_tokens: int = 0
+    logit_scale: float = 0.0
     checks: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -73,12 +75,16 @@ class ExportResult:
 def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None]:
     """The adapter folder to export (checkpoint-N, or the final adapter/) and its step."""
     if checkpoint is not None:
+        from lowmem_grpo.checkpoints import complete_checkpoints, is_complete
+
         src = run_dir / f"checkpoint-{checkpoint}"
+        found = [step for step, _ in complete_checkpoints(run_dir)]
+        fix = f"use --checkpoint with one of {found}" if found else "leave out --checkpoint"
         if not (src / "adapter_config.json").exists():
-            found = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*")
-                           if p.name.split("-")[1].isdigit())
-            raise BadInputError(f"{run_dir} has no adapter checkpoint at step {checkpoint}",
-                                fix=f"use --checkpoint with one of {found}" if found else "leave out --checkpoint")
+            raise BadInputError(f"{run_dir} has no adapter checkpoint at step {checkpoint}", fix=fix)
+        if not is_complete(src):
+            raise BadInputError(f"{src} is incomplete (no valid completion marker: its save was interrupted)",
+                                fix=fix)
         return src, checkpoint
     src = run_dir / telemetry.ADAPTER_DIR
     if not (src / "adapter_config.json").exists():
@@ -206,9 +212,14 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: list[list[int]], tolerance: float,
-           result: ExportResult, phases: _Phases) -> float:
-    """Reload with plain transformers, compare logits with `reference`, fail above `tolerance`."""
+def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: list[list[int]],
+           tolerance: float | None, kind: str, result: ExportResult, phases: _Phases) -> float:
+    """Reload with plain transformers, compare logits with `reference`, fail above the tolerance
+    (`tolerance`, or the default for `kind` and the dtype, scaled by the reference logits)."""
+    scale = result.logit_scale = proof.logit_scale(reference)
+    if tolerance is None:
+        tolerance = proof.tolerance_for(kind, result.dtype or "float32", scale)
+    result.tolerance = tolerance
     try:
         model = load()
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
@@ -218,13 +229,19 @@ def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: lis
     del model
     _free()
     result.checks[name] = diff
-    log.info("%s: max |logit diff| vs the adapter model = %.3g (tolerance %.3g, %s, %d tokens)", name, diff,
-             tolerance, result.dtype, result.proof_tokens)
+    log.info("%s: max |logit diff| vs the adapter model = %.3g (tolerance %.3g, %s, %d tokens, max |logit| %.3g)",
+             name, diff, tolerance, result.dtype, result.proof_tokens, scale)
     if not diff <= tolerance:
         raise LowmemError(f"{name}: the exported model's logits differ from the adapter model's by {diff:.3g}, "
                           f"above the tolerance {tolerance:.3g} ({result.dtype}); nothing was written",
                           fix="export with --dtype float32 for an exact merge, or loosen --tolerance if this "
                               "precision's rounding is acceptable")
+    effect = result.adapter_effect or 0.0
+    if effect and diff > 0.5 * effect:
+        keep = ("--format merged-16bit keeps it better" if kind == "merged-4bit"
+                else "--dtype float32 keeps the adapter exactly")
+        log.warning("%s: the export's rounding (%.3g) is comparable to the adapter's whole effect (%.3g): at this "
+                    "precision the proof cannot tell the export from the base model; %s", name, diff, effect, keep)
     phases.done(name)
     return diff
 
@@ -257,7 +274,8 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
         raise BadInputError(f"{run_dir} is not a run directory (no {telemetry.RECIPE_FILE})",
                             fix="give the folder `lowmem-grpo train` wrote")
     src, step = find_source(run_dir, checkpoint)
-    check_out_dir(out, overwrite, [run_dir / telemetry.ADAPTER_DIR, src, run_dir / telemetry.RECIPE_FILE])
+    check_out_dir(out, overwrite, [run_dir / telemetry.ADAPTER_DIR, run_dir / telemetry.RECIPE_FILE,
+                                   *run_dir.glob("checkpoint-*")])
     script = find_converter(llama_cpp) if fmt == "gguf" else None
     import torch
 
@@ -275,8 +293,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
     base_path = resolve_model_path(base or recipe.model.name)
     trust = recipe.model.trust_remote_code
     dtype = dtype or resolve_dtype("auto", cuda)
-    tolerance = proof.default_tolerance(fmt, dtype) if tolerance is None else tolerance
-    result = ExportResult(out=out, format=fmt, source=src, step=step, tolerance=tolerance)
+    result = ExportResult(out=out, format=fmt, source=src, step=step)
     if fmt != "lora":
         proof.check_base_unquantized(base_path, trust)
         result.dtype = dtype
@@ -311,20 +328,19 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
 
 
 def _export_merged(fmt: str, base_path: str, src: Path, tmp: Path, tokenizer: Any, recipe: Any,
-                   result: ExportResult, dtype: str, tolerance: float, cuda: bool, trust: bool,
+                   result: ExportResult, dtype: str, tolerance: float | None, cuda: bool, trust: bool,
                    script: Path | None, phases: _Phases) -> None:
     device = "cuda" if cuda else "cpu"
     inputs = proof.proof_inputs(tokenizer, recipe.data.system_prompt, recipe.data.prefill)
     result.proof_tokens = sum(len(ids) for ids in inputs)
     work = tmp / ".merged-16bit" if fmt != "merged-16bit" else tmp
     work.mkdir(exist_ok=True)
-    merge_tol = proof.TOLERANCES[dtype] if fmt == "merged-4bit" else tolerance
     reference, result.adapter_effect = _merge(base_path, src, work, tokenizer, inputs, dtype, device, trust, phases)
     log.info("the adapter moves the base model's logits by up to %.3g", result.adapter_effect)
     if result.adapter_effect == 0:
         log.warning("the adapter does not change the model's logits (an untrained adapter?)")
     result.max_abs_diff = _prove("prove", lambda: proof.load_causal_lm(work, dtype, device, trust), reference,
-                                 inputs, merge_tol, result, phases)
+                                 inputs, None if fmt == "merged-4bit" else tolerance, "merged-16bit", result, phases)
     if fmt == "merged-4bit":
         quantized = proof.load_causal_lm(work, dtype, device, trust, quantize_4bit=True)
         quantized.save_pretrained(str(tmp))
@@ -339,7 +355,7 @@ def _export_merged(fmt: str, base_path: str, src: Path, tmp: Path, tokenizer: An
         del adapter4
         _free()
         result.max_abs_diff = _prove("prove-4bit", lambda: proof.load_causal_lm(tmp, dtype, device, trust),
-                                     reference4, inputs, tolerance, result, phases)
+                                     reference4, inputs, tolerance, fmt, result, phases)
     elif fmt == "gguf":
         outtype = GGUF_OUTTYPES[dtype]
         target = tmp / f"{recipe.name}-{outtype}.gguf"
@@ -351,7 +367,7 @@ def _export_merged(fmt: str, base_path: str, src: Path, tmp: Path, tokenizer: An
             return AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=target.name,
                                                         dtype=proof.torch_dtype(dtype)).eval().to(device)
 
-        result.max_abs_diff = _prove("prove-gguf", load_gguf, reference, inputs, tolerance, result, phases)
+        result.max_abs_diff = _prove("prove-gguf", load_gguf, reference, inputs, tolerance, fmt, result, phases)
     if work != tmp:
         shutil.rmtree(work)
 

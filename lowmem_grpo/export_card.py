@@ -29,18 +29,40 @@ def final_metrics(run_dir: Path, step: int | None) -> tuple[dict[str, Any] | Non
     return (steps[-1] if steps else None), summary
 
 
-def eval_results(run_dir: Path) -> dict[str, Any] | None:
-    """eval.json's top-level scalars, when the run was evaluated."""
-    path = run_dir / telemetry.EVAL_FILE
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    return {k: v for k, v in data.items() if isinstance(v, (int, float, str, bool))}
+def latest_eval(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The run's evaluation: RUN_DIR/eval.json, else the newest RUN_DIR/eval/*/eval.json (`lowmem-grpo eval`)."""
+    candidates = [run_dir / telemetry.EVAL_FILE] if (run_dir / telemetry.EVAL_FILE).is_file() else sorted(
+        (run_dir / "eval").glob(f"*/{telemetry.EVAL_FILE}"), key=lambda p: p.stat().st_mtime)
+    for path in reversed(candidates):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(data, dict):
+            return path, data
+    return None
+
+
+def eval_lines(run_dir: Path) -> list[str]:
+    """Markdown rows of the latest evaluation's metrics (and its base-vs-adapter comparison); [] when none."""
+    found = latest_eval(run_dir)
+    if not found:
+        return []
+    path, data = found
+    metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else data
+    settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
+    where = ", ".join(f"{k} {settings[k]}" for k in ("split", "num_problems") if k in settings)
+    lines = [f"From `{path.relative_to(run_dir)}`{f' ({where})' if where else ''}:", "",
+             "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in metrics.items() if isinstance(v, (int, float, str))]
+    comparison = data.get("comparison")
+    if isinstance(comparison, dict):
+        lines += ["", "| metric | base | adapter | diff (95% CI) |", "|---|---|---|---|"]
+        for k, v in comparison.items():
+            if isinstance(v, dict) and {"base", "adapter", "diff"} <= set(v):
+                lines.append(f"| {k} | {_fmt(v['base'])} | {_fmt(v['adapter'])} | {_fmt(v['diff'])} "
+                             f"({_fmt(v.get('low'))} to {_fmt(v.get('high'))}) |")
+    return lines
 
 
 def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_prompt: str, prefill: str) -> list[str]:
@@ -91,18 +113,15 @@ def model_card(run_dir: Path, recipe: Any, result: Any, base_name: str, base_pat
             lines += [f"| train_runtime (s) | {_fmt(summary.get('train_runtime'))} |"]
     else:
         lines.append(f"No training metrics in {telemetry.METRICS_FILE}.")
-    evals = eval_results(run_dir)
     lines += ["", "## Evaluation", ""]
-    if evals:
-        lines += ["| metric | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in evals.items()]
-    else:
-        lines.append(f"Not evaluated ({telemetry.EVAL_FILE} absent from the run directory).")
+    lines += eval_lines(run_dir) or [f"Not evaluated (no {telemetry.EVAL_FILE} in the run directory or its eval/)."]
     if result.format != "lora":
         lines += ["", "## Export proof", "",
                   f"Reloaded with plain transformers (no PEFT, no Unsloth) and compared on {result.proof_tokens} "
                   f"tokens of fixed prompts with the adapter model, both in {result.dtype}:", ""]
         lines += [f"- {name}: max |logit difference| {value:.3g}" for name, value in result.checks.items()]
-        lines += [f"- tolerance: {result.tolerance:.3g}",
+        lines += [f"- tolerance: {result.tolerance:.3g} (per dtype: the larger of a floor and a share of the largest "
+                  "|logit|; lowmem_grpo.export_proof.TOLERANCES)",
                   f"- the adapter itself moves the base model's logits by up to {_fmt(result.adapter_effect)}"]
     lines += ["", "## How to load", ""]
     lines += _how_to_load(result.format, result.out, base_name, files, recipe.data.system_prompt, recipe.data.prefill)

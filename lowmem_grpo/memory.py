@@ -5,10 +5,11 @@ budget, and auto-fit of the settings a user did not set. Pure arithmetic on a mo
     auto_fit(recipe, budget, explicit)    -> (recipe with fitted non-explicit settings, Plan)
     explicit_keys(overrides)              -> the dotted keys a user set on the command line
 
-The terms and their formulas are in `lowmem_grpo.memory_terms`; architectures in
-`lowmem_grpo.memory_arch`. The peak is static terms + the larger of the generation phase and the
-training phase + the allocator's slack on that phase. Nothing here imports torch, except
-`default_budget`, which asks torch for the GPU only when the recipe names no GPU memory.
+The terms and their formulas are in `lowmem_grpo.memory_terms`, architectures in
+`lowmem_grpo.memory_arch`, the proposal and auto-fit in `lowmem_grpo.memory_fit`. The peak is the
+static terms + the larger of the generation phase and the training phase + the allocator's slack on
+that phase. Nothing here imports torch, except `default_budget` (only when the recipe names no GPU
+memory) and `fit_to_device`, which ask torch about the GPU.
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def format_plan(p: Plan, title: str = "") -> str:
              f"  {'term':<22}{'phase':<12}{'size':>12}  formula"]
     for name, value in p.terms.items():
         phase = mt.TERMS[name][1] if name in mt.TERMS else p.peak_phase
-        doc = _first_line(mt.TERMS[name][0].__doc__) if name in mt.TERMS else "caching-allocator slack on the peak phase"
+        doc = (_first_line(mt.TERMS[name][0].__doc__) if name in mt.TERMS
+               else "caching-allocator slack on the peak phase")
         lines.append(f"  {name:<22}{phase:<12}{format_bytes(value):>12}  {doc[:70]}")
     verdict = "" if p.fits is None else (" -> fits" if p.fits else " -> does NOT fit")
     budget = f" of {format_bytes(p.budget_bytes)}" if p.budget_bytes else ""

@@ -116,18 +116,35 @@ def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompt
 
 
 def fixes(recipe: Any) -> list[str]:
-    """The likely fixes for a reward set without signal, most effective first."""
+    """The likely fixes for a reward set without signal, most effective first, fitted to the recipe."""
+    from lowmem_grpo.recipe import resolved_rewards
+
     t, d = recipe.train, recipe.data
+    prime = getattr(recipe, "prime", None)
+    if prime is not None and getattr(prime, "enabled", False):
+        priming = (f"prime the format for longer: prime.max_steps={2 * prime.max_steps} (now {prime.max_steps}), "
+                   "or on more examples (prime.num_examples)")
+    else:
+        priming = ("enable format priming: prime.enabled=true (a short supervised warm start on the answer format, "
+                   "so that sampled completions start to earn the format rewards)")
+    if "xml_count" in resolved_rewards(recipe):
+        partial = ("add a partial-credit reward that varies before the format is learned (a module:function "
+                   "reward scoring partial progress; xml_count alone was not enough here)")
+    else:
+        partial = "add partial-credit rewards that vary before the format is learned, e.g. rewards.xml_count=0.5"
+    if d.prefill:
+        hint = (f"add a format hint: a filled-in example answer in data.system_prompt (data.prefill is already "
+                f"{d.prefill!r})")
+    else:
+        hint = ("add a format hint: prefill the assistant turn with data.prefill='<reasoning>\\n', or a filled-in "
+                "example answer in data.system_prompt")
     return [
-        "enable format priming: prime.enabled=true (a short supervised warm start on the answer format, "
-        "so that sampled completions start to earn the format rewards)",
-        "use partial-credit rewards that vary before the format is learned (e.g. rewards.xml_count, "
-        "or a module:function reward scoring partial progress)",
+        priming,
+        partial,
         f"sample more completions per prompt: train.num_generations={max(2 * t.num_generations, 8)} "
         f"(now {t.num_generations})",
         f"raise the sampling temperature: train.temperature={t.temperature + 0.2:.1f} (now {t.temperature})",
-        "add a format hint: a filled-in example answer in data.system_prompt, or prefill the assistant turn "
-        f"with data.prefill='<reasoning>\\n' (now {d.prefill!r})",
+        hint,
     ]
 
 
@@ -149,7 +166,8 @@ def render(result: PreflightResult, recipe: Any) -> str:
     if result.no_signal:
         lines += [f"NO SIGNAL: in {zero_groups} of {result.num_prompts} prompt groups "
                   f"({result.frac_zero_std:.0%}) every completion got the same total reward. GRPO learns "
-                  "from differences inside a group, so training would not change the model.",
+                  "only from reward differences inside a group, so those groups give no gradient and training "
+                  "would learn little or nothing.",
                   "Likely fixes, most effective first:"]
         lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe), start=1)]
         lines.append("Train anyway with train.allow_no_signal=true.")

@@ -7,7 +7,6 @@ replaced atomically, so reading the report while a run writes it never shows a h
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -222,16 +221,11 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     lines += ["", "## Warnings", ""]
     warnings = health.scan(steps)
     lines += [f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."]
-    eval_path = run_dir / telemetry.EVAL_FILE
-    if eval_path.exists():
-        try:
-            results = json.loads(eval_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            results = {}
-        scalars = {k: v for k, v in results.items() if isinstance(v, (int, float, str))} if isinstance(
-            results, dict) else {}
-        lines += ["", "## Evaluation", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_num(v)} |" for k, v in scalars.items()]
+    from lowmem_grpo.export_card import eval_lines
+
+    evaluation = eval_lines(run_dir)
+    if evaluation:
+        lines += ["", "## Evaluation", ""] + evaluation
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({PLOTS_DIR}/{p.name})" for p in plots]
     lines += ["", "## Sample completions", ""]

@@ -1,4 +1,5 @@
-"""Llama-3.2-3B-Instruct on GSM8K with GRPO: Llama 3.2 3B with longer completions (gated on the hub: accept its license and set HF_TOKEN).
+"""Llama-3.2-3B-Instruct on GSM8K with GRPO: Llama 3.2 3B with longer completions (gated on the hub:
+accept its license and set HF_TOKEN).
 
 Run:      lowmem-grpo train recipes/llama3_2_3b_gsm8k.py
           python recipes/llama3_2_3b_gsm8k.py train.max_steps=10
@@ -19,7 +20,8 @@ def recipe() -> Recipe:
         name="llama3.2-3b-gsm8k",
         description="Llama-3.2-3B-Instruct on GSM8K (hub), 4-bit + LoRA, 16 GB GPU",
         gpu_memory_gb=16,
-        model=ModelConfig(name="meta-llama/Llama-3.2-3B-Instruct", backend="auto", load_in_4bit=True, max_seq_length=1024),
+        model=ModelConfig(name="meta-llama/Llama-3.2-3B-Instruct", backend="auto", load_in_4bit=True,
+                          max_seq_length=1024),
         lora=LoraConfig(r=16, alpha=32),
         data=DataConfig(source="hub", max_prompt_length=256),
         train=TrainConfig(max_steps=250, num_generations=8, per_device_train_batch_size=16,

@@ -9,6 +9,7 @@ own pid and the digest of its LoRA weights, gathered over torch.distributed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -80,6 +81,35 @@ def test_two_processes_over_gloo_train_to_identical_adapters(tiny_model_dir, tmp
     steps = [r["step"] for r in read_metrics(run_dir) if r.get("stage") == "grpo" and "reward" in r]
     assert steps == [1, 2]
     assert (run_dir / "recipe.yaml").exists() and (run_dir / "env.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (optional: pip install deepspeed)")
+@pytest.mark.parametrize("config, stage", [("zero2", 2), ("zero3", 3)])
+def test_deepspeed_configs_train_two_processes_on_cpu(config, stage, tiny_model_dir, tmp_path):
+    """The shipped ZeRO configs, end to end on CPU (DeepSpeed's CPU accelerator over gloo).
+
+    DeepSpeed is not in the pinned set: this runs where it is installed (`pip install deepspeed`), and the
+    first run JIT-compiles DeepSpeed's shared-memory op, which takes minutes on 2 cores.
+    """
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DIR / f"{config}.yaml"),
+           "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir), f"output.dir={out}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env(), cwd=REPO)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    record = json.loads((out / "distributed.json").read_text())
+    assert record["num_processes"] == 2 and record["distributed_type"] == "DEEPSPEED"
+    assert record["adapters_identical"] is (None if stage == 3 else True)
+    shards = sorted(p.name for p in (out / "checkpoint-2/global_step2").iterdir())
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in shards  # ZeRO partitioned the optimizer over 2 ranks
+    if stage == 3:
+        assert "zero_pp_rank_1_mp_rank_00_model_states.pt" in shards  # ... and the parameters
+    saved = load_file(str(out / "adapter/adapter_model.safetensors"))  # whole, gathered from the shards
+    assert all(t.numel() > 0 for t in saved.values())
+    assert any(float(t.abs().max()) > 0 for name, t in saved.items() if "lora_B" in name)
 
 
 def test_unsloth_under_two_processes_is_refused_before_anything_runs(tiny_model_dir, tmp_path):

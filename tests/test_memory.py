@@ -27,7 +27,8 @@ GPU_RECIPES = [p for p in shipped_recipes() if load_recipe(str(p)).gpu_memory_gb
 
 
 def tiny_settings(**changes) -> mt.Settings:
-    base = dict(backend="hf", load_in_4bit=True, compute_bytes=2, lora_r=8, target_modules=tuple(DEFAULT_TARGET_MODULES),
+    base = dict(backend="hf", load_in_4bit=True, compute_bytes=2, lora_r=8,
+                target_modules=tuple(DEFAULT_TARGET_MODULES),
                 optim="paged_adamw_8bit", gradient_checkpointing=True, per_device_batch=4, generation_batch=8,
                 num_generations=4, prompt_len=32, completion_len=64, beta=0.0, fast_inference=False,
                 gpu_memory_utilization=0.5, gpu_total_bytes=8 * GIB)
@@ -202,6 +203,18 @@ def test_proposal_never_exceeds_the_budget(recipe_name, gib):
         assert plan(changed, budget, propose=False).total_bytes == entry["total_bytes"]
 
 
+def test_vllm_moves_weights_and_cache_into_its_reservation():
+    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=unsloth", "model.fast_inference=true",
+                                                                 "model.gpu_memory_utilization=0.5"])
+    p = plan(recipe, 8 * GIB)
+    assert p.terms["vllm_reservation"] == 4 * GIB and p.terms["base_weights"] == p.terms["kv_cache"] == 0
+    share = p.proposal["gpu_memory_utilization"]
+    assert 0.5 <= share["value"] < 1 and share["total_bytes"] <= 8 * GIB
+    assert plan(apply_overrides(recipe, ["model.gpu_memory_utilization=0.95"]), 8 * GIB, propose=False).fits is False
+    fitted, fit = auto_fit(apply_overrides(recipe, ["model.gpu_memory_utilization=0.95"]), 8 * GIB, set())
+    assert fit.fits and fitted.model.gpu_memory_utilization < 0.95
+
+
 def test_proposal_is_empty_when_nothing_fits():
     proposal = plan(load_recipe("qwen3_4b_gsm8k"), 1 * GIB).proposal
     assert all(entry is None for entry in proposal.values())
@@ -247,7 +260,8 @@ def test_every_gpu_recipe_is_predicted_under_its_target(path):
         total = plan(apply_overrides(recipe, [f"model.backend={backend}"]), recipe.gpu_memory_gb * GIB,
                      propose=False).total_bytes
         assert total < recipe.gpu_memory_gb * GIB
-        assert abs(total / GIB - float(text)) <= 0.1 * float(text), f"docstring says {text} GiB, planner {total / GIB:.2f}"
+        assert abs(total / GIB - float(text)) <= 0.1 * float(text), \
+            f"docstring says {text} GiB, planner {total / GIB:.2f}"
 
 
 # --- auto-fit -----------------------------------------------------------------------------------
@@ -372,7 +386,8 @@ def test_planner_imports_nothing_heavy():
     code = ("import sys, lowmem_grpo.memory, lowmem_grpo.memory_fit\n"
             "from lowmem_grpo.memory import plan\nfrom lowmem_grpo.recipe_io import load_recipe\n"
             "plan(load_recipe('qwen3_4b_gsm8k'), 8 * 2**30)\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'unsloth', 'huggingface_hub') if m in sys.modules))")
+            "heavy = ('torch', 'transformers', 'trl', 'unsloth', 'huggingface_hub')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

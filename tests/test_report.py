@@ -131,3 +131,12 @@ def test_smooth_is_a_debiased_moving_average():
     assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
     values = smooth([0.0, 1.0, 1.0, 1.0], weight=0.5)
     assert values[0] == 0.0 and 0 < values[1] < values[2] < values[3] < 1
+
+
+def test_report_shows_an_evaluation_in_the_run_dir(tmp_path):
+    from lowmem_grpo.report import write_report
+
+    run_dir = write_run(tmp_path / "run", synthetic_metrics(3))
+    (run_dir / "eval.json").write_text(json.dumps({"metrics": {"strict_accuracy": 0.125, "num_problems": 8}}))
+    report = write_report(run_dir).read_text()
+    assert "## Evaluation" in report and "| strict_accuracy | 0.125 |" in report

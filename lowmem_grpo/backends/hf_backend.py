@@ -47,4 +47,7 @@ def load_hf(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
         target_modules=present_target_modules(model, lora.target_modules),
     )
+    from transformers import set_seed
+
+    set_seed(recipe.train.seed)  # LoRA A is drawn from the global RNG, which torch seeds randomly per process
     return get_peft_model(model, config), tokenizer
