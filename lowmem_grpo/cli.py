@@ -32,7 +32,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
                             fix="e.g. lowmem-grpo train smollm2_135m_gsm8k_cpu")
     else:
-        run_dir = train(load_recipe(args.recipe, args.overrides))
+        from lowmem_grpo.memory import explicit_keys
+
+        run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides))
     log.info("done: adapter in %s", Path(run_dir) / "adapter")
     return EXIT_OK
 

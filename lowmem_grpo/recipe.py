@@ -158,6 +158,8 @@ class TrainConfig:
     """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
     eval_limit: int = 50
     """Problems of data.eval_split the periodic evaluation uses (the first N)."""
+    auto_fit: bool | None = None
+    """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory); None = on CUDA, false = never."""
     oom_retries: int = 2
     """After a CUDA out-of-memory error, lower the memory settings and continue from the last complete checkpoint, at most this many times (0 = stop at the first)."""
     test_faults: list[str] = field(default_factory=list)

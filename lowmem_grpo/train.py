@@ -135,8 +135,11 @@ def load_train_rows(recipe: Recipe) -> list[dict[str, str]]:
     return rows[: d.limit] if d.limit else rows
 
 
-def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Path | None = None) -> Path:
+def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Path | None = None,
+          explicit: set[str] | None = None) -> Path:
     """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
+
+    `explicit` are the dotted keys the user set on the command line; auto-fit never changes them.
 
     `callbacks` are extra transformers TrainerCallbacks for the GRPO trainer (e.g. to inspect its start state).
     `resume_dir` continues that run (whose recipe.yaml `recipe` is) from its last complete checkpoint.
@@ -149,6 +152,12 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     distributed.setup(recipe.train.extra)  # joins the launcher's process group; nothing for one process
     check_trainer_fields(recipe)
     telemetry.check_report_to(recipe.train.report_to)
+    fitted_plan = None
+    if recipe.train.auto_fit is not False and resume_dir is None and distributed.world_size() == 1:
+        from lowmem_grpo.memory import fit_to_device
+
+        # before any model loads: non-explicit settings fit this GPU's free memory; RecipeError names explicit ones
+        recipe, fitted_plan = fit_to_device(recipe, set(explicit or ()))
     rows = load_train_rows(recipe)  # bad data fails here, before the model loads
     rewards = resolved_rewards(recipe)
     with distributed.main_process_first():  # an embedded model is converted once, by rank 0
@@ -173,6 +182,10 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         if resume is None:
             resilience.create_run_dir(run_dir)
             (run_dir / telemetry.RECIPE_FILE).write_text(dump_yaml(recipe), encoding="utf-8")
+            if fitted_plan is not None:
+                from lowmem_grpo.memory import write_plan
+
+                write_plan(run_dir, fitted_plan)  # memory_plan.json: the predicted peak the chosen values fit
         else:
             checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
         telemetry.write_env(run_dir, backend)
