@@ -20,7 +20,7 @@ from lowmem_grpo.errors import BadInputError
 log = logging.getLogger(__name__)
 
 NO_SIGNAL_THRESHOLD = 0.5
-"""When at least this share of prompt groups has a zero-variance total reward, there is no signal."""
+"""When more than this share of prompt groups has a zero-variance total reward ("most"), there is no signal."""
 ZERO_STD_TOL = 1e-6
 
 
@@ -54,7 +54,7 @@ class PreflightResult:
 
     @property
     def no_signal(self) -> bool:
-        return self.frac_zero_std >= NO_SIGNAL_THRESHOLD
+        return self.frac_zero_std > NO_SIGNAL_THRESHOLD  # "most" groups: more than half
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)

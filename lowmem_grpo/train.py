@@ -197,6 +197,20 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend, cuda=cuda,
               precision=precision_flags(recipe.train.precision, cuda))
 
+    if recipe.train.preflight and resume is None:  # would GRPO get any signal? (a resumed run already passed)
+        from lowmem_grpo.errors import NoSignalError
+        from lowmem_grpo.preflight import preflight, render
+
+        check = preflight(recipe, loaded, examples, recipe.train.preflight_prompts)
+        log.info("%s", render(check, recipe).rstrip())
+        if check.no_signal and not recipe.train.allow_no_signal:
+            raise NoSignalError(
+                f"reward preflight: in {check.frac_zero_std:.0%} of {check.num_prompts} prompt groups every "
+                "completion got the same total reward, so GRPO would learn (almost) nothing",
+                fix="prime.enabled=true (format priming), partial-credit rewards, more train.num_generations, a "
+                    "higher train.temperature, or a format hint in data.system_prompt / data.prefill; "
+                    "train.allow_no_signal=true trains anyway")
+
     from lowmem_grpo.rewards import get_reward
 
     from lowmem_grpo.completions import CompletionRecorder
@@ -207,6 +221,12 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     reward_funcs = [guard_reward(get_reward(name)) for name in rewards]
     recorder = CompletionRecorder(run_dir / telemetry.COMPLETIONS_FILE, recipe.train.completions_every,
                                   {f.__name__: w for f, w in zip(reward_funcs, rewards.values())})
+    eval_callbacks = []
+    if recipe.train.eval_every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
+        from lowmem_grpo.evaluate import make_eval_callback
+
+        eval_callbacks.append(make_eval_callback(recipe, loaded.tokenizer, run_dir))
+
     def build_trainer(recipe: Recipe) -> Any:  # called again with lowered settings after a CUDA out-of-memory error
         recorder.flush(write=False)  # a retried attempt drops what its failed step recorded
         config = build_grpo_config(recipe, run_dir, loaded.device == "cuda", list(rewards.values()))
@@ -218,7 +238,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
             train_dataset=dataset,
             processing_class=loaded.tokenizer,
             callbacks=[telemetry.make_callback(run_dir, "grpo", [f.__name__ for f in reward_funcs], recorder),
-                       *callbacks],
+                       *callbacks, *eval_callbacks],
         )
         from transformers.trainer_callback import PrinterCallback
 
