@@ -9,10 +9,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 CPU_RECIPE = str(REPO / "recipes" / "smollm2_135m_gsm8k_cpu.py")
 REWARDS = "rewards={correctness: 2.0, 'lowmem_test_rewards:length_reward': 1.0}"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread, in-process and in child runs (OMP_NUM_THREADS=1): on 2 shared cores two spinning
+    threads made a tiny step 10-20x slower, and one thread keeps in-process and child runs bit-identical."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def tiny_args(model_dir: Path, run_dir: Path, *extra: str, steps: int = 4, save_steps: int = 2) -> list[str]:
@@ -56,7 +70,7 @@ def cli_inprocess(*args: str) -> tuple[int, str]:
 
 def cli_popen(*args: str) -> subprocess.Popen:
     """`python -m lowmem_grpo.cli ARGS` as a child process (tests/ on PYTHONPATH), output to a pipe."""
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "lowmem_grpo.cli", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

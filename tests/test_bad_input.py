@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from resilience_helpers import CPU_RECIPE, cli_inprocess, tiny_args, tree
+from resilience_helpers import CPU_RECIPE, cli_inprocess, one_torch_thread, tiny_args, tree  # noqa: F401
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
