@@ -224,8 +224,17 @@ def resume_point(run_dir: Path | str, max_steps: int) -> ResumePoint:
                             fix="give the folder a `lowmem-grpo train` run wrote, or start a new run without --resume")
     last = last_complete(run_dir)
     step, path = last if last else (None, None)
-    finished = step is not None and step >= max_steps and (run_dir / ADAPTER_DIR).is_dir()
+    finished = step is not None and step >= max_steps and _adapter_matches(run_dir / ADAPTER_DIR, path)
     return ResumePoint(run_dir, step, path, finished)
+
+
+def _adapter_matches(adapter_dir: Path, checkpoint: Path) -> bool:
+    """adapter/ holds the final checkpoint's adapter in full (a kill -9 while it was written leaves it short)."""
+    names = ("adapter_config.json", "adapter_model.safetensors")
+    try:
+        return all((adapter_dir / n).stat().st_size == (checkpoint / n).stat().st_size for n in names)
+    except OSError:
+        return False
 
 
 def prepare_resume(point: ResumePoint) -> None:

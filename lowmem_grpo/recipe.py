@@ -161,9 +161,9 @@ class TrainConfig:
     auto_fit: bool | None = None
     """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory); None = on CUDA, false = never."""
     oom_retries: int = 2
-    """After a CUDA out-of-memory error, lower the memory settings and continue from the last complete checkpoint, at most this many times (0 = stop at the first)."""
+    """CUDA out of memory: lower the memory settings, continue from the last complete checkpoint; at most N times."""
     test_faults: list[str] = field(default_factory=list)
-    """TEST ONLY, empty in real runs: faults to inject, e.g. oom@3, oom@3:update, enospc@4, sigint@2 (lowmem_grpo.faults)."""
+    """TEST ONLY, empty in real runs: faults to inject, e.g. oom@3, enospc@4, sigint@2 (lowmem_grpo.faults)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 

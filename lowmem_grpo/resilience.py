@@ -251,6 +251,23 @@ def _oom_stop(run_dir: Path, step: int, phase: str, retries: list[str], limit: i
             f"continue with {_resume_hint(run_dir)}, or see `lowmem-grpo plan`")
 
 
+def _checkpoint_step(folder: Path) -> int:
+    return int(Path(folder).name[len(checkpoints.PREFIX):])
+
+
+def _finished_trainer(trainer: Any, checkpoint: Path) -> Any:
+    """A trainer holding the final checkpoint's adapter and state, without a step: resuming a run whose last
+    checkpoint is its final step would otherwise train one step past max_steps (transformers checks the limit
+    only after a step)."""
+    from transformers import TrainerState
+
+    model = trainer.model
+    model.load_adapter(str(checkpoint), model.active_adapter, is_trainable=True)  # as transformers resumes PEFT
+    trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+    log.info("%s is the final step: saving its adapter, nothing to train", Path(checkpoint).name)
+    return trainer
+
+
 def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: Any,
              resume_from: Path | None = None, use_planner: bool = True) -> Any:
     """Train `build(recipe)` (from `resume_from` when given) with checkpoints, signals, OOM and disk faults
@@ -264,6 +281,8 @@ def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: 
     injector = FaultInjector(parse_faults(recipe.train.test_faults)) if recipe.train.test_faults else None
     snapshot = _snapshot(model) if resume_from is None else None
     tried: list[str] = []
+    if resume_from is not None and _checkpoint_step(resume_from) >= recipe.train.max_steps:
+        return _finished_trainer(build(recipe), resume_from)  # only adapter/ and the report were left to write
     guard = SignalGuard()
     with guard:
         while True:

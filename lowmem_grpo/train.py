@@ -58,7 +58,7 @@ def make_run_dir(recipe: Recipe) -> Path:
         raise BadInputError(f"run directory {run_dir} already holds {'a run' if holds_run else 'files'} "
                             f"({checkpoints.describe_run_dir(run_dir)})",
                             fix=(f"continue that run with `lowmem-grpo train --resume {run_dir}`, or " if holds_run
-                                 else "") + "choose another output.dir, or leave it unset for a fresh timestamped folder")
+                                 else "") + "choose another output.dir, or leave it unset for a new timestamped one")
     resilience.check_writable(run_dir)  # created only once the inputs are checked: bad input leaves nothing
     return run_dir
 

@@ -309,3 +309,12 @@ def test_three_kill9_and_resume_cycles_match_an_uninterrupted_run(tiny_model_dir
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
     ours = [m["reward"] for m in metrics(run) if "reward" in m]
     assert ours == [m["reward"] for m in metrics(reference) if "reward" in m]
+
+    # a kill -9 while adapter/ was written: resume rewrites it from the final checkpoint, training no extra step
+    os.truncate(run / "adapter" / "adapter_model.safetensors", 1000)
+    code, log = cli_inprocess("train", "--resume", str(run))
+    assert code == 0 and f"checkpoint-{steps} is the final step" in log, log[-2000:]
+    a = adapter_tensors(run / "adapter")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0 and grpo_steps(run) == list(range(1, steps + 1))
+    code, log = cli_inprocess("train", "--resume", str(run))
+    assert code == 0 and "already finished" in log

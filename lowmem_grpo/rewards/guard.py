@@ -125,7 +125,8 @@ def guard_reward(func: Callable[..., Any]) -> Callable[..., Any]:
             scores = list(scores)
         except TypeError:
             raise RewardError(f"reward function {name!r} returned {type(scores).__name__}, not a list, at "
-                              f"{_step(kwargs)}", fix=f"return one float (or None) per completion from {name}") from None
+                              f"{_step(kwargs)}",
+                              fix=f"return one float (or None) per completion from {name}") from None
         if len(scores) != count:
             raise RewardError(f"reward function {name!r} returned {len(scores)} scores for {count} completions at "
                               f"{_step(kwargs)}", fix=f"return exactly one float (or None) per completion from {name}")
