@@ -135,7 +135,7 @@ def guard_reward(func: Callable[..., Any]) -> Callable[..., Any]:
             if problem is not None:
                 raise RewardError(f"reward function {name!r} returned {problem} at {_step(kwargs)}, on "
                                   f"{describe_example(kwargs, index, count)}",
-                                  fix=f"return a finite float from {name}, or None to skip; {skip_hint}")
+                                  fix=f"return a finite float from {name}; {skip_hint}")
         return scores
 
     guarded.__lowmem_guarded__ = True  # type: ignore[attr-defined]
