@@ -99,7 +99,8 @@ def report(run_dir: Path, info: dict, evals: dict, rewards: dict, prime_s: float
     lines.append(f"wall time: priming {fmt(prime_s, '.0f')} s, GRPO {fmt(grpo_s, '.0f')} s "
                  f"({rewards.get('grpo_steps', 0)} steps), together {total:.0f} s (budget {TIME_BUDGET_S:.0f} s)")
     if info:
-        lines.append(f"whole train() call: {info['train_call_wall_s']:.0f} s wall, {info['train_call_cpu_s']:.0f} s CPU "
+        lines.append(f"whole train() call: {info['train_call_wall_s']:.0f} s wall, "
+                     f"{info['train_call_cpu_s']:.0f} s CPU "
                      f"on {info['cpu_count']} cores; load average {info['loadavg_before']:.2f} before, "
                      f"{info['loadavg_after_1_5_15'][0]:.2f}/{info['loadavg_after_1_5_15'][1]:.2f}/"
                      f"{info['loadavg_after_1_5_15'][2]:.2f} (1/5/15 min) after")
@@ -112,7 +113,8 @@ def report(run_dir: Path, info: dict, evals: dict, rewards: dict, prime_s: float
                      f"{fmt(m['strict_format_rate']):>10} {fmt(m['soft_format_rate']):>8} "
                      f"{fmt(m['mean_completion_tokens'], '.0f'):>6} {fmt(m['truncated_rate']):>9}")
     if rewards:
-        lines.append(f"GRPO reward: first 5 steps {rewards['reward_first5']:.3f}, last 5 steps {rewards['reward_last5']:.3f}; "
+        lines.append(f"GRPO reward: first 5 steps {rewards['reward_first5']:.3f}, "
+                     f"last 5 steps {rewards['reward_last5']:.3f}; "
                      f"mean frac_reward_zero_std {rewards['mean_frac_reward_zero_std']:.3f}")
     checks = {
         "priming + GRPO within 10 minutes": total <= TIME_BUDGET_S,
@@ -129,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides for a fresh run, e.g. train.max_steps=10")
     parser.add_argument("--run-dir", help="measure this existing run directory instead of training")
     parser.add_argument("--limit", type=int, default=40, help="test problems to evaluate (default 40)")
-    parser.add_argument("--max-new-tokens", type=int, help="generation budget (default: the recipe's completion length)")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="generation budget (default: the recipe's completion length)")
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
 
     from lowmem_grpo import telemetry
 

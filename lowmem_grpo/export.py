@@ -91,7 +91,8 @@ def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None
         found = sorted(p.name for p in run_dir.glob("checkpoint-*"))
         raise BadInputError(f"{run_dir} has no final adapter ({telemetry.ADAPTER_DIR}/): the run did not finish",
                             fix=f"export a checkpoint with --checkpoint STEP ({', '.join(found) or 'none saved yet'})")
-    steps = [r["step"] for r in telemetry.read_metrics(run_dir) if isinstance(r.get("step"), int)]
+    steps = [r["step"] for r in telemetry.read_metrics(run_dir)
+             if isinstance(r.get("step"), int) and r.get("stage", "grpo") == "grpo"]  # not the prime stage's steps
     return src, max(steps) if steps else None
 
 

@@ -162,8 +162,9 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     """Train `model`'s LoRA adapter in place on the rendered targets, save it to RUN_DIR/primed_adapter.
 
     `precision` holds the bf16/fp16 flags the GRPO stage uses (fp32 when None). Metrics go to
-    metrics.jsonl with stage "prime", plus `callbacks` (extra TrainerCallbacks). Returns a summary: steps, examples, seconds,
-    first and last logged loss. Imports trl (Unsloth's patched SFTTrainer when Unsloth was imported).
+    metrics.jsonl with stage "prime"; `callbacks` are extra TrainerCallbacks. Returns a summary:
+    steps, examples, seconds, first and last logged loss. Imports trl (Unsloth's patched
+    SFTTrainer once Unsloth was imported).
     """
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
@@ -188,8 +189,9 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     trainer.train()
     seconds = time.monotonic() - started
     adapter_dir = Path(run_dir) / telemetry.PRIMED_ADAPTER_DIR
-    model.save_pretrained(str(adapter_dir))
-    tokenizer.save_pretrained(str(adapter_dir))
+    if trainer.is_world_process_zero():  # one writer under a multi-process launch
+        model.save_pretrained(str(adapter_dir))
+        tokenizer.save_pretrained(str(adapter_dir))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     summary = {"steps": trainer.state.global_step, "examples": len(pairs), "seconds": seconds,
                "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}

@@ -109,7 +109,8 @@ def test_prime_keys_are_strict_and_typed():
 
 
 def test_importing_prime_stays_light():
-    code = "import sys, lowmem_grpo.prime; print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))"
+    code = ("import sys, lowmem_grpo.prime\n"
+            "print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -241,3 +242,9 @@ def test_unsloth_backend_primes_and_grpo_starts_from_it(tiny_model_dir, tmp_path
     check_start_state(start, load_adapter_file(run_dir / "primed_adapter"), load_adapter_file(run_dir / "adapter"))
     check_stages(run_dir)
     check_target_loss_fell(load_recipe(str(run_dir / "recipe.yaml")), run_dir)
+
+
+def test_the_embedded_default_primes_with_a_compatible_prefill():
+    recipe = load_recipe(CPU_RECIPE)
+    assert recipe.prime.enabled and recipe.data.prefill == "<reasoning>\n"
+    validate(recipe)  # includes the prefill check priming needs

@@ -114,7 +114,7 @@ def test_wrapper_keeps_name_and_scores():
 def tiny_run(tiny_model_dir, tmp_path_factory):
     """4 steps, completions every 3 steps (so steps 1, 3 and the last, 4), 16-token completions (all clipped)."""
     return train_tiny(tiny_model_dir, tmp_path_factory.mktemp("telemetry") / "run", "train.max_steps=4",
-                      "train.completions_every=3", "train.save_steps=10")
+                      "train.completions_every=3", "train.save_steps=10", "train.num_generations=4")
 
 
 def lines(path: Path) -> list[dict]:
