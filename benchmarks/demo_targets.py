@@ -13,6 +13,8 @@ steps, and its mean frac_reward_zero_std. Writes the numbers to RUN_DIR/demo_tar
 
 from __future__ import annotations
 
+from lowmem_grpo.rundir import layout
+
 import argparse
 import json
 import logging
@@ -47,16 +49,14 @@ def grpo_reward_summary(records: list[dict]) -> dict[str, float]:
 
 def evaluate_variants(run_dir: Path, limit: int, max_new_tokens: int | None, batch_size: int) -> dict[str, dict]:
     """Greedy strict accuracy / format of the base model, the primed adapter and the final adapter."""
-    from lowmem_grpo import telemetry
-    from lowmem_grpo.backends import choose_backend, load, prepare
-    from lowmem_grpo.evaluate import load_eval_examples, run_eval
+    from lowmem_grpo.backends import load, prepare
+    from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
     from lowmem_grpo.recipe_io import load_recipe
 
-    recipe = load_recipe(str(run_dir / telemetry.RECIPE_FILE))
-    backend = choose_backend(recipe.model.backend)
-    prepare(backend)
+    recipe = load_recipe(str(run_dir / layout.RECIPE_FILE))
+    backend = prepare(recipe.model.backend)
     tokens = max_new_tokens or recipe.train.max_completion_length
-    variants = {"base": None, "primed": run_dir / telemetry.PRIMED_ADAPTER_DIR, "grpo": run_dir / telemetry.ADAPTER_DIR}
+    variants = {"base": None, "primed": run_dir / layout.PRIMED_ADAPTER_DIR, "grpo": run_dir / layout.ADAPTER_DIR}
     results = {}
     for name, adapter in variants.items():
         if adapter is not None and not adapter.exists():
@@ -74,7 +74,7 @@ def evaluate_variants(run_dir: Path, limit: int, max_new_tokens: int | None, bat
 
 def train_fresh(overrides: list[str]) -> tuple[Path, dict]:
     from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.train import train
+    from lowmem_grpo.train.pipeline import train
 
     recipe = load_recipe(RECIPE, overrides)
     load_before = os.getloadavg()
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
 
-    from lowmem_grpo import telemetry
+    from lowmem_grpo.rundir import telemetry
 
     if args.run_dir:
         run_dir, info = Path(args.run_dir), {}

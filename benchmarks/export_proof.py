@@ -29,8 +29,8 @@ def main() -> int:
     parser.add_argument("--cpu-4bit", action="store_true", help="let merged-4bit run without CUDA")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from lowmem_grpo import export_proof
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export import proof as export_proof
+    from lowmem_grpo.export.formats import export
 
     print(f"{'format':<14} {'dtype':<9} {'max|diff|':>10} {'default tol':>11} {'adapter effect':>14} "
           f"{'max|logit|':>10} {'wall s':>7}")
@@ -39,7 +39,7 @@ def main() -> int:
             scratch = Path(tempfile.mkdtemp(prefix="export-bench-"))
             started = time.monotonic()
             result = export(args.run_dir, fmt, scratch / "out", dtype=dtype, tolerance=1e9,
-                            require_cuda_for_4bit=not args.cpu_4bit)
+                            cpu_4bit=args.cpu_4bit)
             wall = time.monotonic() - started
             shutil.rmtree(scratch)
             diff = "-" if result.max_abs_diff is None else f"{result.max_abs_diff:.3g}"

@@ -5,11 +5,11 @@ For each recipe: a model with random weights is built from the shipped config of
 download) with a word-level tokenizer of the same vocabulary size, then a few GRPO steps run with
 the recipe's settings twice, each in its own process:
 
-  lowmem  through lowmem_grpo.train.train (backend auto: Unsloth on CUDA)
+  lowmem  through lowmem_grpo.train.pipeline.train (backend auto: Unsloth on CUDA)
   plain   through a plain TRL + PEFT + bitsandbytes script (no Unsloth imported)
 
 and the table prints torch.cuda.max_memory_allocated / max_memory_reserved next to the planner's
-prediction for that backend (lowmem_grpo.memory: allocated_bytes and reserved_bytes), with the
+prediction for that backend (lowmem_grpo.memory.plan: allocated_bytes and reserved_bytes), with the
 error in %, and the completion tokens per second of step time. Random weights never emit EOS, so
 every completion runs to max_completion_length: the planner's worst case, which it predicts.
 
@@ -76,7 +76,7 @@ def build_model_dir(recipe_name: str, target: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lowmem_grpo.memory_arch import shipped_config_path
+    from lowmem_grpo.memory.arch import shipped_config_path
     from lowmem_grpo.recipe_io import load_recipe
 
     if (target / ".complete").exists():
@@ -157,7 +157,7 @@ def run_lowmem(args: argparse.Namespace, model_dir: Path, work: Path):
 
     from lowmem_grpo.recipe import TrainConfig
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
-    from lowmem_grpo.train import train
+    from lowmem_grpo.train.pipeline import train
 
     recipe = load_recipe(args.recipe)
     rows = work / f"{args.recipe}.jsonl"
@@ -182,6 +182,7 @@ def run_plain(args: argparse.Namespace, model_dir: Path, work: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
     from trl import GRPOConfig, GRPOTrainer
 
+    from lowmem_grpo.device import resolve_optimizer
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     recipe = load_recipe(args.recipe)
@@ -209,13 +210,13 @@ def run_plain(args: argparse.Namespace, model_dir: Path, work: Path):
         per_device_train_batch_size=t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps, steps_per_generation=t.steps_per_generation,
         max_completion_length=t.max_completion_length, temperature=t.temperature, learning_rate=t.learning_rate,
-        optim=("paged_adamw_8bit" if cuda else "adamw_torch") if t.optim == "auto" else t.optim,
+        optim=resolve_optimizer(t.optim, cuda=cuda),
         gradient_checkpointing=t.gradient_checkpointing, beta=t.beta, bf16=cuda, fp16=False, use_cpu=not cuda,
         logging_steps=1, save_strategy="no", report_to=[], seed=t.seed, disable_tqdm=True)
     probe = probe_callback()
-    from lowmem_grpo.trainer_cpu import cpu_safe_grpo_trainer  # TRL 1.15's log-prob kernel needs a GPU
+    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer  # TRL 1.15's log-prob kernel needs a GPU
 
-    trainer_cls = GRPOTrainer if cuda else cpu_safe_grpo_trainer()
+    trainer_cls = GRPOTrainer if cuda else CpuSafeGRPOTrainer
     trainer = trainer_cls(model=model, reward_funcs=[random_reward], args=config,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), processing_class=tokenizer,
                           callbacks=[probe])
@@ -235,9 +236,9 @@ def worker(args: argparse.Namespace) -> int:
         run = run_lowmem if args.path == "lowmem" else run_plain
         recipe, probe = run(args, model_dir, work)
         if args.path == "lowmem":
-            from lowmem_grpo.backends import choose_backend
+            from lowmem_grpo.backends import prepare
 
-            backend = choose_backend(recipe.model.backend)  # what train() ran: unsloth on CUDA when installed
+            backend = prepare(recipe.model.backend)  # what train() ran: unsloth on CUDA when installed
         else:
             backend = "hf"
         result.update(predicted(recipe, backend), backend=backend, **probe.peaks)
@@ -255,10 +256,10 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def predicted(recipe, backend: str) -> dict:
-    from lowmem_grpo.memory import plan
+    from lowmem_grpo.memory.plan import plan
     from lowmem_grpo.recipe_io import apply_overrides
 
-    p = plan(apply_overrides(recipe, [f"model.backend={backend}"]), propose=False)
+    p = plan(apply_overrides(recipe, [f"model.backend={backend}"]))
     return {"predicted_allocated": p.allocated_bytes, "predicted_reserved": p.reserved_bytes,
             "predicted_total": p.total_bytes, "peak_phase": p.peak_phase, "terms": p.terms}
 

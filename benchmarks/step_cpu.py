@@ -42,8 +42,8 @@ def model_path(name: str, work: Path) -> str:
 
 def run_lowmem(path: str, steps: int, out: Path) -> list[float]:
     from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.telemetry import read_metrics
-    from lowmem_grpo.train import train
+    from lowmem_grpo.rundir.telemetry import read_metrics
+    from lowmem_grpo.train.pipeline import train
 
     s = SETTINGS
     recipe = load_recipe(RECIPE, [
@@ -67,7 +67,7 @@ def run_plain(path: str, steps: int, out: Path) -> list[float]:
 
     from lowmem_grpo import rewards
     from lowmem_grpo.recipe import DEFAULT_SYSTEM_PROMPT
-    from lowmem_grpo.trainer_cpu import cpu_safe_grpo_trainer
+    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
 
     s = SETTINGS
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -100,7 +100,7 @@ def run_plain(path: str, steps: int, out: Path) -> list[float]:
             if logs and "step_time" in logs:
                 step_times.append(logs["step_time"])
 
-    trainer = cpu_safe_grpo_trainer()(
+    trainer = CpuSafeGRPOTrainer(
         model=model, reward_funcs=[rewards.get_reward(n) for n in rewards.GSM8K_DEFAULT_WEIGHTS], args=config,
         train_dataset=Dataset.from_list(data).shuffle(seed=42), processing_class=tokenizer, callbacks=[Collect()],
     )

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lowmem_grpo.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInputError, LowmemError
 
@@ -21,21 +23,20 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.train import train
+    from lowmem_grpo.recipe_io import explicit_keys, load_recipe
+    from lowmem_grpo.rundir import checkpoints, layout
+    from lowmem_grpo.train.pipeline import train
 
     if args.resume:  # the run's own recipe.yaml, from its last complete checkpoint
-        from lowmem_grpo.resilience import resume_recipe
-
-        run_dir = train(resume_recipe(args.resume, args.recipe, args.overrides), resume_dir=args.resume)
+        recipe = load_recipe(str(checkpoints.resume_recipe_path(args.resume, args.recipe, args.overrides)))
+        run_dir = train(recipe, resume_dir=args.resume, callbacks=args.callbacks)
     elif args.recipe is None:
         raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
                             fix="e.g. lowmem-grpo train smollm2_135m_gsm8k_cpu")
     else:
-        from lowmem_grpo.memory import explicit_keys
-
-        run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides))
-    log.info("done: adapter in %s", Path(run_dir) / "adapter")
+        run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides),
+                        callbacks=args.callbacks)
+    log.info("done: adapter in %s", Path(run_dir) / layout.ADAPTER_DIR)
     return EXIT_OK
 
 
@@ -51,7 +52,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise BadInputError(f"data.source {recipe.data.source!r}: no such file or folder",
                             fix="give an existing path, or use hub or embedded")
     if args.trainer_fields:
-        from lowmem_grpo.train import check_trainer_fields
+        from lowmem_grpo.backends import prepare
+
+        prepare(recipe.model.backend)  # trl is imported next: Unsloth first when it is the backend
+        from lowmem_grpo.train.grpo import check_trainer_fields
 
         check_trainer_fields(recipe)
     sys.stdout.write(dump_yaml(recipe) if args.show else f"ok: {args.recipe} ({recipe.name})\n")
@@ -86,7 +90,7 @@ def _unescape(text: str | None) -> str | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from lowmem_grpo.eval_run import EvalOptions, render, run
+    from lowmem_grpo.evaluation.command import EvalOptions, render, run
 
     opts = EvalOptions(model=args.model, adapter=args.adapter, recipe=args.recipe, data=args.data, split=args.split,
                        limit=args.limit, batch_size=args.batch_size, seed=args.seed, samples=args.samples,
@@ -99,7 +103,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_check_rewards(args: argparse.Namespace) -> int:
     from lowmem_grpo.errors import EXIT_NO_SIGNAL
-    from lowmem_grpo.preflight import check_rewards, render
+    from lowmem_grpo.train.preflight import check_rewards, render
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -109,10 +113,11 @@ def cmd_check_rewards(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     result = export(args.run_dir, args.format, args.out, checkpoint=args.checkpoint, overwrite=args.overwrite,
-                    dtype=args.dtype, tolerance=args.tolerance, llama_cpp=args.llama_cpp, base=args.base)
+                    dtype=args.dtype, tolerance=args.tolerance, llama_cpp=args.llama_cpp, base=args.base,
+                    cpu_4bit=args.cpu_4bit)
     proof = "" if result.max_abs_diff is None else (
         f", max |logit diff| {result.max_abs_diff:.3g} <= {result.tolerance:.3g} ({result.dtype})")
     sys.stdout.write(f"exported {result.format} to {result.out} in {result.seconds:.1f} s{proof}\n")
@@ -120,7 +125,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from lowmem_grpo.report import write_report
+    from lowmem_grpo.rundir.report import write_report
 
     sys.stdout.write(f"{write_report(args.run_dir)}\n")
     return EXIT_OK
@@ -129,14 +134,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from lowmem_grpo.memory import default_budget, format_plan, parse_size, plan
+    from lowmem_grpo.memory.fit import plan_with_proposal
+    from lowmem_grpo.memory.plan import default_budget, format_plan, parse_size
     from lowmem_grpo.recipe import validate
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     validate(recipe)
     budget = parse_size(args.gpu_memory) if args.gpu_memory else default_budget(recipe)
-    result = plan(recipe, budget)
+    result = plan_with_proposal(recipe, budget)
     sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else format_plan(result, recipe.name))
     return EXIT_OK
 
@@ -210,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp folder holding convert_hf_to_gguf.py "
                    "(default: $LLAMA_CPP_DIR); needed by --format gguf")
     p.add_argument("--base", help="base model to merge into (default: the recipe's model.name)")
+    p.add_argument("--cpu-4bit", action="store_true",
+                   help="let merged-4bit run on bitsandbytes' CPU backend when no GPU is visible (slow)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="write plots/*.png and report.md for a run (also mid-run)")
@@ -226,13 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns its exit code."""
+def main(argv: list[str] | None = None, *, callbacks: Sequence[Any] = ()) -> int:
+    """Run one command; returns its exit code.
+
+    `callbacks` are extra transformers TrainerCallbacks for `train` (a Python caller's seam, e.g. a test's fault
+    injector or a custom logger); the command line passes none.
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
+    args.callbacks = list(callbacks)
     _setup_logging(args.verbose)
     try:
         return args.func(args)
@@ -244,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt as exc:
         log.error("interrupted")
-        return getattr(exc, "exit_code", 130)  # a second SIGTERM (lowmem_grpo.resilience.Aborted): 143
+        return getattr(exc, "exit_code", 130)  # a second SIGTERM (lowmem_grpo.errors.Aborted): 143
 
 
 def main_for_recipe(recipe_file: str) -> int:

@@ -1,4 +1,8 @@
-"""What this machine has: CUDA, the GPU, bf16 support and package versions (for doctor and env.json)."""
+"""What this machine has (CUDA, the GPU, package versions: for doctor and env.json), and the ONE place where
+the recipe's "auto" settings are resolved: backend, dtype, bf16/fp16 flags, optimizer, fast_inference.
+
+Imports torch only inside the functions that need it.
+"""
 
 from __future__ import annotations
 
@@ -52,3 +56,52 @@ def describe() -> dict[str, Any]:
                     gpu_memory_total_bytes=total, gpu_memory_free_bytes=free,
                     gpu_capability=f"{props.major}.{props.minor}", bf16_supported=torch.cuda.is_bf16_supported())
     return info
+
+
+# --- the one place where "auto" settings are resolved ---------------------------------------------
+
+
+def bf16_supported() -> bool:
+    """Whether this machine's CUDA GPU computes in bfloat16 (False without CUDA)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def resolve_backend(requested: str, *, cuda: bool, processes: int = 1) -> str:
+    """auto -> unsloth when CUDA and unsloth are both present and one process runs, else hf."""
+    if requested != "auto":
+        return requested
+    if processes > 1:
+        return "hf"
+    return "unsloth" if cuda and is_installed("unsloth") else "hf"
+
+
+def resolve_dtype(requested: str, *, cuda: bool) -> str:
+    """Model dtype: auto -> bfloat16 on GPUs that support it, float16 on older GPUs, float32 on CPU."""
+    if requested != "auto":
+        return requested
+    if not cuda:
+        return "float32"
+    return "bfloat16" if bf16_supported() else "float16"
+
+
+def precision_flags(precision: str, *, cuda: bool) -> dict[str, bool]:
+    """GRPOConfig/SFTConfig bf16 and fp16 flags; TRL resolves bf16=None to True even on CPU, so both are set."""
+    if precision == "auto":
+        precision = "fp32" if not cuda else ("bf16" if bf16_supported() else "fp16")
+    return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
+
+
+def resolve_optimizer(requested: str, *, cuda: bool) -> str:
+    """auto -> paged_adamw_8bit on CUDA (bitsandbytes' 8-bit states), adamw_torch on CPU."""
+    if requested != "auto":
+        return requested
+    return "paged_adamw_8bit" if cuda else "adamw_torch"
+
+
+def resolve_fast_inference(requested: bool | None, *, cuda: bool) -> bool:
+    """Unsloth's vLLM generation: None -> on when vLLM is installed and CUDA is present."""
+    if requested is not None:
+        return requested
+    return cuda and is_installed("vllm")

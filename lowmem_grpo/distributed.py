@@ -30,7 +30,6 @@ from lowmem_grpo.errors import BadInputError, LowmemError
 
 log = logging.getLogger(__name__)
 
-DISTRIBUTED_FILE = "distributed.json"
 DEFAULT_TIMEOUT_S = 1800  # transformers' ddp_timeout default, so the early process group matches the trainer's
 
 
@@ -177,8 +176,9 @@ def _zero3(trainer: Any) -> bool:
     return plugin is not None and getattr(plugin, "zero_stage", None) == 3
 
 
-def check_ranks_agree(trainer: Any, run_dir: Path) -> dict[str, Any] | None:
-    """Gather each rank's pid, host, steps and adapter digest; rank 0 writes distributed.json.
+def check_ranks_agree(trainer: Any, record_path: Path) -> dict[str, Any] | None:
+    """Gather each rank's pid, host, steps and adapter digest; rank 0 writes them to `record_path`
+    (the run's distributed.json).
 
     Raises LowmemError on every rank when data-parallel ranks hold different adapters. Skipped (None)
     for one process; under ZeRO-3 the digests are not compared (each rank holds a shard).
@@ -201,10 +201,10 @@ def check_ranks_agree(trainer: Any, run_dir: Path) -> dict[str, Any] | None:
     record = {"num_processes": state.num_processes, "distributed_type": kind,
               "backend": getattr(state, "backend", None), "adapters_identical": identical, "ranks": ranks}
     if is_main_process():
-        (Path(run_dir) / DISTRIBUTED_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+        Path(record_path).write_text(json.dumps(record, indent=2), encoding="utf-8")
     if identical is False:
         raise LowmemError(f"the {state.num_processes} ranks ended with different LoRA weights "
-                          f"({len(digests)} distinct digests, see {DISTRIBUTED_FILE}); the saved adapter is rank 0's",
+                          f"({len(digests)} distinct digests, see {record_path}); the saved adapter is rank 0's",
                           fix="report this with distributed.json; data-parallel ranks must stay in sync")
     if zero3:
         log.info("%d ranks finished; adapter digests not compared under ZeRO-3 (each rank holds a shard)",

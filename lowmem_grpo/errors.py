@@ -1,6 +1,9 @@
-"""Errors that the CLI turns into exit codes: bad input exits 2, a failure while running exits 1."""
+"""Every error the CLI turns into an exit code: bad input (and a full disk) 2, a failure while running 1 (CUDA
+out of memory too), no reward signal 3, interrupted 128 + the signal (130 SIGINT, 143 SIGTERM)."""
 
 from __future__ import annotations
+
+import signal
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -40,3 +43,27 @@ class NoSignalError(LowmemError):
     """The rewards cannot vary inside the GRPO groups, so training would learn nothing: exit code 3."""
 
     exit_code = EXIT_NO_SIGNAL
+
+
+class DiskFullError(BadInputError):
+    """No space left while writing a checkpoint: the user must free space (exit 2)."""
+
+
+class OutOfMemoryError(LowmemError):
+    """CUDA out of memory and the retries are used up (exit 1)."""
+
+
+class InterruptedRun(LowmemError):
+    """Stopped by SIGINT/SIGTERM after writing a checkpoint: exit 128 + the signal (130, 143)."""
+
+    def __init__(self, message: str, fix: str | None, exit_code: int) -> None:
+        super().__init__(message, fix)
+        self.exit_code = exit_code
+
+
+class Aborted(KeyboardInterrupt):
+    """A second signal: stop at once, whatever is being written (exit 128 + the signal)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"aborted by a second {signal.Signals(signum).name}")
+        self.exit_code = 128 + signum

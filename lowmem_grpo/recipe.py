@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lowmem_grpo.data.format import check_prefill
 from lowmem_grpo.errors import RecipeError
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -159,11 +160,9 @@ class TrainConfig:
     eval_limit: int = 50
     """Problems of data.eval_split the periodic evaluation uses (the first N)."""
     auto_fit: bool | None = None
-    """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory); None = on CUDA, false = never."""
+    """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory.plan); None = on CUDA, false = never."""
     oom_retries: int = 2
     """CUDA out of memory: lower the memory settings, continue from the last complete checkpoint; at most N times."""
-    test_faults: list[str] = field(default_factory=list)
-    """TEST ONLY, empty in real runs: faults to inject, e.g. oom@3, enospc@4, sigint@2 (lowmem_grpo.faults)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 
@@ -181,7 +180,7 @@ class TrainConfig:
 
 @dataclass
 class PrimeConfig:
-    """The supervised format warm start of the same LoRA adapter before GRPO (lowmem_grpo.prime)."""
+    """The supervised format warm start of the same LoRA adapter before GRPO (lowmem_grpo.train.prime)."""
 
     enabled: bool = False
     """Prime the adapter on worked solutions rendered in the target format, then run GRPO on it."""
@@ -246,9 +245,7 @@ def _require(condition: bool, key: str, problem: str, fix: str) -> None:
 
 def validate(recipe: Recipe, num_processes: int = 1) -> None:
     """Reject invalid values and combinations, naming the key and the fix. Loads no model."""
-    from lowmem_grpo.rewards import GSM8K_DEFAULT_WEIGHTS, get_reward
-
-    m, lo, d, t = recipe.model, recipe.lora, recipe.data, recipe.train
+    m, lo, d = recipe.model, recipe.lora, recipe.data
     _require(bool(m.name), "model.name", "is empty", "set a hub id or a local folder")
     _require(m.max_seq_length > 0, "model.max_seq_length", "must be positive", "e.g. model.max_seq_length=1024")
     _require(0 < m.gpu_memory_utilization <= 1, "model.gpu_memory_utilization",
@@ -263,6 +260,13 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
     _require(d.max_prompt_length > 0, "data.max_prompt_length", "must be positive", "e.g. data.max_prompt_length=256")
     if d.limit is not None:
         _require(d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
+    _validate_train(recipe, num_processes)
+    _validate_prime(recipe)
+    _validate_rewards(recipe)
+
+
+def _validate_train(recipe: Recipe, num_processes: int) -> None:
+    m, d, t = recipe.model, recipe.data, recipe.train
 
     _require(t.num_generations >= 2, "train.num_generations", f"is {t.num_generations}; GRPO compares completions "
              "inside a group and needs at least 2", "set train.num_generations=2 or more (8 is typical)")
@@ -297,13 +301,12 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
              "use 0 (never) or a positive number of steps, e.g. train.eval_every=10")
     _require(t.eval_limit > 0, "train.eval_limit", f"is {t.eval_limit}", "use a positive number of problems")
     _require(t.oom_retries >= 0, "train.oom_retries", f"is {t.oom_retries}", "use 0 (stop at the first OOM) or more")
-    if t.test_faults:
-        from lowmem_grpo.faults import parse_faults
-
-        parse_faults(t.test_faults)
     for key, owner in MANAGED_TRAINER_FIELDS.items():
         _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
-    _validate_prime(recipe)
+
+
+def _validate_rewards(recipe: Recipe) -> None:
+    from lowmem_grpo.rewards import GSM8K_DEFAULT_WEIGHTS, get_reward
 
     rewards = recipe.rewards or (GSM8K_DEFAULT_WEIGHTS if recipe.task == "gsm8k" else {})
     _require(bool(rewards), "rewards", "no reward functions are configured", "add e.g. rewards.correctness=2.0")
@@ -329,8 +332,6 @@ def _validate_prime(recipe: Recipe) -> None:
     if p.enabled:
         _require(recipe.task == "gsm8k", "prime.enabled", f"priming renders GSM8K solutions; task is {recipe.task!r}",
                  "set prime.enabled=false for other tasks")
-        from lowmem_grpo.prime import check_prefill
-
         check_prefill(recipe.data.prefill)
 
 

@@ -1,4 +1,5 @@
-"""Recipe files in and out: Python recipe modules, recipe.yaml, and `key.sub=value` overrides.
+"""Recipe files in and out: Python recipe modules, recipe.yaml, and `key.sub=value` overrides (and which
+keys they set explicitly).
 
 Every value is checked against the dataclass field's type here, so a typo or a wrong type fails
 with the key's name and a did-you-mean before anything heavy is imported.
@@ -132,6 +133,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as exc:
         raise RecipeError(f"override {text!r}: value is not valid YAML ({exc})", fix="quote the value") from exc
     return key.strip().split("."), value
+
+
+def explicit_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys set by `key.sub=value` overrides (values and malformed entries ignored): auto-fit and OOM
+    retries never change them."""
+    keys = set()
+    for text in overrides or []:
+        key, sep, _ = text.partition("=")
+        if sep and key.strip():
+            keys.add(key.strip())
+    return keys
 
 
 def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:

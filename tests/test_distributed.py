@@ -43,8 +43,9 @@ def tiny_overrides(model_dir: Path, steps: int = 2) -> list[str]:
 def test_two_processes_over_gloo_train_to_identical_adapters(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from lowmem_grpo.distributed import DISTRIBUTED_FILE, tensors_digest
-    from lowmem_grpo.telemetry import read_metrics
+    from lowmem_grpo.distributed import tensors_digest
+    from lowmem_grpo.rundir.layout import DISTRIBUTED_FILE
+    from lowmem_grpo.rundir.telemetry import read_metrics
 
     root = tmp_path / "runs"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DIR / "cpu_2proc.yaml"),
@@ -133,7 +134,7 @@ def run_python(code: str, **extra: str) -> str:
 
 
 def test_auto_backend_is_hf_under_several_processes():
-    code = "from lowmem_grpo.backends import choose_backend; print(choose_backend('auto'))"
+    code = "from lowmem_grpo.backends import prepare; print(prepare('auto'))"
     assert run_python(code, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1") == "hf"
 
 
@@ -154,7 +155,7 @@ def test_single_process_run_dir_is_made_in_place(tmp_path):
 
     target = tmp_path / "made"
     assert agree_on_run_dir(lambda: target) == target
-    assert check_ranks_agree(trainer=None, run_dir=tmp_path) is None  # one process: nothing to compare
+    assert check_ranks_agree(trainer=None, record_path=tmp_path / "distributed.json") is None  # one process: nothing to compare
 
 
 def test_shipped_accelerate_configs():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lowmem_grpo.eval_metrics import (
+from lowmem_grpo.evaluation.metrics import (
     aggregate,
     compare,
     compare_table,
@@ -17,8 +17,8 @@ from lowmem_grpo.eval_metrics import (
     problem_value,
     weighted_rewards,
 )
-from lowmem_grpo.evaluate import split_generated
-from lowmem_grpo.preflight import NO_SIGNAL_THRESHOLD, PreflightResult, fixes, group_stats, render
+from lowmem_grpo.evaluation.generate import split_generated
+from lowmem_grpo.train.preflight import NO_SIGNAL_THRESHOLD, PreflightResult, fixes, group_stats, render
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.rewards import get_reward
 

@@ -147,7 +147,7 @@ def test_check_rewards_passes_for_a_reward_that_varies(tiny_model_dir, capsys):
 def test_periodic_eval_callback_logs_eval_metrics(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerControl, TrainerState
 
-    from lowmem_grpo.evaluate import make_eval_callback
+    from lowmem_grpo.train.callbacks import PeriodicEvalCallback
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(CPU_RECIPE, [f"model.name={tiny_model_dir}", "train.eval_every=2", "train.eval_limit=2",
@@ -155,7 +155,7 @@ def test_periodic_eval_callback_logs_eval_metrics(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.train()
-    callback = make_eval_callback(recipe, tokenizer, tmp_path)
+    callback = PeriodicEvalCallback(recipe, tokenizer, tmp_path)
     for step in (1, 2):
         callback.on_step_end(None, TrainerState(global_step=step), TrainerControl(), model=model)
     lines = read_jsonl(tmp_path / "metrics.jsonl")
@@ -168,7 +168,7 @@ def test_preflight_as_train_calls_it_on_the_fresh_lora_model(tiny_model_dir):
     """preflight(recipe, loaded, examples, n) on the LoRA-wrapped model train() builds, left in train mode."""
     from lowmem_grpo.backends import load
     from lowmem_grpo.data import build_examples, load_rows
-    from lowmem_grpo.preflight import preflight
+    from lowmem_grpo.train.preflight import preflight
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(CPU_RECIPE, [f"model.name={tiny_model_dir}", "train.max_completion_length=8",
@@ -189,7 +189,7 @@ def test_preflight_as_train_calls_it_on_the_fresh_lora_model(tiny_model_dir):
 def test_preflight_and_eval_fields_never_reach_grpo_config(tmp_path):
     from lowmem_grpo.recipe import validate
     from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.train import build_grpo_config, check_trainer_fields
+    from lowmem_grpo.train.grpo import build_grpo_config, check_trainer_fields
 
     recipe = load_recipe(CPU_RECIPE, ["train.preflight=false", "train.preflight_prompts=2",
                                       "train.allow_no_signal=true", "train.eval_every=5", "train.eval_limit=10"])

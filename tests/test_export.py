@@ -62,7 +62,7 @@ def no_leftovers(parent: Path) -> bool:
 
 
 def test_lora_export_loads_with_peft(run_dir, tiny_model_dir, tmp_path):
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     out = tmp_path / "lora"
     result = export(run_dir, "lora", out)
@@ -82,7 +82,7 @@ def test_merged_fp32_reloads_in_plain_transformers_within_1e4(run_dir, tiny_mode
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     out = tmp_path / "merged"
     result = export(run_dir, "merged-16bit", out, dtype="float32")
@@ -131,7 +131,7 @@ def test_non_empty_out_is_refused_without_overwrite(run_dir, tmp_path):
 
 def test_out_inside_the_adapter_is_refused(run_dir):
     from lowmem_grpo.errors import BadInputError
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     with pytest.raises(BadInputError, match="which the export reads"):
         export(run_dir, "lora", run_dir / "adapter", overwrite=True)
@@ -143,7 +143,7 @@ class Interrupt(KeyboardInterrupt):
 
 @pytest.mark.parametrize("phase", ["merge", "save", "card"])
 def test_interrupted_export_leaves_nothing(run_dir, tmp_path, phase):
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     def interrupt(name: str) -> None:
         if name == phase:
@@ -151,13 +151,13 @@ def test_interrupted_export_leaves_nothing(run_dir, tmp_path, phase):
 
     out = tmp_path / "merged"
     with pytest.raises(Interrupt):
-        export(run_dir, "merged-16bit", out, after_phase=interrupt)
+        export(run_dir, "merged-16bit", out, on_phase=interrupt)
     assert not out.exists()
     assert no_leftovers(tmp_path)
 
 
 def test_interrupted_overwrite_keeps_the_old_export(run_dir, tmp_path):
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     out = tmp_path / "old"
     out.mkdir()
@@ -168,14 +168,14 @@ def test_interrupted_overwrite_keeps_the_old_export(run_dir, tmp_path):
             raise Interrupt(name)
 
     with pytest.raises(Interrupt):
-        export(run_dir, "lora", out, overwrite=True, after_phase=interrupt)
+        export(run_dir, "lora", out, overwrite=True, on_phase=interrupt)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert no_leftovers(tmp_path)
 
 
 def test_proof_above_tolerance_fails_and_writes_nothing(run_dir, tmp_path):
     from lowmem_grpo.errors import LowmemError
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     out = tmp_path / "strict"
     with pytest.raises(LowmemError, match="above the tolerance"):
@@ -198,7 +198,7 @@ def test_gguf_without_converter_is_a_clear_error(run_dir, tmp_path):
 
 def test_gguf_converter_failure_leaves_nothing(run_dir, tmp_path):
     from lowmem_grpo.errors import LowmemError
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     llama = tmp_path / "llama.cpp"
     llama.mkdir()
@@ -212,7 +212,7 @@ def test_gguf_converter_failure_leaves_nothing(run_dir, tmp_path):
 
 def test_gguf_broken_output_fails_the_proof(run_dir, tmp_path):
     from lowmem_grpo.errors import LowmemError
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     llama = tmp_path / "llama.cpp"
     llama.mkdir()
@@ -236,10 +236,10 @@ def test_merged_4bit_needs_cuda(run_dir, tmp_path):
 def test_merged_4bit_path_on_the_bitsandbytes_cpu_backend(run_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     out = tmp_path / "q4"
-    result = export(run_dir, "merged-4bit", out, require_cuda_for_4bit=False)
+    result = export(run_dir, "merged-4bit", out, cpu_4bit=True)
     assert set(result.checks) == {"prove", "prove-4bit"}
     assert result.checks["prove"] <= 1e-4 and result.checks["prove-4bit"] <= result.tolerance
     assert not (out / ".merged-16bit").exists()
@@ -261,7 +261,7 @@ def test_model_card_includes_the_latest_evaluation(run_dir, tmp_path):
     import json
     import shutil
 
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     evaluated = tmp_path / "run"
     shutil.copytree(run_dir, evaluated)
@@ -277,7 +277,7 @@ def test_incomplete_checkpoint_is_refused(run_dir, tmp_path):
     import shutil
 
     from lowmem_grpo.errors import BadInputError
-    from lowmem_grpo.export import export
+    from lowmem_grpo.export.formats import export
 
     partial = tmp_path / "run"
     shutil.copytree(run_dir, partial)

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from lowmem_grpo import memory_terms as mt
 from lowmem_grpo.errors import BadInputError, RecipeError
-from lowmem_grpo.memory import GIB, MIB, auto_fit, explicit_keys, parse_size, plan, resolve_settings
-from lowmem_grpo.memory_arch import architecture_from_config, load_architecture, shipped_config_path, shipped_configs
+from lowmem_grpo.memory import terms as mt
+from lowmem_grpo.memory.arch import architecture_from_config, load_architecture, shipped_config_path, shipped_configs
+from lowmem_grpo.memory.fit import auto_fit, plan_with_proposal
+from lowmem_grpo.memory.plan import GIB, MIB, parse_size, plan, resolve_settings
 from lowmem_grpo.recipe import DEFAULT_TARGET_MODULES, validate
-from lowmem_grpo.recipe_io import apply_overrides, load_recipe, shipped_recipes
+from lowmem_grpo.recipe_io import apply_overrides, explicit_keys, load_recipe, shipped_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -172,14 +173,13 @@ def test_plan_is_static_plus_the_larger_phase(tiny):
 ])
 def test_peak_grows_with_each_setting(key, values):
     base = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.max_seq_length=2048"])
-    totals = [plan(apply_overrides(base, [f"{key}={v}"]), propose=False).total_bytes for v in values]
+    totals = [plan(apply_overrides(base, [f"{key}={v}"])).total_bytes for v in values]
     assert totals == sorted(totals) and totals[0] < totals[-1]
 
 
 def test_peak_grows_with_num_generations():
     base = load_recipe("llama3_2_1b_gsm8k")
-    totals = [plan(apply_overrides(base, [f"train.num_generations={g}", f"train.per_device_train_batch_size={2 * g}"]),
-                   propose=False).total_bytes for g in (2, 4, 8, 16)]  # two prompts per step, G completions each
+    totals = [plan(apply_overrides(base, [f"train.num_generations={g}", f"train.per_device_train_batch_size={2 * g}"]),).total_bytes for g in (2, 4, 8, 16)]  # two prompts per step, G completions each
     assert totals == sorted(totals) and totals[0] < totals[-1]
 
 
@@ -191,7 +191,7 @@ def test_peak_grows_with_num_generations():
 def test_proposal_never_exceeds_the_budget(recipe_name, gib):
     recipe = load_recipe(recipe_name)
     budget = int(gib * GIB)
-    proposal = plan(recipe, budget).proposal
+    proposal = plan_with_proposal(recipe, budget).proposal
     assert set(proposal) == {"num_generations", "per_device_train_batch_size", "generation_batch_size",
                              "max_completion_length", "gpu_memory_utilization"}
     for knob, entry in proposal.items():
@@ -200,23 +200,23 @@ def test_proposal_never_exceeds_the_budget(recipe_name, gib):
         assert entry["total_bytes"] <= budget, knob
         changed = apply_overrides(recipe, [f"{k}={v}" for k, v in entry["changes"].items()])
         validate(changed)  # a proposal is a valid recipe, and its total is what the plan of that recipe says
-        assert plan(changed, budget, propose=False).total_bytes == entry["total_bytes"]
+        assert plan(changed, budget).total_bytes == entry["total_bytes"]
 
 
 def test_vllm_moves_weights_and_cache_into_its_reservation():
     recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=unsloth", "model.fast_inference=true",
                                                                  "model.gpu_memory_utilization=0.5"])
-    p = plan(recipe, 8 * GIB)
+    p = plan_with_proposal(recipe, 8 * GIB)
     assert p.terms["vllm_reservation"] == 4 * GIB and p.terms["base_weights"] == p.terms["kv_cache"] == 0
     share = p.proposal["gpu_memory_utilization"]
     assert 0.5 <= share["value"] < 1 and share["total_bytes"] <= 8 * GIB
-    assert plan(apply_overrides(recipe, ["model.gpu_memory_utilization=0.95"]), 8 * GIB, propose=False).fits is False
+    assert plan(apply_overrides(recipe, ["model.gpu_memory_utilization=0.95"]), 8 * GIB).fits is False
     fitted, fit = auto_fit(apply_overrides(recipe, ["model.gpu_memory_utilization=0.95"]), 8 * GIB, set())
     assert fit.fits and fitted.model.gpu_memory_utilization < 0.95
 
 
 def test_proposal_is_empty_when_nothing_fits():
-    proposal = plan(load_recipe("qwen3_4b_gsm8k"), 1 * GIB).proposal
+    proposal = plan_with_proposal(load_recipe("qwen3_4b_gsm8k"), 1 * GIB).proposal
     assert all(entry is None for entry in proposal.values())
 
 
@@ -257,8 +257,7 @@ def test_every_gpu_recipe_is_predicted_under_its_target(path):
     stated = re.search(r"predicted peak ([\d.]+) GiB with Unsloth.*?, ([\d.]+) GiB with plain", doc, re.S)
     assert stated, "the docstring states the planner's prediction"
     for backend, text in zip(("unsloth", "hf"), stated.groups()):
-        total = plan(apply_overrides(recipe, [f"model.backend={backend}"]), recipe.gpu_memory_gb * GIB,
-                     propose=False).total_bytes
+        total = plan(apply_overrides(recipe, [f"model.backend={backend}"]), recipe.gpu_memory_gb * GIB,).total_bytes
         assert total < recipe.gpu_memory_gb * GIB
         assert abs(total / GIB - float(text)) <= 0.1 * float(text), \
             f"docstring says {text} GiB, planner {total / GIB:.2f}"
@@ -279,11 +278,11 @@ def test_auto_fit_fits_without_touching_explicit_keys(explicit):
     recipe = apply_overrides(load_recipe("qwen3_4b_gsm8k"), ["train.max_completion_length=2048",
                                                              "model.max_seq_length=2304"])
     budget = 7 * GIB
-    assert not plan(recipe, budget, propose=False).fits
+    assert not plan(recipe, budget).fits
     fitted, p = auto_fit(recipe, budget, explicit)
     validate(fitted)
     assert p.fits and p.total_bytes <= budget
-    assert plan(fitted, budget, propose=False).total_bytes == p.total_bytes
+    assert plan(fitted, budget).total_bytes == p.total_bytes
     for key in explicit:
         section, name = key.split(".", 1)
         assert getattr(getattr(fitted, section), name) == getattr(getattr(recipe, section), name), key
@@ -315,12 +314,13 @@ def test_explicit_keys_and_sizes():
 
 
 def test_fit_to_device_without_cuda_and_the_saved_plan(tmp_path):
-    from lowmem_grpo.memory import PLAN_FILE, fit_to_device, write_plan
+    from lowmem_grpo.memory.fit import fit_to_device
+    from lowmem_grpo.rundir.layout import PLAN_FILE, write_json
 
     recipe = load_recipe("qwen2_5_1_5b_gsm8k")
     assert fit_to_device(recipe, set()) == (recipe, None)  # this machine has no CUDA GPU: nothing changes
     result = plan(recipe, 8 * GIB)
-    write_plan(tmp_path, result)
+    write_json(tmp_path / PLAN_FILE, result.to_dict())  # as train() saves it
     saved = json.loads((tmp_path / PLAN_FILE).read_text())
     assert saved["total_bytes"] == result.total_bytes and saved["terms"] == result.terms
 
@@ -383,8 +383,8 @@ def test_plan_bad_input_exits_2():
 
 
 def test_planner_imports_nothing_heavy():
-    code = ("import sys, lowmem_grpo.memory, lowmem_grpo.memory_fit\n"
-            "from lowmem_grpo.memory import plan\nfrom lowmem_grpo.recipe_io import load_recipe\n"
+    code = ("import sys, lowmem_grpo.memory.plan, lowmem_grpo.memory.fit\n"
+            "from lowmem_grpo.memory.plan import plan\nfrom lowmem_grpo.recipe_io import load_recipe\n"
             "plan(load_recipe('qwen3_4b_gsm8k'), 8 * 2**30)\n"
             "heavy = ('torch', 'transformers', 'trl', 'unsloth', 'huggingface_hub')\n"
             "print(sorted(m for m in heavy if m in sys.modules))")

@@ -12,7 +12,7 @@ import pytest
 
 from lowmem_grpo.data import load_rows
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.prime import clean_reasoning, priming_pairs, render_target
+from lowmem_grpo.data.format import clean_reasoning, priming_pairs, render_target
 from lowmem_grpo.recipe import validate
 from lowmem_grpo.recipe_io import load_recipe
 from lowmem_grpo.rewards import correctness, integer, soft_format, strict_format, xml_count
@@ -109,7 +109,7 @@ def test_prime_keys_are_strict_and_typed():
 
 
 def test_importing_prime_stays_light():
-    code = ("import sys, lowmem_grpo.prime\n"
+    code = ("import sys, lowmem_grpo.train.prime\n"
             "print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -172,12 +172,12 @@ def check_target_loss_fell(recipe, run_dir: Path) -> None:
     """The primed adapter's loss on the rendered targets it trained on is below the base model's."""
     from lowmem_grpo.backends import load
     from lowmem_grpo.data import build_examples
-    from lowmem_grpo.train import load_train_rows
+    from lowmem_grpo.data import load_train_rows
 
     base = load(recipe, "hf", with_lora=False)
     primed = load(recipe, "hf", with_lora=False, adapter_path=str(run_dir / "primed_adapter"))
     d = recipe.data
-    examples = build_examples(load_train_rows(recipe), base.tokenizer, d.system_prompt, d.prefill, d.max_prompt_length)
+    examples = build_examples(load_train_rows(recipe.data), base.tokenizer, d.system_prompt, d.prefill, d.max_prompt_length)
     pairs = priming_pairs(examples, recipe.prime.num_examples)  # the rendered targets it was primed on
     before = target_loss(base.model, base.tokenizer, pairs)
     after = target_loss(primed.model, primed.tokenizer, pairs)
@@ -199,7 +199,7 @@ def check_start_state(start: dict, primed: dict, final: dict) -> None:
 def test_priming_lowers_the_target_loss_and_grpo_starts_from_it_hf(tiny_model_dir, tmp_path):
     from prime_probe import start_state_probe
 
-    from lowmem_grpo.train import train
+    from lowmem_grpo.train.pipeline import train
 
     run_dir = tmp_path / "run"
     recipe = load_recipe(CPU_RECIPE, tiny_prime_overrides(tiny_model_dir, run_dir, "hf"))
@@ -221,7 +221,7 @@ from lowmem_grpo.backends import prepare
 prepare("unsloth")  # Unsloth first, as train() does, before the probe imports transformers
 from prime_probe import start_state_probe
 from lowmem_grpo.recipe_io import load_recipe
-from lowmem_grpo.train import train
+from lowmem_grpo.train.pipeline import train
 run_dir = Path(sys.argv[1])
 train(load_recipe(sys.argv[2], sys.argv[3:]), callbacks=[start_state_probe(run_dir.parent / "grpo_start.safetensors")])
 """

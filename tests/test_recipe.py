@@ -59,7 +59,7 @@ def test_overrides_are_typed():
 def test_unknown_keys_get_did_you_mean(override, key, hint):
     with pytest.raises(RecipeError) as info:
         recipe = load_recipe(CPU_RECIPE, [override])
-        from lowmem_grpo.train import check_trainer_fields
+        from lowmem_grpo.train.grpo import check_trainer_fields
 
         check_trainer_fields(recipe)  # unknown train keys are checked against GRPOConfig
     assert key in str(info.value)
@@ -126,7 +126,7 @@ def test_recipe_file_errors(tmp_path):
 
 
 def test_grpo_config_takes_the_recipe(tmp_path):
-    from lowmem_grpo.train import build_grpo_config, check_trainer_fields
+    from lowmem_grpo.train.grpo import build_grpo_config, check_trainer_fields
 
     recipe = load_recipe(CPU_RECIPE, ["train.warmup_ratio=0.1", "train.top_p=0.8", "train.max_steps=20"])
     check_trainer_fields(recipe)
@@ -140,7 +140,7 @@ def test_grpo_config_takes_the_recipe(tmp_path):
 
 
 def test_trainer_field_types_are_checked():
-    from lowmem_grpo.train import check_trainer_fields
+    from lowmem_grpo.train.grpo import check_trainer_fields
 
     with pytest.raises(RecipeError, match="train.top_p"):
         check_trainer_fields(load_recipe(CPU_RECIPE, ["train.top_p=high"]))

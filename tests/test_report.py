@@ -76,8 +76,8 @@ def test_training_writes_plots_and_report(tiny_run_dir):
 
 @pytest.mark.slow
 def test_best_sample_scores_at_least_the_worst(tiny_run_dir):
-    from lowmem_grpo.completions import read_completions
-    from lowmem_grpo.report import sample_completions
+    from lowmem_grpo.rundir.completions import read_completions
+    from lowmem_grpo.rundir.report import sample_completions
 
     steps, best, worst = sample_completions(read_completions(tiny_run_dir))
     assert steps == [2, 3] and best and worst
@@ -100,7 +100,7 @@ def test_report_on_a_run_with_only_metrics(tmp_path):
 
 
 def test_report_mid_run_skips_a_half_written_line(tmp_path):
-    from lowmem_grpo.report import write_report
+    from lowmem_grpo.rundir.report import write_report
 
     run_dir = write_run(tmp_path / "run", synthetic_metrics(2), partial_line='{"stage": "grpo", "step": 3, "lo')
     report = write_report(run_dir).read_text()
@@ -109,7 +109,7 @@ def test_report_mid_run_skips_a_half_written_line(tmp_path):
 
 
 def test_report_lists_warnings_from_the_metrics(tmp_path):
-    from lowmem_grpo.report import write_report
+    from lowmem_grpo.rundir.report import write_report
 
     records = synthetic_metrics(4)
     for r in records:
@@ -126,7 +126,7 @@ def test_report_without_metrics_is_bad_input(tmp_path):
 
 
 def test_smooth_is_a_debiased_moving_average():
-    from lowmem_grpo.report import smooth
+    from lowmem_grpo.rundir.report import smooth
 
     assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
     values = smooth([0.0, 1.0, 1.0, 1.0], weight=0.5)
@@ -134,7 +134,7 @@ def test_smooth_is_a_debiased_moving_average():
 
 
 def test_report_shows_an_evaluation_in_the_run_dir(tmp_path):
-    from lowmem_grpo.report import write_report
+    from lowmem_grpo.rundir.report import write_report
 
     run_dir = write_run(tmp_path / "run", synthetic_metrics(3))
     (run_dir / "eval.json").write_text(json.dumps({"metrics": {"strict_accuracy": 0.125, "num_problems": 8}}))

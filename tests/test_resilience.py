@@ -1,7 +1,7 @@
 """Never lose a run: complete checkpoints, resume, signals, kill -9, CUDA OOM (injected), a full disk, reward faults.
 
-The fault runs train the tiny model in-process through the CLI's `main` (exit code and log), with the
-test-only `train.test_faults` injecting the fault at a step; the signal and kill -9 runs are child processes.
+The fault runs train the tiny model in-process through the CLI's `main` (exit code and log), with
+tests/faults.py's injector passed in as a trainer callback; the signal and kill -9 runs are child processes.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from lowmem_grpo import checkpoints
+from lowmem_grpo.rundir import checkpoints
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.faults import parse_faults
+from faults import parse_faults
 from lowmem_grpo.recipe import Recipe, TrainConfig
 from lowmem_grpo.rewards.guard import RewardError, guard_reward
 from resilience_helpers import (adapter_tensors, cli_inprocess, cli_popen, grpo_steps, metrics,  # noqa: F401
@@ -86,7 +86,7 @@ def test_fault_specs_parse_and_bad_ones_name_the_spec():
 
 
 def test_oom_halving_follows_the_documented_order():
-    from lowmem_grpo.oom import lower
+    from lowmem_grpo.train.oom import lower
 
     recipe = Recipe(train=TrainConfig(num_generations=4, per_device_train_batch_size=8, max_completion_length=64))
     seen = []
@@ -148,23 +148,17 @@ def test_guard_passes_none_and_rejects_nan_wrong_length_and_text():
 # --- faults during real (tiny) training runs, in-process -----------------------------------------
 
 
-def _clear_faults(run: Path) -> None:
-    data = yaml.safe_load((run / "recipe.yaml").read_text())
-    data["train"]["test_faults"] = []
-    (run / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 @pytest.mark.slow
 def test_sigint_finishes_the_step_writes_a_checkpoint_and_resume_continues(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.test_faults=[sigint@1]", steps=3, save_steps=10))
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, steps=3, save_steps=10), faults=['sigint@1'])
     assert code == 130, log[-2000:]
     assert "interrupted by SIGINT: stopped after step 1 of 3" in log and "--resume" in log
     assert checkpoints.last_complete(run)[0] == 1  # save_steps=10: this checkpoint is the interrupt's
     assert (run / "report.md").exists() and not (run / "adapter").exists()
     assert grpo_steps(run) == [1]
 
-    _clear_faults(run)  # the signal was the fault; the resumed run goes on undisturbed
+    assert "test_faults" not in (run / "recipe.yaml").read_text()  # the resumed run goes on undisturbed
     code, log = cli_inprocess("train", "--resume", str(run))
     assert code == 0, log[-2000:]
     assert grpo_steps(run) == [1, 2, 3]
@@ -174,8 +168,7 @@ def test_sigint_finishes_the_step_writes_a_checkpoint_and_resume_continues(tiny_
 @pytest.mark.slow
 def test_second_sigint_while_saving_aborts_and_keeps_the_last_complete_checkpoint(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.test_faults=['sigint@2:save*2']", steps=3,
-                                         save_steps=1))
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, steps=3, save_steps=1), faults=['sigint@2:save*2'])
     assert code == 130, log[-2000:]
     assert "second signal (SIGINT): aborting at once" in log
     assert "last complete checkpoint: checkpoint-1 (step 1)" in log
@@ -188,7 +181,7 @@ def test_second_sigint_while_saving_aborts_and_keeps_the_last_complete_checkpoin
 @pytest.mark.slow
 def test_injected_oom_lowers_settings_records_them_and_continues(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.test_faults=[oom@2]", steps=3, save_steps=1))
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, steps=3, save_steps=1), faults=['oom@2'])
     assert code == 0, log[-3000:]
     assert "CUDA out of memory at step 2 (generation)" in log and "continuing from checkpoint-1" in log
     retries = [json.loads(x) for x in (run / "oom_retries.jsonl").read_text().splitlines()]
@@ -207,8 +200,7 @@ def test_injected_oom_lowers_settings_records_them_and_continues(tiny_model_dir,
 @pytest.mark.slow
 def test_oom_retries_used_up_stop_with_what_was_tried(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.test_faults=['oom@1:update*9']",
-                                         "train.oom_retries=1"))
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.oom_retries=1"), faults=['oom@1:update*9'])
     assert code == 1, log[-3000:]
     assert "CUDA out of memory at step 1 (update) and train.oom_retries=1 is used up; tried: retry 1 at step 1" in log
     assert "last complete checkpoint: none" in log and "--resume" in log
@@ -219,7 +211,7 @@ def test_oom_retries_used_up_stop_with_what_was_tried(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_disk_full_while_writing_a_checkpoint_leaves_none_that_looks_complete(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.test_faults=[enospc@2]", steps=3, save_steps=1))
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, steps=3, save_steps=1), faults=['enospc@2'])
     assert code == 2, log[-3000:]
     assert "disk full while writing the run at step 2" in log and "No space left on device" in log
     assert "removed the incomplete checkpoint-2" in log and "last complete checkpoint: checkpoint-1 (step 1)" in log

@@ -24,7 +24,7 @@ def healthy(step: int, **changes) -> dict:
 # ---- warnings: a pure function over metric records -------------------------------------------------
 
 def test_no_warning_on_healthy_metrics():
-    from lowmem_grpo.health import check, scan
+    from lowmem_grpo.rundir.health import check, scan
 
     records = [healthy(s) for s in range(1, 11)] + [{"stage": "grpo", "step": 10, "train_runtime": 5.0}]
     assert check(records) == [] and scan(records) == []
@@ -32,7 +32,7 @@ def test_no_warning_on_healthy_metrics():
 
 
 def test_reward_std_zero_fires_after_three_steps_only():
-    from lowmem_grpo.health import check
+    from lowmem_grpo.rundir.health import check
 
     records = [healthy(1), healthy(2, reward_std=0.0), healthy(3, reward_std=0.0)]
     assert check(records) == []
@@ -45,7 +45,7 @@ def test_reward_std_zero_fires_after_three_steps_only():
 
 @pytest.mark.parametrize("frac,fires", [(0.9, False), (0.95, True), (1.0, True)])
 def test_frac_reward_zero_std_above_0_9(frac, fires):
-    from lowmem_grpo.health import check
+    from lowmem_grpo.rundir.health import check
 
     codes = [w.code for w in check([healthy(1, frac_reward_zero_std=frac)])]
     assert codes == (["frac_reward_zero_std"] if fires else [])
@@ -53,7 +53,7 @@ def test_frac_reward_zero_std_above_0_9(frac, fires):
 
 @pytest.mark.parametrize("ratio,fires", [(0.5, False), (0.51, True), (1.0, True)])
 def test_clipped_ratio_above_half_suggests_longer_completions_or_length_reward(ratio, fires):
-    from lowmem_grpo.health import check
+    from lowmem_grpo.rundir.health import check
 
     warnings = check([healthy(1, **{"completions/clipped_ratio": ratio})])
     assert [w.code for w in warnings] == (["clipped_ratio"] if fires else [])
@@ -63,22 +63,22 @@ def test_clipped_ratio_above_half_suggests_longer_completions_or_length_reward(r
 
 @pytest.mark.parametrize("value", [float("nan"), None, float("inf")])
 def test_nan_grad_norm(value):
-    from lowmem_grpo.health import check
+    from lowmem_grpo.rundir.health import check
 
     (warning,) = check([healthy(1), healthy(2, grad_norm=value)])
     assert warning.code == "grad_norm_nan" and warning.step == 2
 
 
 def test_grad_norm_nan_read_back_from_metrics_jsonl(tmp_path):
-    from lowmem_grpo.health import check
-    from lowmem_grpo.telemetry import append_jsonl, read_metrics
+    from lowmem_grpo.rundir.health import check
+    from lowmem_grpo.rundir.telemetry import append_jsonl, read_metrics
 
     append_jsonl(tmp_path / "metrics.jsonl", healthy(1, grad_norm=float("nan")))
     assert [w.code for w in check(read_metrics(tmp_path))] == ["grad_norm_nan"]
 
 
 def test_scan_and_latch_report_each_warning_when_it_starts():
-    from lowmem_grpo.health import WarningLatch, scan
+    from lowmem_grpo.rundir.health import WarningLatch, scan
 
     records = [healthy(1), healthy(2, frac_reward_zero_std=1.0), healthy(3, frac_reward_zero_std=1.0), healthy(4),
                healthy(5, frac_reward_zero_std=1.0)]
@@ -91,14 +91,14 @@ def test_scan_and_latch_report_each_warning_when_it_starts():
 # ---- completions.jsonl: wrapped reward functions ---------------------------------------------------
 
 def test_should_record_first_every_nth_and_last():
-    from lowmem_grpo.completions import should_record
+    from lowmem_grpo.rundir.completions import should_record
 
     assert [s for s in range(1, 26) if should_record(s, 10, 25)] == [1, 10, 20, 25]
     assert not any(should_record(s, 0, 25) for s in range(1, 26))
 
 
 def test_wrapper_keeps_name_and_scores():
-    from lowmem_grpo.completions import CompletionRecorder
+    from lowmem_grpo.rundir.completions import CompletionRecorder
     from lowmem_test_rewards import length_reward
 
     recorder = CompletionRecorder(Path("unused"), 10, {"length_reward": 1.0})
@@ -181,7 +181,7 @@ def test_training_warns_on_clipped_completions_once(tiny_run):
 @pytest.mark.parametrize("value", ["tensorboard", "wandb", "trackio"])
 def test_report_to_reaches_grpo_config(value, tmp_path):
     from lowmem_grpo.recipe import Recipe
-    from lowmem_grpo.train import build_grpo_config
+    from lowmem_grpo.train.grpo import build_grpo_config
 
     recipe = Recipe()
     recipe.train.report_to = value
@@ -196,7 +196,7 @@ def test_report_to_reaches_grpo_config(value, tmp_path):
 def test_report_to_without_its_package_is_bad_input(value):
     from lowmem_grpo.device import is_installed
     from lowmem_grpo.errors import BadInputError
-    from lowmem_grpo.telemetry import REPORT_TO_PACKAGES, check_report_to
+    from lowmem_grpo.rundir.telemetry import REPORT_TO_PACKAGES, check_report_to
 
     module, package = REPORT_TO_PACKAGES[value]
     if is_installed(module):

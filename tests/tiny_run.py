@@ -26,7 +26,7 @@ class Captured(logging.Handler):
 def train_tiny(model_dir: Path, run_dir: Path, *extra: str) -> tuple[Path, Captured]:
     """Train the CPU recipe on the tiny model (16-token completions) and return the run dir and its logs."""
     from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.train import train
+    from lowmem_grpo.train.pipeline import train
 
     recipe = load_recipe(str(CPU_RECIPE), [f"model.name={model_dir}", f"output.dir={run_dir}",
                                            "train.max_completion_length=16", REWARDS, *extra])

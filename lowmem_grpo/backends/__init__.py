@@ -1,6 +1,6 @@
 """The one place that branches on Unsloth vs plain transformers: load model + tokenizer, add LoRA.
 
-Call `prepare(recipe)` before anything imports trl/transformers/peft: it imports Unsloth first when
+Call `prepare(model.backend)` before anything imports trl/transformers/peft: it imports Unsloth first when
 the run will use it, so that Unsloth can patch those libraries.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
-from lowmem_grpo.device import is_installed
+from lowmem_grpo.device import is_installed, resolve_backend, resolve_dtype
 from lowmem_grpo.distributed import world_size
 from lowmem_grpo.errors import BadInputError, LowmemError
 
@@ -31,23 +31,15 @@ class LoadedModel:
     model_path: str
 
 
-def choose_backend(requested: str) -> str:
-    """auto -> unsloth when CUDA and unsloth are both present and one process runs, else hf."""
-    if requested != "auto":
-        return requested
-    if world_size() > 1:
-        log.info("backend auto -> hf (%d processes; unsloth runs one process only)", world_size())
-        return "hf"
+def prepare(requested: str) -> str:
+    """The backend this run uses (`auto` resolved by lowmem_grpo.device), with Unsloth imported first when it is
+    the one: call this before anything imports trl/transformers/peft."""
     import torch
 
-    chosen = "unsloth" if torch.cuda.is_available() and is_installed("unsloth") else "hf"
-    log.info("backend auto -> %s (cuda=%s, unsloth installed=%s)", chosen, torch.cuda.is_available(),
-             is_installed("unsloth"))
-    return chosen
-
-
-def prepare(backend: str) -> None:
-    """Import Unsloth before trl/transformers/peft when it will be used."""
+    backend = resolve_backend(requested, cuda=torch.cuda.is_available(), processes=world_size())
+    if requested == "auto":
+        log.info("backend auto -> %s (cuda=%s, unsloth installed=%s, %d process(es))", backend,
+                 torch.cuda.is_available(), is_installed("unsloth"), world_size())
     if backend == "unsloth":
         if world_size() > 1:  # before the import, which patches transformers/trl/peft process-wide
             raise BadInputError(f"model.backend=unsloth under {world_size()} processes (WORLD_SIZE={world_size()}): "
@@ -58,6 +50,7 @@ def prepare(backend: str) -> None:
             raise BadInputError("model.backend=unsloth but unsloth is not installed",
                                 fix="pip install unsloth, or set model.backend=hf")
         import unsloth  # noqa: F401  (import order matters: it patches transformers/trl/peft)
+    return backend
 
 
 def resolve_model_path(name: str) -> str:
@@ -73,17 +66,6 @@ def resolve_model_path(name: str) -> str:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise BadInputError(f"model.name {name!r}: no such folder", fix="check the path, or give a hub id like Org/Name")
     return name
-
-
-def resolve_dtype(dtype: str, cuda: bool) -> str:
-    """auto -> bfloat16 on GPUs that support it, float16 on older GPUs, float32 on CPU."""
-    if dtype != "auto":
-        return dtype
-    if not cuda:
-        return "float32"
-    import torch
-
-    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
 
 def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
@@ -106,7 +88,7 @@ def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str
 
     cuda = torch.cuda.is_available()
     path = model_path or resolve_model_path(recipe.model.name)
-    dtype = resolve_dtype(recipe.model.dtype, cuda)
+    dtype = resolve_dtype(recipe.model.dtype, cuda=cuda)
     try:
         if backend == "unsloth":
             from lowmem_grpo.backends.unsloth_backend import load_unsloth

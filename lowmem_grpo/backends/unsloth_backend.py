@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowmem_grpo.device import is_installed
+from lowmem_grpo.device import resolve_fast_inference
 
 
 def load_unsloth(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
@@ -14,9 +14,7 @@ def load_unsloth(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool
     from unsloth import FastLanguageModel
 
     m, lora = recipe.model, recipe.lora
-    fast_inference = m.fast_inference
-    if fast_inference is None:
-        fast_inference = cuda and is_installed("vllm")
+    fast_inference = resolve_fast_inference(m.fast_inference, cuda=cuda)
     max_rank = lora.max_lora_rank or lora.r
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=adapter_path or path,

@@ -99,3 +99,8 @@ def build_examples(
             fix="raise data.max_prompt_length (and model.max_seq_length), or use data.long_prompts=truncate",
         )
     return examples
+
+
+def recipe_examples(rows: list[dict[str, str]], tokenizer: Any, data: Any) -> list[dict[str, Any]]:
+    """`build_examples` with the prompt settings of a recipe's data section (system prompt, prefill, length rule)."""
+    return build_examples(rows, tokenizer, data.system_prompt, data.prefill, data.max_prompt_length, data.long_prompts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,21 @@ def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_confi
 def source_exists(source: str) -> bool:
     """Cheap check for validate: named sources always exist, paths must."""
     return source in ("hub", "embedded") or Path(source).expanduser().exists()
+
+
+def load_train_rows(data: Any) -> list[dict[str, str]]:
+    """The training split of a recipe's data section, shuffled with its shuffle_seed and cut to its limit."""
+    rows = load_rows(data.source, data.train_split, data.hub_name, data.hub_config)
+    random.Random(data.shuffle_seed).shuffle(rows)
+    return rows[: data.limit] if data.limit else rows
+
+
+def load_eval_rows(data: Any, *, source: str | None = None, split: str | None = None,
+                   limit: int | None = None) -> list[dict[str, str]]:
+    """The first `limit` problems of a split (default: the data section's source and eval_split), in file order."""
+    rows = load_rows(source or data.source, split or data.eval_split, data.hub_name, data.hub_config)
+    if limit is not None:
+        if limit < 1:
+            raise DataError(f"limit {limit} must be at least 1", fix="use a positive number of problems")
+        rows = rows[:limit]
+    return rows

@@ -1,34 +1,28 @@
-"""The GRPO memory planner: predicted peak GPU memory of a recipe, the largest settings that fit a
-budget, and auto-fit of the settings a user did not set. Pure arithmetic on a model config.
+"""The GRPO memory planner: predicted peak GPU memory of a recipe. Pure arithmetic on a model config.
 
-    plan(recipe, budget_bytes)            -> Plan (terms, total, fits, proposal)
-    auto_fit(recipe, budget, explicit)    -> (recipe with fitted non-explicit settings, Plan)
-    explicit_keys(overrides)              -> the dotted keys a user set on the command line
+    plan(recipe, budget_bytes)            -> Plan (terms, phases, total, fits)
 
-The terms and their formulas are in `lowmem_grpo.memory_terms`, architectures in
-`lowmem_grpo.memory_arch`, the proposal and auto-fit in `lowmem_grpo.memory_fit`. The peak is the
+The terms and their formulas are in `lowmem_grpo.memory.terms`, architectures in
+`lowmem_grpo.memory.arch`, the proposal and auto-fit in `lowmem_grpo.memory.fit`. The peak is the
 static terms + the larger of the generation phase and the training phase + the allocator's slack on
 that phase. Nothing here imports torch, except `default_budget` (only when the recipe names no GPU
-memory) and `fit_to_device`, which ask torch about the GPU.
+memory), which asks torch about the GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowmem_grpo import memory_terms as mt
+from lowmem_grpo.device import resolve_backend, resolve_fast_inference, resolve_optimizer
 from lowmem_grpo.errors import BadInputError
-from lowmem_grpo.memory_arch import Architecture, load_architecture
-from lowmem_grpo.memory_terms import GIB, MIB, Settings
+from lowmem_grpo.memory import terms as mt
+from lowmem_grpo.memory.arch import Architecture, load_architecture
+from lowmem_grpo.memory.terms import GIB, MIB, Settings
 from lowmem_grpo.recipe import Recipe
 
-log = logging.getLogger(__name__)
-
-PLAN_FILE = "memory_plan.json"  # the plan of a run, in its run directory
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 10**9, "m": MIB, "mi": MIB, "mib": MIB, "mb": 10**6,
@@ -115,11 +109,9 @@ def device_budget(free_bytes: int, total_bytes: int, headroom: float = 0.05) -> 
 
 def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunked") -> Settings:
     """The recipe's memory-relevant settings as a CUDA run resolves them (auto values included)."""
-    from lowmem_grpo.device import is_installed
-
     m, t = recipe.model, recipe.train
-    backend = m.backend if m.backend != "auto" else ("unsloth" if is_installed("unsloth") else "hf")
-    fast = m.fast_inference if m.fast_inference is not None else is_installed("vllm")
+    backend = resolve_backend(m.backend, cuda=True)
+    fast = resolve_fast_inference(m.fast_inference, cuda=True)
     fp32 = m.dtype == "float32" or t.precision == "fp32"
     return Settings(
         backend=backend,
@@ -127,7 +119,7 @@ def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "ch
         compute_bytes=4 if fp32 else 2,
         lora_r=recipe.lora.r,
         target_modules=tuple(recipe.lora.target_modules),
-        optim="paged_adamw_8bit" if t.optim == "auto" else t.optim,
+        optim=resolve_optimizer(t.optim, cuda=True),
         gradient_checkpointing=t.gradient_checkpointing,
         per_device_batch=t.per_device_train_batch_size,
         generation_batch=t.generation_batch_size(),
@@ -158,69 +150,12 @@ def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -
 
 
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
-         allow_hub: bool = True, logits: str = "chunked", propose: bool = True) -> Plan:
-    """Predicted peak GPU memory of a recipe, with the proposal of the largest settings that fit."""
+         allow_hub: bool = True, logits: str = "chunked") -> Plan:
+    """Predicted peak GPU memory of a recipe (lowmem_grpo.memory.fit adds the largest settings that fit)."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
-    result = evaluate(arch, resolve_settings(recipe, total_gpu, logits), budget_bytes)
-    if propose and budget_bytes:
-        result.proposal = proposal(recipe, budget_bytes, arch=arch, logits=logits)
-    return result
-
-
-# --- fitting (lowmem_grpo.memory_fit) ------------------------------------------------------------
-
-
-def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture, logits: str = "chunked") -> dict[str, Any]:
-    """For each knob, the largest value that fits the budget with the other settings as in the recipe
-    (see lowmem_grpo.memory_fit.proposal)."""
-    from lowmem_grpo.memory_fit import proposal as _proposal
-
-    return _proposal(recipe, budget_bytes, arch=arch, logits=logits)
-
-
-def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture | None = None,
-             allow_hub: bool = True, logits: str = "chunked") -> tuple[Recipe, Plan]:
-    """Fit the recipe into the budget, changing only settings not in `explicit`; RecipeError naming the
-    explicit settings to lower when it cannot (see lowmem_grpo.memory_fit.auto_fit)."""
-    from lowmem_grpo.memory_fit import auto_fit as _auto_fit
-
-    return _auto_fit(recipe, budget_bytes, explicit, arch=arch, allow_hub=allow_hub, logits=logits)
-
-
-def fit_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05) -> tuple[Recipe, Plan | None]:
-    """auto_fit to this process's CUDA GPU (its free memory, less `headroom` x total), logging the chosen
-    values and the predicted peak; (recipe, None) when there is no CUDA GPU. Imports torch."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return recipe, None
-    free, total = torch.cuda.mem_get_info()
-    budget = device_budget(free, total, headroom)
-    fitted, result = auto_fit(recipe, budget, explicit)
-    log.info("memory plan: predicted peak %s (%s phase) within a budget of %s (%s free of %s)",
-             format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(free),
-             format_bytes(total))
-    return fitted, result
-
-
-def write_plan(run_dir: Any, result: Plan) -> None:
-    """Save a plan as run_dir/memory_plan.json (the same object `plan --json` prints)."""
-    import json
-    from pathlib import Path
-
-    Path(run_dir, PLAN_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
-
-
-def explicit_keys(overrides: list[str]) -> set[str]:
-    """The dotted keys set by `key.sub=value` overrides (values and malformed entries ignored)."""
-    keys = set()
-    for text in overrides or []:
-        key, sep, _ = text.partition("=")
-        if sep and key.strip():
-            keys.add(key.strip())
-    return keys
+    return evaluate(arch, resolve_settings(recipe, total_gpu, logits), budget_bytes)
 
 
 def format_plan(p: Plan, title: str = "") -> str:

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-COMPLETIONS_FILE = "completions.jsonl"
+from lowmem_grpo.rundir import layout
+
 CONTEXT_COLUMNS = ("question", "answer", "prefill")
 
 
@@ -120,13 +121,4 @@ class CompletionRecorder:
 
 def read_completions(run_dir: Path) -> list[dict[str, Any]]:
     """The completions lines of a run, oldest first; a half-written last line (mid-run) is skipped."""
-    path = Path(run_dir) / COMPLETIONS_FILE
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return layout.read_jsonl(Path(run_dir) / layout.COMPLETIONS_FILE)

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo import telemetry
+from lowmem_grpo.rundir import layout
 from lowmem_grpo.errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class EvalOptions:
 
 def is_run_dir(path: str | Path) -> bool:
     """A training run directory: holds recipe.yaml."""
-    return (Path(path).expanduser() / telemetry.RECIPE_FILE).is_file()
+    return (Path(path).expanduser() / layout.RECIPE_FILE).is_file()
 
 
 def find_adapter(spec: str | Path) -> Path:
@@ -60,8 +60,8 @@ def find_adapter(spec: str | Path) -> Path:
     path = Path(spec).expanduser()
     if (path / "adapter_config.json").is_file():
         return path
-    if (path / telemetry.ADAPTER_DIR / "adapter_config.json").is_file():
-        return path / telemetry.ADAPTER_DIR
+    if (path / layout.ADAPTER_DIR / "adapter_config.json").is_file():
+        return path / layout.ADAPTER_DIR
     checkpoints = sorted((p for p in path.glob("checkpoint-*") if (p / "adapter_config.json").is_file()),
                          key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
     if checkpoints:
@@ -81,7 +81,7 @@ def resolve(opts: EvalOptions) -> tuple[Any, Path | None, Path | None]:
     if opts.recipe:
         recipe = load_recipe(opts.recipe)
     elif run_dir or adapter_run:
-        recipe = load_recipe(str((run_dir or adapter_run) / telemetry.RECIPE_FILE))
+        recipe = load_recipe(str((run_dir or adapter_run) / layout.RECIPE_FILE))
     else:
         recipe = Recipe()
     if run_dir is None:
@@ -146,7 +146,7 @@ def _want_vllm(engine: str) -> bool:
 
 def _load(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
     """(generator, tokenizer, LoRA request, info): a vLLM engine on CUDA with vllm, else the backend's model."""
-    from lowmem_grpo.backends import choose_backend, load, prepare, resolve_model_path
+    from lowmem_grpo.backends import load, prepare, resolve_model_path
 
     if _want_vllm(opts.engine):
         from transformers import AutoTokenizer
@@ -158,8 +158,7 @@ def _load(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[Any, An
         engine, lora = _vllm_engine(recipe, path, adapter, opts.seed)
         return engine, tokenizer, lora, {"model_path": path, "backend": "vllm", "device": "cuda",
                                          "dtype": recipe.model.dtype}
-    backend = choose_backend(recipe.model.backend)
-    prepare(backend)
+    backend = prepare(recipe.model.backend)
     loaded = load(recipe, backend, with_lora=False, adapter_path=str(adapter) if adapter else None)
     return loaded.model, loaded.tokenizer, None, {"model_path": loaded.model_path, "backend": loaded.backend,
                                                   "device": loaded.device, "dtype": loaded.dtype}
@@ -177,17 +176,16 @@ def _clean(value: Any) -> Any:
 
 def run(opts: EvalOptions) -> dict[str, Any]:
     """Evaluate (or compare) and write eval.json + eval.jsonl; returns eval.json's content plus `out_dir`."""
-    from lowmem_grpo.data import build_examples, load_rows
-    from lowmem_grpo.eval_metrics import BOOTSTRAP_RESAMPLES, compare
-    from lowmem_grpo.evaluate import run_eval
+    from lowmem_grpo.data import load_eval_rows, recipe_examples
+    from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, compare
+    from lowmem_grpo.evaluation.evaluate import run_eval
 
     recipe, adapter, run_dir = resolve(opts)
     d = recipe.data
     split = opts.split or d.eval_split
     if opts.limit is not None and opts.limit < 1:
         raise BadInputError(f"--limit {opts.limit} must be at least 1", fix="give a positive number of problems")
-    rows = load_rows(d.source, split, d.hub_name, d.hub_config)  # bad data fails before the model loads
-    rows = rows[: opts.limit] if opts.limit else rows
+    rows = load_eval_rows(d, split=split, limit=opts.limit)  # bad data fails before the model loads
     max_new = opts.max_new_tokens or recipe.train.max_completion_length
     out_dir = Path(opts.out).expanduser() if opts.out else default_out(opts, run_dir, split)
     try:
@@ -196,7 +194,7 @@ def run(opts: EvalOptions) -> dict[str, Any]:
         raise BadInputError(f"output folder {out_dir} cannot be created: {exc}", fix="pass a writable --out") from exc
 
     engine, tokenizer, lora, info = _load(recipe, adapter, opts)
-    examples = build_examples(rows, tokenizer, d.system_prompt, d.prefill, d.max_prompt_length, d.long_prompts)
+    examples = recipe_examples(rows, tokenizer, d)
     kwargs = dict(max_new_tokens=max_new, batch_size=opts.batch_size, num_samples=opts.samples,
                   temperature=opts.temperature, seed=opts.seed, progress=opts.progress)
     results = {}
@@ -242,7 +240,7 @@ def run(opts: EvalOptions) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     """The markdown summary printed by `lowmem-grpo eval`."""
-    from lowmem_grpo.eval_metrics import compare_table, metrics_table
+    from lowmem_grpo.evaluation.metrics import compare_table, metrics_table
 
     s = report["settings"]
     head = (f"{s['model']}" + (f" + adapter {s['adapter']}" if s["adapter"] else "") +

@@ -1,7 +1,7 @@
 """After a CUDA out-of-memory error: which settings to lower, and the record of it in the run directory.
 
 How the next settings are chosen, in this order:
-1. the memory planner (lowmem_grpo.memory): the budget is the predicted peak with its non-static part
+1. the memory planner (lowmem_grpo.memory.plan): the budget is the predicted peak with its non-static part
    (generation or training phase, and the allocator slack) cut by a quarter, and `auto_fit` lowers the
    settings in its own order (per-device batch with gradient accumulation raised to keep the optimizer
    batch, generation batch, max_completion_length, num_generations); its fit is used only when the
@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.memory.arch import load_architecture
+from lowmem_grpo.memory.fit import auto_fit
+from lowmem_grpo.memory.plan import plan
 from lowmem_grpo.recipe import Recipe, validate
+from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
 
-OOM_FILE = "oom_retries.jsonl"
-RECIPE_FILE = "recipe.yaml"
 MIN_COMPLETION_LENGTH = 16
 PLANNER_CUT = 0.25  # share of the planner's non-static peak to free per retry
 NOTE_PREFIX = "# lowmem-grpo: "
@@ -113,14 +115,11 @@ def lower_by_planner(recipe: Recipe, phase: str = "generation") -> Lowering | No
     phase that ran out of memory ('generation' or 'update') shrinks too; None when unusable."""
     planner_phase = "training" if phase == "update" else "generation"
     try:
-        from lowmem_grpo import memory
-        from lowmem_grpo.memory_arch import load_architecture
-
         arch = load_architecture(recipe.model.name, allow_hub=False, trust_remote_code=recipe.model.trust_remote_code)
-        current = memory.plan(recipe, arch=arch, propose=False)
+        current = plan(recipe, arch=arch)
         static = current.phases["static"]
         budget = int(static + (1 - PLANNER_CUT) * (current.total_bytes - static))
-        new, fitted = memory.auto_fit(recipe, budget, set(), arch=arch)
+        new, fitted = auto_fit(recipe, budget, set(), arch=arch)
     except Exception as exc:  # noqa: BLE001 - any planner failure falls back to halving
         log.info("memory planner not usable for the OOM retry (%s: %s); halving instead", type(exc).__name__, exc)
         return None
@@ -200,13 +199,13 @@ def record(run_dir: Path, retry: int, step: int, phase: str, error: str, resumed
     if not main_process:
         return entry
     run_dir = Path(run_dir)
-    with (run_dir / OOM_FILE).open("a", encoding="utf-8") as handle:
+    with (run_dir / layout.OOM_FILE).open("a", encoding="utf-8") as handle:
         handle.write(json.dumps(entry) + "\n")
-    path = run_dir / RECIPE_FILE
+    path = run_dir / layout.RECIPE_FILE
     notes = [line for line in path.read_text(encoding="utf-8").splitlines() if line.startswith(NOTE_PREFIX)] \
         if path.exists() else []
     notes.append(f"{NOTE_PREFIX}CUDA out of memory at step {step} ({phase}), retry {retry}: "
-                 f"{lowering.describe()}; see {OOM_FILE}")
+                 f"{lowering.describe()}; see {layout.OOM_FILE}")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("\n".join(notes) + "\n" + dump_yaml(lowering.recipe), encoding="utf-8")
     tmp.replace(path)

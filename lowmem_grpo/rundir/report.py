@@ -7,6 +7,7 @@ replaced atomically, so reading the report while a run writes it never shows a h
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -15,14 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo import health, telemetry
-from lowmem_grpo.completions import read_completions
+from lowmem_grpo.rundir import layout
+from lowmem_grpo.rundir import health
+from lowmem_grpo.rundir import telemetry
+from lowmem_grpo.rundir.completions import read_completions
 from lowmem_grpo.errors import BadInputError
 
 log = logging.getLogger(__name__)
 
-REPORT_FILE = "report.md"
-PLOTS_DIR = "plots"
 SMOOTHING = 0.8
 """Weight of the past in the exponential moving average drawn over the raw curves."""
 SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
@@ -190,8 +191,51 @@ def _sample_md(c: dict[str, Any]) -> list[str]:
             "", f"> {' '.join(question.split())}", "", f"{fence}text", text, fence, ""]
 
 
+def format_value(value: Any) -> str:
+    """A table cell: floats to 4 significant digits, None as '-'."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def latest_eval(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The run's evaluation: RUN_DIR/eval.json, else the newest RUN_DIR/eval/*/eval.json (`lowmem-grpo eval`)."""
+    candidates = [run_dir / layout.EVAL_FILE] if (run_dir / layout.EVAL_FILE).is_file() else sorted(
+        (run_dir / layout.EVAL_DIR).glob(f"*/{layout.EVAL_FILE}"), key=lambda p: p.stat().st_mtime)
+    for path in reversed(candidates):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(data, dict):
+            return path, data
+    return None
+
+
+def eval_lines(run_dir: Path) -> list[str]:
+    """Markdown rows of the latest evaluation's metrics (and its base-vs-adapter comparison); [] when none."""
+    found = latest_eval(run_dir)
+    if not found:
+        return []
+    path, data = found
+    metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else data
+    settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
+    where = ", ".join(f"{k} {settings[k]}" for k in ("split", "num_problems") if k in settings)
+    lines = [f"From `{path.relative_to(run_dir)}`{f' ({where})' if where else ''}:", "",
+             "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {format_value(v)} |" for k, v in metrics.items() if isinstance(v, (int, float, str))]
+    comparison = data.get("comparison")
+    if isinstance(comparison, dict):
+        lines += ["", "| metric | base | adapter | diff (95% CI) |", "|---|---|---|---|"]
+        for k, v in comparison.items():
+            if isinstance(v, dict) and {"base", "adapter", "diff"} <= set(v):
+                lines.append(f"| {k} | {format_value(v['base'])} | {format_value(v['adapter'])} | {format_value(v['diff'])} "
+                             f"({format_value(v.get('low'))} to {format_value(v.get('high'))}) |")
+    return lines
+
+
 def _recipe_info(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / telemetry.RECIPE_FILE
+    path = run_dir / layout.RECIPE_FILE
     if not path.exists():
         return {}
     import yaml
@@ -221,16 +265,14 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     lines += ["", "## Warnings", ""]
     warnings = health.scan(steps)
     lines += [f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."]
-    from lowmem_grpo.export_card import eval_lines
-
     evaluation = eval_lines(run_dir)
     if evaluation:
         lines += ["", "## Evaluation", ""] + evaluation
     lines += ["", "## Plots", ""]
-    lines += [f"![{p.stem}]({PLOTS_DIR}/{p.name})" for p in plots]
+    lines += [f"![{p.stem}]({layout.PLOTS_DIR}/{p.name})" for p in plots]
     lines += ["", "## Sample completions", ""]
     if not completions:
-        lines.append(f"No {telemetry.COMPLETIONS_FILE} in the run directory (train.completions_every=0, "
+        lines.append(f"No {layout.COMPLETIONS_FILE} in the run directory (train.completions_every=0, "
                      "or no recorded step yet).")
     else:
         used, best, worst = sample_completions(completions)
@@ -248,14 +290,14 @@ def write_report(run_dir: Path | str) -> Path:
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise BadInputError(f"run directory {run_dir} does not exist", fix="give the folder a training run wrote")
-    if not (run_dir / telemetry.METRICS_FILE).exists():
-        raise BadInputError(f"{run_dir} has no {telemetry.METRICS_FILE}",
+    if not (run_dir / layout.METRICS_FILE).exists():
+        raise BadInputError(f"{run_dir} has no {layout.METRICS_FILE}",
                             fix="give a run directory; metrics appear after the first logged step")
     records = telemetry.read_metrics(run_dir)
     steps = health.training_records(records)
-    plots = plot_all(steps, run_dir / PLOTS_DIR)
+    plots = plot_all(steps, run_dir / layout.PLOTS_DIR)
     text = build_markdown(run_dir, records, plots, read_completions(run_dir))
-    path = run_dir / REPORT_FILE
+    path = run_dir / layout.REPORT_FILE
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)

@@ -1,6 +1,7 @@
-"""Run telemetry: metrics.jsonl (every key the trainer logs), env.json, and one console line per step.
+"""Run telemetry: metrics.jsonl (every key the trainer logs), env.json, and one console line per step
+(written by lowmem_grpo.train.callbacks.TelemetryCallback).
 
-The run directory layout is defined here and read by report, export, eval and resume.
+File names come from lowmem_grpo.rundir.layout.
 """
 
 from __future__ import annotations
@@ -8,19 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.rundir import layout
+
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-RECIPE_FILE = "recipe.yaml"
-ENV_FILE = "env.json"
-ADAPTER_DIR = "adapter"
-PRIMED_ADAPTER_DIR = "primed_adapter"  # the adapter after the prime stage, before GRPO (lowmem_grpo.prime)
-EVAL_FILE = "eval.json"
-COMPLETIONS_FILE = "completions.jsonl"  # written by lowmem_grpo.completions
 # report_to value -> (module that must be importable, pip package that provides it)
 REPORT_TO_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
                       "trackio": ("trackio", "trackio")}
@@ -35,16 +30,7 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The metrics lines of a run, oldest first; a half-written line (read mid-run) is skipped."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return layout.read_jsonl(Path(run_dir) / layout.METRICS_FILE)
 
 
 def check_report_to(report_to: str) -> None:
@@ -66,7 +52,7 @@ def write_env(run_dir: Path, backend: str) -> dict[str, Any]:
 
     info = describe()
     info["backend"] = backend
-    (Path(run_dir) / ENV_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
+    (Path(run_dir) / layout.ENV_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
     return info
 
 
@@ -98,46 +84,3 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
     if "peak_gpu_mem_gb" in logs:
         parts.append(f"gpu {_fmt(logs['peak_gpu_mem_gb'], '.2f')}GB")
     return " | ".join(parts)
-
-
-def make_callback(run_dir: Path, stage: str, reward_names: list[str], recorder: Any = None) -> Any:
-    """A TrainerCallback writing metrics.jsonl, the console line and health warnings (imports transformers).
-
-    `recorder` (a lowmem_grpo.completions.CompletionRecorder) is flushed to completions.jsonl at each step end.
-    """
-    from transformers import TrainerCallback
-
-    from lowmem_grpo.health import WarningLatch
-
-    metrics_path = Path(run_dir) / METRICS_FILE
-
-    class TelemetryCallback(TrainerCallback):
-        """Writes each log as one metrics line tagged with its stage."""
-
-        def __init__(self) -> None:
-            self.started = time.monotonic()
-            self.recent: list[dict[str, Any]] = []  # the newest records, for the health checks
-            self.latch = WarningLatch()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
-            if recorder is not None:
-                recorder.flush(write=state.is_world_process_zero)
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any):
-            if not logs or not state.is_world_process_zero:
-                return
-            logs = dict(logs)
-            import torch
-
-            if torch.cuda.is_available():
-                logs["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            record = {"stage": stage, "step": state.global_step, **logs}
-            append_jsonl(metrics_path, record)
-            if "train_runtime" not in logs:  # the final summary line is logged by train()
-                log.info(console_line(logs, state.global_step, state.max_steps,
-                                      time.monotonic() - self.started, reward_names))
-                self.recent = (self.recent + [record])[-20:]
-                for warning in self.latch.update(self.recent):
-                    log.warning("%s", warning)
-
-    return TelemetryCallback()

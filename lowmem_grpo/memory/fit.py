@@ -1,5 +1,9 @@
 """Fitting settings to a GPU memory budget: the proposal of the largest settings that fit, and
-auto-fit of the settings a user did not set explicitly. Arithmetic on plans from lowmem_grpo.memory.
+auto-fit of the settings a user did not set explicitly. Arithmetic on plans from lowmem_grpo.memory.plan.
+
+    plan_with_proposal(recipe, budget)    -> Plan with .proposal (what `lowmem-grpo plan` prints)
+    auto_fit(recipe, budget, explicit)    -> (recipe with fitted non-explicit settings, Plan)
+    fit_to_device(recipe, explicit)       -> auto_fit to this process's CUDA GPU (imports torch)
 
 A knob is one memory-relevant setting; its options come largest first, each a dict of dotted-key
 changes that keeps the recipe valid (generation batch divisible by num_generations and by the
@@ -13,11 +17,11 @@ import logging
 import math
 from typing import Any, Callable
 
-from lowmem_grpo import memory_terms as mt
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.memory import Plan, format_bytes, plan, resolve_settings
-from lowmem_grpo.memory_arch import Architecture, load_architecture
-from lowmem_grpo.memory_terms import Settings
+from lowmem_grpo.memory import terms as mt
+from lowmem_grpo.memory.arch import Architecture, load_architecture
+from lowmem_grpo.memory.plan import Plan, device_budget, format_bytes, plan, resolve_settings
+from lowmem_grpo.memory.terms import Settings
 from lowmem_grpo.recipe import Recipe, validate
 
 log = logging.getLogger(__name__)
@@ -156,7 +160,7 @@ def _fitting(recipe: Recipe, options: list[dict[str, Any]], arch: Architecture, 
             validate(candidate)
         except RecipeError:
             continue
-        result = plan(candidate, budget, arch=arch, logits=logits, propose=False)
+        result = plan(candidate, budget, arch=arch, logits=logits)
         if result.fits and _vllm_ok(arch, result.settings):
             return candidate, result, change
     return None
@@ -203,7 +207,7 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     explicit = set(explicit)
     validate(recipe)
     current = recipe
-    result = plan(current, budget_bytes, arch=arch, logits=logits, propose=False)
+    result = plan(current, budget_bytes, arch=arch, logits=logits)
     if result.fits and _vllm_ok(arch, result.settings):
         return current, result
     free = [k for k, (keys, _, _) in KNOBS.items() if not set(keys) & explicit
@@ -213,7 +217,7 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     # the vLLM share may move either way; every other knob only goes down from the recipe's value
     original = {k: 0.95 if k == "gpu_memory_utilization" else KNOBS[k][1](recipe) for k in free}
     for knob in free:  # lower
-        result = plan(current, budget_bytes, arch=arch, logits=logits, propose=False)
+        result = plan(current, budget_bytes, arch=arch, logits=logits)
         if result.fits and _vllm_ok(arch, result.settings):
             break
         upper = original[knob] if knob == "gpu_memory_utilization" else KNOBS[knob][1](current)
@@ -234,7 +238,7 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
         best = _fitting(current, KNOBS[knob][2](current, original[knob], explicit), arch, budget_bytes, logits)
         if best is not None:
             current = best[0]
-    result = plan(current, budget_bytes, arch=arch, logits=logits, propose=False)
+    result = plan(current, budget_bytes, arch=arch, logits=logits)
     if not (result.fits and _vllm_ok(arch, result.settings)):
         named = [f"{k}={_value(recipe, k)}" for k in MEMORY_KEYS if k in explicit]
         fix = (f"lower one of the settings you gave: {', '.join(named)}" if named else
@@ -254,3 +258,30 @@ def _value(recipe: Recipe, key: str) -> Any:
     if section == "train" and name == "generation_batch_size":
         return recipe.train.generation_batch_size()
     return getattr(getattr(recipe, section), name, None)
+
+
+def plan_with_proposal(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
+                       allow_hub: bool = True, logits: str = "chunked") -> Plan:
+    """The recipe's plan with, when there is a budget, the proposal of the largest settings that fit."""
+    arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
+                                     trust_remote_code=recipe.model.trust_remote_code)
+    result = plan(recipe, budget_bytes, arch=arch, logits=logits)
+    if budget_bytes:
+        result.proposal = proposal(recipe, budget_bytes, arch=arch, logits=logits)
+    return result
+
+
+def fit_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05) -> tuple[Recipe, Plan | None]:
+    """auto_fit to this process's CUDA GPU (its free memory, less `headroom` x total), logging the chosen
+    values and the predicted peak; (recipe, None) when there is no CUDA GPU. Imports torch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return recipe, None
+    free, total = torch.cuda.mem_get_info()
+    budget = device_budget(free, total, headroom)
+    fitted, result = auto_fit(recipe, budget, explicit)
+    log.info("memory plan: predicted peak %s (%s phase) within a budget of %s (%s free of %s)",
+             format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(free),
+             format_bytes(total))
+    return fitted, result

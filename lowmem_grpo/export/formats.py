@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo import export_proof as proof
-from lowmem_grpo import telemetry
+from lowmem_grpo.rundir import layout
+from lowmem_grpo.export import proof
+from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.errors import BadInputError, LowmemError
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class ExportResult:
 def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None]:
     """The adapter folder to export (checkpoint-N, or the final adapter/) and its step."""
     if checkpoint is not None:
-        from lowmem_grpo.checkpoints import complete_checkpoints, is_complete
+        from lowmem_grpo.rundir.checkpoints import complete_checkpoints, is_complete
 
         src = run_dir / f"checkpoint-{checkpoint}"
         found = [step for step, _ in complete_checkpoints(run_dir)]
@@ -86,10 +87,10 @@ def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None
             raise BadInputError(f"{src} is incomplete (no valid completion marker: its save was interrupted)",
                                 fix=fix)
         return src, checkpoint
-    src = run_dir / telemetry.ADAPTER_DIR
+    src = run_dir / layout.ADAPTER_DIR
     if not (src / "adapter_config.json").exists():
         found = sorted(p.name for p in run_dir.glob("checkpoint-*"))
-        raise BadInputError(f"{run_dir} has no final adapter ({telemetry.ADAPTER_DIR}/): the run did not finish",
+        raise BadInputError(f"{run_dir} has no final adapter ({layout.ADAPTER_DIR}/): the run did not finish",
                             fix=f"export a checkpoint with --checkpoint STEP ({', '.join(found) or 'none saved yet'})")
     steps = [r["step"] for r in telemetry.read_metrics(run_dir)
              if isinstance(r.get("step"), int) and r.get("stage", "grpo") == "grpo"]  # not the prime stage's steps
@@ -127,7 +128,7 @@ def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
 
 
 class _Phases:
-    """A tqdm bar over the export's phases, and the after_phase hook (tests inject failures there)."""
+    """A tqdm bar over the export's phases, and the caller's on_phase hook."""
 
     def __init__(self, fmt: str, hook: Callable[[str], None] | None) -> None:
         from tqdm import tqdm
@@ -258,42 +259,54 @@ def _convert_gguf(script: Path, merged: Path, target: Path, outtype: str) -> Non
                               "version that supports this architecture")
 
 
-def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | None = None,
-           overwrite: bool = False, dtype: str | None = None, tolerance: float | None = None,
-           llama_cpp: str | Path | None = None, base: str | None = None, require_cuda_for_4bit: bool = True,
-           after_phase: Callable[[str], None] | None = None) -> ExportResult:
-    """Export a run's adapter in `fmt` to `out`; see the module docstring. `after_phase(name)` runs after
-    each phase (tests raise there to simulate an interruption); `require_cuda_for_4bit=False` lets the
-    4-bit path run on bitsandbytes' CPU backend (tests only: slow, and the CLI always requires CUDA)."""
-    started = time.monotonic()
-    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+def _check_request(run_dir: Path, fmt: str, dtype: str | None) -> None:
+    """BadInputError for an unknown format or dtype, or a folder that is no run directory."""
     if fmt not in FORMATS:
         raise BadInputError(f"unknown export format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
         raise BadInputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}", fix="use float32 or bfloat16")
-    if not (run_dir / telemetry.RECIPE_FILE).exists():
-        raise BadInputError(f"{run_dir} is not a run directory (no {telemetry.RECIPE_FILE})",
+    if not (run_dir / layout.RECIPE_FILE).exists():
+        raise BadInputError(f"{run_dir} is not a run directory (no {layout.RECIPE_FILE})",
                             fix="give the folder `lowmem-grpo train` wrote")
+
+
+def _check_4bit(device_ok: bool) -> None:
+    """merged-4bit needs bitsandbytes, and a CUDA GPU unless its CPU backend was asked for."""
+    if not device_ok:
+        raise BadInputError("--format merged-4bit needs a CUDA GPU (bitsandbytes 4-bit serialization); "
+                            "none is visible", fix="run the export on a GPU machine, use --format merged-16bit, "
+                                                   "or --cpu-4bit (bitsandbytes' CPU backend, slow)")
+    if not importlib.util.find_spec("bitsandbytes"):
+        raise BadInputError("--format merged-4bit needs bitsandbytes", fix="pip install bitsandbytes")
+
+
+def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | None = None,
+           overwrite: bool = False, dtype: str | None = None, tolerance: float | None = None,
+           llama_cpp: str | Path | None = None, base: str | None = None, cpu_4bit: bool = False,
+           on_phase: Callable[[str], None] | None = None) -> ExportResult:
+    """Export a run's adapter in `fmt` to `out`; see the module docstring. `cpu_4bit` lets merged-4bit run on
+    bitsandbytes' CPU backend when no GPU is visible (slow); `on_phase(name)` is called after each phase
+    (load, merge, save, prove, card: a progress hook; whatever it raises aborts the export, leaving nothing)."""
+    started = time.monotonic()
+    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+    _check_request(run_dir, fmt, dtype)
     src, step = find_source(run_dir, checkpoint)
-    check_out_dir(out, overwrite, [run_dir / telemetry.ADAPTER_DIR, run_dir / telemetry.RECIPE_FILE,
-                                   *run_dir.glob("checkpoint-*")])
+    check_out_dir(out, overwrite, [run_dir / layout.ADAPTER_DIR, run_dir / layout.RECIPE_FILE,
+                                   *run_dir.glob(f"{layout.CHECKPOINT_PREFIX}*")])
     script = find_converter(llama_cpp) if fmt == "gguf" else None
     import torch
 
     cuda = torch.cuda.is_available()
     if fmt == "merged-4bit":
-        if require_cuda_for_4bit and not cuda:
-            raise BadInputError("--format merged-4bit needs a CUDA GPU (bitsandbytes 4-bit serialization); "
-                                "none is visible", fix="run the export on a GPU machine, or use --format merged-16bit")
-        if not importlib.util.find_spec("bitsandbytes"):
-            raise BadInputError("--format merged-4bit needs bitsandbytes", fix="pip install bitsandbytes")
-    from lowmem_grpo.backends import resolve_dtype, resolve_model_path
+        _check_4bit(cuda or cpu_4bit)
+    from lowmem_grpo.backends import resolve_model_path
+    from lowmem_grpo.device import resolve_dtype
     from lowmem_grpo.recipe_io import load_recipe
 
-    recipe = load_recipe(str(run_dir / telemetry.RECIPE_FILE))
+    recipe = load_recipe(str(run_dir / layout.RECIPE_FILE))
     base_path = resolve_model_path(base or recipe.model.name)
     trust = recipe.model.trust_remote_code
-    dtype = dtype or resolve_dtype("auto", cuda)
+    dtype = dtype or resolve_dtype("auto", cuda=cuda)
     result = ExportResult(out=out, format=fmt, source=src, step=step)
     if fmt != "lora":
         proof.check_base_unquantized(base_path, trust)
@@ -304,7 +317,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the published folder gets normal permissions
-    phases = _Phases(fmt, after_phase)
+    phases = _Phases(fmt, on_phase)
     try:
         tokenizer = _load_tokenizer(src, base_path, trust)
         if fmt == "lora":
@@ -313,7 +326,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
         else:
             _export_merged(fmt, base_path, src, tmp, tokenizer, recipe, result, dtype, tolerance, cuda, trust,
                            script, phases)
-        from lowmem_grpo.export_card import write_card
+        from lowmem_grpo.export.card import write_card
 
         write_card(tmp, run_dir, recipe, result, base or recipe.model.name, base_path)
         phases.done("card")

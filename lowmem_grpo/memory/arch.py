@@ -18,7 +18,7 @@ from lowmem_grpo.errors import BadInputError
 
 log = logging.getLogger(__name__)
 
-CONFIGS_DIR = Path(__file__).resolve().parent / "resources" / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "resources" / "configs"
 # embedded model name -> the hub id whose architecture it has
 EMBEDDED_ARCHITECTURES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 # model types whose q/k/v projections carry a bias even when the config does not say so

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo import __version__, health, telemetry
+from lowmem_grpo import __version__
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.recipe_io import dump_yaml
+from lowmem_grpo.rundir import health, layout, telemetry
+from lowmem_grpo.rundir.report import eval_lines, format_value
 
 CARD_FILE = "README.md"
 CARD_METRICS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                 "completions/clipped_ratio", "loss", "grad_norm", "kl", "step_time"]
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "-" if value is None else str(value)
 
 
 def final_metrics(run_dir: Path, step: int | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -27,42 +22,6 @@ def final_metrics(run_dir: Path, step: int | None) -> tuple[dict[str, Any] | Non
     steps = [r for r in health.training_records(records) if step is None or int(r.get("step", 0)) <= step]
     summary = next((r for r in reversed(records) if "train_runtime" in r), None)
     return (steps[-1] if steps else None), summary
-
-
-def latest_eval(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The run's evaluation: RUN_DIR/eval.json, else the newest RUN_DIR/eval/*/eval.json (`lowmem-grpo eval`)."""
-    candidates = [run_dir / telemetry.EVAL_FILE] if (run_dir / telemetry.EVAL_FILE).is_file() else sorted(
-        (run_dir / "eval").glob(f"*/{telemetry.EVAL_FILE}"), key=lambda p: p.stat().st_mtime)
-    for path in reversed(candidates):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(data, dict):
-            return path, data
-    return None
-
-
-def eval_lines(run_dir: Path) -> list[str]:
-    """Markdown rows of the latest evaluation's metrics (and its base-vs-adapter comparison); [] when none."""
-    found = latest_eval(run_dir)
-    if not found:
-        return []
-    path, data = found
-    metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else data
-    settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
-    where = ", ".join(f"{k} {settings[k]}" for k in ("split", "num_problems") if k in settings)
-    lines = [f"From `{path.relative_to(run_dir)}`{f' ({where})' if where else ''}:", "",
-             "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in metrics.items() if isinstance(v, (int, float, str))]
-    comparison = data.get("comparison")
-    if isinstance(comparison, dict):
-        lines += ["", "| metric | base | adapter | diff (95% CI) |", "|---|---|---|---|"]
-        for k, v in comparison.items():
-            if isinstance(v, dict) and {"base", "adapter", "diff"} <= set(v):
-                lines.append(f"| {k} | {_fmt(v['base'])} | {_fmt(v['adapter'])} | {_fmt(v['diff'])} "
-                             f"({_fmt(v.get('low'))} to {_fmt(v.get('high'))}) |")
-    return lines
 
 
 def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_prompt: str, prefill: str) -> list[str]:
@@ -98,31 +57,31 @@ def model_card(run_dir: Path, recipe: Any, result: Any, base_name: str, base_pat
              f"| base model | `{base_name}` (loaded from `{base_path}`) |",
              f"| recipe | `{recipe.name}`: {recipe.description or '-'} |",
              f"| task | {recipe.task} |",
-             f"| training steps | {_fmt(result.step)} of {recipe.train.max_steps} |",
+             f"| training steps | {format_value(result.step)} of {recipe.train.max_steps} |",
              f"| LoRA | r={recipe.lora.r}, alpha={recipe.lora.alpha}, modules {', '.join(recipe.lora.target_modules)} |",
              f"| exported from | `{result.source}` |", "",
              "## Rewards", "", "| reward | weight |", "|---|---|"]
-    lines += [f"| {name} | {_fmt(weight)} |" for name, weight in resolved_rewards(recipe).items()]
+    lines += [f"| {name} | {format_value(weight)} |" for name, weight in resolved_rewards(recipe).items()]
     lines += ["", "## Final training metrics", ""]
     if last:
-        lines += [f"At step {last.get('step')} (from {telemetry.METRICS_FILE}):", "", "| metric | value |", "|---|---|"]
+        lines += [f"At step {last.get('step')} (from {layout.METRICS_FILE}):", "", "| metric | value |", "|---|---|"]
         keys = CARD_METRICS[:1] + sorted(k for k in last if k.startswith("rewards/") and k.endswith("/mean")) \
             + CARD_METRICS[1:]
-        lines += [f"| {k} | {_fmt(last[k])} |" for k in keys if k in last]
+        lines += [f"| {k} | {format_value(last[k])} |" for k in keys if k in last]
         if summary and (result.step is None or summary.get("step") == result.step):
-            lines += [f"| train_runtime (s) | {_fmt(summary.get('train_runtime'))} |"]
+            lines += [f"| train_runtime (s) | {format_value(summary.get('train_runtime'))} |"]
     else:
-        lines.append(f"No training metrics in {telemetry.METRICS_FILE}.")
+        lines.append(f"No training metrics in {layout.METRICS_FILE}.")
     lines += ["", "## Evaluation", ""]
-    lines += eval_lines(run_dir) or [f"Not evaluated (no {telemetry.EVAL_FILE} in the run directory or its eval/)."]
+    lines += eval_lines(run_dir) or [f"Not evaluated (no {layout.EVAL_FILE} in the run directory or its eval/)."]
     if result.format != "lora":
         lines += ["", "## Export proof", "",
                   f"Reloaded with plain transformers (no PEFT, no Unsloth) and compared on {result.proof_tokens} "
                   f"tokens of fixed prompts with the adapter model, both in {result.dtype}:", ""]
         lines += [f"- {name}: max |logit difference| {value:.3g}" for name, value in result.checks.items()]
         lines += [f"- tolerance: {result.tolerance:.3g} (per dtype: the larger of a floor and a share of the largest "
-                  "|logit|; lowmem_grpo.export_proof.TOLERANCES)",
-                  f"- the adapter itself moves the base model's logits by up to {_fmt(result.adapter_effect)}"]
+                  "|logit|; lowmem_grpo.export.proof.TOLERANCES)",
+                  f"- the adapter itself moves the base model's logits by up to {format_value(result.adapter_effect)}"]
     lines += ["", "## How to load", ""]
     lines += _how_to_load(result.format, result.out, base_name, files, recipe.data.system_prompt, recipe.data.prefill)
     lines += ["", "## Files", ""] + [f"- `{f}`" for f in files]

@@ -15,7 +15,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lowmem_grpo.backends import load, prepare
+from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.evaluation.generate import generate
+from lowmem_grpo.evaluation.metrics import weighted_rewards
+from lowmem_grpo.recipe import resolved_rewards, validate
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +92,6 @@ def group_stats(scores: dict[str, list[float]], weights: dict[str, float],
 
 def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompts: int) -> PreflightResult:
     """Sample the recipe's GRPO groups for the first n_prompts examples and measure the reward signal."""
-    from lowmem_grpo.eval_metrics import weighted_rewards
-    from lowmem_grpo.evaluate import generate
-    from lowmem_grpo.recipe import resolved_rewards
-
     if n_prompts < 1:
         raise BadInputError(f"preflight prompts {n_prompts} must be at least 1", fix="e.g. --prompts 4")
     t = recipe.train
@@ -117,8 +118,6 @@ def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompt
 
 def fixes(recipe: Any) -> list[str]:
     """The likely fixes for a reward set without signal, most effective first, fitted to the recipe."""
-    from lowmem_grpo.recipe import resolved_rewards
-
     t, d = recipe.train, recipe.data
     prime = getattr(recipe, "prime", None)
     if prime is not None and getattr(prime, "enabled", False):
@@ -179,20 +178,11 @@ def render(result: PreflightResult, recipe: Any) -> str:
 
 def check_rewards(recipe: Any, n_prompts: int) -> PreflightResult:
     """Load the recipe's base model and training prompts and run the preflight; never trains."""
-    from lowmem_grpo.backends import choose_backend, load, prepare
-    from lowmem_grpo.recipe import validate
-
     validate(recipe)
     if n_prompts < 1:
         raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix="e.g. --prompts 4")
-    backend = choose_backend(recipe.model.backend)
-    prepare(backend)
-    from lowmem_grpo.data import build_examples
-    from lowmem_grpo.train import load_train_rows
-
-    rows = load_train_rows(recipe)  # bad data fails before the model loads
+    backend = prepare(recipe.model.backend)
+    rows = load_train_rows(recipe.data)  # bad data fails before the model loads
     loaded = load(recipe, backend, with_lora=False)
-    d = recipe.data
-    examples = build_examples(rows[: max(n_prompts * 4, n_prompts)], loaded.tokenizer, d.system_prompt, d.prefill,
-                              d.max_prompt_length, d.long_prompts)
+    examples = recipe_examples(rows[: n_prompts * 4], loaded.tokenizer, recipe.data)
     return preflight(recipe, loaded, examples, n_prompts)

@@ -1,7 +1,7 @@
 """The terms of the GRPO memory model: one function per term, its formula in its docstring.
 
 Every term is plain integer arithmetic on an `Architecture` (memory_arch) and resolved `Settings`
-(below); `lowmem_grpo.memory` sums them into a plan. Notation used in the formulas:
+(below); `lowmem_grpo.memory.plan` sums them into a plan. Notation used in the formulas:
 
     L layers, H hidden_size, I intermediate_size, V vocab_size, hd head_dim,
     q = num_heads x hd, kv = num_kv_heads x hd, r LoRA rank, cb bytes of the compute dtype
@@ -20,7 +20,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from lowmem_grpo.memory_arch import Architecture
+from lowmem_grpo.memory.arch import Architecture
 
 MIB = 2**20
 GIB = 2**30

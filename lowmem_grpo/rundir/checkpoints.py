@@ -26,17 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.rundir.layout import (ADAPTER_DIR, CHECKPOINT_MARKER, CHECKPOINT_PREFIX, COMPLETIONS_FILE,
+                                       METRICS_FILE, PRIME_STAGE, RECIPE_FILE)
 
 log = logging.getLogger(__name__)
 
-MARKER = "lowmem_complete.json"
-PREFIX = "checkpoint-"
-RECIPE_FILE = "recipe.yaml"  # the same names as lowmem_grpo.telemetry (which imports transformers lazily)
-METRICS_FILE = "metrics.jsonl"
-COMPLETIONS_FILE = "completions.jsonl"
-ADAPTER_DIR = "adapter"
-PRIME_STAGE = "prime"  # lowmem_grpo.prime.STAGE: its steps count separately and are never repeated
-_CKPT = re.compile(rf"^{PREFIX}(\d+)$")
+_CKPT = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
 def _fsync(path: Path) -> None:
@@ -67,7 +62,7 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
 
 def _files(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MARKER and not p.name.startswith(f".{MARKER}")}
+            if p.is_file() and p.name != CHECKPOINT_MARKER and not p.name.startswith(f".{CHECKPOINT_MARKER}")}
 
 
 def write_marker(folder: Path, step: int) -> Path:
@@ -77,14 +72,14 @@ def write_marker(folder: Path, step: int) -> Path:
     for name in files:
         _fsync(folder / name)
     record = {"step": step, "files": files, "written": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    tmp = folder / f".{MARKER}.tmp"
+    tmp = folder / f".{CHECKPOINT_MARKER}.tmp"
     with tmp.open("w", encoding="utf-8") as handle:
         json.dump(record, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(tmp, folder / MARKER)
+    os.replace(tmp, folder / CHECKPOINT_MARKER)
     _fsync(folder)
-    return folder / MARKER
+    return folder / CHECKPOINT_MARKER
 
 
 def is_complete(folder: Path) -> bool:
@@ -92,7 +87,7 @@ def is_complete(folder: Path) -> bool:
     folder = Path(folder)
     match = _CKPT.match(folder.name)
     try:
-        record = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+        record = json.loads((folder / CHECKPOINT_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     if not match or not isinstance(record, dict) or record.get("step") != int(match.group(1)):
@@ -247,8 +242,13 @@ def prepare_resume(point: ResumePoint) -> None:
         log.info("resuming %s from %s (step %d)", point.run_dir, point.checkpoint.name, point.step)
 
 
-def describe_run_dir(run_dir: Path) -> str:
-    """A short listing of what a run directory holds, for error messages."""
-    names = sorted(p.name for p in Path(run_dir).iterdir())
-    shown = ", ".join(names[:6]) + (f", ... ({len(names)} entries)" if len(names) > 6 else "")
-    return shown
+def resume_recipe_path(run_dir: str | Path, recipe_arg: str | None = None,
+                       overrides: list[str] | None = None) -> Path:
+    """The recipe.yaml that `train --resume RUN_DIR` continues with, and nothing else (BadInputError otherwise)."""
+    run_dir = Path(run_dir).expanduser()
+    extra = [a for a in [recipe_arg, *(overrides or [])] if a]
+    if extra:
+        raise BadInputError(f"--resume continues {run_dir} with its own {RECIPE_FILE}; got also {' '.join(extra)}",
+                            fix=f"drop them, or edit {run_dir / RECIPE_FILE} before resuming")
+    resume_point(run_dir, 0)  # BadInputError unless it is a run directory
+    return run_dir / RECIPE_FILE

@@ -1,0 +1,113 @@
+"""GSM8K evaluation: `run_eval` (the shared API: training's periodic eval and `lowmem-grpo eval`).
+
+`run_eval(model, tokenizer, examples)` samples completions for prompts built by
+`lowmem_grpo.data.build_examples` with `lowmem_grpo.evaluation.generate` (greedy by default, seeded
+sampling otherwise), scores prefill + generated text with `lowmem_grpo.evaluation.metrics`, and returns an
+EvalResult.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.evaluation.generate import choose_engine, generate
+from lowmem_grpo.evaluation.metrics import Verdict, aggregate, judge, weighted_rewards
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    """Metrics over the problems, one record per problem, and how it was run."""
+
+    metrics: dict[str, float]
+    """strict_accuracy, lenient_accuracy, strict_format_rate, soft_format_rate, mean_completion_tokens,
+    truncated_rate, num_problems, num_completions; pass@k, mean@k, lenient_pass@k when k > 1;
+    reward (weighted total) and reward/<name> when reward_weights were given."""
+    records: list[dict[str, Any]]
+    """Per problem: index, question, gold, and the first sample's completion, extracted_answer,
+    last_number, verdicts, truncated, completion_tokens (and rewards); `samples` holds all k when k > 1."""
+    verdicts: list[list[Verdict]] = field(default_factory=list)
+    """Per problem, the verdict of each sample (what `eval_metrics.compare` takes)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """max_new_tokens, batch_size, num_samples, temperature, seed, engine."""
+    seconds: float = 0.0
+    """Wall time of generation and scoring."""
+
+    @property
+    def problems_per_minute(self) -> float:
+        return 60.0 * len(self.records) / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _record(index: int, example: dict[str, Any], verdicts: list[Verdict],
+            rewards: list[dict[str, float]] | None) -> dict[str, Any]:
+    samples = []
+    for j, verdict in enumerate(verdicts):
+        sample = verdict.as_dict()
+        if rewards is not None:
+            sample["rewards"] = rewards[j]
+        samples.append(sample)
+    record = {"index": index, "question": example.get("question"), "gold": example["answer"], **samples[0]}
+    if len(samples) > 1:
+        record["samples"] = samples
+        record["pass_strict"] = any(v.strict_correct for v in verdicts)
+        record["pass_lenient"] = any(v.lenient_correct for v in verdicts)
+    return record
+
+
+def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
+             reward_weights: dict[str, float] | None = None, max_new_tokens: int = 256, batch_size: int = 8,
+             num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
+             engine: str = "auto", lora_request: Any = None) -> EvalResult:
+    """Generate for each example (from `build_examples`: prompt, answer, prefill, question) and score it.
+
+    Greedy when temperature is 0 (the default); seeded sampling of num_samples completions per
+    problem otherwise. batch_size counts sequences generated at once. The same seed and settings
+    give the same result. With reward_weights, each reward's mean and the weighted total
+    (`reward`) are added to the metrics, scored the way TRL calls rewards.
+    """
+    if not examples:
+        raise BadInputError("no problems to evaluate", fix="check the data source, split and --limit")
+    started = time.monotonic()
+    prompts = [ex["prompt"] for ex in examples]
+    generations = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           num_samples=num_samples, temperature=temperature, seed=seed, progress=progress,
+                           engine=engine, lora_request=lora_request)
+    per_problem: list[list[Verdict]] = []
+    records = []
+    reward_sums: dict[str, float] = {}
+    for index, (example, samples) in enumerate(zip(examples, generations)):
+        prefill = example.get("prefill") or ""
+        verdicts = [judge(prefill + g.text, example["answer"], truncated=g.truncated, completion_tokens=g.tokens)
+                    for g in samples]
+        rewards = None
+        if reward_weights:
+            columns = {k: [v] * len(samples) for k, v in example.items()}
+            columns["prompts"] = columns.pop("prompt")
+            scores = weighted_rewards(reward_weights, [g.text for g in samples], columns)
+            rewards = [{name: values[j] for name, values in scores.items()} for j in range(len(samples))]
+            for name, values in scores.items():
+                reward_sums[name] = reward_sums.get(name, 0.0) + sum(v for v in values if math.isfinite(v))
+        per_problem.append(verdicts)
+        records.append(_record(index, example, verdicts, rewards))
+    metrics = aggregate(per_problem)
+    if reward_weights:
+        n = metrics["num_completions"]
+        metrics["reward"] = reward_sums.pop("total") / n
+        metrics.update({f"reward/{name}": total / n for name, total in reward_sums.items()})
+    settings = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "num_samples": num_samples,
+                "temperature": temperature, "seed": seed, "engine": choose_engine(model, engine)}
+    return EvalResult(metrics, records, per_problem, settings, time.monotonic() - started)
+
+
+def load_eval_examples(recipe: Any, tokenizer: Any, *, source: str | None = None, split: str | None = None,
+                       limit: int | None = None) -> list[dict[str, Any]]:
+    """The first `limit` problems of a split (default: the recipe's eval split), as prompts for the recipe."""
+    from lowmem_grpo.data import load_eval_rows, recipe_examples
+
+    return recipe_examples(load_eval_rows(recipe.data, source=source, split=split, limit=limit), tokenizer, recipe.data)

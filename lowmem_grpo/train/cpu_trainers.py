@@ -1,0 +1,82 @@
+"""A GRPOTrainer and an SFTTrainer whose log-prob pass runs in plain torch, for the hf backend without a GPU.
+
+TRL 1.15 (the newest Unsloth allows) computes log-probs with a Triton kernel only, which has no
+CPU driver; TRL 1.16 added a torch fallback. Until the pin can move, this subclass computes the
+same quantities from full logits when the model is not on a GPU, and defers to TRL otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from trl import GRPOTrainer, SFTTrainer
+from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+
+class CpuSafeGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that avoids the Triton log-prob kernel on CPU."""
+
+    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor,
+                                           attention_mask: torch.Tensor, logits_to_keep: int,
+                                           batch_size: int | None = None, compute_entropy: bool = False,
+                                           compute_aux_loss: bool = False, **multimodal: Any):
+        if input_ids.device.type in ("cuda", "xpu") or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal)
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids = input_ids[start:start + batch_size]
+            mask = attention_mask[start:start + batch_size]
+            with self.accelerator.autocast():
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            # position t predicts token t+1: keep the logits of the completion tokens only
+            logits = logits[:, -logits_to_keep - 1:-1, :].float() / self.temperature
+            all_logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]))
+            if compute_entropy:
+                all_entropies.append(entropy_from_logits(logits))
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        return torch.cat(all_logps, dim=0), entropies, None
+
+
+class CpuSafeSFTTrainer(SFTTrainer):
+    """An SFTTrainer whose completion loss runs in plain torch off-GPU (imports trl).
+
+    TRL 1.15's SFTTrainer scores tokens through the same Triton fused LM head. Off-GPU this computes
+    the same token-mean NLL from full logits, with the entropy and token-accuracy metrics, and defers
+    to TRL on a GPU and for the options it does not cover (custom loss, label smoothing, MoE aux loss).
+    """
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None):
+        ids = inputs["input_ids"]
+        if (ids.device.type in ("cuda", "xpu") or return_outputs or self.compute_loss_func is not None
+                or self.label_smoother is not None or self.aux_loss_enabled or "labels" not in inputs):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        mode = "train" if self.model.training else "eval"
+        forward_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        forward_inputs["use_cache"] = False
+        logits = model(**forward_inputs).logits[:, :-1, :].float()
+        targets = inputs["labels"][:, 1:]
+        mask = targets != -100
+        logps = selective_log_softmax(logits, targets.masked_fill(~mask, 0))
+        per_token = -logps * mask
+        if self.args.loss_type == "dft":
+            per_token = per_token * logps.exp().detach()
+        num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        loss = per_token.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        with torch.no_grad():
+            valid = mask.sum()
+            entropy = (entropy_from_logits(logits) * mask).sum()
+            correct = ((logits.argmax(dim=-1) == targets) & mask).sum()
+            metrics = self._metrics[mode]
+            metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+            metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+            if mode == "train" and "attention_mask" in inputs:
+                self._total_train_tokens += int(inputs["attention_mask"].sum().item())
+            metrics["num_tokens"] = [self._total_train_tokens]
+        return loss

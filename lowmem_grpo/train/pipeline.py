@@ -1,0 +1,170 @@
+"""`train()`, top to bottom: setup -> memory fit -> data -> run directory -> model -> prime -> preflight -> GRPO
+-> save and report. Each step is a function below it that returns one thing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo import distributed
+from lowmem_grpo.backends import load, prepare, resolve_model_path
+from lowmem_grpo.data import load_train_rows, recipe_examples
+from lowmem_grpo.device import precision_flags
+from lowmem_grpo.errors import NoSignalError
+from lowmem_grpo.memory.fit import fit_to_device
+from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
+from lowmem_grpo.recipe_io import dump_yaml
+from lowmem_grpo.rewards import get_reward
+from lowmem_grpo.rewards.guard import guard_reward
+from lowmem_grpo.rundir import checkpoints, layout, telemetry
+from lowmem_grpo.rundir.completions import CompletionRecorder
+from lowmem_grpo.rundir.report import write_report
+from lowmem_grpo.train import preflight as reward_preflight
+from lowmem_grpo.train.prime import prime
+from lowmem_grpo.train.resilience import run_grpo
+
+log = logging.getLogger(__name__)
+
+
+def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Path | None = None,
+          explicit: set[str] | None = None) -> Path:
+    """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
+
+    `callbacks` are extra transformers TrainerCallbacks for the GRPO trainer (a Python caller's seam: to inspect
+    its state, or a test's fault injector). `resume_dir` continues that run (whose recipe.yaml `recipe` is) from
+    its last complete checkpoint. `explicit` are the dotted keys the user set on the command line; auto-fit
+    never changes them.
+    """
+    backend = setup(recipe)
+    fit = fit_memory(recipe, explicit or set(), resume_dir)
+    recipe = fit.recipe
+    rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
+    model_path = model_path_once(recipe)  # a missing model folder fails before the run directory exists
+    resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
+    if resume is not None and resume.finished:
+        log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
+        return resume.run_dir
+    # rank 0 picks it, all ranks use it; nothing is written into it until the data and the model are checked
+    run_dir = resume.run_dir if resume else distributed.agree_on_run_dir(lambda: choose_run_dir(recipe))
+    log.info("run directory: %s", run_dir)
+
+    loaded = load(recipe, backend, model_path=model_path)
+    examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
+    open_run_dir(run_dir, recipe, backend, resume, fit.plan)  # inputs are good: from here on the run dir is written
+    if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
+        prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend,
+              cuda=loaded.device == "cuda", precision=precision_flags(recipe.train.precision,
+                                                                      cuda=loaded.device == "cuda"))
+    if recipe.train.preflight and resume is None:  # a resumed run already passed it
+        require_reward_signal(recipe, loaded, examples)
+
+    started = time.monotonic()
+    trainer = train_grpo(recipe, loaded, examples, run_dir, resume, callbacks)
+    log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
+    return save_and_report(trainer, run_dir)
+
+
+def setup(recipe: Recipe) -> str:
+    """Validate, import Unsloth first when it is the backend, join the launcher's process group, check the
+    trainer fields and the logger; returns the backend."""
+    validate(recipe, num_processes=distributed.world_size())
+    backend = prepare(recipe.model.backend)  # Unsloth must be imported before trl/transformers/peft
+    distributed.setup(recipe.train.extra)  # nothing for one process
+    from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after prepare()
+
+    check_trainer_fields(recipe)
+    telemetry.check_report_to(recipe.train.report_to)
+    return backend
+
+
+@dataclass
+class MemoryFit:
+    """The recipe with its settings fitted to the GPU, and the plan they fit (None when nothing was fitted)."""
+
+    recipe: Recipe
+    plan: Any = None
+
+
+def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None) -> MemoryFit:
+    """Before any model loads: the non-explicit settings fitted to this GPU's free memory (RecipeError names
+    explicit ones that cannot fit); the recipe as it is on CPU, on resume and under several processes."""
+    if recipe.train.auto_fit is False or resume_dir is not None or distributed.world_size() > 1:
+        return MemoryFit(recipe)
+    return MemoryFit(*fit_to_device(recipe, explicit))
+
+
+def model_path_once(recipe: Recipe) -> str:
+    """The folder or hub id to load; an embedded model is converted once, by rank 0."""
+    with distributed.main_process_first():
+        return resolve_model_path(recipe.model.name)
+
+
+def choose_run_dir(recipe: Recipe) -> Path:
+    """output.dir, or <root>/<name>-<timestamp>: checked, not yet created."""
+    return layout.choose_run_dir(recipe.output.dir, recipe.output.root, recipe.name)
+
+
+def open_run_dir(run_dir: Path, recipe: Recipe, backend: str, resume: Any, plan: Any) -> Path:
+    """Rank 0 creates the run directory with recipe.yaml (and memory_plan.json when auto-fit ran), or rewinds a
+    resumed one to its checkpoint; env.json either way."""
+    if not distributed.is_main_process():
+        return run_dir
+    if resume is None:
+        layout.create_run_dir(run_dir, dump_yaml(recipe))
+        if plan is not None:  # the predicted peak the chosen values fit
+            layout.write_json(run_dir / layout.PLAN_FILE, plan.to_dict())
+    else:
+        checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
+    telemetry.write_env(run_dir, backend)
+    return run_dir
+
+
+def require_reward_signal(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]]) -> Any:
+    """The reward preflight: would GRPO get any signal? NoSignalError (exit 3) unless train.allow_no_signal."""
+    check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight_prompts)
+    log.info("%s", reward_preflight.render(check, recipe).rstrip())
+    if check.no_signal and not recipe.train.allow_no_signal:
+        raise NoSignalError(
+            f"reward preflight: in {check.frac_zero_std:.0%} of {check.num_prompts} prompt groups every "
+            "completion got the same total reward, so GRPO would learn (almost) nothing",
+            fix="prime.enabled=true (format priming), partial-credit rewards, more train.num_generations, a "
+                "higher train.temperature, or a format hint in data.system_prompt / data.prefill; "
+                "train.allow_no_signal=true trains anyway")
+    return check
+
+
+def train_grpo(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]], run_dir: Path, resume: Any,
+               callbacks: Sequence[Any]) -> Any:
+    """GRPO with guarded, recorded rewards and lowmem_grpo's callbacks, through run_grpo (complete checkpoints,
+    signals, OOM retries, a full disk); returns the trainer that finished."""
+    from datasets import Dataset
+
+    from lowmem_grpo.train.callbacks import PeriodicEvalCallback, TelemetryCallback
+    from lowmem_grpo.train.grpo import trainer_factory
+
+    weights = resolved_rewards(recipe)
+    # a raise, a NaN or a wrong-length list is an error naming the function, the step and the example
+    reward_funcs = [guard_reward(get_reward(name)) for name in weights]
+    recorder = CompletionRecorder(run_dir / layout.COMPLETIONS_FILE, recipe.train.completions_every,
+                                  {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
+    ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder)]
+    if recipe.train.eval_every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
+        ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir))
+    build = trainer_factory(loaded, Dataset.from_list(examples), run_dir, recorder.wrap_all(reward_funcs),
+                            list(weights.values()), [ours[0], *callbacks, *ours[1:]])
+    return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=resume.checkpoint if resume else None)
+
+
+def save_and_report(trainer: Any, run_dir: Path) -> Path:
+    """adapter/ (gathered from ZeRO-3 shards, written by rank 0), the ranks' agreement check, report.md."""
+    adapter_dir = run_dir / layout.ADAPTER_DIR
+    trainer.save_model(str(adapter_dir))  # adapter + tokenizer
+    distributed.check_ranks_agree(trainer, run_dir / layout.DISTRIBUTED_FILE)  # several processes: same adapter
+    log.info("adapter saved to %s", adapter_dir)
+    if distributed.is_main_process():
+        log.info("report: %s", write_report(run_dir))
+    return run_dir

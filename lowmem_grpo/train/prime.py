@@ -1,0 +1,115 @@
+"""The `prime` stage: a short supervised warm start of the GRPO LoRA adapter on the target format.
+
+GRPO learns only from differences inside a group. A small model that never writes the tags
+scores 0 on every completion, so every group has zero variance and there is no gradient. Priming
+trains the SAME adapter for a few steps on worked solutions rendered in the target format
+(lowmem_grpo.data.format), with the loss on the completion only (TRL's SFTTrainer on a
+prompt-completion dataset), and GRPO then continues from the primed weights on the same model object.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo.data.format import priming_pairs
+from lowmem_grpo.device import resolve_optimizer
+from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.rundir import layout
+
+log = logging.getLogger(__name__)
+
+STAGE = layout.PRIME_STAGE
+
+
+def build_sft_config(recipe: Any, run_dir: Path, cuda: bool, precision: dict[str, bool]) -> Any:
+    """SFTConfig for the prime stage: loss on completions only, no checkpoints, GRPO's precision flags."""
+    from trl import SFTConfig
+
+    p, t = recipe.prime, recipe.train
+    return SFTConfig(
+        output_dir=str(run_dir),
+        max_steps=p.max_steps,
+        per_device_train_batch_size=p.per_device_train_batch_size,
+        gradient_accumulation_steps=p.gradient_accumulation_steps,
+        learning_rate=p.learning_rate,
+        lr_scheduler_type=p.lr_scheduler_type,
+        warmup_steps=p.warmup_ratio,  # a float below 1 is a ratio of max_steps
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim=resolve_optimizer(t.optim, cuda=cuda),
+        max_length=recipe.model.max_seq_length,
+        completion_only_loss=True,
+        packing=False,
+        gradient_checkpointing=t.gradient_checkpointing,  # the same model object goes on to GRPO
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=t.seed,
+        use_cpu=not cuda,
+        disable_tqdm=True,
+        dataset_num_proc=None,
+        **precision,
+    )
+
+
+def sft_trainer_class(backend: str, cuda: bool) -> type:
+    """TRL's SFTTrainer (Unsloth's patched one once Unsloth is imported), or the CPU-safe subclass for hf on CPU."""
+    if backend == "hf" and not cuda:
+        from lowmem_grpo.train.cpu_trainers import CpuSafeSFTTrainer
+
+        return CpuSafeSFTTrainer
+    from trl import SFTTrainer
+
+    return SFTTrainer
+
+
+def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Any, run_dir: Path, *,
+          backend: str = "hf", cuda: bool = False, precision: dict[str, bool] | None = None,
+          callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train `model`'s LoRA adapter in place on the rendered targets, save it to RUN_DIR/primed_adapter.
+
+    `precision` holds the bf16/fp16 flags the GRPO stage uses (fp32 when None). Metrics go to
+    metrics.jsonl with stage "prime"; `callbacks` are extra TrainerCallbacks. Returns a summary:
+    steps, examples, seconds, first and last logged loss. Imports trl (Unsloth's patched
+    SFTTrainer once Unsloth was imported).
+    """
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
+
+    from lowmem_grpo.train.callbacks import TelemetryCallback
+
+    pairs = priming_pairs(examples, recipe.prime.num_examples)
+    if not pairs:
+        raise RecipeError("prime: no training examples to prime on", fix="raise prime.num_examples or data.limit")
+    config = build_sft_config(recipe, run_dir, cuda, precision or {"bf16": False, "fp16": False})
+    trainer = sft_trainer_class(backend, cuda)(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_list(pairs),
+        processing_class=tokenizer,
+        callbacks=[TelemetryCallback(run_dir, STAGE, []), *callbacks],
+    )
+    trainer.remove_callback(PrinterCallback)
+    log.info("priming %d steps on %d rendered solutions (lr %.1e)", config.max_steps, len(pairs),
+             config.learning_rate)
+    started = time.monotonic()
+    trainer.train()
+    seconds = time.monotonic() - started
+    adapter_dir = Path(run_dir) / layout.PRIMED_ADAPTER_DIR
+    if trainer.is_world_process_zero():  # one writer under a multi-process launch
+        model.save_pretrained(str(adapter_dir))
+        tokenizer.save_pretrained(str(adapter_dir))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    summary = {"steps": trainer.state.global_step, "examples": len(pairs), "seconds": seconds,
+               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+    log.info("primed %d steps in %.0f s (loss %s -> %s); adapter saved to %s", summary["steps"], seconds,
+             _fmt(summary["first_loss"]), _fmt(summary["last_loss"]), adapter_dir)
+    return summary
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

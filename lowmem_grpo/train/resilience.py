@@ -1,0 +1,273 @@
+"""Never lose a run: complete checkpoints, interrupts, out-of-memory recovery and a full disk, around GRPO training.
+
+`run_grpo(build, recipe, run_dir, model=...)` trains the trainer `build(recipe)` returns and:
+- marks each checkpoint complete once the trainer has written it (lowmem_grpo.rundir.checkpoints), then applies
+  train.save_total_limit to the complete ones only (TRL's own rotation is off);
+- on the first SIGINT or SIGTERM lets the current step finish, writes a checkpoint and the report, and
+  raises InterruptedRun (exit 130 / 143); a second signal aborts at once (Aborted, a KeyboardInterrupt),
+  leaving the last complete checkpoint as it was;
+- on a CUDA out-of-memory error frees the memory, lowers the settings (lowmem_grpo.train.oom), records the
+  change in the run directory, rewinds to the last complete checkpoint (or the start) and trains again,
+  at most train.oom_retries times; then stops with what was tried;
+- on a full disk removes the checkpoint it could not finish and stops with DiskFullError (exit 2);
+- adds the resume command to a reward fault's fix.
+Imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo import distributed
+from lowmem_grpo.errors import Aborted, DiskFullError, InterruptedRun, OutOfMemoryError
+from lowmem_grpo.rewards.guard import RewardError
+from lowmem_grpo.rundir import checkpoints, layout
+from lowmem_grpo.rundir.report import write_report
+from lowmem_grpo.train import oom
+
+log = logging.getLogger(__name__)
+
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _resume_hint(run_dir: Path) -> str:
+    return f"`lowmem-grpo train --resume {run_dir}`"
+
+
+def _last_complete_text(run_dir: Path) -> str:
+    last = checkpoints.last_complete(run_dir)
+    return f"{last[1].name} (step {last[0]})" if last else "none (a resume starts again from step 0)"
+
+
+class SignalGuard:
+    """SIGINT/SIGTERM handlers while training: the first asks for a checkpoint and a stop, the second aborts."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalGuard:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            log.warning("%s: finishing the current step, then writing a checkpoint (send it again to abort at once)",
+                        name)
+            return
+        log.error("second signal (%s): aborting at once; checkpoints already complete stay as they are", name)
+        raise Aborted(signum)
+
+    def agreed(self) -> int | None:
+        """The signal any rank received (an all-reduce under several processes), or None."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.signum
+        import torch
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([self.signum or 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.signum is None:
+            self.signum = int(flag.item())  # a peer was signalled: stop at the same step
+        return self.signum
+
+
+def write_report_safely(run_dir: Path) -> Path | None:
+    """report.md and plots (rank 0); a warning, not a failure, when they cannot be written."""
+    if not distributed.is_main_process():
+        return None
+    try:
+        path = write_report(run_dir)
+    except Exception as exc:  # noqa: BLE001 - the checkpoint matters, the report is a convenience
+        log.warning("could not write the report: %s: %s", type(exc).__name__, exc)
+        return None
+    log.info("report: %s", path)
+    return path
+
+
+def _snapshot(model: Any) -> dict[str, Any]:
+    """CPU copies of the trainable (LoRA) parameters: the restart point of a retry with no checkpoint yet."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _restore(model: Any, snapshot: dict[str, Any]) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in snapshot:
+                p.copy_(snapshot[name].to(p.device))
+
+
+def _free(trainer: Any, model: Any) -> None:
+    """Drop what a failed attempt holds on the GPU: prepared objects, gradients, optimizer state, the cache."""
+    import torch
+
+    try:
+        trainer.accelerator.free_memory()
+    except Exception:  # noqa: BLE001 - best effort; the references are dropped below anyway
+        pass
+    trainer.optimizer = trainer.lr_scheduler = None
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _disk_full(exc: OSError, run_dir: Path, step: int) -> DiskFullError:
+    removed = checkpoints.remove_incomplete(run_dir) if distributed.is_main_process() else []
+    gone = f"; removed the incomplete checkpoint-{', checkpoint-'.join(map(str, removed))}" if removed else ""
+    return DiskFullError(
+        f"disk full while writing the run at step {step}: {exc.strerror or exc} ({exc.filename or run_dir}){gone}; "
+        f"last complete checkpoint: {_last_complete_text(run_dir)}",
+        fix=f"free space on the disk holding {run_dir} (or lower train.save_total_limit), then continue with "
+            f"{_resume_hint(run_dir)}")
+
+
+def _oom_stop(run_dir: Path, step: int, phase: str, retries: list[str], limit: int, reason: str) -> OutOfMemoryError:
+    tried = "; ".join(retries) if retries else "nothing (no retry allowed)"
+    return OutOfMemoryError(
+        f"CUDA out of memory at step {step} ({phase}) and {reason}; tried: {tried}; "
+        f"last complete checkpoint: {_last_complete_text(run_dir)}",
+        fix=f"lower memory in {run_dir / layout.RECIPE_FILE} (model.load_in_4bit=true, a smaller "
+            f"train.max_completion_length, train.num_generations or lora.r; train.oom_retries={limit} now) and "
+            f"continue with {_resume_hint(run_dir)}, or see `lowmem-grpo plan`")
+
+
+def _checkpoint_step(folder: Path) -> int:
+    return int(Path(folder).name[len(layout.CHECKPOINT_PREFIX):])
+
+
+def _finished_trainer(trainer: Any, checkpoint: Path) -> Any:
+    """A trainer holding the final checkpoint's adapter and state, without a step: resuming a run whose last
+    checkpoint is its final step would otherwise train one step past max_steps (transformers checks the limit
+    only after a step)."""
+    from transformers import TrainerState
+
+    model = trainer.model
+    model.load_adapter(str(checkpoint), model.active_adapter, is_trainable=True)  # as transformers resumes PEFT
+    trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+    log.info("%s is the final step: saving its adapter, nothing to train", Path(checkpoint).name)
+    return trainer
+
+
+
+
+def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[str, str] | None:
+    """One attempt at trainer.train(): None when it finished, or (error text, phase) of a CUDA out-of-memory
+    error. A full disk, a reward fault or an abort become the errors the CLI reports."""
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except KeyboardInterrupt:
+        log.error("aborted at step %d; last complete checkpoint: %s; continue with %s",
+                  trainer.state.global_step, _last_complete_text(run_dir), _resume_hint(run_dir))
+        raise
+    except OSError as exc:
+        if exc.errno in DISK_FULL_ERRNOS:
+            raise _disk_full(exc, run_dir, trainer.state.global_step) from exc
+        raise
+    except RewardError as exc:
+        exc.fix = (f"{exc.fix}; then continue with {_resume_hint(run_dir)} "
+                   f"(last complete checkpoint: {_last_complete_text(run_dir)})")
+        raise
+    except Exception as exc:
+        if not oom.is_oom(exc):
+            raise
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", oom.phase_of(exc)
+    return None
+
+
+class OomRetries:
+    """What a CUDA out-of-memory error leads to: lowered settings, the rewind to the last complete checkpoint
+    (or the LoRA weights at the start), the record in the run directory; at most train.oom_retries times."""
+
+    def __init__(self, run_dir: Path, model: Any, fresh_start: bool, use_planner: bool) -> None:
+        self.run_dir = run_dir
+        self.model = model
+        self.snapshot = _snapshot(model) if fresh_start else None
+        self.use_planner = use_planner
+        self.tried: list[str] = []
+
+    def recover(self, trainer: Any, recipe: Any, error: str, phase: str) -> tuple[Any, Path | None]:
+        """The lowered recipe and the checkpoint to continue from; OutOfMemoryError when no retry is left."""
+        run_dir, limit = self.run_dir, recipe.train.oom_retries
+        step = trainer.state.global_step + 1
+        log.error("CUDA out of memory at step %d (%s): %s", step, phase, error)
+        if distributed.is_distributed():
+            raise _oom_stop(run_dir, step, phase, self.tried, limit,
+                            "retries need a single process (the ranks would have to agree on new settings)")
+        if len(self.tried) >= limit:
+            raise _oom_stop(run_dir, step, phase, self.tried, limit, f"train.oom_retries={limit} is used up")
+        lowering = oom.lower(recipe, use_planner=self.use_planner, phase=phase)
+        if lowering is None:
+            raise _oom_stop(run_dir, step, phase, self.tried, limit, "every memory setting is already at its floor")
+        _free(trainer, self.model)
+        last = checkpoints.last_complete(run_dir)
+        main = distributed.is_main_process()
+        if main:
+            checkpoints.remove_incomplete(run_dir)
+            checkpoints.rewind_logs(run_dir, last[0] if last else None)
+        if last is None:
+            _restore(self.model, self.snapshot or {})
+        resume_from = last[1] if last else None
+        oom.record(run_dir, len(self.tried) + 1, step, phase, error, resume_from.name if resume_from else None,
+                   lowering, main_process=main)
+        self.tried.append(f"retry {len(self.tried) + 1} at step {step}: {lowering.describe()}")
+        log.warning("OOM retry %d of %d: %s; continuing from %s", len(self.tried), limit, lowering.describe(),
+                    resume_from.name if resume_from else "step 0")
+        return lowering.recipe, resume_from
+
+
+def _stop_if_interrupted(guard: SignalGuard, trainer: Any, run_dir: Path) -> None:
+    """After a signal: the checkpoint is written; write the report and raise InterruptedRun (exit 130/143)."""
+    state = trainer.state
+    if guard.signum is None or state.global_step >= state.max_steps:
+        return
+    write_report_safely(run_dir)
+    raise InterruptedRun(f"interrupted by {signal.Signals(guard.signum).name}: stopped after step "
+                         f"{state.global_step} of {state.max_steps}; last complete checkpoint: "
+                         f"{_last_complete_text(run_dir)}",
+                         fix=f"continue with {_resume_hint(run_dir)}", exit_code=128 + guard.signum)
+
+
+def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: Any,
+             resume_from: Path | None = None, use_planner: bool = True) -> Any:
+    """Train `build(recipe)` (from `resume_from` when given) with checkpoints, signals, OOM and disk faults
+    handled as the module says; returns the trainer that finished. Call it after `backends.prepare()`."""
+    from lowmem_grpo.train.callbacks import CompleteCheckpoints
+
+    run_dir = Path(run_dir)
+    if resume_from is not None and _checkpoint_step(resume_from) >= recipe.train.max_steps:
+        return _finished_trainer(build(recipe), resume_from)  # only adapter/ and the report were left to write
+    retries = OomRetries(run_dir, model, fresh_start=resume_from is None, use_planner=use_planner)
+    with SignalGuard() as guard:
+        while True:
+            trainer = build(recipe)
+            # after the callbacks `build` passed (a test's fault injector): its save faults hit an unfinished checkpoint
+            trainer.add_callback(CompleteCheckpoints(run_dir, recipe.train.save_total_limit, guard))
+            failure = _train_once(trainer, run_dir, resume_from)
+            if failure is None:
+                break
+            # outside the except block: the traceback's frames (and the tensors they hold) can be freed now
+            recipe, resume_from = retries.recover(trainer, recipe, *failure)
+            trainer = None
+    _stop_if_interrupted(guard, trainer, run_dir)
+    return trainer
