@@ -67,6 +67,25 @@ class LoraConfig:
     """Module names to adapt."""
     max_lora_rank: int | None = None
     """Largest rank vLLM reserves for (Unsloth fast_inference); None = r."""
+    init_adapter: str | None = None
+    """Start from this LoRA adapter folder (a previous run's adapter/ or an SFT adapter) instead of a fresh one;
+    its base model, rank and target modules must match the recipe's."""
+
+
+@dataclass
+class GeneratedDataConfig:
+    """Procedurally generated GSM8K-style word problems (data.source=generated; lowmem_grpo.data.generated)."""
+
+    task: str = "arithmetic"
+    """Task family of the generated problems."""
+    levels: str = "1-3"
+    """Difficulty levels drawn: one level ("2"), a range ("1-3") or a list ("1,4"); 1 = one step ... 5 = distractors."""
+    train_size: int = 2000
+    """Problems in the generated train split."""
+    test_size: int = 500
+    """Problems in the generated test split (disjoint from train by construction)."""
+    seed: int = 0
+    """Seed of the generator: the same seed gives the same problems."""
 
 
 @dataclass
@@ -74,7 +93,8 @@ class DataConfig:
     """Where the GSM8K problems come from and how prompts are built."""
 
     source: str = "hub"
-    """hub (openai/gsm8k), embedded (the sample shipped in the package), or a .jsonl/.json/.parquet/.csv path."""
+    """hub (openai/gsm8k), embedded (the sample shipped in the package), generated (data.generated), or a
+    .jsonl/.json/.parquet/.csv path."""
     hub_name: str = "openai/gsm8k"
     """Dataset id used when source is hub."""
     hub_config: str = "main"
@@ -95,6 +115,8 @@ class DataConfig:
     """Longest prompt in tokens, measured with the model's chat template."""
     long_prompts: Literal["filter", "truncate"] = "filter"
     """What to do with longer prompts: drop them, or cut the question from the left."""
+    generated: GeneratedDataConfig = field(default_factory=GeneratedDataConfig)
+    """The generated problems, when source is generated."""
 
 
 @dataclass
@@ -163,6 +185,14 @@ class TrainConfig:
     """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory.plan); None = on CUDA, false = never."""
     oom_retries: int = 2
     """CUDA out of memory: lower the memory settings, continue from the last complete checkpoint; at most N times."""
+    dynamic_sampling: bool = False
+    """Draw the problems whose recent groups varied (pass rate away from 0 and 1) more often, and keep groups whose
+    rewards all agree out of the loss's token count (DAPO's dynamic sampling, done before generating)."""
+    curriculum: bool = False
+    """Start on the easiest level of data.generated.levels and move up one level when the recent pass rate on the
+    current level reaches train.curriculum_promote_at (data.source=generated)."""
+    curriculum_promote_at: float = 0.6
+    """Recent correctness pass rate on the current level that moves the curriculum up a level."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 
@@ -260,6 +290,8 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
     _require(d.max_prompt_length > 0, "data.max_prompt_length", "must be positive", "e.g. data.max_prompt_length=256")
     if d.limit is not None:
         _require(d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
+    if d.source == "generated":
+        _validate_generated(d.generated)
     _validate_train(recipe, num_processes)
     _validate_prime(recipe)
     _validate_rewards(recipe)
@@ -301,8 +333,26 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
              "use 0 (never) or a positive number of steps, e.g. train.eval_every=10")
     _require(t.eval_limit > 0, "train.eval_limit", f"is {t.eval_limit}", "use a positive number of problems")
     _require(t.oom_retries >= 0, "train.oom_retries", f"is {t.oom_retries}", "use 0 (stop at the first OOM) or more")
+    _require(0 < t.curriculum_promote_at <= 1, "train.curriculum_promote_at", f"is {t.curriculum_promote_at}",
+             "use a pass rate in (0, 1], e.g. 0.6")
+    if t.curriculum:
+        _require(d.source == "generated", "train.curriculum", f"moves through data.generated.levels, but data.source "
+                 f"is {d.source!r}", "set data.source=generated, or train.dynamic_sampling=true for any data")
     for key, owner in MANAGED_TRAINER_FIELDS.items():
         _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
+
+
+def _validate_generated(g: GeneratedDataConfig) -> None:
+    from lowmem_grpo.data.generated import TASKS, parse_levels
+    from lowmem_grpo.errors import DataError
+
+    _require(g.task in TASKS, "data.generated.task", f"is {g.task!r}", f"use one of {', '.join(TASKS)}")
+    try:
+        parse_levels(g.levels)
+    except DataError as exc:
+        raise RecipeError(f"data.generated.levels: {exc}", fix='e.g. data.generated.levels="1-3"') from exc
+    for key in ("train_size", "test_size"):
+        _require(getattr(g, key) > 0, f"data.generated.{key}", f"is {getattr(g, key)}", "use a positive size")
 
 
 def _validate_rewards(recipe: Recipe) -> None:

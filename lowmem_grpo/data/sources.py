@@ -99,8 +99,21 @@ def check_rows(rows: list[dict[str, Any]], origin: str) -> list[dict[str, str]]:
     return checked
 
 
-def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_config: str = "main") -> list[dict[str, str]]:
-    """Rows of one split from `source`: hub, embedded, or a file/folder path."""
+def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_config: str = "main",
+              generated: Any = None) -> list[dict[str, str]]:
+    """Rows of one split from `source`: hub, embedded, generated (with `generated`, the recipe's
+    data.generated section), or a file/folder path."""
+    if source == "generated":
+        from lowmem_grpo.data.generated import generate_rows
+
+        if generated is None:
+            raise DataError("data.source=generated needs the data.generated settings", fix="load it from a recipe")
+        if split not in ("train", "test"):
+            raise DataError(f"generated problems have splits train and test, not {split!r}",
+                            fix="use data.train_split=train and data.eval_split=test")
+        size = generated.train_size if split == "train" else generated.test_size
+        return check_rows(generate_rows(split, size, generated.levels, generated.seed, generated.task),
+                          f"generated {split}")
     if source == "embedded":
         path = embedded_path(split)
         return check_rows(_read_jsonl(path), f"embedded {split}")
@@ -115,12 +128,12 @@ def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_confi
 
 def source_exists(source: str) -> bool:
     """Cheap check for validate: named sources always exist, paths must."""
-    return source in ("hub", "embedded") or Path(source).expanduser().exists()
+    return source in ("hub", "embedded", "generated") or Path(source).expanduser().exists()
 
 
 def load_train_rows(data: Any) -> list[dict[str, str]]:
     """The training split of a recipe's data section, shuffled with its shuffle_seed and cut to its limit."""
-    rows = load_rows(data.source, data.train_split, data.hub_name, data.hub_config)
+    rows = load_rows(data.source, data.train_split, data.hub_name, data.hub_config, data.generated)
     random.Random(data.shuffle_seed).shuffle(rows)
     return rows[: data.limit] if data.limit else rows
 
@@ -128,7 +141,7 @@ def load_train_rows(data: Any) -> list[dict[str, str]]:
 def load_eval_rows(data: Any, *, source: str | None = None, split: str | None = None,
                    limit: int | None = None) -> list[dict[str, str]]:
     """The first `limit` problems of a split (default: the data section's source and eval_split), in file order."""
-    rows = load_rows(source or data.source, split or data.eval_split, data.hub_name, data.hub_config)
+    rows = load_rows(source or data.source, split or data.eval_split, data.hub_name, data.hub_config, data.generated)
     if limit is not None:
         if limit < 1:
             raise DataError(f"limit {limit} must be at least 1", fix="use a positive number of problems")
