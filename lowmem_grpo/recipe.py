@@ -181,6 +181,9 @@ class TrainConfig:
     """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
     eval_limit: int = 50
     """Problems of data.eval_split the periodic evaluation uses (the first N)."""
+    stage_eval: int = 0
+    """Greedy eval of the base model, the primed and the trained adapter on the same first N problems of
+    data.eval_split, with 95% CIs in stage_eval.json and the report: what each stage bought (0 = off)."""
     auto_fit: bool | None = None
     """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory.plan); None = on CUDA, false = never."""
     oom_retries: int = 2
@@ -332,6 +335,8 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
     _require(t.eval_every >= 0, "train.eval_every", f"is {t.eval_every}",
              "use 0 (never) or a positive number of steps, e.g. train.eval_every=10")
     _require(t.eval_limit > 0, "train.eval_limit", f"is {t.eval_limit}", "use a positive number of problems")
+    _require(t.stage_eval >= 0, "train.stage_eval", f"is {t.stage_eval}",
+             "use 0 (off) or a number of held-out problems, e.g. train.stage_eval=100")
     _require(t.oom_retries >= 0, "train.oom_retries", f"is {t.oom_retries}", "use 0 (stop at the first OOM) or more")
     _require(0 < t.curriculum_promote_at <= 1, "train.curriculum_promote_at", f"is {t.curriculum_promote_at}",
              "use a pass rate in (0, 1], e.g. 0.6")

@@ -12,6 +12,7 @@
       checkpoint-N/          a trainer checkpoint; complete once lowmem_complete.json is inside
       adapter/               the final adapter
       eval.json, eval/       evaluation results (`lowmem-grpo eval`)
+      stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.stage_eval)
       plots/, report.md      the report
 Torch-free.
 """
@@ -39,6 +40,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_MARKER = "lowmem_complete.json"
 ADAPTER_DIR = "adapter"
 EVAL_FILE = "eval.json"
+STAGE_EVAL_FILE = "stage_eval.json"
 EVAL_DIR = "eval"
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"

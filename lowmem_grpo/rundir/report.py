@@ -234,6 +234,33 @@ def eval_lines(run_dir: Path) -> list[str]:
     return lines
 
 
+def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str:
+    value = entry[key]
+    sign = "+" if signed and value > 0 else ""
+    return f"{sign}{value:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+
+def stage_lines(run_dir: Path) -> list[str]:
+    """Markdown tables of stage_eval.json: each stage's accuracy and format rate with 95% CIs, and the paired
+    difference between stages; [] when the run measured none."""
+    path = run_dir / layout.STAGE_EVAL_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+    stages, diffs = data.get("stages") or {}, data.get("differences") or {}
+    if not stages:
+        return []
+    lines = [f"Greedy, the same {data.get('num_problems')} held-out problems at each stage (95% bootstrap CIs):", "",
+             "| stage | strict accuracy | strict format |", "|---|---|---|"]
+    lines += [f"| {s} | {_ci(m['strict_accuracy'])} | {_ci(m['strict_format_rate'])} |" for s, m in stages.items()]
+    if diffs:
+        lines += ["", "| change | strict accuracy (paired) | strict format (paired) |", "|---|---|---|"]
+        lines += [f"| {k} | {_ci(m['strict_accuracy'], 'diff', True)} | {_ci(m['strict_format_rate'], 'diff', True)} |"
+                  for k, m in diffs.items()]
+    return lines
+
+
 def _recipe_info(run_dir: Path) -> dict[str, Any]:
     path = run_dir / layout.RECIPE_FILE
     if not path.exists():
@@ -265,6 +292,9 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     lines += ["", "## Warnings", ""]
     warnings = health.scan(steps)
     lines += [f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."]
+    by_stage = stage_lines(run_dir)
+    if by_stage:
+        lines += ["", "## What each stage bought", ""] + by_stage
     evaluation = eval_lines(run_dir)
     if evaluation:
         lines += ["", "## Evaluation", ""] + evaluation

@@ -15,6 +15,7 @@ from lowmem_grpo.backends import load, prepare, resolve_model_path
 from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.device import precision_flags
 from lowmem_grpo.errors import NoSignalError
+from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.memory.fit import fit_to_device
 from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
@@ -55,16 +56,20 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     loaded = load(recipe, backend, model_path=model_path)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
     open_run_dir(run_dir, recipe, backend, resume, fit.plan)  # inputs are good: from here on the run dir is written
+    stages = stage_evals(recipe, loaded, run_dir)  # the same held-out problems after each stage
+    stages.measure(loaded.model, "base")
     if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
         prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend,
               cuda=loaded.device == "cuda", precision=precision_flags(recipe.train.precision,
                                                                       cuda=loaded.device == "cuda"))
+        stages.measure(loaded.model, "primed")
     if recipe.train.preflight and resume is None:  # a resumed run already passed it
         require_reward_signal(recipe, loaded, examples)
 
     started = time.monotonic()
     trainer = train_grpo(recipe, loaded, examples, run_dir, resume, callbacks)
     log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
+    stages.measure(loaded.model, "trained")
     return save_and_report(trainer, run_dir)
 
 
@@ -121,6 +126,20 @@ def open_run_dir(run_dir: Path, recipe: Recipe, backend: str, resume: Any, plan:
         checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
     telemetry.write_env(run_dir, backend)
     return run_dir
+
+
+class _NoStageEvals:
+    """train.stage_eval=0, or not rank 0: nothing is measured."""
+
+    def measure(self, model: Any, stage: str) -> None:
+        return None
+
+
+def stage_evals(recipe: Recipe, loaded: Any, run_dir: Path) -> StageEvals | _NoStageEvals:
+    """The per-stage held-out evaluation (rank 0, train.stage_eval problems), or a stand-in that measures nothing."""
+    if not recipe.train.stage_eval or not distributed.is_main_process():
+        return _NoStageEvals()
+    return StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE)
 
 
 def require_reward_signal(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]]) -> Any:
