@@ -77,12 +77,21 @@ def resolve_backend(requested: str, *, cuda: bool, processes: int = 1) -> str:
     return "unsloth" if cuda and is_installed("unsloth") else "hf"
 
 
+def cpu_bf16_supported() -> bool:
+    """Whether this CPU computes bfloat16 natively (avx512_bf16 / AMX, as oneDNN reports it). Without it bf16 is
+    emulated: measured ~50x slower than float32 for a GRPO step on an AVX2-only CPU."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def resolve_dtype(requested: str, *, cuda: bool) -> str:
-    """Model dtype: auto -> bfloat16 on GPUs that support it, float16 on older GPUs, float32 on CPU."""
+    """Model dtype: auto -> bfloat16 on GPUs that support it, float16 on older GPUs; on CPU bfloat16 where the CPU
+    has native bf16 (~1.9x faster than float32 there), else float32."""
     if requested != "auto":
         return requested
     if not cuda:
-        return "float32"
+        return "bfloat16" if cpu_bf16_supported() else "float32"
     return "bfloat16" if bf16_supported() else "float16"
 
 

@@ -44,7 +44,8 @@ class ModelConfig:
     max_seq_length: int = 1024
     """Longest prompt + completion the model is prepared for."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Compute dtype; auto = bfloat16 where the GPU supports it, float16 on older GPUs, float32 on CPU."""
+    """Compute dtype; auto = bfloat16 where the GPU supports it, float16 on older GPUs; on CPU bfloat16 where the CPU
+    computes it natively (avx512_bf16 / AMX), else float32 (lowmem_grpo.device.resolve_dtype)."""
     fast_inference: bool | None = None
     """Generate with vLLM through Unsloth; None = when vLLM and CUDA are both present."""
     gpu_memory_utilization: float = 0.6

@@ -20,7 +20,7 @@ def recipe() -> Recipe:
         description="embedded default: SmolLM2-135M-Instruct on the shipped GSM8K sample, CPU",
         gpu_memory_gb=None,
         model=ModelConfig(name="embedded:smollm2-135m-instruct", backend="hf", load_in_4bit=False,
-                          max_seq_length=512, dtype="bfloat16"),
+                          max_seq_length=512, dtype="auto"),
         lora=LoraConfig(r=16, alpha=32),
         data=DataConfig(source="embedded", max_prompt_length=192, prefill="<reasoning>\n"),
         prime=PrimeConfig(enabled=True, max_steps=20, learning_rate=5e-4, per_device_train_batch_size=8),
