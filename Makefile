@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/lowmem-grpo train recipes/smollm2_135m_gsm8k_cpu.py
+	$(BIN)/lowmem-grpo train recipes/smollm2_135m_arith_cpu.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

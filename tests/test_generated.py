@@ -208,3 +208,13 @@ def test_bad_arguments_raise_data_error(kwargs):
     args = {"split": "train", "size": 3, "level": 1, "seed": 0} | kwargs
     with pytest.raises(DataError):
         generate_rows(**args)
+
+
+def test_the_first_levels_only_add_and_take_away():
+    """A 135M model cannot multiply two-digit numbers: levels 1-2 keep to + and -, products start at level 3."""
+    for level in (1, 2):
+        for row in generate_rows("train", 200, level, seed=3):
+            assert all(set(re.sub(r"[\d\s]", "", expr)) <= {"+", "-"} for expr, _ in steps_of(row["answer"]))
+    ops = {op for row in generate_rows("train", 300, 3, seed=3) for expr, _ in steps_of(row["answer"])
+           for op in re.sub(r"[\d\s]", "", expr)}
+    assert {"*", "/"} & ops

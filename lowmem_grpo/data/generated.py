@@ -11,7 +11,8 @@ One solution line per arithmetic step, each with a calculator annotation `<<expr
 last line `#### N`. Every value is a positive integer, computed here exactly (no negative or
 fractional intermediate results; divisions are exact).
 
-Levels (`LEVELS`): 1 one step, 2 two steps, 3 three or four steps (all given numbers <= 20),
+Levels (`LEVELS`): 1 one step, 2 two steps (both only adding and taking away), 3 three or four steps
+with products and shares (all given numbers <= 20),
 4 two or three steps with numbers in the hundreds or thousands, 5 three or four small steps plus
 a distractor (a quantity in the question that the solution does not use). A spec such as "1-3"
 or "2,4" draws each row's level uniformly from those levels.
@@ -44,9 +45,9 @@ from lowmem_grpo.rewards.parsing import find_numbers
 __all__ = ["LEVELS", "SPLITS", "STEPS", "TASKS", "generate_rows", "level_of", "parse_levels", "split_of"]
 
 LEVELS: dict[int, str] = {
-    1: "one arithmetic step (+, -, * or exact /); every number in the question is at most 20",
-    2: "two steps; every number in the question is at most 20",
-    3: "three or four steps; every number in the question is at most 20",
+    1: "one step, adding or taking away; every number in the question is at most 20",
+    2: "two steps, adding or taking away; every number in the question is at most 20",
+    3: "three or four steps with products and exact shares too; every number in the question is at most 20",
     4: "two or three steps with larger numbers: the question holds numbers in the hundreds or "
        "thousands (results stay integers)",
     5: "three or four steps with numbers at most 20, plus a distractor: a quantity in the question "
@@ -56,6 +57,10 @@ LEVELS: dict[int, str] = {
 
 STEPS: dict[int, tuple[int, int]] = {1: (1, 1), 2: (2, 2), 3: (3, 4), 4: (2, 3), 5: (3, 4)}
 """Per level, the (fewest, most) calculator steps of its solutions."""
+
+SIMPLE_LEVELS: frozenset[int] = frozenset({1, 2})
+"""Levels whose problems only add and take away: a 135M model multiplies two-digit numbers wrongly almost always
+(13*19=235), so products and shares start at level 3, where a model has learned the easier steps."""
 
 SPLITS: tuple[str, ...] = ("train", "test")
 """The splits; `split_of` assigns every problem to exactly one of them."""
@@ -440,8 +445,11 @@ class _Builder:
         return value
 
 
-def _fill(rng: random.Random, steps: int, story: _Story) -> tuple[int, list[int], str]:
-    """Pick the problem's shape: start cost (0 or 1), middle event costs (1 or 2), and the ending."""
+def _fill(rng: random.Random, steps: int, story: _Story, simple: bool = False) -> tuple[int, list[int], str]:
+    """Pick the problem's shape: start cost (0 or 1), middle event costs (1 or 2), and the ending. A `simple`
+    problem only adds and takes away: a plain start, one-step events, and the running amount asked for."""
+    if simple:
+        return 0, [1] * steps, "ask"
     endings = ["ask"] + (["div"] if story.div else []) + (["mul"] if story.mul else [])
     for _ in range(50):
         start = rng.choice((0, 1))
@@ -465,7 +473,7 @@ def _build(rng: random.Random, level: int) -> tuple[str, str, tuple[tuple[str, i
     big = level == 4
     story = rng.choice(_BIG_STORIES if big else _STORIES)
     low, high = STEPS[level]
-    start, middle, ending = _fill(rng, rng.randint(low, high), story)
+    start, middle, ending = _fill(rng, rng.randint(low, high), story, simple=level in SIMPLE_LEVELS)
     b = _Builder(rng, story, big)
 
     # the start: a plain amount, or g groups of k
