@@ -148,7 +148,8 @@ def test_grpo_starts_from_the_adapters_exact_weights_and_records_it(tiny_model_d
 
     run = tmp_path / "run"
     probe = start_state_probe()
-    args = tiny_args(tiny_model_dir, run, "prime.enabled=false", f"lora.init_adapter={sft_adapter}", steps=2)
+    args = tiny_args(tiny_model_dir, run, "prime.enabled=false", f"lora.init_adapter={sft_adapter}",
+                     "train.stage_eval=2", steps=2)
     assert main(args, callbacks=[probe]) == 0
 
     given = adapter_tensors(sft_adapter)
@@ -156,7 +157,11 @@ def test_grpo_starts_from_the_adapters_exact_weights_and_records_it(tiny_model_d
     assert _max_diff(adapter_tensors(run / "adapter"), given) > 0, "GRPO then trained it"
     recipe_yaml = (run / "recipe.yaml").read_text()
     assert f"init_adapter: {sft_adapter}" in recipe_yaml
-    assert f"- started from adapter `{sft_adapter}`" in (run / "report.md").read_text()
+    report = (run / "report.md").read_text()
+    assert f"- started from adapter `{sft_adapter}`" in report
+    # the per-stage evaluation measures the given adapter too, so GRPO's own gain is start -> trained
+    assert list(json.loads((run / "stage_eval.json").read_text())["stages"]) == ["base", "start", "trained"]
+    assert "| start->trained |" in report
 
 
 @pytest.mark.slow

@@ -61,6 +61,8 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     open_run_dir(run_dir, recipe, backend, resume, fit.plan)  # inputs are good: from here on the run dir is written
     stages = stage_evals(recipe, loaded, run_dir)  # the same held-out problems after each stage
     stages.measure(loaded.model, "base")
+    if start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
+        stages.measure(loaded.model, "start")
     if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
         prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend,
               cuda=loaded.device == "cuda", precision=precision_flags(recipe.train.precision,
