@@ -70,7 +70,7 @@ class LoraConfig:
     """Largest rank vLLM reserves for (Unsloth fast_inference); None = r."""
     init_adapter: str | None = None
     """Start from this LoRA adapter folder (a previous run's adapter/ or an SFT adapter) instead of a fresh one;
-    its base model, rank and target modules must match the recipe's."""
+    its base model, rank, alpha and target modules must match the recipe's. Priming, when on, continues from it."""
 
 
 @dataclass
@@ -288,6 +288,9 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
     _require(lo.alpha > 0, "lora.alpha", f"is {lo.alpha}", "use a positive alpha, e.g. lora.alpha=32")
     _require(0 <= lo.dropout < 1, "lora.dropout", f"is {lo.dropout}", "use 0 <= dropout < 1")
     _require(bool(lo.target_modules), "lora.target_modules", "is empty", "name at least one module")
+    if lo.init_adapter is not None:  # the folder itself is checked by train, before the model loads
+        _require(bool(lo.init_adapter.strip()), "lora.init_adapter", "is empty",
+                 "give an adapter folder, or leave it unset (null) for a fresh LoRA")
     if lo.max_lora_rank is not None:
         _require(lo.max_lora_rank >= lo.r, "lora.max_lora_rank", f"{lo.max_lora_rank} is below lora.r={lo.r}",
                  f"set lora.max_lora_rank>={lo.r} or leave it unset")

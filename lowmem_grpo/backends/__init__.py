@@ -80,7 +80,8 @@ def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
 
 def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str | None = None,
          model_path: str | None = None) -> LoadedModel:
-    """Load the recipe's model on `backend` and attach a fresh LoRA adapter (or load `adapter_path`).
+    """Load the recipe's model on `backend` and attach a fresh LoRA adapter, or load `adapter_path`: trainable as
+    the starting LoRA with `with_lora` (lora.init_adapter, checked first by backends.adapter), frozen without.
 
     `model_path` is the already resolved `resolve_model_path(recipe.model.name)`, when the caller has it.
     """

@@ -41,8 +41,11 @@ def load_hf(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
 
     if quantized:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.train.gradient_checkpointing)
-    if adapter_path:
-        return PeftModel.from_pretrained(model, adapter_path, is_trainable=with_lora), tokenizer
+    if adapter_path and with_lora:  # a starting adapter (lora.init_adapter), trained further
+        return PeftModel.from_pretrained(model, adapter_path, is_trainable=True,
+                                         config=trainable_config(adapter_path, recipe, path)), tokenizer
+    if adapter_path:  # evaluation: frozen
+        return PeftModel.from_pretrained(model, adapter_path, is_trainable=False), tokenizer
     config = LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
         target_modules=present_target_modules(model, lora.target_modules),
@@ -51,3 +54,15 @@ def load_hf(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
 
     set_seed(recipe.train.seed)  # LoRA A is drawn from the global RNG, which torch seeds randomly per process
     return get_peft_model(model, config), tokenizer
+
+
+def trainable_config(adapter_path: str, recipe: Any, path: str) -> Any:
+    """The adapter's own LoraConfig (its shape, already checked against the recipe), with the recipe's dropout (a
+    training setting, so that a resumed run, which builds a fresh LoRA from the recipe, trains the same way) and this
+    run's base model recorded in the adapters it saves."""
+    from peft import PeftConfig
+
+    config = PeftConfig.from_pretrained(adapter_path)
+    config.lora_dropout = recipe.lora.dropout
+    config.base_model_name_or_path = path
+    return config

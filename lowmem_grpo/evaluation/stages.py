@@ -1,5 +1,5 @@
-"""What each stage of a run bought: greedy held-out accuracy of the base model, the primed adapter and the trained
-adapter on the SAME problems, with 95% CIs (per stage, and paired between stages).
+"""What each stage of a run bought: greedy held-out accuracy of the base model, the starting adapter (lora.init_adapter,
+when given), the primed adapter and the trained adapter on the SAME problems, with 95% CIs (per stage, and paired between stages).
 
 `StageEvals(recipe, tokenizer, path)` holds the problems (the first train.stage_eval of data.eval_split) and the
 results so far; `measure(model, stage)` evaluates the model as it is now (the base model with the adapter switched
@@ -20,7 +20,7 @@ from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, Verdict, paired_
 
 log = logging.getLogger(__name__)
 
-STAGES = ("base", "primed", "trained")
+STAGES = ("base", "start", "primed", "trained")  # start: the lora.init_adapter a run starts from, when it has one
 METRICS = ("strict_accuracy", "strict_format_rate")
 
 
@@ -45,7 +45,7 @@ def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0) -> dict[
     for stage in stages:
         out["stages"][stage] = {m: mean_ci([problem_value(v, m) for v in per_stage[stage]], seed=seed)
                                 for m in METRICS}
-    pairs = list(zip(stages, stages[1:])) + ([("base", "trained")] if len(stages) == 3 else [])
+    pairs = list(zip(stages, stages[1:])) + ([("base", "trained")] if len(stages) >= 3 else [])
     for a, b in pairs:
         out["differences"][f"{a}->{b}"] = {
             m: paired_bootstrap([problem_value(v, m) for v in per_stage[a]],

@@ -273,6 +273,16 @@ def _recipe_info(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def start_line(info: dict[str, Any]) -> list[str]:
+    """Where the adapter started, when not from a fresh LoRA (lora.init_adapter in recipe.yaml)."""
+    lora = info.get("lora") if isinstance(info.get("lora"), dict) else {}
+    adapter = lora.get("init_adapter")
+    if not adapter:
+        return []
+    primed = " (then primed)" if (info.get("prime") or {}).get("enabled") else ""
+    return [f"- started from adapter `{adapter}`{primed}"]
+
+
 def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Path],
                    completions: list[dict[str, Any]]) -> str:
     """report.md's text."""
@@ -286,6 +296,7 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     lines = [f"# Run report: {info.get('name', run_dir.name)}", "",
              f"- run directory: `{run_dir}`",
              f"- model: `{(info.get('model') or {}).get('name', '?')}`",
+             *start_line(info),
              f"- steps logged: {len(steps)} (last step {last} of {max_steps or '?'}), {state}",
              f"- written: {time.strftime('%Y-%m-%d %H:%M:%S')}", "", "## Summary", ""]
     lines += summary_table(steps) if steps else ["No training step logged yet."]

@@ -12,6 +12,7 @@ from typing import Any
 
 from lowmem_grpo import distributed
 from lowmem_grpo.backends import load, prepare, resolve_model_path
+from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.device import precision_flags
 from lowmem_grpo.errors import NoSignalError
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Path | None = None,
           explicit: set[str] | None = None) -> Path:
     """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
+    The adapter starts fresh, or from lora.init_adapter (then priming, when on, continues from it).
 
     `callbacks` are extra transformers TrainerCallbacks for the GRPO trainer (a Python caller's seam: to inspect
     its state, or a test's fault injector). `resume_dir` continues that run (whose recipe.yaml `recipe` is) from
@@ -49,15 +51,18 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     if resume is not None and resume.finished:
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
         return resume.run_dir
+    start_adapter = starting_adapter(recipe, model_path, resume)  # a mismatched lora.init_adapter fails here too
     # rank 0 picks it, all ranks use it; nothing is written into it until the data and the model are checked
     run_dir = resume.run_dir if resume else distributed.agree_on_run_dir(lambda: choose_run_dir(recipe))
     log.info("run directory: %s", run_dir)
 
-    loaded = load(recipe, backend, model_path=model_path)
+    loaded = load(recipe, backend, model_path=model_path, adapter_path=start_adapter)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
     open_run_dir(run_dir, recipe, backend, resume, fit.plan)  # inputs are good: from here on the run dir is written
     stages = stage_evals(recipe, loaded, run_dir)  # the same held-out problems after each stage
     stages.measure(loaded.model, "base")
+    if start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
+        stages.measure(loaded.model, "start")
     if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
         prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend,
               cuda=loaded.device == "cuda", precision=precision_flags(recipe.train.precision,
@@ -106,6 +111,15 @@ def model_path_once(recipe: Recipe) -> str:
     """The folder or hub id to load; an embedded model is converted once, by rank 0."""
     with distributed.main_process_first():
         return resolve_model_path(recipe.model.name)
+
+
+def starting_adapter(recipe: Recipe, model_path: str, resume: Any) -> str | None:
+    """The adapter folder GRPO (and priming, when on) starts from: lora.init_adapter, checked against the recipe's
+    model, rank, alpha and target modules before any model loads; None for a fresh LoRA. A resumed run with a
+    checkpoint needs none: the trainer loads the checkpoint's weights into a fresh LoRA of the same shape."""
+    if not recipe.lora.init_adapter or (resume is not None and resume.checkpoint is not None):
+        return None
+    return str(check_init_adapter(recipe.lora, recipe.model.name, model_path))
 
 
 def choose_run_dir(recipe: Recipe) -> Path:
