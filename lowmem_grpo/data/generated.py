@@ -468,6 +468,38 @@ def _fill(rng: random.Random, steps: int, story: _Story, simple: bool = False) -
     raise _Retry("no shape")  # pragma: no cover - some shape always fits within 50 draws
 
 
+def _end(rng: random.Random, b: _Builder, story: _Story, ending: str, big: bool) -> str:
+    """The ending: ask for the running amount, share it out exactly, or price it; returns the question asked."""
+    if ending == "div":
+        sentence, ask, line = rng.choice(story.div)
+        divisors = [k for k in range(2, _SMALL_MAX + 1) if b.value % k == 0 and b.value // k >= 2]
+        if not divisors:
+            raise _Retry("no exact division")
+        k = rng.choice(divisors)
+        b.say(sentence, k=k)
+        b.value = b.calc(line, f"{b.value}/{k}", b.value // k)
+    elif ending == "mul":
+        sentence, ask, line, unit = rng.choice(story.mul)
+        p = b.small(2, 12 if big else _SMALL_MAX)
+        b.say(sentence, p=p)
+        b.value = b.calc(line, f"{b.value}*{p}", b.value * p, unit=unit)
+    else:
+        ask = rng.choice(story.ask)
+    return ask
+
+
+def _distract(rng: random.Random, b: _Builder, story: _Story) -> None:
+    """Insert a quantity the solution never uses anywhere after the first sentence (level 5)."""
+    used = {n for expr, value in b.steps for n in (*map(int, re.findall(r"\d+", expr)), value)}
+    choices = [d for d in range(2, _SMALL_MAX + 1) if d not in used]
+    if not choices:
+        raise _Retry("no distractor value")
+    d = rng.choice(choices)
+    template = b.pick(story.distract)
+    text = template.format(**b.words, d=_show(d))
+    b.sentences.insert(rng.randint(1, len(b.sentences)), text)
+
+
 def _build(rng: random.Random, level: int) -> tuple[str, str, tuple[tuple[str, int], ...]]:
     """One candidate problem of `level`: (question, answer, arithmetic steps). Raises _Retry."""
     big = level == 4
@@ -510,32 +542,9 @@ def _build(rng: random.Random, level: int) -> tuple[str, str, tuple[tuple[str, i
         else:  # pragma: no cover - every story can add
             raise _Retry("no event")
 
-    # the ending: ask for the running amount, share it out exactly, or price it
-    if ending == "div":
-        sentence, ask, line = rng.choice(story.div)
-        divisors = [k for k in range(2, _SMALL_MAX + 1) if b.value % k == 0 and b.value // k >= 2]
-        if not divisors:
-            raise _Retry("no exact division")
-        k = rng.choice(divisors)
-        b.say(sentence, k=k)
-        b.value = b.calc(line, f"{b.value}/{k}", b.value // k)
-    elif ending == "mul":
-        sentence, ask, line, unit = rng.choice(story.mul)
-        p = b.small(2, 12 if big else _SMALL_MAX)
-        b.say(sentence, p=p)
-        b.value = b.calc(line, f"{b.value}*{p}", b.value * p, unit=unit)
-    else:
-        ask = rng.choice(story.ask)
-
+    ask = _end(rng, b, story, ending, big)
     if level == 5:  # a quantity the solution never uses, placed anywhere after the first sentence
-        used = {n for expr, value in b.steps for n in (*map(int, re.findall(r"\d+", expr)), value)}
-        choices = [d for d in range(2, _SMALL_MAX + 1) if d not in used]
-        if not choices:
-            raise _Retry("no distractor value")
-        d = rng.choice(choices)
-        template = b.pick(story.distract)
-        text = template.format(**b.words, d=_show(d))
-        b.sentences.insert(rng.randint(1, len(b.sentences)), text)
+        _distract(rng, b, story)
 
     question = " ".join(b.sentences + [ask.format(**b.words)])
     answer = "\n".join(b.lines + [f"#### {b.value}"])
