@@ -376,6 +376,10 @@ def _validate_rewards(recipe: Recipe) -> None:
             get_reward(name)
         except (KeyError, ValueError, ImportError) as exc:
             raise RecipeError(f"rewards.{name}: {exc}", fix="use a registered name or package.module:function") from exc
+    if recipe.train.curriculum:  # the level moves on the pass rate, which is the correctness reward's
+        _require(any(get_reward(name).__name__ == "correctness" for name in rewards), "train.curriculum",
+                 "moves up a level on the correctness pass rate, but no reward function is named correctness",
+                 "add rewards.correctness (e.g. rewards.correctness=2.0), or set train.curriculum=false")
 
 
 def _validate_prime(recipe: Recipe) -> None:

@@ -26,10 +26,11 @@ REWARDS = "rewards={correctness: 2.0, lowmem_test_rewards:length_reward: 1.0}"
 
 
 def env(**extra: str) -> dict[str, str]:
-    """The test environment: tests/ importable (the varying reward), no launcher variables unless given."""
+    """The test environment: this checkout's package (not another the venv may have installed) and tests/ (the
+    varying rewards) importable, no launcher variables unless given."""
     out = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("ACCELERATE_")}
-    out["PYTHONPATH"] = os.pathsep.join([str(TESTS), out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out.update(extra)
     return out
 
@@ -82,6 +83,32 @@ def test_two_processes_over_gloo_train_to_identical_adapters(tiny_model_dir, tmp
     steps = [r["step"] for r in read_metrics(run_dir) if r.get("stage") == "grpo" and "reward" in r]
     assert steps == [1, 2]
     assert (run_dir / "recipe.yaml").exists() and (run_dir / "env.json").exists()
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_under_two_processes_keeps_the_ranks_in_step(tiny_model_dir, tmp_path):
+    """One prompt group per rank (4 rows each, 4 generations), one of the two flat: the ranks learn the pass
+    rates from the gathered rewards, so they draw alike and end with identical adapters."""
+    from lowmem_grpo.rundir.telemetry import read_metrics
+
+    root = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DIR / "cpu_2proc.yaml"),
+           "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir), f"output.root={root}",
+           "rewards={correctness: 2.0, 'lowmem_test_rewards:length_on_odd_ids': 1.0}", "train.dynamic_sampling=true",
+           "data.limit=2", "train.num_generations=4", "train.per_device_train_batch_size=4", "prime.enabled=false",
+           "train.preflight=false"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_dir = next(root.iterdir())
+    assert json.loads((run_dir / "distributed.json").read_text())["adapters_identical"] is True
+    steps = [r for r in read_metrics(run_dir) if r.get("stage") == "grpo" and "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["groups/informative"] == pytest.approx(1 - r["frac_reward_zero_std"]) == pytest.approx(0.5)
+        assert r["groups/per_step"] == 2.0
+    state = json.loads((run_dir / "checkpoint-2" / "lowmem_sampling.json").read_text())
+    assert sorted(state["rates"]["history"]) == ["0", "1"]  # both ranks' groups, gathered
+    assert all(len(h) == 8 for h in state["rates"]["history"].values())
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """GSM8K-style data: sources (hub, files, embedded sample), prompts with the length rule, the target format."""
 
-from lowmem_grpo.data.prompts import build_examples, messages_for, recipe_examples, render_prompt
+from lowmem_grpo.data.prompts import build_examples, messages_for, recipe_examples, render_prompt, with_problem_columns
 from lowmem_grpo.data.sources import embedded_path, load_eval_rows, load_rows, load_train_rows, source_exists
 
 __all__ = ["build_examples", "embedded_path", "load_eval_rows", "load_rows", "load_train_rows", "messages_for",
-           "recipe_examples", "render_prompt", "source_exists"]
+           "recipe_examples", "render_prompt", "source_exists", "with_problem_columns"]

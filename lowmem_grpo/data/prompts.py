@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lowmem_grpo.data.generated import level_of
 from lowmem_grpo.errors import DataError
 from lowmem_grpo.rewards.parsing import gold_number
 
@@ -104,3 +105,12 @@ def build_examples(
 def recipe_examples(rows: list[dict[str, str]], tokenizer: Any, data: Any) -> list[dict[str, Any]]:
     """`build_examples` with the prompt settings of a recipe's data section (system prompt, prefill, length rule)."""
     return build_examples(rows, tokenizer, data.system_prompt, data.prefill, data.max_prompt_length, data.long_prompts)
+
+
+def with_problem_columns(examples: list[dict[str, Any]], generated: bool) -> list[dict[str, Any]]:
+    """The examples with `problem_id` (their index, stable within a run) and `level` (the generated problem's
+    difficulty from its question and worked solution, lowmem_grpo.data.generated.level_of; 0 for other data),
+    the columns dynamic sampling and the curriculum key their statistics by. Reward functions receive them as
+    keyword arguments, which they take through **kwargs."""
+    return [{**ex, "problem_id": i, "level": level_of(ex["question"], ex["solution"]) if generated else 0}
+            for i, ex in enumerate(examples)]

@@ -10,6 +10,7 @@
       distributed.json       each rank's adapter digest (several processes)
       primed_adapter/        the adapter after priming, before GRPO
       checkpoint-N/          a trainer checkpoint; complete once lowmem_complete.json is inside
+                             (lowmem_sampling.json: what dynamic sampling / the curriculum had learned)
       adapter/               the final adapter
       eval.json, eval/       evaluation results (`lowmem-grpo eval`)
       stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.stage_eval)
@@ -38,6 +39,7 @@ DISTRIBUTED_FILE = "distributed.json"
 PRIMED_ADAPTER_DIR = "primed_adapter"
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_MARKER = "lowmem_complete.json"
+SAMPLING_STATE_FILE = "lowmem_sampling.json"  # inside checkpoint-N/: pass rates, curriculum level, prompts drawn
 ADAPTER_DIR = "adapter"
 EVAL_FILE = "eval.json"
 STAGE_EVAL_FILE = "stage_eval.json"

@@ -14,6 +14,7 @@ import os
 import re
 import time
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from lowmem_grpo.rundir import layout
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 
 SMOOTHING = 0.8
 """Weight of the past in the exponential moving average drawn over the raw curves."""
-SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "groups/informative",
+                "groups/informative_correctness", "groups/per_step", "curriculum/level", "completions/mean_length",
                 "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time"]
 
 
@@ -132,12 +134,28 @@ def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     written.append(out_dir / "optimization.png")
     _save(fig, written[-1])
 
+    if series(records, "groups/informative")[0]:  # dynamic sampling / curriculum runs
+        written.append(_plot_groups(records, out_dir / "groups.png"))
+
     if series(records, "kl")[0]:
         fig, ax = _figure("KL to the reference model", 1)
         _panel(ax[0], records, [("kl", "kl")], "kl")
         written.append(out_dir / "kl.png")
         _save(fig, written[-1])
     return written
+
+
+def _plot_groups(records: list[dict[str, Any]], path: Path) -> Path:
+    """groups.png: the share of informative groups (total reward and correctness) and the curriculum level."""
+    level = bool(series(records, "curriculum/level")[0])
+    fig, ax = _figure("Groups that teach (informative = the group's rewards vary)", 2 if level else 1)
+    _panel(ax[0], records, [("total reward", "groups/informative"),
+                            ("correctness", "groups/informative_correctness")], "informative share", smoothed=True)
+    ax[0].set_ylim(-0.05, 1.05)
+    if level:
+        _panel(ax[1], records, [("curriculum level", "curriculum/level")], "level")
+    _save(fig, path)
+    return path
 
 
 def _num(value: Any) -> str:
@@ -157,6 +175,24 @@ def summary_table(records: list[dict[str, Any]]) -> list[str]:
         if ys:
             lines.append(f"| {key} | {_num(ys[0])} | {_num(ys[-1])} | {_num(min(ys))} | {_num(max(ys))} | "
                          f"{_num(sum(ys) / len(ys))} |")
+    return lines
+
+
+def groups_lines(records: list[dict[str, Any]]) -> list[str]:
+    """Markdown bullets on the groups GRPO learned from (dynamic sampling / curriculum runs); [] otherwise."""
+    _, informative = series(records, "groups/informative")
+    if not informative:
+        return []
+    _, correct = series(records, "groups/informative_correctness")
+    _, per_step = series(records, "groups/per_step")
+    lines = [f"- informative groups (total reward varies): mean {_num(fmean(informative))} over {len(informative)} "
+             f"steps" + (f"; on correctness alone: {_num(fmean(correct))}" if correct else "")
+             + (f"; {_num(per_step[-1])} prompt groups per step" if per_step else "")]
+    steps, levels = series(records, "curriculum/level")
+    if levels:
+        ups = [f"{int(b)} at step {s}" for s, a, b in zip(steps[1:], levels, levels[1:]) if b > a]
+        lines.append(f"- curriculum: level {int(levels[0])} at the start, {int(levels[-1])} at the end"
+                     + (f" (moved up: {', '.join(ups)})" if ups else " (never moved up)"))
     return lines
 
 
@@ -300,6 +336,9 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
              f"- steps logged: {len(steps)} (last step {last} of {max_steps or '?'}), {state}",
              f"- written: {time.strftime('%Y-%m-%d %H:%M:%S')}", "", "## Summary", ""]
     lines += summary_table(steps) if steps else ["No training step logged yet."]
+    groups = groups_lines(steps)
+    if groups:
+        lines += ["", "## Groups that teach", ""] + groups
     lines += ["", "## Warnings", ""]
     warnings = health.scan(steps)
     lines += [f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."]

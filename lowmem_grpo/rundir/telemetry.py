@@ -62,7 +62,8 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: float, reward_names: list[str]) -> str:
     """step/total, reward mean +- std (or the loss, for a stage without rewards such as prime), each reward's
-    mean, length, KL, step time, ETA, peak GPU memory."""
+    mean, the informative share of groups and the curriculum level (when logged), length, KL, step time, ETA,
+    peak GPU memory."""
     parts = [f"step {step}/{max_steps}"]
     if "reward" in logs or "loss" not in logs:
         parts.append(f"reward {_fmt(logs.get('reward'))} +- {_fmt(logs.get('reward_std'))}")
@@ -72,6 +73,10 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
         value = logs.get(f"rewards/{name}/mean")
         if value is not None:
             parts.append(f"{name} {_fmt(value)}")
+    if "groups/informative" in logs:  # dynamic sampling / curriculum: the share of groups GRPO learns from
+        parts.append(f"informative {_fmt(logs['groups/informative'], '.2f')}")
+    if "curriculum/level" in logs:
+        parts.append(f"level {_fmt(logs['curriculum/level'], '.0f')}")
     if "completions/mean_length" in logs:
         parts.append(f"len {_fmt(logs['completions/mean_length'], '.0f')}")
     if "kl" in logs:

@@ -1,4 +1,5 @@
-"""The trainer callbacks lowmem_grpo adds to TRL's trainers: telemetry, complete checkpoints, periodic eval.
+"""The trainer callbacks lowmem_grpo adds to TRL's trainers: telemetry, complete checkpoints, the sampling state
+in checkpoints, periodic eval.
 
 Imports transformers at module level: import this module only after `backends.prepare()` (Unsloth first).
 """
@@ -87,6 +88,33 @@ class CompleteCheckpoints(TrainerCallback):
             log.info("checkpoint %s complete%s", folder.name,
                      f"; removed older checkpoint(s) {', '.join(map(str, removed))}" if removed else "")
         _barrier()
+
+
+class SamplingStateCallback(TrainerCallback):
+    """Saves the dynamic-sampling / curriculum state (lowmem_grpo.train.informative.SamplingState) into each
+    checkpoint-N/ and restores it when training starts from a checkpoint (a resume, an OOM retry); a start from
+    step 0 resets it. Passed to the trainer's constructor, it runs before CompleteCheckpoints (which run_grpo adds
+    afterwards), so the file is in the checkpoint before the marker lists its files."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        if state.global_step == 0:
+            self.state.reset()
+            return
+        folder = Path(args.output_dir) / f"{layout.CHECKPOINT_PREFIX}{state.global_step}"
+        if self.state.load(folder):
+            log.info("sampling state restored from %s%s", folder.name,
+                     f" (curriculum level {self.state.level})" if self.state.level is not None else "")
+        else:
+            log.warning("%s holds no %s: dynamic sampling / the curriculum start afresh", folder.name,
+                        layout.SAMPLING_STATE_FILE)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        folder = Path(args.output_dir) / f"{layout.CHECKPOINT_PREFIX}{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():  # every rank holds the same state
+            self.state.save(folder)
 
 
 class PeriodicEvalCallback(TrainerCallback):

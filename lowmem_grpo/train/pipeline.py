@@ -26,6 +26,7 @@ from lowmem_grpo.rundir import checkpoints, layout, telemetry
 from lowmem_grpo.rundir.completions import CompletionRecorder
 from lowmem_grpo.rundir.report import write_report
 from lowmem_grpo.train import preflight as reward_preflight
+from lowmem_grpo.train.informative import prepare_sampling
 from lowmem_grpo.train.prime import prime
 from lowmem_grpo.train.resilience import run_grpo
 
@@ -176,7 +177,7 @@ def train_grpo(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]], run_
     signals, OOM retries, a full disk); returns the trainer that finished."""
     from datasets import Dataset
 
-    from lowmem_grpo.train.callbacks import PeriodicEvalCallback, TelemetryCallback
+    from lowmem_grpo.train.callbacks import PeriodicEvalCallback, SamplingStateCallback, TelemetryCallback
     from lowmem_grpo.train.grpo import trainer_factory
 
     weights = resolved_rewards(recipe)
@@ -187,8 +188,11 @@ def train_grpo(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]], run_
     ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder)]
     if recipe.train.eval_every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
         ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir))
+    examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off
+    if sampling is not None:
+        ours.append(SamplingStateCallback(sampling))
     build = trainer_factory(loaded, Dataset.from_list(examples), run_dir, recorder.wrap_all(reward_funcs),
-                            list(weights.values()), [ours[0], *callbacks, *ours[1:]])
+                            list(weights.values()), [ours[0], *callbacks, *ours[1:]], sampling=sampling)
     return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=resume.checkpoint if resume else None)
 
 
