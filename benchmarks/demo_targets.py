@@ -59,9 +59,24 @@ def grpo_summary(records: list[dict]) -> dict[str, float]:
     return out
 
 
+def measured_in_run(run_dir: Path, limit: int) -> dict | None:
+    """The run's own stage_eval.json (train.stage_eval) when it measured exactly `limit` problems at every stage:
+    the same greedy evaluation, so it is not repeated."""
+    path = run_dir / "stage_eval.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("num_problems") != limit or set(data.get("results", {})) != {"base", "primed", "trained"}:
+        return None
+    return {"metrics": data["results"], "stages": data["stages"], "differences": data["differences"]}
+
+
 def evaluate_stages(run_dir: Path, limit: int, batch_size: int) -> dict:
     """Greedy eval of the base model, the primed adapter and the trained adapter on the first `limit` problems of
     the recipe's eval split, with per-stage and paired CIs (lowmem_grpo.evaluation.stages)."""
+    found = measured_in_run(run_dir, limit)
+    if found is not None:
+        return found
     from lowmem_grpo.backends import load, prepare
     from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
     from lowmem_grpo.evaluation.stages import summarize
