@@ -9,7 +9,11 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import platform
+import shutil
+import subprocess
 import sys
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 PACKAGES = ["torch", "unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "accelerate",
@@ -54,18 +58,27 @@ def describe() -> dict[str, Any]:
         free, total = torch.cuda.mem_get_info(0)
         info.update(device="cuda", gpu_name=props.name, gpu_count=torch.cuda.device_count(),
                     gpu_memory_total_bytes=total, gpu_memory_free_bytes=free,
-                    gpu_capability=f"{props.major}.{props.minor}", bf16_supported=torch.cuda.is_bf16_supported())
+                    gpu_capability=f"{props.major}.{props.minor}", bf16_supported=bf16_supported((props.major, props.minor)))
     return info
 
 
 # --- the one place where "auto" settings are resolved ---------------------------------------------
 
 
-def bf16_supported() -> bool:
-    """Whether this machine's CUDA GPU computes in bfloat16 (False without CUDA)."""
+def cuda_capability() -> tuple[int, int] | None:
+    """(major, minor) compute capability of this process's CUDA GPU; None without CUDA."""
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
+def bf16_supported(capability: tuple[int, int] | None = None) -> bool:
+    """Whether the GPU computes in bfloat16 natively: compute capability >= 8, the rule Unsloth loads by
+    (unsloth/models/_utils.py SUPPORTS_BFLOAT16). torch.cuda.is_bf16_supported() also counts emulation and says
+    True on Turing (sm_75), where Unsloth then loads float16: asking torch would make our flags disagree with the
+    model. `capability` is a seam for tests; None asks this machine (False without CUDA)."""
+    capability = capability if capability is not None else cuda_capability()
+    return capability is not None and capability[0] >= 8
 
 
 def resolve_backend(requested: str, *, cuda: bool, processes: int = 1) -> str:
@@ -85,21 +98,67 @@ def cpu_bf16_supported() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def resolve_dtype(requested: str, *, cuda: bool) -> str:
-    """Model dtype: auto -> bfloat16 on GPUs that support it, float16 on older GPUs; on CPU bfloat16 where the CPU
-    has native bf16 (~1.9x faster than float32 there), else float32."""
+def resolve_dtype(requested: str, *, cuda: bool, capability: tuple[int, int] | None = None) -> str:
+    """Model dtype to ask for: auto -> bfloat16 on compute capability >= 8, float16 on older GPUs; on CPU bfloat16
+    where the CPU has native bf16 (~1.9x faster than float32 there), else float32. What the model is then really
+    loaded in is `model_dtype(model)` (Unsloth may change it)."""
     if requested != "auto":
         return requested
     if not cuda:
         return "bfloat16" if cpu_bf16_supported() else "float32"
-    return "bfloat16" if bf16_supported() else "float16"
+    return "bfloat16" if bf16_supported(capability) else "float16"
 
 
-def precision_flags(precision: str, *, cuda: bool) -> dict[str, bool]:
-    """GRPOConfig/SFTConfig bf16 and fp16 flags; TRL resolves bf16=None to True even on CPU, so both are set."""
+def model_dtype(model: Any) -> str:
+    """The dtype a loaded model computes in, read as Unsloth's trainer reads it (config.dtype, else
+    config.torch_dtype, else the input embeddings' weights: unsloth/models/rl.py, mixed-precision check), as a
+    name ("bfloat16"). "float32" for a model Unsloth trains in float32 whatever the flags (Gemma 3:
+    `_unsloth_forced_float32`)."""
+    if getattr(model, "_unsloth_forced_float32", False):
+        return "float32"
+    config = getattr(model, "config", None)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if dtype is None:
+        dtype = model.get_input_embeddings().weight.dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def training_precision(precision: str, dtype: str, *, cuda: bool, backend: str) -> dict[str, bool]:
+    """GRPOConfig/SFTConfig bf16 and fp16 flags from train.precision and the dtype the model was really loaded in
+    (`model_dtype`). Both flags are always set: TRL resolves bf16=None to True, even on CPU.
+
+    auto: CPU -> none (fp32, or the 16-bit weights as loaded); CUDA -> the loaded dtype's own flag (a float32
+    model trains in float32). Explicit values are honoured, except on the Unsloth CUDA path, whose trainer raises
+    on a flag that disagrees with a 16-bit model and turns fp32 into bf16/fp16 autocast: those stop here
+    (BadInputError, exit 2) instead of failing at trainer construction or training in a precision nobody chose.
+    """
     if precision == "auto":
-        precision = "fp32" if not cuda else ("bf16" if bf16_supported() else "fp16")
+        if not cuda:
+            return {"bf16": False, "fp16": False}
+        return {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
+    if cuda and backend == "unsloth":
+        _check_unsloth_precision(precision, dtype)
     return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
+
+
+def _check_unsloth_precision(precision: str, dtype: str) -> None:
+    from lowmem_grpo.errors import BadInputError
+
+    if precision == "fp32":
+        raise BadInputError(
+            f"train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
+            f"autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
+            f"check; this model is {dtype}); only the models it forces to float32 (Gemma 3) stay in float32, and "
+            f"train.precision=auto already gives them that",
+            fix="use model.backend=hf for float32 training, or train.precision=auto")
+    wanted = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    if dtype in ("bfloat16", "float16") and dtype != wanted:
+        why = (" (this GPU has no native bfloat16: compute capability below 8, so Unsloth loaded float16)"
+               if dtype == "float16" else "")
+        raise BadInputError(
+            f"train.precision={precision} but the model was loaded in {dtype}{why}; Unsloth's trainer refuses "
+            f"{precision} on a {dtype} model",
+            fix=f"use train.precision=auto (here {dtype}), or model.dtype={wanted} on a GPU that computes it")
 
 
 def resolve_optimizer(requested: str, *, cuda: bool) -> str:
@@ -109,8 +168,146 @@ def resolve_optimizer(requested: str, *, cuda: bool) -> str:
     return "paged_adamw_8bit" if cuda else "adamw_torch"
 
 
-def resolve_fast_inference(requested: bool | None, *, cuda: bool) -> bool:
-    """Unsloth's vLLM generation: None -> on when vLLM is installed and CUDA is present."""
-    if requested is not None:
-        return requested
-    return cuda and is_installed("vllm")
+def resolve_fast_inference(requested: bool | None) -> bool:
+    """Unsloth's vLLM generation is opt-in: only an explicit True turns it on (None, the old default, is off).
+    vLLM needs its own resolved set (`pip install -c constraints-vllm.txt -e '.[vllm]'`), so being importable
+    says nothing about whether it matches this torch."""
+    return requested is True
+
+
+# --- is the CUDA this torch was built for usable here? ------------------------------------------
+
+MIN_DRIVER = {"13": "580.65.06", "12": "525.60.13"}
+"""Least Linux driver per CUDA major of torch's wheels (CUDA 12.x under minor-version compatibility)."""
+CU12_INDEX = "https://download.pytorch.org/whl/cu126"
+"""A CUDA 12.6 torch wheel index: builds for sm_50-sm_90 that run on R525+ drivers."""
+
+
+@dataclass(frozen=True)
+class CudaFacts:
+    """What torch and the NVIDIA driver say about CUDA on this machine: `cuda_facts()` reads them; a test builds
+    its own (a GPU this machine does not have, an old driver) and passes it where a function takes `facts`."""
+
+    torch_cuda: str | None
+    """torch.version.cuda, e.g. "13.0"; None for a CPU build of torch."""
+    available: bool
+    """torch.cuda.is_available()."""
+    driver_cuda: str | None = None
+    """The newest CUDA the installed driver supports, e.g. "12.2" (cuDriverGetVersion); None without a driver."""
+    driver_version: str | None = None
+    """The driver's version, e.g. "535.104.05" (nvidia-smi); None when unknown."""
+    capability: tuple[int, int] | None = None
+    """Compute capability of GPU 0, e.g. (8, 6)."""
+    arch_list: tuple[str, ...] = ()
+    """The GPU architectures this torch was compiled for (torch.cuda.get_arch_list()), e.g. sm_75 ... sm_120."""
+    free_bytes: int | None = None
+    """Free memory of GPU 0 (torch.cuda.mem_get_info), what auto-fit fits into."""
+    total_bytes: int | None = None
+    """Total memory of GPU 0."""
+    warnings: tuple[str, ...] = ()
+    """What torch warned while looking, e.g. "The NVIDIA driver on your system is too old (found version 12020)"."""
+
+
+def _driver_cuda() -> str | None:
+    try:
+        from cuda.bindings import driver  # comes with torch's CUDA wheels; works without a GPU, not without libcuda
+
+        err, version = driver.cuDriverGetVersion()
+    except Exception:  # noqa: BLE001 - no driver library (a CPU machine), or no cuda-bindings
+        return None
+    return f"{version // 1000}.{version % 1000 // 10}" if int(err) == 0 and version else None
+
+
+def _driver_version() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
+
+
+def cuda_facts() -> CudaFacts:
+    """This machine's CudaFacts (imports torch; runs nvidia-smi when it exists)."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    facts = dict(torch_cuda=torch.version.cuda, available=available, driver_cuda=_driver_cuda(),
+                 driver_version=_driver_version(), warnings=tuple(str(w.message) for w in caught))
+    if torch.version.cuda:
+        facts["arch_list"] = tuple(torch.cuda.get_arch_list())
+    if available:
+        free, total = torch.cuda.mem_get_info()
+        facts.update(capability=tuple(torch.cuda.get_device_capability()), free_bytes=free, total_bytes=total)
+    return CudaFacts(**facts)
+
+
+def _major_minor(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def capability_in_build(capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
+    """Whether torch has kernels for this GPU: a cubin for sm_XY runs on the same major at minor >= Y (there is
+    no PTX to compile for older cards); an empty list (unknown) counts as yes."""
+    built = [a for a in arch_list if a.startswith("sm_")]
+    if not built:
+        return True
+    for arch in built:
+        code = int(arch.split("_")[1].rstrip("af"))
+        if capability[0] == code // 10 and capability[1] >= code % 10:
+            return True
+    return False
+
+
+def cuda_problem(facts: CudaFacts) -> tuple[str, str] | None:
+    """Why CUDA cannot run this torch here, and the fix; None when it can (or torch is a CPU build, where
+    nothing CUDA was expected)."""
+    if facts.torch_cuda is None:
+        return None
+    need = MIN_DRIVER.get(facts.torch_cuda.split(".")[0], "a newer one")
+    if not facts.available:
+        found = next((w for w in facts.warnings if "too old" in w), None)
+        if found or (facts.driver_cuda and _major_minor(facts.driver_cuda)[0] < _major_minor(facts.torch_cuda)[0]):
+            return (f"the NVIDIA driver is too old for this torch: it supports CUDA {facts.driver_cuda or '?'} "
+                    f"(driver {facts.driver_version or '?'}), torch is built for CUDA {facts.torch_cuda}",
+                    f"install NVIDIA driver >= {need}, or a CUDA 12.x torch (pip install --index-url "
+                    f"{CU12_INDEX} torch==<the pinned version>; Docker: --build-arg TORCH_INDEX_URL={CU12_INDEX})")
+        if facts.driver_cuda:
+            return (f"an NVIDIA driver is installed (CUDA {facts.driver_cuda}) but torch sees no GPU",
+                    "check `nvidia-smi`, CUDA_VISIBLE_DEVICES, and `docker run --gpus all` in a container")
+        return ("no NVIDIA driver or GPU is visible (no libcuda, no nvidia-smi)",
+                f"install the NVIDIA driver (>= {need} for torch's CUDA {facts.torch_cuda}); in Docker, the NVIDIA "
+                "container toolkit and `docker run --gpus all`")
+    if facts.capability and not capability_in_build(facts.capability, facts.arch_list):
+        cap = f"{facts.capability[0]}.{facts.capability[1]}"
+        return (f"the GPU's compute capability {cap} is not in this torch's build ({', '.join(facts.arch_list)}): "
+                "its kernels would fail with 'no kernel image is available for execution on the device'",
+                f"use a torch built for sm_{cap.replace('.', '')}: CUDA 12.6 wheels cover sm_50-sm_90 "
+                f"(pip install --index-url {CU12_INDEX} torch==<the pinned version>; Docker: --build-arg "
+                f"TORCH_INDEX_URL={CU12_INDEX}); cards below sm_50 are not supported")
+    return None
+
+
+def require_gpu(gpu_memory_gb: int | None, facts: CudaFacts) -> None:
+    """A recipe tuned for a GPU (gpu_memory_gb set) stops when CUDA is not usable, instead of `auto` quietly
+    training it on CPU in float32 for days; gpu_memory_gb=null is the explicit "run it on CPU anyway"."""
+    if not gpu_memory_gb:
+        return
+    from lowmem_grpo.errors import BadInputError
+
+    if facts.torch_cuda is None:
+        problem = (f"this torch ({package_version('torch')}) is a CPU build", "install the CUDA build of "
+                   "the pinned torch: pip install -c constraints.txt -e .")
+    else:
+        problem = cuda_problem(facts)
+    if problem is None:
+        return
+    raise BadInputError(f"this recipe is tuned for a {gpu_memory_gb} GB GPU, but no usable CUDA was found: "
+                        f"{problem[0]}",
+                        fix=f"{problem[1]}; or, to train it on CPU anyway (float32, very slow), pass gpu_memory_gb=null")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
-from lowmem_grpo.device import is_installed, resolve_backend, resolve_dtype
+from lowmem_grpo.device import is_installed, model_dtype, resolve_backend, resolve_dtype
 from lowmem_grpo.distributed import world_size
 from lowmem_grpo.errors import BadInputError, LowmemError
 
@@ -28,6 +28,8 @@ class LoadedModel:
     backend: str
     device: str
     dtype: str
+    """The dtype the model was really loaded in (lowmem_grpo.device.model_dtype), not the one asked for: Unsloth
+    loads float16 on GPUs without native bfloat16 and float32 for the models it forces to it."""
     model_path: str
 
 
@@ -106,5 +108,8 @@ def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str
                           fix="check the hub id and network, or point model.name at a local folder") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    log.info("loaded %s on %s (%s, %s, lora=%s)", path, "cuda" if cuda else "cpu", backend, dtype, with_lora)
-    return LoadedModel(model, tokenizer, backend, "cuda" if cuda else "cpu", dtype, path)
+    loaded = model_dtype(model)  # the bf16/fp16 flags follow what was loaded, not what was asked for
+    if loaded != dtype:
+        log.info("asked for %s, the model was loaded in %s (%s decides on this GPU)", dtype, loaded, backend)
+    log.info("loaded %s on %s (%s, %s, lora=%s)", path, "cuda" if cuda else "cpu", backend, loaded, with_lora)
+    return LoadedModel(model, tokenizer, backend, "cuda" if cuda else "cpu", loaded, path)

@@ -14,13 +14,15 @@ def load_unsloth(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool
     from unsloth import FastLanguageModel
 
     m, lora = recipe.model, recipe.lora
-    fast_inference = resolve_fast_inference(m.fast_inference, cuda=cuda)
+    fast_inference = resolve_fast_inference(m.fast_inference)  # opt-in: vLLM needs its own resolved set
     max_rank = lora.max_lora_rank or lora.r
     model, tokenizer = FastLanguageModel.from_pretrained(
         # evaluation (no with_lora): Unsloth loads the adapter on its base; training: the recipe's model
         model_name=path if with_lora else (adapter_path or path),
         max_seq_length=m.max_seq_length,
-        dtype=getattr(torch, dtype),
+        # auto on CUDA: Unsloth picks (float16 below compute capability 8, its own rule for the models it forces
+        # to float32), and the loaded dtype (lowmem_grpo.device.model_dtype) sets the bf16/fp16 flags
+        dtype=None if cuda and m.dtype == "auto" else getattr(torch, dtype),
         load_in_4bit=m.load_in_4bit,
         fast_inference=fast_inference,
         max_lora_rank=max_rank,

@@ -1,16 +1,18 @@
 """The one sampling engine: completions for rendered prompts, used by evaluation, the reward preflight and
-the periodic eval. It generates with vLLM when given a vLLM engine and CUDA is present, else with batched
-transformers `generate` (left padding). Imports torch/transformers only inside the functions that sample.
+the periodic eval. It generates with vLLM when the model has a vLLM engine (a vllm.LLM, or Unsloth's
+fast_inference engine, sampling the live adapter), else with batched transformers `generate` (left padding), in
+inference mode and on a private RNG stream. Imports torch/transformers only inside the functions that sample.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lowmem_grpo.device import is_installed
 from lowmem_grpo.errors import BadInputError
 
 
@@ -23,28 +25,47 @@ class Generation:
     truncated: bool
 
 
-def _is_vllm_engine(model: Any) -> bool:
-    """A vLLM engine (or an Unsloth fast_inference model) that can generate on CUDA."""
-    if not is_installed("vllm"):
-        return False
-    import torch
+LIVE_ADAPTER = "lowmem_grpo_live_lora"
+"""The name under which the adapter being trained is handed to Unsloth's vLLM engine (it keeps the base weights)."""
 
-    if not torch.cuda.is_available():
-        return False
-    if hasattr(model, "fast_generate"):
-        return True
-    return type(model).__module__.startswith("vllm")
+
+def vllm_engine_of(model: Any) -> Any:
+    """The vLLM engine that samples for `model`: a vllm.LLM itself, or the engine Unsloth attached as
+    `model.vllm_engine` (fast_inference=True); None otherwise. Not `fast_generate`: Unsloth puts that on every
+    model it loads, and without vLLM it is a wrapper around transformers' generate that refuses sampling_params."""
+    if type(model).__module__.split(".")[0] == "vllm":
+        return model
+    return getattr(model, "vllm_engine", None)
+
+
+def live_adapter_request(model: Any) -> Any:
+    """A LoRARequest for the adapter as it is now in `model`'s weights, as Unsloth's own GRPO asks for it
+    (`model.load_lora(name, load_tensors=True)`): Unsloth's shared vLLM engine holds the base weights only, so
+    without it the samples would come from the base model. None for a model without a PEFT adapter."""
+    load = getattr(model, "load_lora", None)
+    if load is None or not hasattr(model, "peft_config"):
+        return None
+    return load(LIVE_ADAPTER, load_tensors=True)
+
+
+def vllm_target(model: Any, lora_request: Any = None) -> tuple[Any, Any]:
+    """(engine, LoRA request) to generate with: the given request, else the model's live adapter."""
+    engine = vllm_engine_of(model)
+    if engine is None:
+        raise BadInputError("engine vllm needs a vLLM engine: a vllm.LLM, or a model loaded with "
+                            "model.fast_inference=true", fix="use engine=transformers, or turn fast_inference on")
+    return engine, lora_request if lora_request is not None else live_adapter_request(model)
 
 
 def choose_engine(model: Any, engine: str = "auto") -> str:
-    """auto -> vllm for a vLLM engine when vllm and CUDA are present, else transformers."""
+    """auto -> vllm when the model has a vLLM engine (vllm_engine_of), else transformers."""
     if engine not in ("auto", "vllm", "transformers"):
         raise BadInputError(f"engine {engine!r} is unknown", fix="use auto, vllm or transformers")
     if engine == "auto":
-        return "vllm" if _is_vllm_engine(model) else "transformers"
-    if engine == "vllm" and not _is_vllm_engine(model):
-        raise BadInputError("engine vllm needs vllm installed, CUDA, and a vLLM engine as the model",
-                            fix="install vllm on a CUDA machine, or use engine=transformers")
+        return "vllm" if vllm_engine_of(model) is not None else "transformers"
+    if engine == "vllm" and vllm_engine_of(model) is None:
+        raise BadInputError("engine vllm needs a vLLM engine as the model (a vllm.LLM, or a model loaded with "
+                            "model.fast_inference=true)", fix="use engine=transformers or auto")
     return engine
 
 
@@ -98,41 +119,73 @@ def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, ma
     config = _generation_config(model, tokenizer, max_new_tokens, num_samples, temperature, eos)
     device = next(model.parameters()).device
     per_batch = max(1, batch_size // num_samples)  # batch_size counts sequences generated at once
-    was_training, padding_side = model.training, tokenizer.padding_side
-    model.eval()
+    padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    torch.manual_seed(seed)
     results: list[list[Generation]] = []
+    # a private RNG stream: the seed makes the samples repeatable without resetting (or consuming) the stream
+    # that training's sampling and dropout draw from
+    devices = [device.index or 0] if device.type == "cuda" else []
     try:
-        for start in range(0, len(prompts), per_batch):
-            batch = prompts[start:start + per_batch]
-            encoded = tokenizer(batch, return_tensors="pt", padding=True).to(device)
-            with torch.inference_mode():
-                out = model.generate(**encoded, generation_config=config)
-            generated = out[:, encoded["input_ids"].shape[1]:].tolist()
-            for i in range(len(batch)):
-                samples = []
-                for ids in generated[i * num_samples:(i + 1) * num_samples]:
-                    kept, tokens, truncated = split_generated(ids, eos, max_new_tokens)
-                    samples.append(Generation(tokenizer.decode(kept, skip_special_tokens=True), tokens, truncated))
-                results.append(samples)
-            bar.update(len(batch))
+        with inference_mode(model), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), per_batch):
+                batch = prompts[start:start + per_batch]
+                results += _generate_batch(model, tokenizer, batch, config, eos, num_samples, max_new_tokens, device)
+                bar.update(len(batch))
     finally:
         tokenizer.padding_side = padding_side
-        if was_training:
-            model.train()
     return results
+
+
+def _generate_batch(model: Any, tokenizer: Any, batch: list[str], config: Any, eos: set[int], num_samples: int,
+                    max_new_tokens: int, device: Any) -> list[list[Generation]]:
+    import torch
+
+    encoded = tokenizer(batch, return_tensors="pt", padding=True).to(device)
+    with torch.inference_mode():
+        out = model.generate(**encoded, generation_config=config)
+    generated = out[:, encoded["input_ids"].shape[1]:].tolist()
+    results = []
+    for i in range(len(batch)):
+        samples = []
+        for ids in generated[i * num_samples:(i + 1) * num_samples]:
+            kept, tokens, truncated = split_generated(ids, eos, max_new_tokens)
+            samples.append(Generation(tokenizer.decode(kept, skip_special_tokens=True), tokens, truncated))
+        results.append(samples)
+    return results
+
+
+@contextlib.contextmanager
+def inference_mode(model: Any) -> Iterator[None]:
+    """The model in inference mode for generating, and back in the mode it was in afterwards.
+
+    An Unsloth model switches with its own for_inference / for_training (they also turn gradient checkpointing
+    off and on again, with the model's saved mode, and set its generation flag): `model.train()` alone would leave
+    it half in inference mode, with checkpointing off. Other models: eval() / train()."""
+    was_training = model.training
+    unsloth = hasattr(model, "for_inference") and hasattr(model, "for_training")
+    checkpointing = getattr(model, "_unsloth_gradient_checkpointing", None)
+    if unsloth:
+        model.for_inference()
+    else:
+        model.eval()
+    try:
+        yield
+    finally:
+        if was_training and unsloth:
+            model.for_training(use_gradient_checkpointing=checkpointing)
+        elif was_training:
+            model.train()
 
 
 def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_samples: int,
                    temperature: float, seed: int, lora_request: Any, bar: Any) -> list[list[Generation]]:
-    """vLLM generation (not exercised by the CPU test suite: vllm needs CUDA)."""
+    """vLLM generation with `lora_request` (not exercised by the CPU test suite: vllm needs CUDA)."""
     from vllm import SamplingParams
 
     params = SamplingParams(n=num_samples, temperature=temperature, top_p=1.0, top_k=-1 if temperature else 1,
                             max_tokens=max_new_tokens, seed=seed)
-    generate = getattr(engine, "fast_generate", None) or engine.generate
-    outputs = generate(prompts, sampling_params=params, lora_request=lora_request, use_tqdm=False)
+    outputs = engine.generate(prompts, sampling_params=params, lora_request=lora_request, use_tqdm=False)
     bar.update(len(prompts))
     return [[Generation(text=o.text, tokens=len(o.token_ids), truncated=o.finish_reason == "length")
              for o in out.outputs] for out in outputs]
@@ -141,7 +194,10 @@ def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_
 def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
              engine: str = "auto", lora_request: Any = None, desc: str = "eval") -> list[list[Generation]]:
-    """num_samples completions per prompt (text after the prompt, prefill excluded)."""
+    """num_samples completions per prompt (text after the prompt, prefill excluded).
+
+    With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
+    model's live adapter (live_adapter_request); with transformers from the model as it is."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")
@@ -155,8 +211,9 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
     chosen = choose_engine(model, engine)
     with tqdm(total=len(prompts), desc=desc, unit="problem", disable=not progress, dynamic_ncols=True) as bar:
         if chosen == "vllm":
-            return _generate_vllm(model, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                  temperature=temperature, seed=seed, lora_request=lora_request, bar=bar)
+            vllm_engine, request = vllm_target(model, lora_request)  # the adapter as trained so far
+            return _generate_vllm(vllm_engine, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                                  temperature=temperature, seed=seed, lora_request=request, bar=bar)
         return _generate_transformers(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                       batch_size=batch_size, num_samples=num_samples, temperature=temperature,
                                       seed=seed, bar=bar)

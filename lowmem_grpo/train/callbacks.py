@@ -120,7 +120,8 @@ class SamplingStateCallback(TrainerCallback):
 class PeriodicEvalCallback(TrainerCallback):
     """Greedy held-out evaluation every train.eval_every optimizer steps, on the first train.eval_limit problems
     of data.eval_split with the recipe's prompts and max_completion_length; writes `eval/<metric>` lines
-    (stage "eval") into metrics.jsonl."""
+    (stage "eval") into metrics.jsonl. It samples through lowmem_grpo.evaluation.generate, which puts the model back
+    in the mode it was in and seeds a private RNG stream, so training's random state is left as it was."""
 
     def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path) -> None:
         self.train = recipe.train
@@ -136,7 +137,7 @@ class PeriodicEvalCallback(TrainerCallback):
         t = self.train
         result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights,
                           max_new_tokens=t.max_completion_length, batch_size=t.per_device_train_batch_size,
-                          seed=t.seed, progress=False, engine="transformers")
+                          seed=t.seed, progress=False, engine="auto")  # vLLM (live adapter) when the model has it
         record = {"stage": "eval", "step": state.global_step,
                   **{f"eval/{k}": v for k, v in result.metrics.items()}, "eval/seconds": result.seconds}
         telemetry.append_jsonl(self.metrics_path, record)

@@ -22,7 +22,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanstd
 
-from lowmem_grpo.device import precision_flags, resolve_optimizer
+from lowmem_grpo.device import resolve_optimizer, training_precision
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
@@ -56,8 +56,10 @@ def check_trainer_fields(recipe: Recipe) -> None:
                               fix=f"give train.{key} a {type(default).__name__}")
 
 
-def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights: list[float]) -> GRPOConfig:
-    """GRPOConfig from the recipe's train section, with the small-GPU defaults resolved."""
+def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights: list[float], *,
+                      dtype: str = "float32", backend: str = "hf") -> GRPOConfig:
+    """GRPOConfig from the recipe's train section, with the small-GPU defaults resolved; the bf16/fp16 flags follow
+    `dtype`, the dtype the model was really loaded in (LoadedModel.dtype), on `backend`."""
     t = recipe.train
     return GRPOConfig(
         output_dir=str(run_dir),
@@ -87,7 +89,7 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights:
         reward_weights=reward_weights,
         use_cpu=not cuda,
         disable_tqdm=True,  # the telemetry line per step carries progress and ETA
-        **precision_flags(t.precision, cuda=cuda),
+        **training_precision(t.precision, dtype, cuda=cuda, backend=backend),
         **t.extra,
     )
 
@@ -248,7 +250,8 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         trainer = grpo_trainer_class(loaded.backend, loaded.device, informative=sampling is not None)(
             model=loaded.model,
             reward_funcs=reward_funcs,
-            args=build_grpo_config(recipe, run_dir, loaded.device == "cuda", reward_weights),
+            args=build_grpo_config(recipe, run_dir, loaded.device == "cuda", reward_weights, dtype=loaded.dtype,
+                                   backend=loaded.backend),
             train_dataset=dataset,
             processing_class=loaded.tokenizer,
             callbacks=list(callbacks),

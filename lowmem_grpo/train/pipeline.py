@@ -14,7 +14,7 @@ from lowmem_grpo import distributed
 from lowmem_grpo.backends import load, prepare, resolve_model_path
 from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import load_train_rows, recipe_examples
-from lowmem_grpo.device import precision_flags
+from lowmem_grpo.device import training_precision
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.memory.fit import fit_to_device
@@ -58,6 +58,9 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     log.info("run directory: %s", run_dir)
 
     loaded = load(recipe, backend, model_path=model_path, adapter_path=start_adapter)
+    # the bf16/fp16 flags follow the dtype the model was really loaded in; a precision Unsloth would refuse or
+    # override stops here (exit 2), before the run directory is written
+    training_precision(recipe.train.precision, loaded.dtype, cuda=loaded.device == "cuda", backend=backend)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
     open_run_dir(run_dir, recipe, backend, resume, fit.plan)  # inputs are good: from here on the run dir is written
     stages = stage_evals(recipe, loaded, run_dir)  # the same held-out problems after each stage
@@ -66,8 +69,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         stages.measure(loaded.model, "start")
     if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
         prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend,
-              cuda=loaded.device == "cuda", precision=precision_flags(recipe.train.precision,
-                                                                      cuda=loaded.device == "cuda"))
+              cuda=loaded.device == "cuda", dtype=loaded.dtype)
         stages.measure(loaded.model, "primed")
     if recipe.train.preflight and resume is None:  # a resumed run already passed it
         require_reward_signal(recipe, loaded, examples)

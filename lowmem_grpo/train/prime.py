@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.data.format import priming_pairs
-from lowmem_grpo.device import resolve_optimizer
+from lowmem_grpo.device import resolve_optimizer, training_precision
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.rundir import layout
 
@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 STAGE = layout.PRIME_STAGE
 
 
-def build_sft_config(recipe: Any, run_dir: Path, cuda: bool, precision: dict[str, bool]) -> Any:
-    """SFTConfig for the prime stage: loss on completions only, no checkpoints, GRPO's precision flags."""
+def build_sft_config(recipe: Any, run_dir: Path, cuda: bool, dtype: str = "float32", backend: str = "hf") -> Any:
+    """SFTConfig for the prime stage: loss on completions only, no checkpoints, and GRPO's bf16/fp16 flags (from
+    train.precision and `dtype`, the dtype the model was really loaded in)."""
     from trl import SFTConfig
 
     p, t = recipe.prime, recipe.train
@@ -52,7 +53,7 @@ def build_sft_config(recipe: Any, run_dir: Path, cuda: bool, precision: dict[str
         use_cpu=not cuda,
         disable_tqdm=True,
         dataset_num_proc=None,
-        **precision,
+        **training_precision(t.precision, dtype, cuda=cuda, backend=backend),
     )
 
 
@@ -68,11 +69,12 @@ def sft_trainer_class(backend: str, cuda: bool) -> type:
 
 
 def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Any, run_dir: Path, *,
-          backend: str = "hf", cuda: bool = False, precision: dict[str, bool] | None = None,
+          backend: str = "hf", cuda: bool = False, dtype: str = "float32",
           callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train `model`'s LoRA adapter in place on the rendered targets, save it to RUN_DIR/primed_adapter.
 
-    `precision` holds the bf16/fp16 flags the GRPO stage uses (fp32 when None). Metrics go to
+    `dtype` is the dtype the model was loaded in (LoadedModel.dtype): with train.precision it gives the bf16/fp16
+    flags, the same ones the GRPO stage uses. Metrics go to
     metrics.jsonl with stage "prime"; `callbacks` are extra TrainerCallbacks. Returns a summary:
     steps, examples, seconds, first and last logged loss. Imports trl (Unsloth's patched
     SFTTrainer once Unsloth was imported).
@@ -85,7 +87,7 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     pairs = priming_pairs(examples, recipe.prime.num_examples)
     if not pairs:
         raise RecipeError("prime: no training examples to prime on", fix="raise prime.num_examples or data.limit")
-    config = build_sft_config(recipe, run_dir, cuda, precision or {"bf16": False, "fp16": False})
+    config = build_sft_config(recipe, run_dir, cuda, dtype, backend)
     trainer = sft_trainer_class(backend, cuda)(
         model=model,
         args=config,

@@ -1,0 +1,168 @@
+"""The CUDA path, checked on a CPU machine (issue 13): precision from the loaded dtype, the sampling engine, vLLM as
+an opt-in, vLLM memory, the eval's mode and RNG, OOM residue, drivers and capabilities.
+
+No GPU is needed and nothing is monkeypatched: each function takes what it would ask the machine (a compute
+capability, a CudaFacts, a module table) as an argument, and the models are small fakes or the tiny test model.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lowmem_grpo.device import model_dtype, resolve_dtype, training_precision
+from lowmem_grpo.errors import BadInputError
+
+# --- 1. precision follows the dtype the model was really loaded in -------------------------------
+
+
+def test_auto_dtype_follows_native_bf16_not_emulation():
+    """Turing (sm_75) emulates bf16 and torch.cuda.is_bf16_supported() says True; Unsloth loads float16 there."""
+    assert resolve_dtype("auto", cuda=True, capability=(7, 5)) == "float16"
+    assert resolve_dtype("auto", cuda=True, capability=(8, 6)) == "bfloat16"
+    assert resolve_dtype("auto", cuda=False) == "float32"
+    assert resolve_dtype("float16", cuda=True, capability=(9, 0)) == "float16"
+
+
+def _fake_model(dtype, **extra):
+    return SimpleNamespace(config=SimpleNamespace(dtype=dtype), **extra)
+
+
+def test_model_dtype_reads_the_model_as_unsloth_does():
+    assert model_dtype(_fake_model(torch.float16)) == "float16"
+    assert model_dtype(_fake_model("bfloat16")) == "bfloat16"
+    no_config_dtype = SimpleNamespace(config=SimpleNamespace(dtype=None),
+                                      get_input_embeddings=lambda: torch.nn.Embedding(2, 2).half())
+    assert model_dtype(no_config_dtype) == "float16"
+    assert model_dtype(_fake_model(torch.bfloat16, _unsloth_forced_float32=True)) == "float32"  # Gemma 3
+
+
+def test_flags_follow_the_loaded_dtype_on_cuda():
+    assert training_precision("auto", "float16", cuda=True, backend="unsloth") == {"bf16": False, "fp16": True}
+    assert training_precision("auto", "bfloat16", cuda=True, backend="unsloth") == {"bf16": True, "fp16": False}
+    assert training_precision("auto", "float32", cuda=True, backend="hf") == {"bf16": False, "fp16": False}
+    assert training_precision("auto", "bfloat16", cuda=False, backend="hf") == {"bf16": False, "fp16": False}
+    assert training_precision("fp32", "bfloat16", cuda=True, backend="hf") == {"bf16": False, "fp16": False}
+
+
+def test_unsloth_cuda_refuses_what_its_trainer_would_raise_on_or_override():
+    with pytest.raises(BadInputError, match="compute capability below 8"):  # Unsloth: "Model is in float16 ..."
+        training_precision("bf16", "float16", cuda=True, backend="unsloth")
+    with pytest.raises(BadInputError, match="autocast") as info:  # Unsloth turns fp32 into bf16/fp16 AMP
+        training_precision("fp32", "bfloat16", cuda=True, backend="unsloth")
+    assert "model.backend=hf" in info.value.fix
+    assert training_precision("fp16", "float16", cuda=True, backend="unsloth") == {"bf16": False, "fp16": True}
+
+
+def test_grpo_config_takes_the_loaded_dtype(tmp_path):
+    from lowmem_grpo.recipe import Recipe
+    from lowmem_grpo.train.grpo import build_grpo_config
+
+    config = build_grpo_config(Recipe(), tmp_path, False, [1.0] * 5, dtype="float16", backend="hf")
+    assert (config.bf16, config.fp16) == (False, False)  # CPU: no autocast whatever the weights
+
+
+# --- 2. the sampling engine: vLLM by its engine, sampling the live adapter -----------------------
+
+
+class Recorder:
+    """Records calls; returns `value`."""
+
+    def __init__(self, value=None):
+        self.calls, self.value = [], value
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.value
+
+
+def test_fast_generate_alone_is_not_vllm():
+    from lowmem_grpo.evaluation.generate import choose_engine
+
+    unsloth_without_vllm = SimpleNamespace(fast_generate=Recorder())  # Unsloth puts this on every model
+    assert choose_engine(unsloth_without_vllm) == "transformers"
+    with pytest.raises(BadInputError):
+        choose_engine(unsloth_without_vllm, "vllm")
+
+
+def test_a_vllm_engine_samples_the_live_adapter():
+    from lowmem_grpo.evaluation.generate import LIVE_ADAPTER, choose_engine, vllm_target
+
+    engine, request = SimpleNamespace(generate=Recorder()), object()
+    model = SimpleNamespace(vllm_engine=engine, peft_config={}, load_lora=Recorder(request),
+                            fast_generate=engine.generate)
+    assert choose_engine(model) == "vllm"
+    assert vllm_target(model) == (engine, request)
+    assert model.load_lora.calls == [((LIVE_ADAPTER,), {"load_tensors": True})]
+    given = object()
+    assert vllm_target(model, given) == (engine, given)  # an explicit request (eval's adapter) wins
+    base = SimpleNamespace(vllm_engine=engine)  # no adapter: the base weights, no request
+    assert vllm_target(base) == (engine, None)
+
+
+# --- 6. periodic eval: the mode it found, and training's RNG untouched ---------------------------
+
+
+class UnslothLike(torch.nn.Module):
+    """A model with Unsloth's for_inference / for_training and a generate that appends one EOS."""
+
+    def __init__(self, eos: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+        self.eos = eos
+        self.calls: list = []
+        self._unsloth_gradient_checkpointing = "unsloth"
+        self.generation_config = None
+
+    def for_inference(self):
+        self.calls.append("for_inference")
+        self.training = False
+
+    def for_training(self, use_gradient_checkpointing=None):
+        self.calls.append(("for_training", use_gradient_checkpointing))
+        self.training = True
+
+    def generate(self, input_ids, attention_mask=None, generation_config=None):
+        rows = input_ids.shape[0] * generation_config.num_return_sequences
+        ids = input_ids.repeat_interleave(generation_config.num_return_sequences, 0)
+        return torch.cat([ids, torch.full((rows, 1), self.eos)], dim=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_eval_puts_an_unsloth_model_back_with_its_checkpointing_mode(tiny_tokenizer):
+    from lowmem_grpo.evaluation.generate import generate
+
+    model = UnslothLike(tiny_tokenizer.eos_token_id).train()
+    out = generate(model, tiny_tokenizer, ["a", "b"], max_new_tokens=4, progress=False, engine="transformers")
+    assert [len(samples) for samples in out] == [1, 1]
+    assert model.calls == ["for_inference", ("for_training", "unsloth")] and model.training
+    model.eval()
+    model.calls.clear()
+    generate(model, tiny_tokenizer, ["a"], max_new_tokens=4, progress=False)
+    assert model.calls == ["for_inference"] and not model.training  # it was not training: it stays so
+
+
+def test_eval_neither_reseeds_nor_consumes_trainings_random_stream(tiny_model_dir, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_grpo.evaluation.generate import generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(123)
+    first = generate(model, tiny_tokenizer, ["two"], max_new_tokens=6, num_samples=2, temperature=1.0, seed=7,
+                     progress=False)
+    after = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.rand(3))
+    again = generate(model, tiny_tokenizer, ["two"], max_new_tokens=6, num_samples=2, temperature=1.0, seed=7,
+                     progress=False)
+    assert [g.text for g in first[0]] == [g.text for g in again[0]]  # the seed still makes it repeatable
