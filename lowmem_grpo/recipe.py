@@ -44,12 +44,14 @@ class ModelConfig:
     max_seq_length: int = 1024
     """Longest prompt + completion the model is prepared for."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Compute dtype; auto = bfloat16 where the GPU supports it, float16 on older GPUs; on CPU bfloat16 where the CPU
-    computes it natively (avx512_bf16 / AMX), else float32 (lowmem_grpo.device.resolve_dtype)."""
-    fast_inference: bool | None = None
-    """Generate with vLLM through Unsloth; None = when vLLM and CUDA are both present."""
+    """Compute dtype; auto = bfloat16 on GPUs of compute capability >= 8, float16 on older GPUs; on CPU bfloat16
+    where the CPU computes it natively (avx512_bf16 / AMX), else float32 (lowmem_grpo.device.resolve_dtype)."""
+    fast_inference: bool | None = False
+    """Generate with vLLM through Unsloth (backend unsloth, CUDA): opt-in, off unless true (None, the old default,
+    is off too); needs the `vllm` extra's resolved set: pip install -c constraints-vllm.txt -e '.[vllm]'."""
     gpu_memory_utilization: float = 0.6
-    """Share of GPU memory vLLM may reserve when fast_inference is on."""
+    """Share of the GPU memory free when the model loads that vLLM reserves when fast_inference is on (Unsloth
+    scales it by free memory; a plain vLLM engine, as `eval` builds, takes this share of the total)."""
     trust_remote_code: bool = False
     """Allow model code from the hub (needed by a few architectures)."""
 

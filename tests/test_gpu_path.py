@@ -166,3 +166,69 @@ def test_eval_neither_reseeds_nor_consumes_trainings_random_stream(tiny_model_di
     again = generate(model, tiny_tokenizer, ["two"], max_new_tokens=6, num_samples=2, temperature=1.0, seed=7,
                      progress=False)
     assert [g.text for g in first[0]] == [g.text for g in again[0]]  # the seed still makes it repeatable
+
+
+# --- 3. vLLM is opt-in ---------------------------------------------------------------------------
+
+
+def test_vllm_is_off_unless_asked_for():
+    from lowmem_grpo.device import resolve_fast_inference
+    from lowmem_grpo.memory.plan import resolve_settings
+    from lowmem_grpo.recipe import Recipe
+    from lowmem_grpo.recipe_io import apply_overrides
+
+    recipe = apply_overrides(Recipe(), ["model.backend=unsloth"])
+    assert recipe.model.fast_inference is False
+    assert resolve_settings(recipe, 8 * 2**30).fast_inference is False  # whether or not vllm is installed
+    assert resolve_fast_inference(None) is False and resolve_fast_inference(True) is True
+    on = apply_overrides(recipe, ["model.fast_inference=true"])
+    assert resolve_settings(on, 8 * 2**30).fast_inference is True
+
+
+# --- 4. vLLM memory and what an OOM retry may change ---------------------------------------------
+
+GIB = 2**30
+
+
+def _vllm_recipe(*extra: str):
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+
+    return apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=unsloth", "model.fast_inference=true",
+                                                                *extra])
+
+
+def test_auto_fit_takes_the_vllm_share_of_free_memory_and_never_raises_it():
+    """Unsloth reserves u x the memory free at load; auto-fit used to raise u towards 0.95 (of the budget)."""
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.errors import RecipeError
+    from lowmem_grpo.memory.fit import fit_to_device
+
+    recipe = _vllm_recipe("model.gpu_memory_utilization=0.6")
+
+    def card(free_gib: int) -> CudaFacts:
+        return CudaFacts(torch_cuda="13.0", available=True, capability=(8, 9), free_bytes=free_gib * GIB,
+                         total_bytes=24 * GIB)
+
+    fitted, plan = fit_to_device(recipe, set(), facts=card(8))
+    u = fitted.model.gpu_memory_utilization
+    assert u <= 0.6 and plan.fits
+    assert plan.terms["vllm_reservation"] == int(u * 8 * GIB)
+    with pytest.raises(RecipeError):
+        fit_to_device(recipe, set(), facts=card(3))  # the share is not raised to squeeze vLLM in
+    small_share = _vllm_recipe("model.gpu_memory_utilization=0.2")  # 0.2 x 8 GiB: under weights + 1 GiB
+    with pytest.raises(RecipeError, match="gpu_memory_utilization=0.2 gives vLLM") as info:
+        fit_to_device(small_share, set(), facts=card(8))
+    assert "fast_inference=false" in info.value.fix
+
+
+def test_oom_retry_never_changes_what_a_loaded_model_cannot_take():
+    from lowmem_grpo.train.oom import LOAD_TIME_KEYS, lower, lower_by_planner
+
+    recipe = _vllm_recipe("model.gpu_memory_utilization=0.6", "train.gradient_checkpointing=false")
+    for phase in ("update", "generation"):
+        lowered = lower_by_planner(recipe, phase)
+        if lowered is not None:
+            assert not set(lowered.changes) & LOAD_TIME_KEYS, lowered.describe()
+        anyway = lower(recipe, phase=phase)
+        assert anyway is not None and not set(anyway.changes) & LOAD_TIME_KEYS, anyway.describe()
+    assert {"model.gpu_memory_utilization", "lora.r", "train.gradient_checkpointing"} <= LOAD_TIME_KEYS

@@ -121,9 +121,11 @@ def test_kv_cache_logits_activations_by_hand(tiny):
     unsloth = dataclasses.replace(s, backend="unsloth")  # decode buffers of P + 1 + 512, plus the prefill's P
     assert mt.kv_cache(tiny, unsloth) == 8 * 2 * (32 + 1 + 512 + 32) * 2 * 32 * 2
     assert mt.kv_cache(tiny, dataclasses.replace(s, fast_inference=True)) == 0
-    # N = b x C = 256 scored tokens: tile 256 x 600 x 2 + N x H x (rb + 4) + N x 32 (+ the bf16 copy of an
-    # fp32 lm_head chunk, 600 x 64 x 2, on hf with 4-bit, whose residual stream is fp32: rb = 4)
-    assert mt.logits(tiny, unsloth) == 256 * 600 * 2 + 256 * 64 * (2 + 4) + 256 * 32
+    # N = b x C = 256 scored tokens. hf (TRL's kernel): tile 256 x 600 x 2 + N x H x (rb + 4) + N x 32 + the bf16
+    # copy of an fp32 lm_head chunk, 600 x 64 x 2 (hf with 4-bit, whose residual stream is fp32: rb = 4).
+    # unsloth (its own kernel; a vocabulary of 2 x 16384 or less takes the chunked path): one fp32 chunk of
+    # min(N, 4096) rows x ceil8(V) + N x H x 4 + N x 16
+    assert mt.logits(tiny, unsloth) == 256 * 600 * 4 + 256 * 64 * 4 + 256 * 16
     assert mt.logits(tiny, s) == 256 * 600 * 2 + 256 * 64 * (4 + 4) + 256 * 32 + 600 * 64 * 2
     assert mt.logits(tiny, dataclasses.replace(s, logits="full")) == 256 * 600 * (2 * 2 + 4)
     # per token per layer: rb x (2 + 2) x 64 + 2 x (3 x 64 + 2 x 32 + m x 128 + 8 x 7) + 4 x (2 + 4)
@@ -140,12 +142,51 @@ def test_kv_cache_logits_activations_by_hand(tiny):
     assert mt.activations(tiny, no_gc) == 2 * tokens * 1928 + 4 * hidden_bf16 + mask  # every layer kept, no 4-bit
 
 
+def test_unsloth_logits_term_follows_unsloths_kernel():
+    """Qwen2.5-1.5B, 16 completions x 512 tokens (N = 8192), bf16, an 8 GB card: the tiled forward of
+    unsloth_zoo's fused_linear: a 4096 x 16384 fp32 tile, its 4096 x H accumulator, N x H x 3 x 2, N x 16."""
+    arch = load_architecture("Qwen/Qwen2.5-1.5B-Instruct")
+    s = resolve_settings(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=unsloth"]), 8 * GIB)
+    assert s.per_device_batch * s.completion_len == 8192
+    flash = 4096 * 16384 * 4 + 4096 * 1536 * 4 + 8192 * 1536 * 6 + 16 * 8192
+    assert mt.logits(arch, s) == flash and round(flash / MIB, 3) == 352.125
+    # fp32 compute takes the chunked path: 512 rows (its floor for V = 151936) x V x 4 + N x H x 4 + N x 16
+    fp32 = dataclasses.replace(s, compute_bytes=4)
+    assert mt.logits(arch, fp32) == 512 * 151936 * 4 + 8192 * 1536 * 4 + 16 * 8192
+    assert mt.unsloth_chunk_rows(8192, 1536, 262144) == 512 and mt.unsloth_chunk_rows(100, 64, 151936) == 100
+
+
+def test_unsloth_kernel_constants_match_the_installed_source():
+    """A drift guard: the defaults our unsloth term copies, read from unsloth_zoo's source (not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("unsloth_zoo")
+    if spec is None:
+        pytest.skip("unsloth_zoo is not installed")
+    source = (Path(spec.origin).parent / "fused_losses" / "fused_linear.py").read_text(encoding="utf-8")
+
+    def default(env: str) -> float:
+        match = re.search(rf'"{env}",\s*([0-9.]+)', source)
+        assert match, env
+        return float(match.group(1))
+
+    assert default("UNSLOTH_FUSED_LINEAR_SPLIT_COLS") == mt.UNSLOTH_SPLIT_COLS
+    assert default("UNSLOTH_FUSED_LINEAR_MAX_ROWS") == mt.UNSLOTH_MAX_ROWS
+    assert default("UNSLOTH_LOGPROB_CHUNK_GB") * GIB == mt.UNSLOTH_CHUNK_BYTES
+    assert re.search(r'"UNSLOTH_FUSED_LINEAR_BWD_TILE_MB", 8 if _HIP_TILES else (\d+)\)', source).group(1) == \
+        str(mt.UNSLOTH_BWD_TILE_BYTES // MIB)
+    assert "_MIN_LOGITS = 512 * 151936" in source and "_SMALL_CARD_BYTES = 24.5 * 1024**3" in source
+
+
 def test_reference_vllm_and_sliding_window_terms(tiny):
     s = tiny_settings()
     assert mt.reference_model(tiny, s) == 0
     assert mt.reference_model(tiny, dataclasses.replace(s, beta=0.04)) == 8 * 64 * 4
     assert mt.vllm_reservation(tiny, s) == 0
     assert mt.vllm_reservation(tiny, dataclasses.replace(s, fast_inference=True)) == int(0.5 * 8 * GIB)
+    # Unsloth takes the share of the memory free at load, not of the total
+    free = dataclasses.replace(s, fast_inference=True, gpu_free_bytes=3 * GIB)
+    assert mt.vllm_reservation(tiny, free) == int(0.5 * 3 * GIB)
     gemma = architecture_from_config({**TINY, "model_type": "gemma3_text", "num_hidden_layers": 6,
                                       "sliding_window": 512, "sliding_window_pattern": 6, "head_dim": 16})
     assert gemma.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
@@ -317,8 +358,11 @@ def test_fit_to_device_without_cuda_and_the_saved_plan(tmp_path):
     from lowmem_grpo.memory.fit import fit_to_device
     from lowmem_grpo.rundir.layout import PLAN_FILE, write_json
 
+    from lowmem_grpo.device import CudaFacts
+
     recipe = load_recipe("qwen2_5_1_5b_gsm8k")
-    assert fit_to_device(recipe, set()) == (recipe, None)  # this machine has no CUDA GPU: nothing changes
+    no_gpu = CudaFacts(torch_cuda="13.0", available=False)
+    assert fit_to_device(recipe, set(), facts=no_gpu) == (recipe, None)  # no CUDA GPU: nothing changes
     result = plan(recipe, 8 * GIB)
     write_json(tmp_path / PLAN_FILE, result.to_dict())  # as train() saves it
     saved = json.loads((tmp_path / PLAN_FILE).read_text())

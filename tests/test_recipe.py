@@ -47,7 +47,7 @@ def test_overrides_are_typed():
     assert recipe.train.learning_rate == pytest.approx(2e-5)
     assert recipe.lora.target_modules == ["q_proj", "v_proj"]
     assert recipe.data.system_prompt == "0.5"  # a string field keeps the raw text
-    assert recipe.model.fast_inference is None
+    assert recipe.model.fast_inference is None  # an explicit null is kept (and means off)
 
 
 @pytest.mark.parametrize("override, key, hint", [

@@ -152,7 +152,7 @@ KNOBS: dict[str, tuple[tuple[str, ...], Callable[[Recipe], Any], Callable[..., l
 
 
 def _fitting(recipe: Recipe, options: list[dict[str, Any]], arch: Architecture, budget: int,
-             logits: str) -> tuple[Recipe, Plan, dict[str, Any]] | None:
+             logits: str, free_bytes: int | None = None) -> tuple[Recipe, Plan, dict[str, Any]] | None:
     """The first option (they come largest first) that is a valid recipe and fits the budget."""
     for change in options:
         candidate = _apply(recipe, change)
@@ -160,7 +160,7 @@ def _fitting(recipe: Recipe, options: list[dict[str, Any]], arch: Architecture, 
             validate(candidate)
         except RecipeError:
             continue
-        result = plan(candidate, budget, arch=arch, logits=logits)
+        result = plan(candidate, budget, arch=arch, logits=logits, free_bytes=free_bytes)
         if result.fits and _vllm_ok(arch, result.settings):
             return candidate, result, change
     return None
@@ -194,37 +194,40 @@ def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture, logits: s
 
 
 def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture | None = None,
-             allow_hub: bool = True, logits: str = "chunked") -> tuple[Recipe, Plan]:
+             allow_hub: bool = True, logits: str = "chunked", free_bytes: int | None = None) -> tuple[Recipe, Plan]:
     """Fit the recipe into `budget_bytes` by changing only settings whose keys are not in `explicit`.
 
     Knobs are lowered in this order until the plan fits: per-device batch (gradient accumulation
     raised to keep the optimizer batch), generation batch, max_completion_length, num_generations,
     vLLM share; then each is raised back as far as the budget allows, never above the recipe's own
-    value. Raises RecipeError naming the explicit settings to lower when even that cannot fit.
+    value (the vLLM share included: it is a share of the memory free at load, `free_bytes`, and a larger one
+    would leave less for training than the recipe planned). Raises RecipeError naming the explicit settings to
+    lower when even that cannot fit.
     """
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     explicit = set(explicit)
     validate(recipe)
     current = recipe
-    result = plan(current, budget_bytes, arch=arch, logits=logits)
+    result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
     if result.fits and _vllm_ok(arch, result.settings):
         return current, result
     free = [k for k, (keys, _, _) in KNOBS.items() if not set(keys) & explicit
             and (k != "gpu_memory_utilization" or result.settings.fast_inference)]
     if not current.train.gradient_checkpointing and "train.gradient_checkpointing" not in explicit:
         current = _apply(current, {"train.gradient_checkpointing": True})
-    # the vLLM share may move either way; every other knob only goes down from the recipe's value
-    original = {k: 0.95 if k == "gpu_memory_utilization" else KNOBS[k][1](recipe) for k in free}
+    # every knob, the vLLM share too, only goes down from the recipe's value
+    original = {k: KNOBS[k][1](recipe) for k in free}
     for knob in free:  # lower
-        result = plan(current, budget_bytes, arch=arch, logits=logits)
+        result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
         if result.fits and _vllm_ok(arch, result.settings):
             break
-        upper = original[knob] if knob == "gpu_memory_utilization" else KNOBS[knob][1](current)
-        options = KNOBS[knob][2](current, upper, explicit)
-        best = _fitting(current, options, arch, budget_bytes, logits)
+        options = KNOBS[knob][2](current, KNOBS[knob][1](current), explicit)
+        best = _fitting(current, options, arch, budget_bytes, logits, free_bytes)
         if best is not None:
             current = best[0]
+            continue
+        if knob == "gpu_memory_utilization":  # a share too small for vLLM's weights and cache helps nothing
             continue
         for change in reversed(options):  # none fits yet: take the smallest valid value and go on
             candidate = _apply(current, change)
@@ -235,11 +238,20 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
             current = candidate
             break
     for knob in free:  # raise back what later knobs made room for
-        best = _fitting(current, KNOBS[knob][2](current, original[knob], explicit), arch, budget_bytes, logits)
+        best = _fitting(current, KNOBS[knob][2](current, original[knob], explicit), arch, budget_bytes, logits,
+                        free_bytes)
         if best is not None:
             current = best[0]
-    result = plan(current, budget_bytes, arch=arch, logits=logits)
-    if not (result.fits and _vllm_ok(arch, result.settings)):
+    result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
+    if result.fits and not _vllm_ok(arch, result.settings):
+        s = result.settings
+        raise RecipeError(f"model.gpu_memory_utilization={s.gpu_memory_utilization} gives vLLM "
+                          f"{format_bytes(mt.vllm_reservation(arch, s))} of the GPU memory free at load, less than "
+                          f"the {format_bytes(mt.vllm_minimum(arch, s))} its weights and cache need (auto-fit never "
+                          "raises the share: it is taken from what training has)",
+                          fix="raise model.gpu_memory_utilization yourself, free GPU memory, or set "
+                              "model.fast_inference=false")
+    if not result.fits:
         named = [f"{k}={_value(recipe, k)}" for k in MEMORY_KEYS if k in explicit]
         fix = (f"lower one of the settings you gave: {', '.join(named)}" if named else
                "use a smaller model (model.name), model.load_in_4bit=true, or a GPU with more memory")
@@ -271,16 +283,21 @@ def plan_with_proposal(recipe: Recipe, budget_bytes: int | None = None, *, arch:
     return result
 
 
-def fit_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05) -> tuple[Recipe, Plan | None]:
+def fit_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05,
+                  facts: Any = None) -> tuple[Recipe, Plan | None]:
     """auto_fit to this process's CUDA GPU (its free memory, less `headroom` x total), logging the chosen
-    values and the predicted peak; (recipe, None) when there is no CUDA GPU. Imports torch."""
-    import torch
+    values and the predicted peak; (recipe, None) when there is no CUDA GPU. `facts` is a
+    lowmem_grpo.device.CudaFacts (None: this machine's, which imports torch): a caller that knows the GPU, or a
+    test with a GPU this machine does not have, passes its own."""
+    if facts is None:
+        from lowmem_grpo.device import cuda_facts
 
-    if not torch.cuda.is_available():
+        facts = cuda_facts()
+    if not facts.available or not facts.total_bytes:
         return recipe, None
-    free, total = torch.cuda.mem_get_info()
+    free, total = facts.free_bytes, facts.total_bytes
     budget = device_budget(free, total, headroom)
-    fitted, result = auto_fit(recipe, budget, explicit)
+    fitted, result = auto_fit(recipe, budget, explicit, free_bytes=free)
     log.info("memory plan: predicted peak %s (%s phase) within a budget of %s (%s free of %s)",
              format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(free),
              format_bytes(total))

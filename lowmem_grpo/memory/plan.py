@@ -107,11 +107,13 @@ def device_budget(free_bytes: int, total_bytes: int, headroom: float = 0.05) -> 
     return int(free_bytes + mt.CUDA_CONTEXT_BYTES - headroom * total_bytes)
 
 
-def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunked") -> Settings:
-    """The recipe's memory-relevant settings as a CUDA run resolves them (auto values included)."""
+def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunked",
+                     gpu_free_bytes: int = 0) -> Settings:
+    """The recipe's memory-relevant settings as a CUDA run resolves them (auto values included);
+    `gpu_free_bytes` is the memory free when the model loads (what Unsloth's vLLM share is taken of)."""
     m, t = recipe.model, recipe.train
     backend = resolve_backend(m.backend, cuda=True)
-    fast = resolve_fast_inference(m.fast_inference, cuda=True)
+    fast = resolve_fast_inference(m.fast_inference)
     fp32 = m.dtype == "float32" or t.precision == "fp32"
     return Settings(
         backend=backend,
@@ -130,6 +132,7 @@ def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "ch
         fast_inference=bool(fast) and backend == "unsloth",
         gpu_memory_utilization=m.gpu_memory_utilization,
         gpu_total_bytes=gpu_total_bytes,
+        gpu_free_bytes=gpu_free_bytes,
         logits=logits,
     )
 
@@ -150,12 +153,13 @@ def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -
 
 
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
-         allow_hub: bool = True, logits: str = "chunked") -> Plan:
-    """Predicted peak GPU memory of a recipe (lowmem_grpo.memory.fit adds the largest settings that fit)."""
+         allow_hub: bool = True, logits: str = "chunked", free_bytes: int | None = None) -> Plan:
+    """Predicted peak GPU memory of a recipe (lowmem_grpo.memory.fit adds the largest settings that fit);
+    `free_bytes`: the GPU memory free at load when known (the vLLM share is taken of it), else the budget."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
-    return evaluate(arch, resolve_settings(recipe, total_gpu, logits), budget_bytes)
+    return evaluate(arch, resolve_settings(recipe, total_gpu, logits, free_bytes or 0), budget_bytes)
 
 
 def format_plan(p: Plan, title: str = "") -> str:

@@ -14,7 +14,10 @@ How the next settings are chosen, in this order:
    b. num_generations / 2 (at least 2), with the per-device batch halved alongside, so the same prompts
       are sampled with half as many completions each;
    c. max_completion_length / 2 (at least MIN_COMPLETION_LENGTH tokens).
-Each retry appends a line to RUN_DIR/oom_retries.jsonl and rewrites RUN_DIR/recipe.yaml with the
+Neither way touches a setting that cannot change on a loaded model (LOAD_TIME_KEYS: model.*, lora.*,
+train.gradient_checkpointing, data.max_prompt_length): the vLLM pool is already reserved, Unsloth armed its
+checkpointing in get_peft_model, and the prompts are already tokenized; a retry only changes what the next
+trainer reads. Each retry appends a line to RUN_DIR/oom_retries.jsonl and rewrites RUN_DIR/recipe.yaml with the
 lowered settings under a comment naming the change, so that `--resume` continues with them.
 Torch-free (torch only to recognise the error).
 """
@@ -42,6 +45,20 @@ MIN_COMPLETION_LENGTH = 16
 PLANNER_CUT = 0.25  # share of the planner's non-static peak to free per retry
 NOTE_PREFIX = "# lowmem-grpo: "
 _GENERATION_FRAMES = {"generate", "_generate", "_sample", "generate_completions", "_generate_single_turn"}
+
+
+def _load_time_keys() -> frozenset[str]:
+    import dataclasses
+
+    from lowmem_grpo.recipe import LoraConfig, ModelConfig
+
+    keys = {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)}
+    keys |= {f"lora.{f.name}" for f in dataclasses.fields(LoraConfig)}
+    return frozenset(keys | {"train.gradient_checkpointing", "data.max_prompt_length"})
+
+
+LOAD_TIME_KEYS = _load_time_keys()
+"""Settings fixed once the model is loaded (and the prompts tokenized): an OOM retry never changes them."""
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -119,7 +136,7 @@ def lower_by_planner(recipe: Recipe, phase: str = "generation") -> Lowering | No
         current = plan(recipe, arch=arch)
         static = current.phases["static"]
         budget = int(static + (1 - PLANNER_CUT) * (current.total_bytes - static))
-        new, fitted = auto_fit(recipe, budget, set(), arch=arch)
+        new, fitted = auto_fit(recipe, budget, set(LOAD_TIME_KEYS), arch=arch)  # only what a new trainer reads
     except Exception as exc:  # noqa: BLE001 - any planner failure falls back to halving
         log.info("memory planner not usable for the OOM retry (%s: %s); halving instead", type(exc).__name__, exc)
         return None
@@ -183,9 +200,18 @@ def lower_by_halving(recipe: Recipe) -> Lowering | None:
     return None
 
 
+def changes_load_time_settings(lowering: Lowering) -> bool:
+    """Whether a lowering touches a setting that a loaded model cannot take (LOAD_TIME_KEYS)."""
+    return any(key in LOAD_TIME_KEYS for key in lowering.changes)
+
+
 def lower(recipe: Recipe, use_planner: bool = True, phase: str = "generation") -> Lowering | None:
-    """Lower the memory settings after an OOM in `phase`: the planner when usable, else halving."""
-    return (lower_by_planner(recipe, phase) if use_planner else None) or lower_by_halving(recipe)
+    """Lower the memory settings after an OOM in `phase`: the planner when usable, else halving; never a
+    change to a load-time setting (it would be recorded but not take effect)."""
+    for lowering in ((lower_by_planner(recipe, phase) if use_planner else None), lower_by_halving(recipe)):
+        if lowering is not None and not changes_load_time_settings(lowering):
+            return lowering
+    return None
 
 
 def record(run_dir: Path, retry: int, step: int, phase: str, error: str, resumed_from: str | None,

@@ -14,7 +14,7 @@ from lowmem_grpo import distributed
 from lowmem_grpo.backends import load, prepare, resolve_model_path
 from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import load_train_rows, recipe_examples
-from lowmem_grpo.device import training_precision
+from lowmem_grpo.device import CudaFacts, cuda_facts, require_gpu, training_precision
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.memory.fit import fit_to_device
@@ -34,17 +34,19 @@ log = logging.getLogger(__name__)
 
 
 def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Path | None = None,
-          explicit: set[str] | None = None) -> Path:
+          explicit: set[str] | None = None, cuda: CudaFacts | None = None) -> Path:
     """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
     The adapter starts fresh, or from lora.init_adapter (then priming, when on, continues from it).
 
     `callbacks` are extra transformers TrainerCallbacks for the GRPO trainer (a Python caller's seam: to inspect
     its state, or a test's fault injector). `resume_dir` continues that run (whose recipe.yaml `recipe` is) from
     its last complete checkpoint. `explicit` are the dotted keys the user set on the command line; auto-fit
-    never changes them.
+    never changes them. `cuda` is what is known about the GPU (lowmem_grpo.device.CudaFacts; None: this machine's):
+    a GPU recipe stops without a usable one, and auto-fit fits its free memory.
     """
-    backend = setup(recipe)
-    fit = fit_memory(recipe, explicit or set(), resume_dir)
+    cuda = cuda or cuda_facts()
+    backend = setup(recipe, cuda)
+    fit = fit_memory(recipe, explicit or set(), resume_dir, cuda)
     recipe = fit.recipe
     rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
     model_path = model_path_once(recipe)  # a missing model folder fails before the run directory exists
@@ -81,10 +83,11 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     return save_and_report(trainer, run_dir)
 
 
-def setup(recipe: Recipe) -> str:
-    """Validate, import Unsloth first when it is the backend, join the launcher's process group, check the
-    trainer fields and the logger; returns the backend."""
+def setup(recipe: Recipe, cuda: CudaFacts) -> str:
+    """Validate, stop a GPU recipe without a usable GPU, import Unsloth first when it is the backend, join the
+    launcher's process group, check the trainer fields and the logger; returns the backend."""
     validate(recipe, num_processes=distributed.world_size())
+    require_gpu(recipe.gpu_memory_gb, cuda)  # not days of float32 on CPU by accident: exit 2, the cause named
     backend = prepare(recipe.model.backend)  # Unsloth must be imported before trl/transformers/peft
     distributed.setup(recipe.train.extra)  # nothing for one process
     from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after prepare()
@@ -102,12 +105,12 @@ class MemoryFit:
     plan: Any = None
 
 
-def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None) -> MemoryFit:
+def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None, cuda: CudaFacts) -> MemoryFit:
     """Before any model loads: the non-explicit settings fitted to this GPU's free memory (RecipeError names
     explicit ones that cannot fit); the recipe as it is on CPU, on resume and under several processes."""
     if recipe.train.auto_fit is False or resume_dir is not None or distributed.world_size() > 1:
         return MemoryFit(recipe)
-    return MemoryFit(*fit_to_device(recipe, explicit))
+    return MemoryFit(*fit_to_device(recipe, explicit, facts=cuda))
 
 
 def model_path_once(recipe: Recipe) -> str:
