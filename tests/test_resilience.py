@@ -198,6 +198,27 @@ def test_injected_oom_lowers_settings_records_them_and_continues(tiny_model_dir,
 
 
 @pytest.mark.slow
+def test_a_retried_step_matches_a_clean_run_from_the_same_checkpoint(tiny_model_dir, tmp_path):
+    """An OOM at step 2 is retried from checkpoint-1 with lowered settings; a fresh process resuming a copy of that
+    run from checkpoint-1 with the same (lowered) recipe.yaml must end with the same adapter, bit for bit: the
+    failed attempt leaves nothing behind (trainer, optimizer, RNG, mode) that changes the retried steps."""
+    import shutil
+
+    run, clean = tmp_path / "retried", tmp_path / "clean"
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.save_total_limit=5", steps=3, save_steps=1),
+                              faults=["oom@2"])
+    assert code == 0 and "OOM retry 1" in log, log[-3000:]
+    shutil.copytree(run, clean)
+    for name in ("checkpoint-2", "checkpoint-3", "adapter"):
+        shutil.rmtree(clean / name)
+    code, log = cli_inprocess("train", "--resume", str(clean))
+    assert code == 0 and "checkpoint-1" in log, log[-3000:]
+    a, b = adapter_tensors(run / "adapter"), adapter_tensors(clean / "adapter")
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+    assert [m["reward"] for m in metrics(run) if "reward" in m] == [m["reward"] for m in metrics(clean) if "reward" in m]
+
+
+@pytest.mark.slow
 def test_oom_retries_used_up_stop_with_what_was_tried(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.oom_retries=1"), faults=['oom@1:update*9'])

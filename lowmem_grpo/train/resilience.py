@@ -6,7 +6,8 @@
 - on the first SIGINT or SIGTERM lets the current step finish, writes a checkpoint and the report, and
   raises InterruptedRun (exit 130 / 143); a second signal aborts at once (Aborted, a KeyboardInterrupt),
   leaving the last complete checkpoint as it was;
-- on a CUDA out-of-memory error frees the memory, lowers the settings (lowmem_grpo.train.oom), records the
+- on a CUDA out-of-memory error releases the failed trainer, resets what Unsloth leaves set after an exception,
+  frees the memory, lowers the settings (lowmem_grpo.train.oom), records the
   change in the run directory, rewinds to the last complete checkpoint (or the start) and trains again,
   at most train.oom_retries times; then stops with what was tried;
 - on a full disk removes the checkpoint it could not finish and stops with DiskFullError (exit 2);
@@ -19,7 +20,9 @@ from __future__ import annotations
 import errno
 import gc
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -117,15 +120,41 @@ def _restore(model: Any, snapshot: dict[str, Any]) -> None:
                 p.copy_(snapshot[name].to(p.device))
 
 
-def _free(trainer: Any, model: Any) -> None:
-    """Drop what a failed attempt holds on the GPU: prepared objects, gradients, optimizer state, the cache."""
-    import torch
-
+def release(trainer: Any) -> None:
+    """Drop what a failed trainer holds on the GPU: its buffered generation batch (TRL keeps the whole batch of
+    completions between generation and the updates), the objects accelerate prepared, the optimizer and scheduler.
+    The caller then drops its own reference, so that collecting can free the trainer itself."""
+    if hasattr(trainer, "_buffered_inputs"):
+        trainer._buffered_inputs = None
     try:
         trainer.accelerator.free_memory()
-    except Exception:  # noqa: BLE001 - best effort; the references are dropped below anyway
+    except Exception:  # noqa: BLE001 - best effort; the references are dropped anyway
         pass
     trainer.optimizer = trainer.lr_scheduler = None
+
+
+def reset_unsloth_state(model: Any, modules: Any = None) -> None:
+    """Undo what an exception inside Unsloth's GRPO step leaves behind (a no-op without Unsloth):
+
+    - UNSLOTH_RETURN_HIDDEN_STATES: set to "1" around the no-grad log-prob pass and reset only on its normal path;
+      left at "1", every forward returns hidden states as .logits, and generation samples from them;
+    - the offloaded gradient-checkpointing buffers, which Unsloth's train() wrapper resets only after a train()
+      that returned (unsloth_zoo.gradient_checkpointing.reset_unsloth_gradient_checkpointing_buffers);
+    - the model's training mode with its checkpointing mode (for_training), as Unsloth's wrapper would.
+    `modules` is where to find an imported unsloth_zoo (sys.modules; a test passes its own table)."""
+    if os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES") not in (None, "0"):
+        os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "0"
+    checkpointing = (sys.modules if modules is None else modules).get("unsloth_zoo.gradient_checkpointing")
+    if checkpointing is not None and hasattr(checkpointing, "reset_unsloth_gradient_checkpointing_buffers"):
+        checkpointing.reset_unsloth_gradient_checkpointing_buffers()
+    if hasattr(model, "for_training"):
+        model.for_training(use_gradient_checkpointing=getattr(model, "_unsloth_gradient_checkpointing", None))
+
+
+def free_memory(model: Any) -> None:
+    """Gradients dropped, garbage collected, the CUDA cache emptied: after the failed trainer is unreferenced."""
+    import torch
+
     model.zero_grad(set_to_none=True)
     gc.collect()
     if torch.cuda.is_available():
@@ -206,10 +235,10 @@ class OomRetries:
         self.use_planner = use_planner
         self.tried: list[str] = []
 
-    def recover(self, trainer: Any, recipe: Any, error: str, phase: str) -> tuple[Any, Path | None]:
-        """The lowered recipe and the checkpoint to continue from; OutOfMemoryError when no retry is left."""
+    def recover(self, step: int, recipe: Any, error: str, phase: str) -> tuple[Any, Path | None]:
+        """The lowered recipe and the checkpoint to continue from, after an OOM at `step` (the failed trainer
+        already released and unreferenced); OutOfMemoryError when no retry is left."""
         run_dir, limit = self.run_dir, recipe.train.oom_retries
-        step = trainer.state.global_step + 1
         log.error("CUDA out of memory at step %d (%s): %s", step, phase, error)
         if distributed.is_distributed():
             raise _oom_stop(run_dir, step, phase, self.tried, limit,
@@ -219,7 +248,8 @@ class OomRetries:
         lowering = oom.lower(recipe, use_planner=self.use_planner, phase=phase)
         if lowering is None:
             raise _oom_stop(run_dir, step, phase, self.tried, limit, "every memory setting is already at its floor")
-        _free(trainer, self.model)
+        reset_unsloth_state(self.model)
+        free_memory(self.model)
         last = checkpoints.last_complete(run_dir)
         main = distributed.is_main_process()
         if main:
@@ -266,8 +296,11 @@ def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: 
             failure = _train_once(trainer, run_dir, resume_from)
             if failure is None:
                 break
-            # outside the except block: the traceback's frames (and the tensors they hold) can be freed now
-            recipe, resume_from = retries.recover(trainer, recipe, *failure)
+            # outside the except block: the traceback's frames (and the tensors they hold) can be freed now; the
+            # failed trainer is released and unreferenced before anything is collected
+            step = trainer.state.global_step + 1
+            release(trainer)
             trainer = None
+            recipe, resume_from = retries.recover(step, recipe, *failure)
     _stop_if_interrupted(guard, trainer, run_dir)
     return trainer
