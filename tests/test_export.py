@@ -285,3 +285,43 @@ def test_incomplete_checkpoint_is_refused(run_dir, tmp_path):
     with pytest.raises(BadInputError, match="incomplete"):
         export(partial, "lora", tmp_path / "out", checkpoint=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_that_lost_the_adapter_fails_the_default_proof(run_dir, tmp_path):
+    """PEFT's unload() drops the LoRA layers without merging them: the saved model is the base model. In bfloat16
+    the absolute default tolerance used to be larger than a short run's whole adapter effect, so this passed with a
+    warning; now the export must keep the adapter's effect (proof.ADAPTER_SHARE) and it fails, writing nothing."""
+    from lowmem_grpo.errors import LowmemError
+    from lowmem_grpo.export.formats import export
+
+    for dtype in ("bfloat16", "float32"):
+        out = tmp_path / f"lost-{dtype}"
+        with pytest.raises(LowmemError, match="lost the adapter|above the tolerance"):
+            export(run_dir, "merged-16bit", out, dtype=dtype, merge=lambda model: model.unload())
+        assert not out.exists() and no_leftovers(tmp_path)
+
+
+def test_exported_adapter_names_the_original_base_not_unsloths_4bit_repo(run_dir, tmp_path):
+    """Unsloth loads unsloth/<Name>-unsloth-bnb-4bit for a 4-bit base and PEFT records it; the export names the
+    recipe's model, so the adapter loads on the model that was meant."""
+    import json
+    import shutil
+
+    import yaml
+
+    from lowmem_grpo.export.formats import export
+
+    run = tmp_path / "unsloth-run"
+    shutil.copytree(run_dir, run)
+    config_path = run / "adapter" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = "unsloth/Qwen2.5-1.5B-Instruct-unsloth-bnb-4bit"
+    config_path.write_text(json.dumps(config))
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["model"]["name"] = "Qwen/Qwen2.5-1.5B-Instruct"
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "lora"
+    export(run, "lora", out)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        "Qwen/Qwen2.5-1.5B-Instruct"
+    assert "Qwen/Qwen2.5-1.5B-Instruct" in (out / "README.md").read_text()

@@ -390,3 +390,33 @@ def test_cli_train_of_a_gpu_recipe_exits_2_on_this_cpu_machine(tmp_path):
     code, log = cli_inprocess("train", "recipes/qwen2_5_1_5b_gsm8k.py", f"output.dir={tmp_path / 'run'}")
     assert code == 2 and "tuned for a 8 GB GPU" in log and "gpu_memory_gb=null" in log, log[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+# --- 9. the base an adapter names ----------------------------------------------------------------
+
+
+def test_the_original_base_replaces_unsloths_prequantized_repo():
+    from lowmem_grpo.export.formats import original_base
+
+    unsloth_repo = "unsloth/Qwen2.5-1.5B-Instruct-unsloth-bnb-4bit"
+    assert original_base(unsloth_repo, "Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert original_base(unsloth_repo, None) == "unsloth/Qwen2.5-1.5B-Instruct"  # Unsloth's 16-bit mirror
+    assert original_base("unsloth/Llama-3.2-1B-Instruct-bnb-4bit", "embedded:x") == "unsloth/Llama-3.2-1B-Instruct"
+    assert original_base("/models/tiny", "Qwen/Qwen2.5-1.5B-Instruct") == "/models/tiny"  # hf runs: as recorded
+
+
+# --- 11. the export proof judges the merge against the adapter's own effect ----------------------
+
+
+def test_a_lost_adapter_fails_even_within_the_bf16_tolerance():
+    """The issue's numbers: embedded SmolLM2 after 3 steps, max |logit| 43.7, adapter effect 1.6, bf16 tolerance
+    max(0.05, 0.1 x 43.7) = 4.4. A lost adapter differs by the whole effect."""
+    from lowmem_grpo.export.proof import judge, tolerance_for
+
+    tolerance = tolerance_for("merged-16bit", "bfloat16", 43.7)
+    assert tolerance == pytest.approx(4.37)
+    assert "lost the adapter" in judge(1.6, tolerance, 1.6, relative=True)
+    assert judge(1.25, tolerance, 1.6, relative=True) is not None  # bf16 rounding as large as the adapter
+    assert judge(1.1e-4, tolerance_for("merged-16bit", "float32", 43.7), 1.6, relative=True) is None
+    assert judge(1.25, 2.0, 1.6, relative=False) is None  # an explicit --tolerance judges absolutely
+    assert "above the tolerance" in judge(2.5, 2.0, 10.0, relative=False)

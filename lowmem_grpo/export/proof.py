@@ -31,6 +31,27 @@ LoRA delta crosses a boundary. Measured with bitsandbytes' CPU backend: tiny mod
 SmolLM2-135M after 3 steps 2.3 (float32 compute) and 2.9 (bfloat16), allowed 6.45. Not yet measured on CUDA."""
 
 
+ADAPTER_SHARE = 0.25
+"""With the default tolerance, a merged (or GGUF) export may differ from the adapter model by at most this share
+of the adapter's own effect (max |adapter - base logits|, measured in the same precision). An export that lost the
+adapter differs by all of it (share 1: the absolute tolerance alone let that pass in bfloat16, 4.4 allowed against
+an effect of 1.6); a float32 merge differs by ~1e-4 of it. In 16 bits the rounding of W + s*B@A reaches the
+adapter's effect after a short run, so such an export cannot be told from a lost adapter and fails too: export it
+with --dtype float32, or pass --tolerance to judge by the absolute bound alone."""
+
+
+def judge(diff: float, tolerance: float, effect: float, *, relative: bool) -> str | None:
+    """Why an export fails its proof, or None when it passes: `diff` above `tolerance`, or, when `relative`
+    (the default tolerance of a 16-bit or GGUF proof), above ADAPTER_SHARE of the adapter's own effect."""
+    if not diff <= tolerance:
+        return f"differ from the adapter model's by {diff:.3g}, above the tolerance {tolerance:.3g}"
+    if relative and effect > 0 and diff > ADAPTER_SHARE * effect:
+        return (f"differ from the adapter model's by {diff:.3g}, {diff / effect:.0%} of the adapter's own effect "
+                f"({effect:.3g}; at most {ADAPTER_SHARE:.0%} allowed): this export cannot be told from one that "
+                "lost the adapter")
+    return None
+
+
 def tolerance_for(fmt: str, dtype: str, logit_scale: float) -> float:
     """The documented default for a format and dtype, given the reference logits' max |value|."""
     floor, relative = TOLERANCE_4BIT if fmt == "merged-4bit" else TOLERANCES[dtype]

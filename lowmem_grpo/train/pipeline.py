@@ -17,6 +17,7 @@ from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts, cuda_facts, require_gpu, training_precision
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
+from lowmem_grpo.export.formats import name_original_base
 from lowmem_grpo.memory.fit import fit_to_device
 from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
@@ -80,7 +81,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     trainer = train_grpo(recipe, loaded, examples, run_dir, resume, callbacks)
     log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
     stages.measure(loaded.model, "trained")
-    return save_and_report(trainer, run_dir)
+    return save_and_report(trainer, run_dir, recipe.model.name)
 
 
 def setup(recipe: Recipe, cuda: CudaFacts) -> str:
@@ -201,12 +202,14 @@ def train_grpo(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]], run_
     return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=resume.checkpoint if resume else None)
 
 
-def save_and_report(trainer: Any, run_dir: Path) -> Path:
-    """adapter/ (gathered from ZeRO-3 shards, written by rank 0), the ranks' agreement check, report.md."""
+def save_and_report(trainer: Any, run_dir: Path, base_name: str | None = None) -> Path:
+    """adapter/ (gathered from ZeRO-3 shards, written by rank 0, naming the original base model, not Unsloth's
+    4-bit repo), the ranks' agreement check, report.md."""
     adapter_dir = run_dir / layout.ADAPTER_DIR
     trainer.save_model(str(adapter_dir))  # adapter + tokenizer
     distributed.check_ranks_agree(trainer, run_dir / layout.DISTRIBUTED_FILE)  # several processes: same adapter
     log.info("adapter saved to %s", adapter_dir)
     if distributed.is_main_process():
+        name_original_base(adapter_dir, base_name)
         log.info("report: %s", write_report(run_dir))
     return run_dir
