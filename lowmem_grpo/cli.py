@@ -17,7 +17,37 @@ from lowmem_grpo.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInputEr
 log = logging.getLogger("lowmem_grpo")
 
 
+# Third-party start-up lines that say nothing to a user of this tool, by logger name: only these messages are
+# dropped, everything else those loggers say still shows.
+KNOWN_NOISE = {
+    # torchao registers enums with torch's pytree at import; torch 2.14 deprecates that, one line per enum
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+    # bitsandbytes on an avx512_bf16 CPU tries the `kernels` hub package, which is not installed (nor needed)
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+}
+
+
+class DropKnownNoise(logging.Filter):
+    """A logger filter that drops records whose message contains one of `fragments`."""
+
+    def __init__(self, fragments: Sequence[str]) -> None:
+        super().__init__()
+        self.fragments = tuple(fragments)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(fragment in record.getMessage() for fragment in self.fragments)
+
+
+def quiet_known_noise() -> None:
+    """Filter KNOWN_NOISE before anything heavy is imported, so that the first screen a user sees is ours."""
+    for name, fragments in KNOWN_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropKnownNoise) for f in logger.filters):
+            logger.addFilter(DropKnownNoise(fragments))
+
+
 def _setup_logging(verbose: bool) -> None:
+    quiet_known_noise()
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 

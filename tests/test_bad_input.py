@@ -136,3 +136,31 @@ def test_resume_misuse(tmp_path, args, expected):
     code, log = cli_inprocess(*[a.format(tmp=tmp_path) for a in args])
     assert code == 2 and expected in log, log
     assert tree(tmp_path) == before
+
+
+def test_a_reward_module_that_raises_on_import_is_named(tiny_model_dir, tmp_path):
+    """Any exception while importing a `module:function` reward is bad input (exit 2) naming both, not a traceback."""
+    code, log = _train(tiny_model_dir, tmp_path / "run", "rewards={'lowmem_broken_reward:score': 1.0}")
+    assert code == 2, log[-2000:]
+    assert "lowmem_broken_reward:score" in log and "RuntimeError: boom" in log
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_names_a_missing_model_before_the_data(tmp_path):
+    """The hub dataset is not even asked for: the model is checked first."""
+    missing = tmp_path / "no-such-model"
+    code, log = cli_inprocess("eval", "--model", str(missing), "--data", "gsm8k", "--out", str(tmp_path / "out"),
+                              "--no-progress")
+    assert code == 2 and str(missing) in log and "no such folder" in log, log[-2000:]
+    assert "gsm8k" not in log.split(str(missing))[0]  # nothing about the dataset before the model
+
+
+def test_known_third_party_startup_noise_is_silenced():
+    """torchao's pytree deprecation lines (one per enum, at import) no longer open the first screen."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "validate", CPU_RECIPE], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "_pytree" not in done.stderr and "register_constant" not in done.stderr, done.stderr[:2000]

@@ -116,6 +116,15 @@ def _vllm_engine(recipe: Any, model_path: str, adapter: Path | None, seed: int) 
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    share = recipe.model.gpu_memory_utilization
+    if free < share * total:  # a plain vLLM engine reserves its share of the TOTAL memory, and refuses otherwise
+        raise BadInputError(f"vLLM would reserve model.gpu_memory_utilization={share} x {total / 2**30:.1f} GiB, "
+                            f"but only {free / 2**30:.1f} GiB are free",
+                            fix=f"pass a recipe with model.gpu_memory_utilization<={free / total:.2f}, free GPU "
+                                "memory, or use --engine transformers")
     rank = recipe.lora.max_lora_rank or recipe.lora.r
     if adapter is not None:
         config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
@@ -185,6 +194,9 @@ def run(opts: EvalOptions) -> dict[str, Any]:
     split = opts.split or d.eval_split
     if opts.limit is not None and opts.limit < 1:
         raise BadInputError(f"--limit {opts.limit} must be at least 1", fix="give a positive number of problems")
+    from lowmem_grpo.backends import resolve_model_path
+
+    resolve_model_path(recipe.model.name)  # a missing model is named before the data (whose hub may be unreachable)
     rows = load_eval_rows(d, split=split, limit=opts.limit)  # bad data fails before the model loads
     max_new = opts.max_new_tokens or recipe.train.max_completion_length
     out_dir = Path(opts.out).expanduser() if opts.out else default_out(opts, run_dir, split)

@@ -91,9 +91,9 @@ def _import_reward(spec: str) -> RewardFunc:
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - a user's module may raise anything at import: name it, exit 2
         raise InvalidRewardSpecError(
-            f"cannot import module {module_name!r} for reward {spec!r}: {exc}"
+            f"cannot import module {module_name!r} for reward {spec!r}: {type(exc).__name__}: {exc}"
         ) from exc
     obj: Any = module
     for part in attr.split("."):
