@@ -17,6 +17,18 @@ CPU_RECIPE = str(REPO / "recipes" / "smollm2_135m_gsm8k_cpu.py")
 REWARDS = "rewards={correctness: 2.0, 'lowmem_test_rewards:length_reward': 1.0}"
 
 
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+needs_cpu_determinism = pytest.mark.skipif(
+    _cuda_visible(), reason="precondition: bit-identical adapters across runs need the tiny runs on CPU (on a GPU "
+    "machine the hf backend trains on CUDA, whose kernels are not bitwise reproducible across processes)")
+"""For the tests that compare adapters exactly (tolerance 0) between separately started runs."""
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
     """One intra-op thread, in-process and in child runs (OMP_NUM_THREADS=1): on 2 shared cores two spinning

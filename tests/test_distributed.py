@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -40,7 +41,14 @@ def tiny_overrides(model_dir: Path, steps: int = 2) -> list[str]:
             "train.save_steps=2", REWARDS]
 
 
+GLOO_ON_CPU = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="precondition: no CUDA; with a GPU the hf backend puts each rank on cuda:LOCAL_RANK, and these runs are "
+    "2 processes over gloo on one CPU")
+
+
 @pytest.mark.slow
+@GLOO_ON_CPU
 def test_two_processes_over_gloo_train_to_identical_adapters(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
@@ -114,6 +122,7 @@ def test_dynamic_sampling_under_two_processes_keeps_the_ranks_in_step(tiny_model
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="deepspeed is not installed (optional: pip install deepspeed)")
+@GLOO_ON_CPU
 @pytest.mark.parametrize("config, stage", [("zero2", 2), ("zero3", 3)])
 def test_deepspeed_configs_train_two_processes_on_cpu(config, stage, tiny_model_dir, tmp_path):
     """The shipped ZeRO configs, end to end on CPU (DeepSpeed's CPU accelerator over gloo).

@@ -23,7 +23,7 @@ from faults import parse_faults
 from lowmem_grpo.recipe import Recipe, TrainConfig
 from lowmem_grpo.rewards.guard import RewardError, guard_reward
 from resilience_helpers import (adapter_tensors, cli_inprocess, cli_popen, grpo_steps, metrics,  # noqa: F401
-                                one_torch_thread, tiny_args)
+                                needs_cpu_determinism, one_torch_thread, tiny_args)
 
 # --- checkpoints: markers, retention, rewind (no training) ------------------------------------------
 
@@ -198,6 +198,7 @@ def test_injected_oom_lowers_settings_records_them_and_continues(tiny_model_dir,
 
 
 @pytest.mark.slow
+@needs_cpu_determinism
 def test_a_retried_step_matches_a_clean_run_from_the_same_checkpoint(tiny_model_dir, tmp_path):
     """An OOM at step 2 is retried from checkpoint-1 with lowered settings; a fresh process resuming a copy of that
     run from checkpoint-1 with the same (lowered) recipe.yaml must end with the same adapter, bit for bit: the
@@ -290,6 +291,7 @@ def test_sigterm_from_outside_exits_143_with_a_checkpoint(tiny_model_dir, tmp_pa
 
 
 @pytest.mark.slow
+@needs_cpu_determinism
 def test_three_kill9_and_resume_cycles_match_an_uninterrupted_run(tiny_model_dir, tmp_path):
     """kill -9 as soon as a new checkpoint is complete (the run is then rotating old ones or inside the next
     step), three times; each resume starts from the last complete checkpoint. The hf backend on CPU is

@@ -135,7 +135,10 @@ def test_metrics_jsonl_has_every_trainer_key(tiny_run):
         assert record["stage"] == "grpo"
     assert "train_runtime" in records[-1]
     env = json.loads((run_dir / "env.json").read_text())
-    assert env["backend"] == "hf" and env["device"] == "cpu" and env["packages"]["trl"]
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the recipe names hf; the device is this machine's
+    assert env["backend"] == "hf" and env["device"] == device and env["packages"]["trl"]
 
 
 @pytest.mark.slow
