@@ -420,3 +420,52 @@ def test_a_lost_adapter_fails_even_within_the_bf16_tolerance():
     assert judge(1.1e-4, tolerance_for("merged-16bit", "float32", 43.7), 1.6, relative=True) is None
     assert judge(1.25, 2.0, 1.6, relative=False) is None  # an explicit --tolerance judges absolutely
     assert "above the tolerance" in judge(2.5, 2.0, 10.0, relative=False)
+
+
+# --- the GPU check script: importable, its arguments and its table (CI never runs it) ------------
+
+
+def _gpu_check():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_arguments_and_the_rows_it_plans():
+    gpu_check = _gpu_check()
+    args = gpu_check.parse_args([])
+    assert (args.recipe, args.steps, args.time_budget) == ("qwen2_5_1_5b_gsm8k", 3, 420)
+    assert args.variants.split(",") == ["unsloth-4bit", "unsloth-4bit-vllm", "hf-4bit"]
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--variants", "unsloth-8bit"])
+    rows = gpu_check.planned_rows(args.variants.split(","), vllm_importable=False)
+    assert [skip is None for _, skip in rows] == [True, False, True]
+    assert all(skip is None for _, skip in gpu_check.planned_rows(args.variants.split(","), vllm_importable=True))
+
+
+def test_gpu_check_table_shows_memory_speed_and_phase_timings():
+    gpu_check = _gpu_check()
+    logs = [{"stage": "prime", "step": 1, "step_time": 9.0},
+            {"stage": "grpo", "step": 1, "step_time": 10.0, "completions/mean_length": 256, "time/generation": 8.0},
+            {"stage": "grpo", "step": 2, "step_time": 4.0, "completions/mean_length": 256, "time/generation": 2.0,
+             "time/update": 1.5},
+            {"stage": "grpo", "step": 3, "step_time": 6.0, "completions/mean_length": 256, "time/generation": 4.0,
+             "time/update": 1.5}]
+    assert gpu_check.phase_times(logs) == {"time/generation": 3.0, "time/update": 1.5}  # the first step compiles
+    assert gpu_check.speed(logs, 16) == {"step_s": 5.0, "tokens_per_s": round((4096 / 2 + 4096 / 4) / 2, 1)}
+    assert gpu_check.speed([], 16) == {"step_s": None, "tokens_per_s": None}
+    results = [{"variant": "unsloth-4bit", "steps": 3, "predicted_allocated": 3 * GIB, "max_allocated": 2.5 * GIB,
+                "predicted_total": 3.5 * GIB, "device_used": 4 * GIB, "tokens_per_s": 1536.0, "step_s": 5.0,
+                "phases": {"time/generation": 3.0}},
+               {"variant": "unsloth-4bit-vllm", "skipped": gpu_check.NO_VLLM},
+               {"variant": "hf-4bit", "error": "OutOfMemoryError: CUDA out of memory"}]
+    text = gpu_check.table(results)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["variant", "steps", "pred"] and "time/generation" in lines[0]
+    assert "3.00" in lines[1] and "2.50" in lines[1] and "+20.0%" in lines[1] and "1536.0" in lines[1]
+    assert "vllm does not import" in lines[2] and "OutOfMemoryError" in lines[3]
