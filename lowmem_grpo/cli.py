@@ -241,8 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="precision of the merge and its proof (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--tolerance", type=float,
-                   help="max |logit diff| allowed (default: max(floor, share x max |logit|) per dtype: float32 "
-                        "1e-4 / 1e-5, float16 1e-2 / 2e-2, bfloat16 5e-2 / 0.1, 4-bit 0.1 / 0.15)")
+                   help="max |logit diff| allowed, judged alone (default: max(floor, share x max |logit|) per "
+                        "dtype: float32 1e-4 / 1e-5, float16 1e-2 / 2e-2, bfloat16 5e-2 / 0.1, 4-bit 0.1 / 0.15, "
+                        "and at most a quarter of the adapter's own effect on the logits)")
     p.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp folder holding convert_hf_to_gguf.py "
                    "(default: $LLAMA_CPP_DIR); needed by --format gguf")
     p.add_argument("--base", help="base model to merge into (default: the recipe's model.name)")

@@ -185,6 +185,7 @@ def _clean(value: Any) -> Any:
 
 def run(opts: EvalOptions) -> dict[str, Any]:
     """Evaluate (or compare) and write eval.json + eval.jsonl; returns eval.json's content plus `out_dir`."""
+    from lowmem_grpo.backends import resolve_model_path
     from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, compare
     from lowmem_grpo.evaluation.evaluate import run_eval
@@ -194,8 +195,6 @@ def run(opts: EvalOptions) -> dict[str, Any]:
     split = opts.split or d.eval_split
     if opts.limit is not None and opts.limit < 1:
         raise BadInputError(f"--limit {opts.limit} must be at least 1", fix="give a positive number of problems")
-    from lowmem_grpo.backends import resolve_model_path
-
     resolve_model_path(recipe.model.name)  # a missing model is named before the data (whose hub may be unreachable)
     rows = load_eval_rows(d, split=split, limit=opts.limit)  # bad data fails before the model loads
     max_new = opts.max_new_tokens or recipe.train.max_completion_length

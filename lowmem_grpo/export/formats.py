@@ -23,7 +23,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -38,6 +37,7 @@ from typing import Any
 
 from lowmem_grpo.rundir import layout
 from lowmem_grpo.export import proof
+from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.errors import BadInputError, LowmemError
 
@@ -49,7 +49,6 @@ GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 CONVERTER = "convert_hf_to_gguf.py"
 LLAMA_CPP_ENV = "LLAMA_CPP_DIR"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-QUANTIZED_SUFFIX = "-bnb-4bit"
 PHASES = {
     "lora": ["load", "copy", "verify", "card"],
     "merged-16bit": ["load", "merge", "save", "prove", "card"],
@@ -169,34 +168,6 @@ def _load_tokenizer(src: Path, base_path: str, trust_remote_code: bool) -> Any:
     if not getattr(tokenizer, "chat_template", None):
         log.warning("the tokenizer has no chat template; the export will have none either")
     return tokenizer
-
-
-def original_base(recorded: str, base_name: str | None) -> str:
-    """The base model an adapter should name. Unsloth loads a 4-bit base from its own pre-quantized repo
-    (unsloth/<Name>-unsloth-bnb-4bit, through unsloth/models/mapper.py) and PEFT records that repo as
-    base_model_name_or_path; the model the user trained is the recipe's (`base_name`). Other names are kept."""
-    if not (recorded.startswith("unsloth/") and recorded.endswith(QUANTIZED_SUFFIX)):
-        return recorded
-    if base_name and not base_name.endswith(QUANTIZED_SUFFIX) and ":" not in base_name:
-        return base_name
-    return recorded.removesuffix("-unsloth" + QUANTIZED_SUFFIX).removesuffix(QUANTIZED_SUFFIX)  # Unsloth's 16-bit
-
-
-def name_original_base(adapter_dir: Path, base_name: str | None) -> str | None:
-    """Rewrite adapter_dir/adapter_config.json to name the original base model (original_base); returns the
-    name written, or None when there was nothing to change."""
-    path = Path(adapter_dir) / "adapter_config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text(encoding="utf-8"))
-    recorded = config.get("base_model_name_or_path") or ""
-    name = original_base(recorded, base_name)
-    if name == recorded:
-        return None
-    config["base_model_name_or_path"] = name
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    log.info("adapter_config.json names %s as its base (it said %s)", name, recorded)
-    return name
 
 
 def _export_lora(src: Path, tmp: Path, tokenizer: Any, result: ExportResult, phases: _Phases,

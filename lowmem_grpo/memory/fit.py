@@ -243,6 +243,17 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
         if best is not None:
             current = best[0]
     result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
+    _check_fit(result, recipe, arch, budget_bytes, explicit)
+    changed = {k: (KNOBS[k][1](recipe), KNOBS[k][1](current)) for k in KNOBS
+               if KNOBS[k][1](recipe) != KNOBS[k][1](current)}
+    if changed:
+        log.info("auto-fit to %s: %s (predicted peak %s)", format_bytes(budget_bytes),
+                 ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), format_bytes(result.total_bytes))
+    return current, result
+
+
+def _check_fit(result: Plan, recipe: Recipe, arch: Architecture, budget_bytes: int, explicit: set[str]) -> None:
+    """RecipeError when the fitted plan still does not fit, or leaves vLLM less than its weights and cache."""
     if result.fits and not _vllm_ok(arch, result.settings):
         s = result.settings
         raise RecipeError(f"model.gpu_memory_utilization={s.gpu_memory_utilization} gives vLLM "
@@ -257,12 +268,6 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
                "use a smaller model (model.name), model.load_in_4bit=true, or a GPU with more memory")
         raise RecipeError(f"predicted peak {format_bytes(result.total_bytes)} exceeds the GPU memory budget "
                           f"{format_bytes(budget_bytes)} even with every other setting at its smallest", fix=fix)
-    changed = {k: (KNOBS[k][1](recipe), KNOBS[k][1](current)) for k in KNOBS
-               if KNOBS[k][1](recipe) != KNOBS[k][1](current)}
-    if changed:
-        log.info("auto-fit to %s: %s (predicted peak %s)", format_bytes(budget_bytes),
-                 ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), format_bytes(result.total_bytes))
-    return current, result
 
 
 def _value(recipe: Recipe, key: str) -> Any:

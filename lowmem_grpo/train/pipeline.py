@@ -17,7 +17,7 @@ from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts, cuda_facts, require_gpu, training_precision
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
-from lowmem_grpo.export.formats import name_original_base
+from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.memory.fit import fit_to_device
 from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
