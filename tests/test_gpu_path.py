@@ -23,7 +23,9 @@ def test_auto_dtype_follows_native_bf16_not_emulation():
     """Turing (sm_75) emulates bf16 and torch.cuda.is_bf16_supported() says True; Unsloth loads float16 there."""
     assert resolve_dtype("auto", cuda=True, capability=(7, 5)) == "float16"
     assert resolve_dtype("auto", cuda=True, capability=(8, 6)) == "bfloat16"
-    assert resolve_dtype("auto", cuda=False) == "float32"
+    from lowmem_grpo.device import cpu_bf16_supported
+
+    assert resolve_dtype("auto", cuda=False) == ("bfloat16" if cpu_bf16_supported() else "float32")  # this CPU's
     assert resolve_dtype("float16", cuda=True, capability=(9, 0)) == "float16"
 
 
