@@ -488,6 +488,13 @@ def phase_lines(results: dict[str, dict[str, Any]]) -> list[str]:
         is_seconds = key.startswith("time/") and key != "time/sampling_share"
         share = o / means["lowmem"]["time/step"] if o is not None and is_seconds else None
         out.append(f"| {key} | {_fmt(p, '.4f')} | {_fmt(o, '.4f')} | {_fmt(share, '.1%')} |")
+    # generation, loss, backward and the optimizer run the same code on both sides (the same draws): their
+    # differences are the machine's noise. Our layer's per-step code runs in these three phases only.
+    ours_keys = ["time/rewards", "time/other", "time/checkpoint_telemetry"]
+    if means["plain"]:
+        extra = sum(means["lowmem"].get(k, 0.0) - means["plain"].get(k, 0.0) for k in ours_keys)
+        out.append(f"our layer's own per-step cost (lowmem - plain in {', '.join(ours_keys)}): {extra * 1e3:+.2f} ms"
+                   f" = {extra / means['plain']['time/step']:+.3%} of plain's step")
     cost, step = results["lowmem"].get("timer_cost_s"), results["lowmem"].get("s_per_step")
     if cost is not None and step:
         out.append(f"phase timer's own cost: {cost * 1e6:.1f} us per step = {cost / step:.4%} of a step")
@@ -535,7 +542,15 @@ def measure(spec: dict[str, Any], work: Path, pinned: bool, repeats: int) -> Non
         for side in ("plain", "lowmem"):
             results[side]["peak_rss_pinned_gib"] = _peak_rss(side, short_path, work, {**env, **PINNED_MALLOC})
     print_results(label, results)
+    results["label"] = label
     (work / f"results-{spec['model']}-{spec['dtype']}.json").write_text(json.dumps(results, indent=1))
+
+
+def reprint(work: Path) -> None:
+    """The tables again, from the results-*.json files a run left in its work folder."""
+    for path in sorted(work.glob("results-*.json")):
+        results = json.loads(path.read_text())
+        print_results(results.pop("label", path.stem), results)
 
 
 def main() -> None:
@@ -549,12 +564,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per side, alternating the order; medians")
     parser.add_argument("--no-pinned", action="store_true", help="skip the MALLOC_MMAP_THRESHOLD_ peak-RSS runs")
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--reprint", action="store_true", help="print the tables of an earlier run's --work folder")
     parser.add_argument("--worker", nargs=2, metavar=("SIDE", "SPEC"), help=argparse.SUPPRESS)
     parser.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="step_cpu-"))
     if args.worker:
         worker(args.worker[0], Path(args.worker[1]), work, args.check_only)
+        return
+    if args.reprint:
+        reprint(work)
         return
     work.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(f"load average {_load()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "

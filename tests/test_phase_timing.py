@@ -108,7 +108,8 @@ def test_phase_table_formats_means_of_the_records():
 
     table = phase_table([timed_record(1, 2.0), timed_record(2, 4.0), {"stage": "eval", "step": 2}])
     assert "generation (generation)" in table and "1.800" in table and "60.0%" in table
-    assert "checkpoint, telemetry (prev. step) (checkpoint_telemetry)" in table
+    assert "checkpoint_telemetry (checkpoint, telemetry (prev. step))" in table
+    assert len({len(line) for line in table.splitlines()[:10]}) == 1  # the columns line up
     assert "step (time/step)" in table and "3.000" in table
     assert "generated tokens/s: 120.0; sampling share: 60.0%; mean of 2 step(s)" in table
     assert phase_table(timed_record(1)).count("\n") == 11  # one record works too

@@ -142,12 +142,13 @@ def phase_table(records: list[dict[str, Any]] | dict[str, Any]) -> str:
     if not means:
         return "no phase timing in these records (time/step not logged)\n"
     step = means[STEP_KEY]
-    lines = [f"{'phase':<40} {'s/step':>9} {'share':>7}"]
+    names = {phase: f"{phase} ({PHASE_LABELS[phase]})" for phase in PHASES}
+    width = max(len(name) for name in names.values())
+    lines = [f"{'phase':<{width}} {'s/step':>9} {'share':>7}"]
     for phase in PHASES:
         seconds = means.get(f"{PHASE_PREFIX}{phase}", 0.0)
-        lines.append(f"{PHASE_LABELS[phase] + ' (' + phase + ')':<40} {seconds:9.3f} "
-                     f"{(seconds / step if step else 0.0):7.1%}")
-    lines.append(f"{'step (' + STEP_KEY + ')':<40} {step:9.3f} {1.0:7.1%}")
+        lines.append(f"{names[phase]:<{width}} {seconds:9.3f} {(seconds / step if step else 0.0):7.1%}")
+    lines.append(f"{'step (' + STEP_KEY + ')':<{width}} {step:9.3f} {1.0:7.1%}")
     lines.append(f"generated tokens/s: {means.get(TOKENS_KEY, 0.0):.1f}; sampling share: "
                  f"{means.get(SHARE_KEY, 0.0):.1%}; mean of {count} step(s)")
     return "\n".join(lines) + "\n"
