@@ -95,6 +95,52 @@ def test_phase_timer_wraps_the_instance_and_its_phases_sum_to_the_step(monkeypat
     assert metrics["time/checkpoint_telemetry"][-1] == pytest.approx(0.5)  # the last step's: into the summary line
 
 
+class FakeEvent:
+    """torch.cuda.Event's timing interface, on the test's clock (milliseconds, as CUDA reports them)."""
+
+    clock: list[float] = [0.0]
+    synchronized = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at = None
+
+    def record(self) -> None:
+        self.at = FakeEvent.clock[0]
+
+    def synchronize(self) -> None:
+        FakeEvent.synchronized += 1
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+def test_on_cuda_the_timer_uses_events_and_waits_once_a_step(monkeypatch):
+    import torch
+
+    from lowmem_grpo.train import callbacks
+
+    clock = [0.0]
+    monkeypatch.setattr(FakeEvent, "clock", clock)
+    monkeypatch.setattr(FakeEvent, "synchronized", 0)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    trainer = FakeTrainer(clock)
+    trainer.accelerator.device = SimpleNamespace(type="cuda")
+    timer = callbacks.PhaseTimer.attach(trainer)
+    assert isinstance(timer.clock, callbacks.CudaClock)
+    state = SimpleNamespace(global_step=1, max_steps=1)
+    timer.on_step_begin(None, state, None)
+    trainer._generate_and_score_completions(None)
+    trainer.compute_loss(None)
+    trainer.accelerator.backward(None)
+    assert FakeEvent.synchronized == 0  # nothing waits for the GPU inside the step
+    timer.on_step_end(None, state, None)
+    assert FakeEvent.synchronized == 1
+    metrics = trainer._metrics["train"]
+    assert metrics["time/generation"] == pytest.approx([1.0]) and metrics["time/backward"] == pytest.approx([0.3])
+    assert metrics["time/step"] == pytest.approx([1.85])
+
+
 def test_console_line_shows_sampling_share_and_tokens_per_second():
     from lowmem_grpo.rundir.telemetry import console_line
 
