@@ -16,9 +16,13 @@ script prints both and stops with exit 1, naming the keys, when they differ. The
   s/step      median wall time between consecutive step ends (CPU seconds beside it; TRL's step_time too)
   start-up    process start to the first step's begin (wall and CPU)
   teardown    last step end to the end of train() (adapter, report; the plain script saves its adapter)
+  faults      minor page faults and kernel CPU seconds per step (the allocator's share of a step)
   peak RSS    ru_maxrss with the default allocator, and again in a separate run with MALLOC_MMAP_THRESHOLD_=65536
               (freed large blocks go back to the OS, so the peak follows live memory: the like-for-like figure;
-              with the default allocator ~1 GiB of a smollm2 peak is heap retention that moves between runs)
+              with the default allocator ~1 GiB of a smollm2 peak is heap retention that moves between runs);
+              that run's CPU s/step too: glibc's dynamic mmap threshold follows each process's allocation
+              history, so with the default allocator the same step can fault more pages in one process than
+              in the other, and the pinned runs compare the steps with that taken out
 and the phase breakdown (time/<phase> keys), the ratios ours/plain (medians over --repeats runs a side, run in
 alternating order, and the ratio of the minima: load on shared cores only ever adds time), the phase timer's own
 cost per step (a microbenchmark of the same wrappers and callback events) and the load average. Shared cores:
@@ -31,6 +35,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -158,7 +163,7 @@ class Probe:
         self.check_only = check_only
         self.fingerprint: dict[str, Any] = {}
         self.begins: list[tuple[float, float]] = []
-        self.ends: list[tuple[float, float]] = []
+        self.ends: list[tuple[float, float, int, float]] = []
         self.logs: list[dict[str, Any]] = []
         self.timer: Any = None
 
@@ -181,7 +186,8 @@ class Probe:
         self.begins.append((time.time(), time.process_time()))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.ends.append((time.time(), time.process_time()))
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # page faults and kernel time: the allocator's share
+        self.ends.append((time.time(), time.process_time(), usage.ru_minflt, usage.ru_stime))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs:
@@ -365,9 +371,12 @@ def summarize(probe: Probe, started: tuple[float, float], done: tuple[float, flo
     ends = probe.ends
     walls = [b[0] - a[0] for a, b in zip(ends, ends[1:])] or [ends[0][0] - probe.begins[0][0]]
     cpus = [b[1] - a[1] for a, b in zip(ends, ends[1:])] or [ends[0][1] - probe.begins[0][1]]
+    faults = [b[2] - a[2] for a, b in zip(ends, ends[1:])]
+    kernel = [b[3] - a[3] for a, b in zip(ends, ends[1:])]
     steps = [r for r in probe.logs if "step_time" in r]
     return {
         "s_per_step": _median(walls), "cpu_per_step": _median(cpus), "steps": len(ends),
+        "minflt_per_step": _median(faults), "sys_per_step": _median(kernel),
         "trl_step_time": _median([r["step_time"] for r in steps[1:]] or [r["step_time"] for r in steps]),
         "startup_wall": probe.begins[0][0] - started[0], "startup_cpu": probe.begins[0][1],
         "teardown_wall": done[0] - ends[-1][0], "teardown_cpu": done[1] - ends[-1][1],
@@ -430,11 +439,6 @@ def run_side(side: str, spec_path: Path, work: Path, env: dict[str, str], check_
     return result
 
 
-def _peak_rss(side: str, spec_path: Path, work: Path, env: dict[str, str]) -> float | None:
-    code, _, _, rss = _run_worker(side, spec_path, work, env)
-    return rss if code == 0 else None
-
-
 def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
@@ -445,7 +449,10 @@ def print_results(label: str, results: dict[str, dict[str, Any]]) -> None:
             ("TRL step_time", "trl_step_time", ".3f"),
             ("start-up s", "startup_wall", ".2f"), ("start-up cpu", "startup_cpu", ".2f"),
             ("teardown s", "teardown_wall", ".2f"), ("teardown cpu", "teardown_cpu", ".2f"),
-            ("RSS GiB", "peak_rss_gib", ".3f"), ("RSS pinned GiB", "peak_rss_pinned_gib", ".3f")]
+            ("minor faults/step", "minflt_per_step", ".0f"), ("sys s/step", "sys_per_step", ".3f"),
+            ("RSS GiB", "peak_rss_gib", ".3f"), ("pinned: RSS GiB", "peak_rss_pinned_gib", ".3f"),
+            ("pinned: cpu s/step", "cpu_per_step_pinned", ".3f"),
+            ("pinned: faults/step", "minflt_per_step_pinned", ".0f")]
     out = [f"\n## {label}", "| runner | " + " | ".join(c[0] for c in cols) + " | 1-min load (before->after) |",
            "|---" * (len(cols) + 2) + "|"]
     for side in ("plain", "lowmem"):
@@ -502,7 +509,7 @@ def phase_lines(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 NUMERIC = ("s_per_step", "cpu_per_step", "trl_step_time", "startup_wall", "startup_cpu", "teardown_wall",
-           "teardown_cpu", "peak_rss_gib", "timer_cost_s")
+           "teardown_cpu", "peak_rss_gib", "timer_cost_s", "minflt_per_step", "sys_per_step")
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -535,12 +542,11 @@ def measure(spec: dict[str, Any], work: Path, pinned: bool, repeats: int) -> Non
             check_same(runs[side][-1]["fingerprint"], checks[side]["fingerprint"], f"{label} {side} run {repeat + 1}",
                        show=False)
     results = {side: combine(side_runs) for side, side_runs in runs.items()}
-    if pinned:
-        short = dict(spec, steps=min(spec["steps"], 2))
-        short_path = work / f"spec-{spec['model']}-{spec['dtype']}-pinned.json"
-        short_path.write_text(json.dumps(short))
+    if pinned:  # the allocator's history taken out: RSS follows live memory, and no run reuses retained heap
         for side in ("plain", "lowmem"):
-            results[side]["peak_rss_pinned_gib"] = _peak_rss(side, short_path, work, {**env, **PINNED_MALLOC})
+            run = run_side(side, spec_path, work, {**env, **PINNED_MALLOC})
+            results[side].update(peak_rss_pinned_gib=run["peak_rss_gib"], cpu_per_step_pinned=run["cpu_per_step"],
+                                 minflt_per_step_pinned=run["minflt_per_step"])
     print_results(label, results)
     results["label"] = label
     (work / f"results-{spec['model']}-{spec['dtype']}.json").write_text(json.dumps(results, indent=1))
