@@ -29,7 +29,8 @@ SMOOTHING = 0.8
 """Weight of the past in the exponential moving average drawn over the raw curves."""
 SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "groups/informative",
                 "groups/informative_correctness", "groups/per_step", "curriculum/level", "completions/mean_length",
-                "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time"]
+                "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
+                "time/step", "time/sampling_share", "tokens_per_s"]
 
 
 def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
@@ -86,18 +87,43 @@ def _panel(ax: Any, records: list[dict[str, Any]], keys: list[tuple[str, str]], 
 
 def _save(fig: Any, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=100)
+    fig.savefig(tmp, format="png", dpi=100, pil_kwargs={"compress_level": 1})  # zlib's fastest: 4x less encoding
     os.replace(tmp, path)
 
 
 def _figure(title: str, rows: int) -> tuple[Any, list[Any]]:
     from matplotlib.figure import Figure  # no pyplot: no global backend, no display
 
-    fig = Figure(figsize=(8, 2.6 * rows), layout="constrained")
+    height = 2.6 * rows
+    fig = Figure(figsize=(8, height))
+    # fixed margins (inches), not layout="constrained": that layout draws each figure twice to measure it, which
+    # was half of the ~2 s the report added to the end of every run
+    fig.subplots_adjust(left=0.11, right=0.97, top=1 - 0.45 / height, bottom=0.5 / height, hspace=0.12)
     axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     fig.suptitle(title)
     axes[-1].set_xlabel("step")
     return fig, list(axes)
+
+
+def _time_figure(records: list[dict[str, Any]]) -> Any:
+    """Stacked bars: seconds of each phase (telemetry.PHASES) in each step, the legend to the right."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _figure("Where each step's time went", 1)
+    fig.set_size_inches(10, 3.4)
+    fig.subplots_adjust(left=0.08, right=0.78, top=0.88, bottom=0.16)
+    timed = telemetry.phase_records(records)
+    steps = [int(r.get("step", i + 1)) for i, r in enumerate(timed)]
+    bottom = [0.0] * len(timed)
+    for phase in telemetry.PHASES:
+        values = [float(r.get(f"{telemetry.PHASE_PREFIX}{phase}") or 0.0) for r in timed]
+        ax[0].bar(steps, values, bottom=bottom, width=0.8, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax[0].set_ylabel("seconds")
+    ax[0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), reverse=True)  # top phase first
+    ax[0].grid(alpha=0.3, axis="y")
+    return fig
 
 
 def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
@@ -136,6 +162,10 @@ def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
     if series(records, "groups/informative")[0]:  # dynamic sampling / curriculum runs
         written.append(_plot_groups(records, out_dir / "groups.png"))
+
+    if telemetry.phase_records(records):
+        written.append(out_dir / "time.png")
+        _save(_time_figure(records), written[-1])
 
     if series(records, "kl")[0]:
         fig, ax = _figure("KL to the reference model", 1)
@@ -194,6 +224,22 @@ def groups_lines(records: list[dict[str, Any]]) -> list[str]:
         lines.append(f"- curriculum: level {int(levels[0])} at the start, {int(levels[-1])} at the end"
                      + (f" (moved up: {', '.join(ups)})" if ups else " (never moved up)"))
     return lines
+
+
+def time_lines(records: list[dict[str, Any]]) -> list[str]:
+    """The summary's line on where the time went (mean shares of the phases); [] when no phase timing was logged."""
+    means = telemetry.phase_means(health.training_records(records))
+    if not means:
+        return []
+    step = means[telemetry.STEP_KEY] or 1.0
+    shares = ", ".join(f"{p} {means.get(telemetry.PHASE_PREFIX + p, 0.0) / step:.0%}" for p in telemetry.PHASES)
+    last_gap = telemetry.PHASE_PREFIX + "checkpoint_telemetry"
+    final = [r[last_gap] for r in records if "train_runtime" in r and r.get("stage", "grpo") == "grpo"
+             and isinstance(r.get(last_gap), (int, float))]
+    after = f"; after the last step (its log line and checkpoint): {final[-1]:.2f} s" if final else ""
+    return ["", f"Time per step: {_num(means[telemetry.STEP_KEY])} s ({shares}); "
+                f"{means.get(telemetry.TOKENS_KEY, 0.0):.1f} generated tokens/s{after}. "
+                f"Plot: `{layout.PLOTS_DIR}/time.png`; keys `time/*` in {layout.METRICS_FILE}."]
 
 
 def _fence(text: str) -> str:
@@ -336,6 +382,7 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
              f"- steps logged: {len(steps)} (last step {last} of {max_steps or '?'}), {state}",
              f"- written: {time.strftime('%Y-%m-%d %H:%M:%S')}", "", "## Summary", ""]
     lines += summary_table(steps) if steps else ["No training step logged yet."]
+    lines += time_lines(records)
     groups = groups_lines(steps)
     if groups:
         lines += ["", "## Groups that teach", ""] + groups

@@ -1,5 +1,6 @@
-"""Run telemetry: metrics.jsonl (every key the trainer logs), env.json, and one console line per step
-(written by lowmem_grpo.train.callbacks.TelemetryCallback).
+"""Run telemetry: metrics.jsonl (every key the trainer logs), env.json, one console line per step (written by
+lowmem_grpo.train.callbacks.TelemetryCallback), and the phase-timing keys (time/<phase>, logged by
+lowmem_grpo.train.callbacks.PhaseTimer) with `phase_table(records)`, which prints them.
 
 File names come from lowmem_grpo.rundir.layout.
 """
@@ -15,6 +16,23 @@ from typing import Any
 from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
+
+PHASE_PREFIX = "time/"
+PHASES = ("generation", "rewards", "prepare_other", "loss_forward", "backward", "optimizer", "other",
+          "checkpoint_telemetry")
+"""A GRPO step's phases, logged as time/<phase> seconds (lowmem_grpo.train.callbacks.PhaseTimer); they sum to
+time/step. generation: sampling (tokenize, generate, decode); rewards: the reward functions; prepare_other: the
+rest of the batch preparation (old/reference log-probs, advantages); loss_forward: the policy log-prob forward and
+the loss; backward; optimizer: optimizer.step; other: clipping, scheduler, zero_grad; checkpoint_telemetry: the gap
+after the previous step (its log line, callbacks, checkpoint, periodic eval)."""
+STEP_KEY = "time/step"
+SHARE_KEY = "time/sampling_share"
+TOKENS_KEY = "tokens_per_s"
+PHASE_LABELS = {"generation": "generation", "rewards": "reward scoring",
+                "prepare_other": "old/ref log-probs, advantages", "loss_forward": "log-prob + loss forward",
+                "backward": "backward", "optimizer": "optimizer step", "other": "clip, scheduler, callbacks",
+                "checkpoint_telemetry": "checkpoint, telemetry (prev. step)"}
+"""How phase_table names each phase."""
 
 # report_to value -> (module that must be importable, pip package that provides it)
 REPORT_TO_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -60,10 +78,16 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+def _phase_brief(logs: dict[str, Any]) -> str:
+    """'gen 62%, 17 tok/s': the sampling share of the step and the sampling speed."""
+    share, speed = logs.get(SHARE_KEY), logs.get(TOKENS_KEY)
+    return f"gen {_fmt(share * 100 if isinstance(share, (int, float)) else None, '.0f')}%, {_fmt(speed, '.0f')} tok/s"
+
+
 def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: float, reward_names: list[str]) -> str:
     """step/total, reward mean +- std (or the loss, for a stage without rewards such as prime), each reward's
-    mean, the informative share of groups and the curriculum level (when logged), length, KL, step time, ETA,
-    peak GPU memory."""
+    mean, the informative share of groups and the curriculum level (when logged), length, KL, step time (with the
+    sampling share and generated tokens/s when phase timing is logged), ETA, peak GPU memory."""
     parts = [f"step {step}/{max_steps}"]
     if "reward" in logs or "loss" not in logs:
         parts.append(f"reward {_fmt(logs.get('reward'))} +- {_fmt(logs.get('reward_std'))}")
@@ -81,7 +105,9 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
         parts.append(f"len {_fmt(logs['completions/mean_length'], '.0f')}")
     if "kl" in logs:
         parts.append(f"kl {_fmt(logs['kl'], '.4f')}")
-    if "step_time" in logs:
+    if STEP_KEY in logs:
+        parts.append(f"{_fmt(logs[STEP_KEY], '.1f')}s/step ({_phase_brief(logs)})")
+    elif "step_time" in logs:
         parts.append(f"{_fmt(logs['step_time'], '.1f')}s/step")
     if step > 0 and max_steps > step:
         eta = elapsed_s / step * (max_steps - step)
@@ -89,3 +115,40 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
     if "peak_gpu_mem_gb" in logs:
         parts.append(f"gpu {_fmt(logs['peak_gpu_mem_gb'], '.2f')}GB")
     return " | ".join(parts)
+
+
+def phase_records(records: list[dict[str, Any]] | dict[str, Any]) -> list[dict[str, Any]]:
+    """The records (one or a list) that carry a step's phase timing."""
+    records = [records] if isinstance(records, dict) else list(records)
+    return [r for r in records if isinstance(r.get(STEP_KEY), (int, float))]
+
+
+def phase_means(records: list[dict[str, Any]] | dict[str, Any]) -> dict[str, float]:
+    """Mean of each time/* key, tokens_per_s and the sampling share over the records with phase timing; {} if none."""
+    timed = phase_records(records)
+    keys = [f"{PHASE_PREFIX}{p}" for p in PHASES] + [STEP_KEY, SHARE_KEY, TOKENS_KEY]
+    means = {}
+    for key in keys:
+        values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
+        if values:
+            means[key] = sum(values) / len(values)
+    return means
+
+
+def phase_table(records: list[dict[str, Any]] | dict[str, Any]) -> str:
+    """Where a step's time went, as a fixed-width text table: seconds per step and share of the step for each
+    phase (means over the given metrics records that carry time/step), then tokens/s and the sampling share."""
+    means, count = phase_means(records), len(phase_records(records))
+    if not means:
+        return "no phase timing in these records (time/step not logged)\n"
+    step = means[STEP_KEY]
+    names = {phase: f"{phase} ({PHASE_LABELS[phase]})" for phase in PHASES}
+    width = max(len(name) for name in names.values())
+    lines = [f"{'phase':<{width}} {'s/step':>9} {'share':>7}"]
+    for phase in PHASES:
+        seconds = means.get(f"{PHASE_PREFIX}{phase}", 0.0)
+        lines.append(f"{names[phase]:<{width}} {seconds:9.3f} {(seconds / step if step else 0.0):7.1%}")
+    lines.append(f"{'step (' + STEP_KEY + ')':<{width}} {step:9.3f} {1.0:7.1%}")
+    lines.append(f"generated tokens/s: {means.get(TOKENS_KEY, 0.0):.1f}; sampling share: "
+                 f"{means.get(SHARE_KEY, 0.0):.1%}; mean of {count} step(s)")
+    return "\n".join(lines) + "\n"

@@ -1,13 +1,15 @@
 """The trainer callbacks lowmem_grpo adds to TRL's trainers: telemetry, complete checkpoints, the sampling state
-in checkpoints, periodic eval.
+in checkpoints, periodic eval, and the per-step phase timer.
 
 Imports transformers at module level: import this module only after `backends.prepare()` (Unsloth first).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +147,141 @@ class PeriodicEvalCallback(TrainerCallback):
         log.info("eval step %d: strict %.3f | lenient %.3f | strict_format %.3f | soft_format %.3f | "
                  "%d problems in %.0f s", state.global_step, m["strict_accuracy"], m["lenient_accuracy"],
                  m["strict_format_rate"], m["soft_format_rate"], m["num_problems"], result.seconds)
+
+
+# trainer method -> the phase it times ("_prepare", the whole batch preparation, only yields prepare_other)
+TIMED_METHODS = {"_generate_and_score_completions": "_prepare", "_generate": "generation",
+                 "_calculate_rewards": "rewards", "compute_loss": "loss_forward"}
+
+
+class WallClock:
+    """The host clock: exact on CPU, where every phase runs synchronously."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def wait(self, mark: float) -> None:
+        return None
+
+
+class CudaClock:
+    """CUDA events: a mark is recorded on the stream, so a phase counts its kernels when they run, not when they are
+    launched. Nothing waits for the GPU until `wait` at the step's end (which the next step would wait for anyway)."""
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0
+
+    def wait(self, mark: Any) -> None:
+        mark.synchronize()
+
+
+def _completion_tokens(generated: Any) -> int:
+    """Tokens sampled in one `_generate` call (its second item holds one id list per completion)."""
+    try:
+        return sum(len(ids) for ids in generated[1])
+    except (TypeError, IndexError, KeyError):
+        return 0
+
+
+class PhaseTimer(TrainerCallback):
+    """Per-step phase seconds (telemetry.PHASES as time/<phase>), time/step, time/sampling_share and tokens_per_s,
+    appended to trainer._metrics["train"] so that GRPOTrainer.log averages them into every log line and logger.
+
+    `PhaseTimer.attach(trainer)` wraps methods on the trainer INSTANCE (and its accelerator's backward): no subclass
+    and nothing global, so it times TRL's GRPOTrainer, the CPU-safe subclass and Unsloth's generated trainer alike.
+    A step is the span from the previous step's end to this one's: checkpoint_telemetry is what ran in between (the
+    previous step's log line, callbacks, checkpoint, periodic eval), and the last step's lands in the final summary.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.clock = CudaClock() if trainer.accelerator.device.type == "cuda" else WallClock()
+        self.spans: list[tuple[str, Any, Any]] = []  # (phase, start mark, end mark) of the current step
+        self.tokens = 0
+        self.window_start: Any = None  # the previous step's end mark
+        self.begin: Any = None
+        self.optimizer_start: Any = None
+
+    @classmethod
+    def attach(cls, trainer: Any) -> PhaseTimer:
+        """Wrap the trainer's timed methods and register the timer as its first callback; returns the timer."""
+        timer = cls(trainer)
+        for name, phase in TIMED_METHODS.items():
+            if hasattr(trainer, name):
+                timer.wrap(trainer, name, phase)
+        timer.wrap(trainer.accelerator, "backward", "backward")
+        # first, so that its step end comes before telemetry, checkpoints and periodic eval (they are the next gap)
+        trainer.callback_handler.callbacks.insert(0, timer)
+        return timer
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        """Replace owner.name by a timed call of the bound method the instance would have called."""
+        original, spans, clock = getattr(owner, name), self.spans, self.clock
+        counts_tokens = phase == "generation"
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock.mark()
+            result = original(*args, **kwargs)
+            spans.append((phase, start, clock.mark()))
+            if counts_tokens:
+                self.tokens += _completion_tokens(result)
+            return result
+
+        setattr(owner, name, timed)  # an instance attribute shadows the class's method; nothing else is patched
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        self.begin = self.clock.mark()
+        if self.window_start is None:
+            self.window_start = self.begin
+        self.spans.clear()  # in place: the wrappers hold this list
+        self.tokens = 0
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        self.optimizer_start = self.clock.mark()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        self.spans.append(("optimizer", self.optimizer_start, self.clock.mark()))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        end = self.clock.mark()
+        self.clock.wait(end)  # CUDA: the one wait per step, after which every event of the step can be read
+        self._publish(self.record(end))
+        self.window_start = end
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        if self.window_start is not None and (state.global_step >= state.max_steps or control.should_training_stop):
+            end = self.clock.mark()  # after the last step's log line and checkpoint: into the final summary line
+            self.clock.wait(end)
+            self._publish({"time/checkpoint_telemetry": self.clock.seconds(self.window_start, end)})
+
+    def record(self, end: Any) -> dict[str, float]:
+        """The finished step's keys (seconds, share, tokens/s)."""
+        totals: dict[str, float] = defaultdict(float)
+        for phase, start, stop in self.spans:
+            totals[phase] += self.clock.seconds(start, stop)
+        step = self.clock.seconds(self.window_start, end)
+        phases = {p: totals[p] for p in ("generation", "rewards", "loss_forward", "backward", "optimizer")}
+        # the rest of the batch preparation: old/reference log-probs, advantages, gathering across processes
+        phases["prepare_other"] = max(totals["_prepare"] - phases["generation"] - phases["rewards"], 0.0)
+        phases["checkpoint_telemetry"] = self.clock.seconds(self.window_start, self.begin)
+        phases["other"] = max(step - sum(phases.values()), 0.0)  # grad clipping, scheduler, zero_grad, callbacks
+        record = {f"{telemetry.PHASE_PREFIX}{p}": v for p, v in phases.items()}
+        record[telemetry.STEP_KEY] = step
+        record[telemetry.SHARE_KEY] = phases["generation"] / step if step > 0 else 0.0
+        record[telemetry.TOKENS_KEY] = self.tokens / phases["generation"] if phases["generation"] > 0 else 0.0
+        return record
+
+    def _publish(self, record: dict[str, float]) -> None:
+        metrics = getattr(self.trainer, "_metrics", None)  # GRPOTrainer.log averages and clears it at each log
+        if metrics is not None:
+            for key, value in record.items():
+                metrics["train"][key].append(value)

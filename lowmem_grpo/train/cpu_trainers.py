@@ -2,7 +2,8 @@
 
 TRL 1.15 (the newest Unsloth allows) computes log-probs with a Triton kernel only, which has no
 CPU driver; TRL 1.16 added a torch fallback. Until the pin can move, this subclass computes the
-same quantities from full logits when the model is not on a GPU, and defers to TRL otherwise.
+same quantities in torch when the model is not on a GPU (logits of the completion positions only), and defers
+to TRL otherwise.
 """
 
 from __future__ import annotations
@@ -26,17 +27,22 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
         batch_size = batch_size or input_ids.size(0)
+        # the entropy needs a graph only when TRL's entropy bonus puts it into the loss; else it is logged or masks
+        entropy_grad = getattr(self, "_entropy_bonus_enabled", True)
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
             mask = attention_mask[start:start + batch_size]
             with self.accelerator.autocast():
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            # position t predicts token t+1: keep the logits of the completion tokens only
-            logits = logits[:, -logits_to_keep - 1:-1, :].float() / self.temperature
+                # the LM head runs on the completion positions only (+1: position t predicts token t+1), not on
+                # the prompt: the full (batch, prompt + completion, vocab) logits were most of this pass's memory
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                               logits_to_keep=logits_to_keep + 1).logits
+            logits = logits[:, :-1, :].float() / self.temperature
             all_logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]))
             if compute_entropy:
-                all_entropies.append(entropy_from_logits(logits))
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                    all_entropies.append(entropy_from_logits(logits))
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         return torch.cat(all_logps, dim=0), entropies, None
 
