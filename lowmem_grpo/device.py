@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,7 @@ def describe() -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "device": "cpu",
         "cpu_threads": torch.get_num_threads(),
+        "cpu_native_bf16": cpu_bf16_supported(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -98,14 +101,51 @@ def cpu_bf16_supported() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def resolve_dtype(requested: str, *, cuda: bool, capability: tuple[int, int] | None = None) -> str:
-    """Model dtype to ask for: auto -> bfloat16 on compute capability >= 8, float16 on older GPUs; on CPU bfloat16
-    where the CPU has native bf16 (~1.9x faster than float32 there), else float32. What the model is then really
+CPU_DTYPE_ENV = "LOWMEM_GRPO_CPU_DTYPE"
+"""The environment setting that makes the CPU's `model.dtype=auto` decision from outside: `bfloat16`, `float32`,
+or `auto` (unset: ask the CPU). It changes only what `auto` means on a CPU; an explicit model.dtype and GPUs are
+untouched. For reproducing a run of the other CPU kind, and for testing both resolutions on one machine."""
+CPU_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class CpuDtype:
+    """What `model.dtype=auto` resolves to on this CPU, and why (doctor and `.ci/run` print both)."""
+
+    dtype: str
+    """bfloat16 or float32."""
+    reason: str
+    """Where the decision came from: the CPU's native bf16 support, or the environment setting."""
+
+
+def cpu_auto_dtype(environ: Mapping[str, str] | None = None, *, native_bf16: bool | None = None) -> CpuDtype:
+    """`model.dtype=auto` on a CPU: LOWMEM_GRPO_CPU_DTYPE when set, else bfloat16 where the CPU computes it natively
+    (~1.9x faster than float32 there), else float32. `environ` (default os.environ) and `native_bf16` (default: ask
+    this CPU) are seams for tests. An unknown value is bad input (exit 2), named with the accepted ones."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(CPU_DTYPE_ENV, "").strip().lower()
+    if value in CPU_DTYPES:
+        return CpuDtype(value, f"set by {CPU_DTYPE_ENV}={value}")
+    if value not in ("", "auto"):
+        from lowmem_grpo.errors import BadInputError
+
+        raise BadInputError(f"{CPU_DTYPE_ENV}={environ[CPU_DTYPE_ENV]!r} is not a CPU dtype",
+                            fix=f"set {CPU_DTYPE_ENV} to one of {', '.join(CPU_DTYPES)} or auto, or unset it")
+    native = cpu_bf16_supported() if native_bf16 is None else native_bf16
+    if native:
+        return CpuDtype("bfloat16", "this CPU computes bfloat16 natively (avx512_bf16/AMX)")
+    return CpuDtype("float32", "this CPU has no native bfloat16 (emulated, ~50x slower than float32)")
+
+
+def resolve_dtype(requested: str, *, cuda: bool, capability: tuple[int, int] | None = None,
+                  environ: Mapping[str, str] | None = None) -> str:
+    """Model dtype to ask for: auto -> bfloat16 on compute capability >= 8, float16 on older GPUs; on CPU
+    `cpu_auto_dtype(environ)` (LOWMEM_GRPO_CPU_DTYPE, else native bf16 or float32). What the model is then really
     loaded in is `model_dtype(model)` (Unsloth may change it)."""
     if requested != "auto":
         return requested
     if not cuda:
-        return "bfloat16" if cpu_bf16_supported() else "float32"
+        return cpu_auto_dtype(environ).dtype
     return "bfloat16" if bf16_supported(capability) else "float16"
 
 

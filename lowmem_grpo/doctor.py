@@ -8,12 +8,15 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from lowmem_grpo.device import CudaFacts, cuda_facts, cuda_problem, describe, is_installed, package_version
+from lowmem_grpo.device import (CPU_DTYPE_ENV, CudaFacts, cpu_auto_dtype, cuda_facts, cuda_problem, describe,
+                                is_installed, package_version)
+from lowmem_grpo.errors import BadInputError
 
 # Distributions whose declared requirements must hold among the installed set (vllm pins torch exactly).
 CHECKED = ["unsloth", "unsloth_zoo", "trl", "peft", "accelerate", "bitsandbytes", "torchvision", "vllm"]
@@ -107,6 +110,17 @@ def xformers_note() -> str | None:
             "the Docker image removes it)")
 
 
+def cpu_dtype_line(native_bf16: bool, environ: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
+    """What `model.dtype=auto` resolves to on this CPU and why (the CPU's native bf16, or LOWMEM_GRPO_CPU_DTYPE):
+    (line, problems)."""
+    try:
+        auto = cpu_auto_dtype(environ, native_bf16=native_bf16)
+    except BadInputError as exc:
+        return "cpu dtype     auto -> unknown: see problems", [f"{exc.args[0]}: {exc.fix}"]
+    return (f"cpu dtype     auto -> {auto.dtype}: {auto.reason} (native bf16={native_bf16}; "
+            f"{CPU_DTYPE_ENV}=bfloat16|float32 decides it from outside)"), []
+
+
 def report(facts: CudaFacts | None = None) -> tuple[str, list[str]]:
     """Doctor's text and the list of problems found; `facts` describes the GPU (None: this machine's)."""
     info = describe()
@@ -121,13 +135,15 @@ def report(facts: CudaFacts | None = None) -> tuple[str, list[str]]:
                      f"native bf16={info['bf16_supported']}")
     else:
         lines.append(f"GPU           none (CPU, {info['cpu_threads']} threads)")
+    cpu_line, cpu_problems = cpu_dtype_line(info["cpu_native_bf16"])
+    lines.append(cpu_line)
     driver, problems = gpu_lines(facts)
     lines += driver
     auto = "unsloth" if facts.available and is_installed("unsloth") else "hf"
     lines.append(f"backend auto  -> {auto}")
     vllm, vllm_problems = vllm_line(facts.available and not problems)
     lines.append(vllm)
-    problems += requirement_conflicts() + vllm_problems
+    problems += cpu_problems + requirement_conflicts() + vllm_problems
     tv = torchvision_loads()
     if tv:
         problems.append(tv)

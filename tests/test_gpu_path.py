@@ -25,7 +25,8 @@ def test_auto_dtype_follows_native_bf16_not_emulation():
     assert resolve_dtype("auto", cuda=True, capability=(8, 6)) == "bfloat16"
     from lowmem_grpo.device import cpu_bf16_supported
 
-    assert resolve_dtype("auto", cuda=False) == ("bfloat16" if cpu_bf16_supported() else "float32")  # this CPU's
+    # this CPU's own answer when nothing decides it from outside (tests/test_cpu_dtype.py covers the setting)
+    assert resolve_dtype("auto", cuda=False, environ={}) == ("bfloat16" if cpu_bf16_supported() else "float32")
     assert resolve_dtype("float16", cuda=True, capability=(9, 0)) == "float16"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
-from lowmem_grpo.device import is_installed, model_dtype, resolve_backend, resolve_dtype
+from lowmem_grpo.device import cpu_auto_dtype, is_installed, model_dtype, resolve_backend, resolve_dtype
 from lowmem_grpo.distributed import world_size
 from lowmem_grpo.errors import BadInputError, LowmemError
 
@@ -92,6 +92,8 @@ def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str
     cuda = torch.cuda.is_available()
     path = model_path or resolve_model_path(recipe.model.name)
     dtype = resolve_dtype(recipe.model.dtype, cuda=cuda)
+    if recipe.model.dtype == "auto" and not cuda:
+        log.info("model.dtype=auto -> %s: %s", dtype, cpu_auto_dtype().reason)
     try:
         if backend == "unsloth":
             from lowmem_grpo.backends.unsloth_backend import load_unsloth

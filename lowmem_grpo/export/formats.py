@@ -72,6 +72,9 @@ class ExportResult:
     proof_tokens: int = 0
     logit_scale: float = 0.0
     checks: dict[str, float] = field(default_factory=dict)
+    """Each proof's max |logit difference| (prove, prove-4bit, prove-gguf)."""
+    tolerances: dict[str, float] = field(default_factory=dict)
+    """The bound each proof was judged against (`tolerance` is the last one's)."""
     seconds: float = 0.0
 
 
@@ -232,7 +235,7 @@ def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: lis
     relative = tolerance is None and kind != "merged-4bit"  # nf4 re-quantizes W + s*B@A: judged absolutely
     if tolerance is None:
         tolerance = proof.tolerance_for(kind, result.dtype or "float32", scale)
-    result.tolerance = tolerance
+    result.tolerance = result.tolerances[name] = tolerance
     try:
         model = load()
     except (OSError, ValueError, RuntimeError, KeyError) as exc:

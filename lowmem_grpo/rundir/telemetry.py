@@ -64,12 +64,17 @@ def check_report_to(report_to: str) -> None:
                             fix=f"pip install {package}, or set train.report_to=none")
 
 
-def write_env(run_dir: Path, backend: str) -> dict[str, Any]:
-    """env.json: package versions, backend, device, GPU name and memory."""
-    from lowmem_grpo.device import describe
+def write_env(run_dir: Path, backend: str, dtype: str | None = None) -> dict[str, Any]:
+    """env.json: package versions, backend, device, GPU name and memory, the dtype the model was loaded in and,
+    on CPU, what `model.dtype=auto` resolves to here and why."""
+    from lowmem_grpo.device import cpu_auto_dtype, describe
 
     info = describe()
     info["backend"] = backend
+    info["dtype"] = dtype
+    if info["device"] == "cpu":
+        auto = cpu_auto_dtype()
+        info["cpu_auto_dtype"] = {"dtype": auto.dtype, "reason": auto.reason}
     (Path(run_dir) / layout.ENV_FILE).write_text(json.dumps(info, indent=2), encoding="utf-8")
     return info
 

@@ -14,7 +14,7 @@ from lowmem_grpo import distributed
 from lowmem_grpo.backends import load, prepare, resolve_model_path
 from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import load_train_rows, recipe_examples
-from lowmem_grpo.device import CudaFacts, cuda_facts, require_gpu, training_precision
+from lowmem_grpo.device import CudaFacts, cpu_auto_dtype, cuda_facts, require_gpu, training_precision
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.export.base_model import name_original_base
@@ -65,7 +65,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     # override stops here (exit 2), before the run directory is written
     training_precision(recipe.train.precision, loaded.dtype, cuda=loaded.device == "cuda", backend=backend)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
-    open_run_dir(run_dir, recipe, backend, resume, fit.plan)  # inputs are good: from here on the run dir is written
+    open_run_dir(run_dir, recipe, backend, resume, fit.plan, loaded.dtype)  # inputs are good: from here on the run dir is written
     stages = stage_evals(recipe, loaded, run_dir)  # the same held-out problems after each stage
     stages.measure(loaded.model, "base")
     if start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
@@ -89,6 +89,8 @@ def setup(recipe: Recipe, cuda: CudaFacts) -> str:
     launcher's process group, check the trainer fields and the logger; returns the backend."""
     validate(recipe, num_processes=distributed.world_size())
     require_gpu(recipe.gpu_memory_gb, cuda)  # not days of float32 on CPU by accident: exit 2, the cause named
+    if not cuda.available:
+        cpu_auto_dtype()  # an unknown LOWMEM_GRPO_CPU_DTYPE stops here (exit 2), before anything is written
     backend = prepare(recipe.model.backend)  # Unsloth must be imported before trl/transformers/peft
     distributed.setup(recipe.train.extra)  # nothing for one process
     from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after prepare()
@@ -134,7 +136,7 @@ def choose_run_dir(recipe: Recipe) -> Path:
     return layout.choose_run_dir(recipe.output.dir, recipe.output.root, recipe.name)
 
 
-def open_run_dir(run_dir: Path, recipe: Recipe, backend: str, resume: Any, plan: Any) -> Path:
+def open_run_dir(run_dir: Path, recipe: Recipe, backend: str, resume: Any, plan: Any, dtype: str) -> Path:
     """Rank 0 creates the run directory with recipe.yaml (and memory_plan.json when auto-fit ran), or rewinds a
     resumed one to its checkpoint; env.json either way."""
     if not distributed.is_main_process():
@@ -145,7 +147,7 @@ def open_run_dir(run_dir: Path, recipe: Recipe, backend: str, resume: Any, plan:
             layout.write_json(run_dir / layout.PLAN_FILE, plan.to_dict())
     else:
         checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
-    telemetry.write_env(run_dir, backend)
+    telemetry.write_env(run_dir, backend, dtype)
     return run_dir
 
 
