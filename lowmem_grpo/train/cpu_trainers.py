@@ -2,8 +2,8 @@
 
 TRL 1.15 (the newest Unsloth allows) computes log-probs with a Triton kernel only, which has no
 CPU driver; TRL 1.16 added a torch fallback. Until the pin can move, this subclass computes the
-same quantities in torch when the model is not on a GPU (logits of the completion positions only), and defers
-to TRL otherwise.
+same quantities in torch when the model is not on a GPU (logits of the completion positions only, each distinct
+prompt forwarded once: lowmem_grpo.train.shared_prompt), and defers to TRL otherwise.
 """
 
 from __future__ import annotations
@@ -14,9 +14,28 @@ import torch
 from trl import GRPOTrainer, SFTTrainer
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
+from lowmem_grpo.train import shared_prompt
+
 
 class CpuSafeGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer that avoids the Triton log-prob kernel on CPU."""
+    """GRPOTrainer that avoids the Triton log-prob kernel on CPU, and forwards each distinct prompt of a micro-batch
+    once in its log-prob passes (lowmem_grpo.train.shared_prompt; `lowmem_shared_prompt`, set from
+    train.shared_prompt, turns that off). Logs `shared_prompt/tokens_saved`: the share of token positions the
+    step's log-prob passes did not run."""
+
+    lowmem_shared_prompt: bool = True
+
+    def shared_prompt_status(self) -> tuple[bool, str]:
+        """Whether the log-prob passes share prompts, and why (logged once when the trainer starts)."""
+        if not self.lowmem_shared_prompt:
+            return False, "train.shared_prompt is false"
+        reason = shared_prompt.unsupported(self.model)
+        if reason:
+            return False, reason
+        if self.args.gradient_checkpointing:
+            return True, ("old/reference passes only: the loss pass runs full rows, gradient checkpointing drops "
+                          "the KV cache the completions read (train.gradient_checkpointing=false shares it too)")
+        return True, "each distinct prompt of a micro-batch is forwarded once, its completions read its KV cache"
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor,
                                            attention_mask: torch.Tensor, logits_to_keep: int,
@@ -27,22 +46,27 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
         batch_size = batch_size or input_ids.size(0)
+        share = (self.lowmem_shared_prompt and shared_prompt.unsupported(model) is None
+                 and not shared_prompt.checkpointing_active(model))
         # the entropy needs a graph only when TRL's entropy bonus puts it into the loss; else it is logged or masks
         entropy_grad = getattr(self, "_entropy_bonus_enabled", True)
-        all_logps, all_entropies = [], []
+        all_logps, all_entropies, forwarded = [], [], 0
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
-            mask = attention_mask[start:start + batch_size]
             with self.accelerator.autocast():
-                # the LM head runs on the completion positions only (+1: position t predicts token t+1), not on
-                # the prompt: the full (batch, prompt + completion, vocab) logits were most of this pass's memory
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False,
-                               logits_to_keep=logits_to_keep + 1).logits
-            logits = logits[:, :-1, :].float() / self.temperature
+                # the LM head runs on the completion positions only, not on the prompt: the full
+                # (batch, prompt + completion, vocab) logits were most of this pass's memory
+                out = shared_prompt.completion_logits(model, ids, attention_mask[start:start + batch_size],
+                                                      logits_to_keep, share=share)
+            forwarded += out.tokens_forwarded
+            logits = out.logits.float() / self.temperature
             all_logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]))
             if compute_entropy:
                 with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                     all_entropies.append(entropy_from_logits(logits))
+        if self.lowmem_shared_prompt:  # this rank's share (no collective: the passes differ in number per step)
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["shared_prompt/tokens_saved"].append(1.0 - forwarded / input_ids.numel())
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         return torch.cat(all_logps, dim=0), entropies, None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +29,8 @@ from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.train.callbacks import PhaseTimer
 from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
 from lowmem_grpo.train.informative import SamplingState
+
+log = logging.getLogger(__name__)
 
 PASS_REWARD = "correctness"
 """The reward whose score (>= 0.5) counts a completion as a pass for the pass rates and the curriculum."""
@@ -258,6 +261,13 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
             callbacks=list(callbacks),
         )
         trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
+        if isinstance(trainer, CpuSafeGRPOTrainer):
+            trainer.lowmem_shared_prompt = recipe.train.shared_prompt
+            on, why = trainer.shared_prompt_status()
+        else:
+            on, why = False, ("TRL's log-prob pass runs on this backend/device (its fused LM head on a GPU; "
+                              "Unsloth's own prefix grouping on its CUDA path)")
+        log.info("shared-prompt log-prob pass: %s (%s)", "on" if on else "off", why)
         if sampling is not None:  # attributes, not __init__ arguments: Unsloth's __init__ rejects unknown ones
             trainer.lowmem_sampling = sampling
             trainer.lowmem_dynamic_sampling = recipe.train.dynamic_sampling
