@@ -3,20 +3,42 @@
 TRL 1.15 (the newest Unsloth allows) computes log-probs with a Triton kernel only, which has no
 CPU driver; TRL 1.16 added a torch fallback. Until the pin can move, this subclass computes the
 same quantities in torch when the model is not on a GPU (logits of the completion positions only), and defers
-to TRL otherwise.
+to TRL otherwise. The GRPO trainer also samples from the adapter merged into the weights (train.merged_sampling).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from trl import GRPOTrainer, SFTTrainer
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
+from lowmem_grpo.evaluation.generate import merged_adapter
+
+log = logging.getLogger(__name__)
+
 
 class CpuSafeGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer that avoids the Triton log-prob kernel on CPU."""
+    """GRPOTrainer that avoids the Triton log-prob kernel on CPU, and samples from merged LoRA weights.
+
+    `lowmem_merged_sampling` (train.merged_sampling, set by trainer_factory) runs TRL's generation inside
+    lowmem_grpo.evaluation.generate.merged_adapter: the same completions from a model whose adapted layers are
+    one plain matmul each, the base weights untouched. Whether it applied, and why not, is logged once."""
+
+    lowmem_merged_sampling: bool = True
+    _lowmem_merge_logged = False
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any):
+        with merged_adapter(self.model, self.lowmem_merged_sampling) as merged:
+            if not self._lowmem_merge_logged:
+                self._lowmem_merge_logged = True
+                if merged.layers:
+                    log.info("sampling from merged LoRA weights (%d layers; train.merged_sampling)", merged.layers)
+                else:
+                    log.info("sampling through the unmerged LoRA adapter: %s", merged.reason)
+            return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor,
                                            attention_mask: torch.Tensor, logits_to_keep: int,

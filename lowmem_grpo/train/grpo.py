@@ -258,6 +258,8 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
             callbacks=list(callbacks),
         )
         trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
+        if isinstance(trainer, CpuSafeGRPOTrainer):
+            trainer.lowmem_merged_sampling = recipe.train.merged_sampling
         if sampling is not None:  # attributes, not __init__ arguments: Unsloth's __init__ rejects unknown ones
             trainer.lowmem_sampling = sampling
             trainer.lowmem_dynamic_sampling = recipe.train.dynamic_sampling
