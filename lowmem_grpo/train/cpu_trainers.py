@@ -15,23 +15,25 @@ import torch
 from trl import GRPOTrainer, SFTTrainer
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-from lowmem_grpo.evaluation.generate import merged_adapter
+from lowmem_grpo.evaluation.generate import fast_sampling
 
 log = logging.getLogger(__name__)
 
 
 class CpuSafeGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer that avoids the Triton log-prob kernel on CPU, and samples from merged LoRA weights.
+    """GRPOTrainer that avoids the Triton log-prob kernel on CPU, and samples faster.
 
-    `lowmem_merged_sampling` (train.merged_sampling, set by trainer_factory) runs TRL's generation inside
-    lowmem_grpo.evaluation.generate.merged_adapter: the same completions from a model whose adapted layers are
-    one plain matmul each, the base weights untouched. Whether it applied, and why not, is logged once."""
+    TRL's generation runs inside lowmem_grpo.evaluation.generate.fast_sampling: with `lowmem_merged_sampling`
+    (train.merged_sampling, set by trainer_factory) from a model whose adapted layers are one plain matmul each
+    (merged_adapter; the base weights untouched), and with grouped-query attention that does not copy the key/value
+    heads (grouped_attention; bit-identical). Whether the merge applied, and why not, is logged once."""
 
     lowmem_merged_sampling: bool = True
+    lowmem_grouped_attention: bool = True  # exact either way: a seam for benchmarks/sampling_cpu.py's "before"
     _lowmem_merge_logged = False
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
-        with merged_adapter(self.model, self.lowmem_merged_sampling) as merged:
+        with fast_sampling(self.model, self.lowmem_merged_sampling, self.lowmem_grouped_attention) as merged:
             if not self._lowmem_merge_logged:
                 self._lowmem_merge_logged = True
                 if merged.layers:
