@@ -11,9 +11,11 @@ configuration samples the same `--rows` completions (`--rows / group` training p
   unmerged        PEFT's unmerged LoRA layers, transformers' sdpa (what sampling ran before)
   merged          the adapter merged into the weights (train.merged_sampling)
   merged+grouped  and grouped-query attention without copying the key/value heads (the default now)
-Printed per configuration: completion tokens, seconds and tokens/s of each repeat, the best and the median, and
-the ratio to `unmerged` (of the bests: load on shared cores only ever adds time; and of the medians); whether the
-completions equal unmerged's (greedy: --greedy; sampled: same seed), the merged copy's size, the load average.
+Printed per configuration: completion tokens, wall and CPU seconds and tokens/s of each repeat, the best and the
+median, and the ratio of tokens/s to `unmerged` (of the best wall times: load on shared cores only ever adds time;
+of the medians; of the best CPU times, which waiting for a shared core does not inflate); how many completions
+(rows, and tokens position by position) equal unmerged's (greedy with --greedy; else sampled from the same seed),
+the merged copy's size, the load average.
 EOS is off (every row samples all --tokens tokens) unless --eos, so every configuration does the same work.
 --profile: torch.profiler's top operators (self CPU) of one more sampling pass per configuration.
 """
@@ -78,15 +80,16 @@ def _set(config: Any, key: str, value: Any) -> None:
 
 
 def sample(trainer: Any, prompt_ids: list[list[int]], group: int, merged: bool, grouped: bool,
-           seed: int = 0) -> tuple[float, list[list[int]]]:
-    """Seconds and completion ids of one pass of TRL's generation with the given configuration."""
+           seed: int = 0) -> tuple[float, float, list[list[int]]]:
+    """Wall seconds, CPU seconds (this process, all its threads) and completion ids of one pass of TRL's generation
+    with the given configuration."""
     import torch
 
     trainer.lowmem_merged_sampling, trainer.lowmem_grouped_attention = merged, grouped
     torch.manual_seed(seed)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     completions, _ = trainer._generate_single_turn(prompt_ids, None, {}, group)
-    return time.perf_counter() - started, [list(map(int, c)) for c in completions]
+    return time.perf_counter() - started, time.process_time() - cpu, [list(map(int, c)) for c in completions]
 
 
 def merged_copy_bytes(model: Any) -> int:
@@ -120,28 +123,33 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
                   f"torch threads {torch.get_num_threads()}, merged copy {merged_copy_bytes(trainer.model) / 2**20:.0f} MiB\n")
         sample(trainer, prompt_ids, args.group, False, False)  # warm-up: allocator, first-call paths
         times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+        cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
         tokens: dict[str, int] = {}
         texts: dict[str, list[list[int]]] = {}
         for r in range(args.repeats):
             order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
             for name in order:
-                seconds, completions = sample(trainer, prompt_ids, args.group, *CONFIGS[name])
+                seconds, cpu_seconds, completions = sample(trainer, prompt_ids, args.group, *CONFIGS[name])
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
                 tokens[name] = sum(len(c) for c in completions)
                 texts[name] = completions
-                out.write(f"  repeat {r + 1} {name:15s} {seconds:7.2f} s  {tokens[name] / seconds:6.1f} tok/s\n")
+                out.write(f"  repeat {r + 1} {name:15s} {seconds:7.2f} s  {tokens[name] / seconds:6.1f} tok/s  "
+                          f"CPU {cpu_seconds:7.2f} s  {tokens[name] / cpu_seconds:6.1f} tok/CPU-s\n")
                 out.flush()
         base = texts["unmerged"]
-        out.write(f"{'configuration':15s} {'tokens':>7s} {'best s':>7s} {'median s':>8s} {'tok/s best':>10s} "
-                  f"{'x unmerged (best)':>17s} {'x (median)':>10s}  same completions as unmerged\n")
+        out.write(f"{'configuration':15s} {'tokens':>6s} {'best s':>7s} {'median s':>8s} {'tok/s best':>10s} "
+                  f"{'x best':>6s} {'x median':>8s} {'best CPU s':>10s} {'x CPU':>6s}  same completions as unmerged\n")
+
+        def ratio(name: str, pick: Any, series: dict[str, list[float]]) -> float:
+            return (tokens[name] / pick(series[name])) / (tokens["unmerged"] / pick(series["unmerged"]))
+
         for name in CONFIGS:
-            best, median = min(times[name]), statistics.median(times[name])
             same = sum(a == b for a, b in zip(texts[name], base))
             agree = sum(x == y for a, b in zip(texts[name], base) for x, y in zip(a, b))
-            rate = tokens[name] / best
-            out.write(f"{name:15s} {tokens[name]:7d} {best:7.2f} {median:8.2f} {rate:10.1f} "
-                      f"{rate / (tokens['unmerged'] / min(times['unmerged'])):17.2f} "
-                      f"{(tokens[name] / median) / (tokens['unmerged'] / statistics.median(times['unmerged'])):10.2f}"
+            out.write(f"{name:15s} {tokens[name]:6d} {min(times[name]):7.2f} {statistics.median(times[name]):8.2f} "
+                      f"{tokens[name] / min(times[name]):10.1f} {ratio(name, min, times):6.2f} "
+                      f"{ratio(name, statistics.median, times):8.2f} {min(cpu[name]):10.2f} {ratio(name, min, cpu):6.2f}"
                       f"  {same}/{len(base)} rows, {agree}/{sum(len(b) for b in base)} tokens\n")
         if args.profile:
             for name in ("unmerged", "merged+grouped"):
