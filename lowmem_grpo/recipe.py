@@ -203,6 +203,11 @@ class TrainConfig:
     current level reaches train.curriculum_promote_at (data.source=generated)."""
     curriculum_promote_at: float = 0.6
     """Recent correctness pass rate on the current level that moves the curriculum up a level."""
+    merged_sampling: bool = True
+    """Sample (GRPO's completions, the preflight, evaluation during training) from the LoRA adapter merged into
+    the weights, computed in float32 while the model samples, the base weights untouched: the same completions,
+    faster. Applies to the hf backend on CPU with plain LoRA layers (LoRA dropout active while TRL samples keeps it
+    off); false samples through PEFT's unmerged layers."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 

@@ -109,7 +109,7 @@ def _generation_config(model: Any, tokenizer: Any, max_new_tokens: int, num_samp
 
 def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
                            batch_size: int, num_samples: int, temperature: float, seed: int,
-                           bar: Any) -> list[list[Generation]]:
+                           bar: Any, merged: bool) -> list[list[Generation]]:
     import torch
 
     eos = _eos_ids(model, tokenizer)
@@ -126,7 +126,7 @@ def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, ma
     # that training's sampling and dropout draw from
     devices = [device.index or 0] if device.type == "cuda" else []
     try:
-        with inference_mode(model), torch.random.fork_rng(devices=devices):
+        with inference_mode(model), fast_sampling(model, merged), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             for start in range(0, len(prompts), per_batch):
                 batch = prompts[start:start + per_batch]
@@ -153,6 +153,156 @@ def _generate_batch(model: Any, tokenizer: Any, batch: list[str], config: Any, e
             samples.append(Generation(tokenizer.decode(kept, skip_special_tokens=True), tokens, truncated))
         results.append(samples)
     return results
+
+
+@dataclass
+class MergeResult:
+    """What merged_adapter did: how many LoRA layers it merged (0 = none), and why not when it could not."""
+
+    layers: int
+    reason: str = ""
+
+
+def _merge_problem(module: Any, lora_linear: type, linear: type, identity: type) -> str:
+    """Why this PEFT LoRA layer cannot be sampled from merged weights exactly ("" when it can)."""
+    if type(module) is not lora_linear or type(module.base_layer) is not linear:
+        return f"{type(module).__name__} over {type(module.base_layer).__name__} is not a plain LoRA Linear"
+    if module.base_layer.weight.device.type != "cpu":
+        return "the weights are on a GPU, where the merged copy would cost memory the planner does not count"
+    if module._forward_hooks or module._forward_pre_hooks or module.base_layer._forward_hooks \
+            or module.base_layer._forward_pre_hooks:
+        return "a LoRA layer carries forward hooks"
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in module.lora_variant or module.lora_bias[name] or module.fan_in_fan_out:
+            return f"adapter {name!r} is not vanilla LoRA (DoRA or another variant, a LoRA bias, or fan_in_fan_out)"
+        dropout = module.lora_dropout[name]
+        if not isinstance(dropout, identity) and dropout.training and dropout.p > 0:
+            return (f"LoRA dropout {dropout.p} is active while sampling (the model is in training mode), and a merged "
+                    "weight cannot drop the adapter's inputs")
+    return ""
+
+
+@contextlib.contextmanager
+def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
+    """Sample from the LoRA adapter merged into the weights, with the base weights untouched.
+
+    Every LoRA Linear of `model` is swapped, for the duration, for a plain Linear whose weight is the base weight
+    plus the adapter's delta, computed in float32 and cast once to the weight's dtype (the bias is the base's own).
+    PEFT's unmerged forward runs two more small matmuls and its Python per adapted layer per token; a merged
+    weight runs one. The base weights are never written (the swap puts the original modules back, so nothing can
+    drift however many steps run), gradients and the optimizer never see the copies, and the merged weights live
+    only while the block runs: one extra copy of the adapted weights.
+
+    Applies on CPU to plain LoRA Linears (no DoRA or other variants, no LoRA bias, no hooks) whose LoRA dropout
+    is inactive (p = 0, or the model in eval mode), all or none; otherwise, or with `enabled` False, the model
+    is left as it is. The merged model computes the same function up to float rounding (float32: ~1e-7
+    relative; in bfloat16 the merged weight is rounded once instead of the adapter's output per token)."""
+    if not enabled:
+        yield MergeResult(0, "off")
+        return
+    if hasattr(model, "for_inference"):
+        yield MergeResult(0, "an Unsloth model samples through its own fused LoRA kernels")
+        return
+    import torch
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, BaseTunerLayer)]
+    if not found or any(m.disable_adapters or m.merged for _, _, m in found):
+        yield MergeResult(0, "no LoRA layers, or their adapters are disabled or already merged")
+        return
+    problems = [p for p in (_merge_problem(m, LoraLinear, torch.nn.Linear, torch.nn.Identity) for _, _, m in found)
+                if p]
+    if problems:
+        yield MergeResult(0, problems[0])
+        return
+    with torch.no_grad():
+        swaps = [(parent, name, module, _merged_linear(module, torch)) for parent, name, module in found]
+    try:
+        for parent, name, _, merged in swaps:
+            setattr(parent, name, merged)
+        yield MergeResult(len(swaps))
+    finally:
+        for parent, name, module, _ in swaps:
+            setattr(parent, name, module)
+
+
+def _merged_linear(module: Any, torch: Any) -> Any:
+    """A plain Linear computing `module` (a PEFT LoRA Linear) with its active adapters merged, in float32."""
+    base = module.base_layer
+    weight = base.weight.float()
+    for name in module.active_adapters:
+        if name in module.lora_A:
+            a, b = module.lora_A[name].weight.float(), module.lora_B[name].weight.float()
+            weight = weight.addmm(b, a, alpha=module.scaling[name])
+    merged = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+    merged.weight = torch.nn.Parameter(weight.to(base.weight.dtype), requires_grad=False)
+    merged.bias = base.bias
+    merged.train(module.training)
+    return merged
+
+
+GROUPED_SDPA = "lowmem_grouped_sdpa"
+"""The attention implementation grouped_attention registers: transformers' sdpa with the key/value heads shared."""
+
+
+def grouped_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
+                         scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """transformers' sdpa attention, with grouped-query heads passed to torch's SDPA as they are (enable_gqa)
+    instead of first copied out to one key/value head per query head (repeat_kv, which transformers does whenever
+    there is a padding mask). Each query head reads the same key/value numbers either way: the output is
+    bit-identical, without copying the whole cache twice per layer per token. Anything else (no grouped heads, a
+    position bias, attention weights asked for) is sdpa's own path."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups == 1 or key.shape[-1] != value.shape[-1] or kwargs.get("position_bias") is not None
+            or kwargs.get("output_attentions")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # as sdpa_attention_forward decides it: causal only for a prompt without a mask
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, is_causal=is_causal,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_attention(model: Any, enabled: bool = True) -> Iterator[bool]:
+    """The model's sdpa attention switched to grouped_sdpa_forward while the block runs, then back; yields whether
+    it switched: on CPU, for an sdpa model with grouped key/value heads (not an Unsloth model)."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    device = next(iter(model.parameters())).device if enabled and heads else None
+    if (not enabled or getattr(config, "_attn_implementation", None) != "sdpa" or not heads or kv_heads == heads
+            or device.type != "cpu" or hasattr(model, "for_inference")):
+        yield False
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)  # the very masks sdpa gets
+    config._attn_implementation = GROUPED_SDPA
+    try:
+        yield True
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+@contextlib.contextmanager
+def fast_sampling(model: Any, merged: bool = True, grouped: bool = True) -> Iterator[MergeResult]:
+    """merged_adapter and grouped_attention together: what every transformers sampling path of lowmem_grpo runs
+    inside. Yields merged_adapter's result."""
+    with merged_adapter(model, merged) as result, grouped_attention(model, grouped):
+        yield result
 
 
 @contextlib.contextmanager
@@ -193,11 +343,13 @@ def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_
 
 def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
-             engine: str = "auto", lora_request: Any = None, desc: str = "eval") -> list[list[Generation]]:
+             engine: str = "auto", lora_request: Any = None, desc: str = "eval",
+             merged: bool = True) -> list[list[Generation]]:
     """num_samples completions per prompt (text after the prompt, prefill excluded).
 
     With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
-    model's live adapter (live_adapter_request); with transformers from the model as it is."""
+    model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
+    merged into the weights while it samples when `merged` and merged_adapter applies."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")
@@ -216,4 +368,4 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
                                   temperature=temperature, seed=seed, lora_request=request, bar=bar)
         return _generate_transformers(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                       batch_size=batch_size, num_samples=num_samples, temperature=temperature,
-                                      seed=seed, bar=bar)
+                                      seed=seed, bar=bar, merged=merged)

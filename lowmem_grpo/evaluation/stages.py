@@ -69,6 +69,7 @@ class StageEvals:
         self.tokenizer = tokenizer
         self.settings = {"max_new_tokens": t.max_completion_length, "batch_size": max(8, t.per_device_train_batch_size),
                          "seed": t.seed}
+        self.merged = t.merged_sampling
         self.examples = load_eval_examples(recipe, tokenizer, limit=t.stage_eval)  # bad data fails before training
         self.verdicts: dict[str, list[list[Verdict]]] = {}
         self.results: dict[str, Any] = {}
@@ -83,7 +84,7 @@ class StageEvals:
             return self.results[stage]
         with _disabled_adapter(model, stage):
             result = run_eval(model, self.tokenizer, self.examples, progress=False, engine="transformers",
-                              **self.settings)
+                              merged=self.merged, **self.settings)
         self.verdicts[stage] = result.verdicts
         self.results[stage] = result.metrics
         m = result.metrics

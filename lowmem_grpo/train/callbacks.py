@@ -139,7 +139,7 @@ class PeriodicEvalCallback(TrainerCallback):
         t = self.train
         result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights,
                           max_new_tokens=t.max_completion_length, batch_size=t.per_device_train_batch_size,
-                          seed=t.seed, progress=False, engine="auto")  # vLLM (live adapter) when the model has it
+                          seed=t.seed, progress=False, engine="auto", merged=t.merged_sampling)  # vLLM (live adapter) when the model has it
         record = {"stage": "eval", "step": state.global_step,
                   **{f"eval/{k}": v for k, v in result.metrics.items()}, "eval/seconds": result.seconds}
         telemetry.append_jsonl(self.metrics_path, record)

@@ -3,27 +3,41 @@
 TRL 1.15 (the newest Unsloth allows) computes log-probs with a Triton kernel only, which has no
 CPU driver; TRL 1.16 added a torch fallback. Until the pin can move, this subclass computes the
 same quantities in torch when the model is not on a GPU (logits of the completion positions only, each distinct
-prompt forwarded once: lowmem_grpo.train.shared_prompt), and defers to TRL otherwise.
+prompt forwarded once: lowmem_grpo.train.shared_prompt), and defers to TRL otherwise. The GRPO trainer also samples
+from the adapter merged into the weights (train.merged_sampling).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from trl import GRPOTrainer, SFTTrainer
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
+from lowmem_grpo.evaluation.generate import fast_sampling
 from lowmem_grpo.train import shared_prompt
+
+log = logging.getLogger(__name__)
 
 
 class CpuSafeGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer that avoids the Triton log-prob kernel on CPU, and forwards each distinct prompt of a micro-batch
-    once in its log-prob passes (lowmem_grpo.train.shared_prompt; `lowmem_shared_prompt`, set from
-    train.shared_prompt, turns that off). Logs `shared_prompt/tokens_saved`: the share of token positions the
-    step's log-prob passes did not run."""
+    """GRPOTrainer that avoids the Triton log-prob kernel on CPU, forwards each distinct prompt of a micro-batch once
+    in its log-prob passes, and samples faster.
+
+    Log-probs: lowmem_grpo.train.shared_prompt (`lowmem_shared_prompt`, set from train.shared_prompt, turns it off);
+    logs `shared_prompt/tokens_saved`, the share of token positions the step's log-prob passes did not run.
+    Sampling: TRL's generation runs inside lowmem_grpo.evaluation.generate.fast_sampling: with
+    `lowmem_merged_sampling` (train.merged_sampling, set by trainer_factory) from a model whose adapted layers are one
+    plain matmul each (merged_adapter; the base weights untouched), and with grouped-query attention that does not
+    copy the key/value heads (grouped_attention; bit-identical). Whether the merge applied, and why not, is logged
+    once."""
 
     lowmem_shared_prompt: bool = True
+    lowmem_merged_sampling: bool = True
+    lowmem_grouped_attention: bool = True  # exact either way: a seam for benchmarks/sampling_cpu.py's "before"
+    _lowmem_merge_logged = False
 
     def shared_prompt_status(self) -> tuple[bool, str]:
         """Whether the log-prob passes share prompts, and why (logged once when the trainer starts)."""
@@ -36,6 +50,16 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
             return True, ("old/reference passes only: the loss pass runs full rows, gradient checkpointing drops "
                           "the KV cache the completions read (train.gradient_checkpointing=false shares it too)")
         return True, "each distinct prompt of a micro-batch is forwarded once, its completions read its KV cache"
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any):
+        with fast_sampling(self.model, self.lowmem_merged_sampling, self.lowmem_grouped_attention) as merged:
+            if not self._lowmem_merge_logged:
+                self._lowmem_merge_logged = True
+                if merged.layers:
+                    log.info("sampling from merged LoRA weights (%d layers; train.merged_sampling)", merged.layers)
+                else:
+                    log.info("sampling through the unmerged LoRA adapter: %s", merged.reason)
+            return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor,
                                            attention_mask: torch.Tensor, logits_to_keep: int,

@@ -263,6 +263,7 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
         if isinstance(trainer, CpuSafeGRPOTrainer):
             trainer.lowmem_shared_prompt = recipe.train.shared_prompt
+            trainer.lowmem_merged_sampling = recipe.train.merged_sampling
             on, why = trainer.shared_prompt_status()
         else:
             on, why = False, ("TRL's log-prob pass runs on this backend/device (its fused LM head on a GPU; "
