@@ -158,6 +158,9 @@ class TrainConfig:
     """auto = paged_adamw_8bit on CUDA, adamw_torch on CPU (8-bit states need CUDA); or any transformers optimizer name."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass to save memory."""
+    shared_prompt: bool = True
+    """Forward each GRPO group's prompt once in the log-prob pass (hf backend), its completions attending to it:
+    P + G x C tokens per group instead of G x (P + C), the same log-probs; false forwards every row whole."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """auto = bf16 where supported, fp16 on older GPUs, fp32 on CPU."""
     beta: float = 0.0
