@@ -159,8 +159,9 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass to save memory."""
     shared_prompt: bool = True
-    """Forward each GRPO group's prompt once in the log-prob pass (hf backend), its completions attending to it:
-    P + G x C tokens per group instead of G x (P + C), the same log-probs; false forwards every row whole."""
+    """hf backend on CPU: forward each GRPO group's prompt once in the log-prob passes, its completions reading its
+    KV cache (exact: equal to the full-row pass to float rounding). It applies to full-attention models, and to the
+    loss pass when gradient_checkpointing is false; the trainer logs whether it is on and why. false = full rows."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """auto = bf16 where supported, fp16 on older GPUs, fp32 on CPU."""
     beta: float = 0.0

@@ -3,9 +3,9 @@
 Run:      lowmem-grpo train recipes/llama3_2_1b_gsm8k.py
           python recipes/llama3_2_1b_gsm8k.py train.max_steps=10
 Hardware: tuned for one 8 GB CUDA GPU (`lowmem-grpo plan recipes/llama3_2_1b_gsm8k.py` prints the breakdown).
-Planner:  predicted peak 3.14 GiB with Unsloth (backend auto), 5.00 GiB with plain transformers + PEFT +
-          bitsandbytes (model.backend=hf; 5.93 GiB with train.shared_prompt=false); the rest of the 8 GB is
-          headroom until benchmarks/memory_gpu.py has measured this architecture.
+Planner:  predicted peak 3.14 GiB with Unsloth (backend auto), 5.93 GiB with plain
+          transformers + PEFT + bitsandbytes (model.backend=hf); the rest of the 8 GB is headroom until
+          benchmarks/memory_gpu.py has measured this architecture.
 Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step,
           completions up to 512 tokens.
 """

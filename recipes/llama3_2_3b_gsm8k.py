@@ -4,9 +4,9 @@ accept its license and set HF_TOKEN).
 Run:      lowmem-grpo train recipes/llama3_2_3b_gsm8k.py
           python recipes/llama3_2_3b_gsm8k.py train.max_steps=10
 Hardware: tuned for one 16 GB CUDA GPU (`lowmem-grpo plan recipes/llama3_2_3b_gsm8k.py` prints the breakdown).
-Planner:  predicted peak 5.85 GiB with Unsloth (backend auto), 11.24 GiB with plain transformers + PEFT +
-          bitsandbytes (model.backend=hf; 13.05 GiB with train.shared_prompt=false); the rest of the 16 GB is
-          headroom until benchmarks/memory_gpu.py has measured this architecture.
+Planner:  predicted peak 5.85 GiB with Unsloth (backend auto), 13.05 GiB with plain
+          transformers + PEFT + bitsandbytes (model.backend=hf); the rest of the 16 GB is headroom until
+          benchmarks/memory_gpu.py has measured this architecture.
 Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step,
           completions up to 768 tokens.
 """

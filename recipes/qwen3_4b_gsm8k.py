@@ -3,9 +3,9 @@
 Run:      lowmem-grpo train recipes/qwen3_4b_gsm8k.py
           python recipes/qwen3_4b_gsm8k.py train.max_steps=10
 Hardware: tuned for one 24 GB CUDA GPU (`lowmem-grpo plan recipes/qwen3_4b_gsm8k.py` prints the breakdown).
-Planner:  predicted peak 7.13 GiB with Unsloth (backend auto), 14.47 GiB with plain transformers + PEFT +
-          bitsandbytes (model.backend=hf; 16.39 GiB with train.shared_prompt=false); the rest of the 24 GB is
-          headroom until benchmarks/memory_gpu.py has measured this architecture.
+Planner:  predicted peak 7.13 GiB with Unsloth (backend auto), 16.39 GiB with plain
+          transformers + PEFT + bitsandbytes (model.backend=hf); the rest of the 24 GB is headroom until
+          benchmarks/memory_gpu.py has measured this architecture.
 Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step,
           completions up to 1024 tokens.
 """

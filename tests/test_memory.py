@@ -489,16 +489,35 @@ def test_prefix_grouper_gate():
     assert qwen.sliding_window == 32768 and qwen.attention_window is None
 
 
-def test_shared_prompt_switch_on_the_hf_path():
+def test_shared_prompt_rules_on_the_hf_path():
+    """Ours runs the loss pass in the CPU trainer, without gradient checkpointing, on full-attention models."""
     from lowmem_grpo.memory import sharing as ms
 
+    qwen, gemma = load_architecture("Qwen/Qwen2.5-1.5B-Instruct"), load_architecture("google/gemma-3-1b-it")
+    runs = dict(shared_prompt=True, num_generations=8, gradient_checkpointing=False, device="cpu")
+    assert ms.hf_shared_prompt(qwen, **runs).applies == ms.HF
+    for change, words in [({"shared_prompt": False}, "train.shared_prompt=false"),
+                          ({"num_generations": 1}, "nothing to share"),
+                          ({"gradient_checkpointing": True}, "gradient checkpointing drops the KV cache"),
+                          ({"device": "cuda"}, "on cuda TRL's own log-prob pass runs")]:
+        result = ms.hf_shared_prompt(qwen, **{**runs, **change})
+        assert result.applies == ms.NONE and result.available == ms.HF and words in result.reason, change
+    assert "sliding-window layers" in ms.hf_shared_prompt(gemma, **runs).reason
+    # a plan is for CUDA: the shipped recipe names both of its reasons
     assert load_recipe("qwen2_5_1_5b_gsm8k").train.shared_prompt is True
-    assert _sharing("qwen2_5_1_5b_gsm8k", ["model.backend=hf"]).applies == ms.HF
-    off = _sharing("qwen2_5_1_5b_gsm8k", ["model.backend=hf", "train.shared_prompt=false"])
-    assert off.applies == ms.NONE and "train.shared_prompt=false" in off.reason
-    one = _sharing("qwen2_5_1_5b_gsm8k", ["model.backend=hf", "train.num_generations=1",
-                                          "train.per_device_train_batch_size=8"])
-    assert one.applies == ms.NONE and "nothing to share" in one.reason
+    shipped = _sharing("qwen2_5_1_5b_gsm8k", ["model.backend=hf"])
+    assert shipped.applies == ms.NONE and "gradient checkpointing" in shipped.reason and "on cuda" in shipped.reason
+
+
+def test_shared_prompt_runs_in_the_cpu_trainer_only():
+    """The planner's device rule, against the trainer each device gets."""
+    from lowmem_grpo.memory import sharing as ms
+    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
+    from lowmem_grpo.train.grpo import grpo_trainer_class
+
+    for device in ("cpu", "cuda"):
+        runs_ours = issubclass(grpo_trainer_class("hf", device), CpuSafeGRPOTrainer)
+        assert runs_ours == (device in ms.HF_SHARED_DEVICES), device
 
 
 def test_prefix_grouper_rules_match_the_installed_source():
@@ -578,14 +597,18 @@ def test_shared_prompt_arithmetic(tiny):
 
 
 def test_plan_counts_the_sharing_that_applies_and_both_figures():
-    hf = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=hf"]), 8 * GIB, env={})
+    no_gc = ["model.backend=hf", "train.gradient_checkpointing=false"]
+    hf = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), no_gc), 80 * GIB, env={})
     f = hf.sharing_figures
-    assert hf.sharing.applies == "shared_prompt" and hf.total_bytes == f["peak_with_bytes"]
+    assert hf.sharing.applies == "none" and hf.total_bytes == f["peak_without_bytes"]  # a CUDA run: TRL's pass
     assert f["saving_bytes"] == f["peak_without_bytes"] - f["peak_with_bytes"] > 0
-    unshared = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=hf", "train.shared_prompt=false"]),
-                    8 * GIB, env={})
-    assert unshared.total_bytes == f["peak_without_bytes"] == unshared.sharing_figures["peak_without_bytes"]
-    assert unshared.terms["prompt_kv"] == 0 < hf.terms["prompt_kv"]
+    assert hf.terms["prompt_kv"] == 0 and "peak_with_unverified_bytes" not in f
+    # counted where it applies: the same settings with the pass on
+    engaged = dataclasses.replace(hf.settings, prompt_sharing="shared_prompt")
+    from lowmem_grpo.memory.plan import evaluate
+
+    assert evaluate(hf.architecture, engaged).total_bytes == f["peak_with_bytes"]
+    assert mt.prompt_kv(hf.architecture, engaged) > 0
     recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ONE_GROUP)
     verified = plan(recipe, 8 * GIB, env={})
     unverified = plan(recipe, 8 * GIB, env={"UNSLOTH_GRPO_PREFIX_GROUPER_VERIFY": "0"})
@@ -595,12 +618,13 @@ def test_plan_counts_the_sharing_that_applies_and_both_figures():
 
 
 def test_plan_output_names_the_sharing_and_prints_both_figures():
-    text = _cli("plan", "qwen2_5_1_5b_gsm8k", "model.backend=hf")
+    text = _cli("plan", "qwen2_5_1_5b_gsm8k", "model.backend=hf", "train.gradient_checkpointing=false",
+                "--gpu-memory", "80GiB")
     assert text.returncode == 0, text.stderr
-    assert "prompt sharing: our shared-prompt pass runs" in text.stdout
+    assert "prompt sharing: our shared-prompt pass does not run the loss pass: on cuda" in text.stdout
     assert "16 x 768 = 12288 tokens per micro-batch without it, 2 x 256 + 16 x 512 = 8704 with it" in text.stdout
-    figures = re.search(r"peak without prompt sharing ([\d.]+) GiB, with our shared-prompt pass ([\d.]+) GiB "
-                        r"\(saves ([\d.]+) (GiB|MiB)\)", text.stdout)
+    figures = re.search(r"peak without prompt sharing ([\d.]+) GiB, with our shared-prompt pass \(if it engaged\) "
+                        r"([\d.]+) GiB \(saves ([\d.]+) (GiB|MiB)\)", text.stdout)
     assert figures and float(figures.group(1)) > float(figures.group(2))
     out = _cli("plan", "qwen2_5_1_5b_gsm8k", *ONE_GROUP, "--json", UNSLOTH_GRPO_PREFIX_GROUPER_VERIFY="0")
     data = json.loads(out.stdout)["prompt_sharing"]

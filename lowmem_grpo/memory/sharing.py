@@ -19,8 +19,12 @@ unsloth  Unsloth's PrefixGrouper (unsloth/utils/prefix_grouper.py, unsloth_zoo/r
          full-row packed pass runs with gradients and stays in memory while a no-grad shared pass is compared
          with it. A later batch longer than any verified one is verified again, so the longest batch, the peak,
          runs the full-row pass: the verify leaves the peak at the full-row figure (the time is still saved).
-hf       our shared-prompt pass (train.shared_prompt, default on): the prompt forwarded once per group with
-         gradients, its keys/values read by each of the group's completions.
+hf       our shared-prompt pass (train.shared_prompt, default on; lowmem_grpo/train/shared_prompt.py): each
+         distinct prompt of a micro-batch forwarded once with gradients, its KV cache indexed out to the rows that
+         share it, the completions run on it. It needs a cache the layers write into, so it runs the loss pass
+         only when train.gradient_checkpointing is false (with checkpointing only the no-grad old/reference
+         passes share), on full-attention models only (no sliding-window layers), and in the CPU trainer only:
+         on CUDA TRL's own log-prob pass runs, so a CUDA plan counts it as off and prints what it would save.
 
 The planner takes the token counts at their worst case: prompts of data.max_prompt_length, completions of
 train.max_completion_length.
@@ -131,19 +135,35 @@ def unsloth_prefix_grouper(arch: Architecture, *, fast_inference: bool, num_gene
     return Sharing(UNSLOTH, UNSLOTH, f"Unsloth's PrefixGrouper engages: {how}", verify)
 
 
-def hf_shared_prompt(shared_prompt: bool, num_generations: int) -> Sharing:
-    """Whether our shared-prompt pass (transformers backend) runs: train.shared_prompt and G >= 2."""
+# the devices whose trainer runs our shared-prompt pass (lowmem_grpo.train.cpu_trainers.CpuSafeGRPOTrainer)
+HF_SHARED_DEVICES = ("cpu",)
+
+
+def hf_shared_prompt(arch: Architecture, *, shared_prompt: bool, num_generations: int,
+                     gradient_checkpointing: bool, device: str = "cuda") -> Sharing:
+    """Whether our shared-prompt pass runs the loss pass of the transformers backend on `device` (module doc):
+    every reason it does not, or why it does."""
+    reasons = []
     if not shared_prompt:
-        return Sharing(NONE, HF, "our shared-prompt pass is off (train.shared_prompt=false)")
+        reasons.append("train.shared_prompt=false")
     if num_generations < 2:
-        return Sharing(NONE, HF, "our shared-prompt pass has nothing to share: one completion per prompt")
-    return Sharing(HF, HF, "our shared-prompt pass runs (train.shared_prompt=true): each group's prompt is "
-                           "forwarded once")
+        reasons.append("one completion per prompt leaves nothing to share")
+    if any(kind != "full_attention" for kind in arch.layer_types):
+        reasons.append("the model has sliding-window layers (their caches keep a window)")
+    if gradient_checkpointing:
+        reasons.append("gradient checkpointing drops the KV cache the completions read, so the loss pass runs full "
+                       "rows (train.gradient_checkpointing=false shares it)")
+    if device not in HF_SHARED_DEVICES:
+        reasons.append(f"on {device} TRL's own log-prob pass runs (ours runs in the CPU trainer)")
+    if reasons:
+        return Sharing(NONE, HF, "our shared-prompt pass does not run the loss pass: " + "; ".join(reasons))
+    return Sharing(HF, HF, "our shared-prompt pass runs (train.shared_prompt=true): each distinct prompt of a "
+                           "micro-batch is forwarded once")
 
 
 def resolve_sharing(arch: Architecture, backend: str, recipe: Any, *, fast_inference: bool,
-                    env: Mapping[str, str] | None = None) -> Sharing:
-    """The shared-prompt pass a recipe's training forward gets on `backend` (unsloth or hf)."""
+                    env: Mapping[str, str] | None = None, device: str = "cuda") -> Sharing:
+    """The shared-prompt pass a recipe's training forward gets on `backend` (unsloth or hf) and `device`."""
     t = recipe.train
     if backend == "unsloth":
         return unsloth_prefix_grouper(arch, fast_inference=fast_inference, num_generations=t.num_generations,
@@ -151,4 +171,5 @@ def resolve_sharing(arch: Architecture, backend: str, recipe: Any, *, fast_infer
                                       generation_batch=t.generation_batch_size(),
                                       prompt_len=recipe.data.max_prompt_length,
                                       completion_len=t.max_completion_length, extra=t.extra, env=env)
-    return hf_shared_prompt(getattr(t, "shared_prompt", True), t.num_generations)
+    return hf_shared_prompt(arch, shared_prompt=getattr(t, "shared_prompt", True), num_generations=t.num_generations,
+                            gradient_checkpointing=t.gradient_checkpointing, device=device)
