@@ -7,11 +7,16 @@ its own process, with the recipe's settings:
   unsloth-4bit        backend unsloth, 4-bit base, generation with transformers (fast_inference off)
   unsloth-4bit-vllm   the same with vLLM generation (fast_inference on), when vllm imports there
   hf-4bit             backend hf (transformers + PEFT + bitsandbytes nf4) on the same settings
+  hf-4bit-shared      hf without gradient checkpointing, where the shared-prompt pass can run the loss pass
+                      (train.shared_prompt, the default: each distinct prompt of a micro-batch forwarded once)
+  hf-4bit-unshared    the same with train.shared_prompt=false (every row forwarded whole)
 
 and one table: peak torch.cuda.max_memory_allocated against the planner's prediction for that variant (allocated
 bytes; the card's memory as the budget), the device memory in use, generated tokens per second, seconds per step,
-and the per-phase timings (`time/<phase>` in metrics.jsonl) when the trainer logs them. Random weights never emit
-EOS: every completion runs to max_completion_length, the planner's worst case.
+and the per-phase timings (`time/<phase>` in metrics.jsonl) when the trainer logs them. Then the shared-prompt
+pass on vs off (hf-4bit-shared vs hf-4bit-unshared): peak allocated memory measured and predicted (as if the pass
+engaged, and not), the loss forward, backward and step times, and their ratios. Random weights never emit EOS: every completion runs to
+max_completion_length, the planner's worst case.
 
 On the lent GPU machine (the wheels from benchmarks/build_gpu_bundle.py; one `run` call, carry [".whl"]):
 
@@ -43,7 +48,13 @@ VARIANTS = {
     "unsloth-4bit": ["model.backend=unsloth", "model.load_in_4bit=true", "model.fast_inference=false"],
     "unsloth-4bit-vllm": ["model.backend=unsloth", "model.load_in_4bit=true", "model.fast_inference=true"],
     "hf-4bit": ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false"],
+    "hf-4bit-shared": ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false",
+                       "train.gradient_checkpointing=false", "train.shared_prompt=true"],
+    "hf-4bit-unshared": ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false",
+                         "train.gradient_checkpointing=false", "train.shared_prompt=false"],
 }
+SHARED_PAIR = ("hf-4bit-shared", "hf-4bit-unshared")  # the shared-prompt pass on, off
+SHARED_PHASES = ("time/loss_forward", "time/backward")
 NO_VLLM = ("skipped: vllm does not import here (its 321 MB wheel is over the 64 MiB bundle, and vllm 0.31 pins "
            "torch 2.13.0)")
 
@@ -158,12 +169,26 @@ def worker(args: argparse.Namespace) -> int:
         result.update(probe.peaks, **speed(logs, recipe.train.generation_batch_size()), phases=phase_times(logs),
                       predicted_allocated=predicted.allocated_bytes, predicted_total=predicted.total_bytes,
                       peak_phase=predicted.peak_phase, steps=sum(1 for log in probe.logs if "step_time" in log),
+                      prompt_sharing=predicted.sharing_dict(), **predicted_sharing(predicted),
                       **unsloth_facts())
     except Exception as exc:  # reported in the table; the next variant goes on
         result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     result["seconds"] = round(time.monotonic() - started, 1)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def predicted_sharing(predicted) -> dict:
+    """The planner's allocated bytes with the shared-prompt pass engaged and not (a CUDA plan counts ours as off)."""
+    import dataclasses
+
+    from lowmem_grpo.memory.plan import evaluate
+
+    s = predicted.settings
+    on = dataclasses.replace(s, prompt_sharing=predicted.sharing.available, sharing_verify=predicted.sharing.verify)
+    off = dataclasses.replace(s, prompt_sharing="none", sharing_verify=False)
+    return {"predicted_allocated_shared": evaluate(predicted.architecture, on).allocated_bytes,
+            "predicted_allocated_unshared": evaluate(predicted.architecture, off).allocated_bytes}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -211,6 +236,35 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n" + notes + "\n"
 
 
+def _ratio(on, off) -> str:
+    return f"{on / off:.2f}" if isinstance(on, (int, float)) and isinstance(off, (int, float)) and off else "-"
+
+
+def sharing_table(results: list[dict]) -> str:
+    """The shared-prompt pass on vs off (SHARED_PAIR): peak allocated memory, measured and predicted, the loss
+    forward, backward and step seconds, and on/off ratios; empty unless both variants ran."""
+    by = {r["variant"]: r for r in results if "error" not in r and "skipped" not in r}
+    if not all(v in by for v in SHARED_PAIR):
+        return ""
+    on, off = (by[v] for v in SHARED_PAIR)
+    rows = [("", "on", "off", "on/off")]
+    rows.append(("max alloc GiB", _gib(on.get("max_allocated")), _gib(off.get("max_allocated")),
+                 _ratio(on.get("max_allocated"), off.get("max_allocated"))))
+    pred_on, pred_off = on.get("predicted_allocated_shared"), off.get("predicted_allocated_unshared")
+    rows.append(("pred alloc GiB", _gib(pred_on), _gib(pred_off), _ratio(pred_on, pred_off)))
+    for key in SHARED_PHASES:
+        a, b = on.get("phases", {}).get(key), off.get("phases", {}).get(key)
+        rows.append((f"{key} s", str(a if a is not None else "-"), str(b if b is not None else "-"), _ratio(a, b)))
+    rows.append(("s/step", str(on.get("step_s") or "-"), str(off.get("step_s") or "-"),
+                 _ratio(on.get("step_s"), off.get("step_s"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"shared-prompt pass ({SHARED_PAIR[0]} on, {SHARED_PAIR[1]} off): "
+             f"{(on.get('prompt_sharing') or {}).get('reason', '')}"]
+    lines += ["  " + "  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 # --- the orchestrator ----------------------------------------------------------------------------
 
 
@@ -245,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {variant} ({left:.0f} s left)", flush=True)
         results.append(run_variant(args, variant, left))
         print(json.dumps(results[-1]), flush=True)
-    sys.stdout.write(table(results))
+    sys.stdout.write(table(results) + sharing_table(results))
     out = args.out or (os.environ["OUT"] + "/gpu_check.json" if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps(results, indent=2))

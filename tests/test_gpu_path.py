@@ -443,11 +443,20 @@ def test_gpu_check_arguments_and_the_rows_it_plans():
     gpu_check = _gpu_check()
     args = gpu_check.parse_args([])
     assert (args.recipe, args.steps, args.time_budget) == ("qwen2_5_1_5b_gsm8k", 3, 420)
-    assert args.variants.split(",") == ["unsloth-4bit", "unsloth-4bit-vllm", "hf-4bit"]
+    assert args.variants.split(",") == ["unsloth-4bit", "unsloth-4bit-vllm", "hf-4bit", "hf-4bit-shared",
+                                        "hf-4bit-unshared"]
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--variants", "unsloth-8bit"])
     rows = gpu_check.planned_rows(args.variants.split(","), vllm_importable=False)
-    assert [skip is None for _, skip in rows] == [True, False, True]
+    assert [skip is None for _, skip in rows] == [True, False, True, True, True]
+    # the pair differs in the shared-prompt switch only, without the checkpointing that keeps ours off the loss pass
+    on, off = (gpu_check.VARIANTS[v] for v in gpu_check.SHARED_PAIR)
+    assert [o for o in off if o not in on] == ["train.shared_prompt=false"] and len(on) == len(off)
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+
+    shared, unshared = (apply_overrides(load_recipe(args.recipe), v).train for v in (on, off))
+    assert shared.shared_prompt and not unshared.shared_prompt
+    assert not shared.gradient_checkpointing and not unshared.gradient_checkpointing
     assert all(skip is None for _, skip in gpu_check.planned_rows(args.variants.split(","), vllm_importable=True))
 
 
@@ -472,3 +481,29 @@ def test_gpu_check_table_shows_memory_speed_and_phase_timings():
     assert lines[0].split()[:3] == ["variant", "steps", "pred"] and "time/generation" in lines[0]
     assert "3.00" in lines[1] and "2.50" in lines[1] and "+20.0%" in lines[1] and "1536.0" in lines[1]
     assert "vllm does not import" in lines[2] and "OutOfMemoryError" in lines[3]
+    assert gpu_check.sharing_table(results) == ""  # the pair did not both run
+
+
+def test_gpu_check_compares_the_shared_prompt_pass_on_and_off():
+    gpu_check = _gpu_check()
+    on = {"variant": "hf-4bit-shared", "steps": 3, "predicted_allocated_shared": 4 * GIB, "max_allocated": 3 * GIB,
+          "step_s": 6.0, "phases": {"time/loss_forward": 1.0, "time/backward": 2.0},
+          "prompt_sharing": {"reason": "our shared-prompt pass runs"}}
+    off = {"variant": "hf-4bit-unshared", "steps": 3, "predicted_allocated_unshared": 5 * GIB,
+           "max_allocated": 4 * GIB, "step_s": 8.0, "phases": {"time/loss_forward": 2.0, "time/backward": 4.0}}
+    lines = gpu_check.sharing_table([on, off]).splitlines()
+    assert "our shared-prompt pass runs" in lines[0] and lines[1].split() == ["on", "off", "on/off"]
+    assert lines[2].split() == ["max", "alloc", "GiB", "3.00", "4.00", "0.75"]
+    assert lines[3].split()[-3:] == ["4.00", "5.00", "0.80"]
+    assert lines[4].split() == ["time/loss_forward", "s", "1.0", "2.0", "0.50"]
+    assert lines[5].split() == ["time/backward", "s", "2.0", "4.0", "0.50"]
+    assert lines[6].split() == ["s/step", "6.0", "8.0", "0.75"]
+    assert gpu_check.sharing_table([on, {**off, "error": "OutOfMemoryError"}]) == ""
+    # the predictions it compares: the planner's allocated bytes with the pass engaged and not
+    from lowmem_grpo.memory.plan import plan
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+
+    predicted = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), gpu_check.VARIANTS["hf-4bit-shared"]),
+                     80 * GIB)
+    both = gpu_check.predicted_sharing(predicted)
+    assert both["predicted_allocated_unshared"] == predicted.allocated_bytes > both["predicted_allocated_shared"]

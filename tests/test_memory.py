@@ -15,7 +15,8 @@ import pytest
 
 from lowmem_grpo.errors import BadInputError, RecipeError
 from lowmem_grpo.memory import terms as mt
-from lowmem_grpo.memory.arch import architecture_from_config, load_architecture, shipped_config_path, shipped_configs
+from lowmem_grpo.memory.arch import (MOE_KEYS, SSM_KEYS, architecture_from_config, load_architecture, shipped_config_path,
+                                     shipped_configs)
 from lowmem_grpo.memory.fit import auto_fit, plan_with_proposal
 from lowmem_grpo.memory.plan import GIB, MIB, parse_size, plan, resolve_settings
 from lowmem_grpo.recipe import DEFAULT_TARGET_MODULES, validate
@@ -436,3 +437,200 @@ def test_planner_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# --- prompt sharing: Unsloth's PrefixGrouper and our shared-prompt pass --------------------------
+
+ONE_GROUP = ["model.backend=unsloth", "train.per_device_train_batch_size=8", "train.num_generations=8",
+             "train.steps_per_generation=1"]  # a generation round of one prompt group: PrefixGrouper's only shape
+
+
+def _sharing(recipe_name: str, overrides: list[str], env: dict[str, str] | None = None, config: dict | None = None):
+    from lowmem_grpo.memory.plan import resolve_sharing
+
+    recipe = apply_overrides(load_recipe(recipe_name), overrides)
+    arch = architecture_from_config(config) if config else load_architecture(recipe.model.name)
+    return resolve_sharing(recipe, arch, env if env is not None else {})
+
+
+def test_prefix_grouper_gate():
+    from lowmem_grpo.memory import sharing as ms
+
+    on = _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP)  # P 256, C 512, G 8: token ratio 8 x 768 / 4352 = 1.41
+    assert on.applies == ms.UNSLOTH and on.verify and "1.41" in on.reason
+    assert not _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP, {ms.PG_VERIFY_ENV: "0"}).verify
+    off = {  # each rule of the installed source, one at a time
+        "UNSLOTH_GRPO_PREFIX_GROUPER=Off": (ONE_GROUP, {ms.PG_ENV: "Off"}),
+        "UNSLOTH_GRPO_SEQ_PACKING=false": (ONE_GROUP, {ms.PG_PACKING_ENV: "false"}),
+        "vLLM": (ONE_GROUP + ["model.fast_inference=true"], {}),
+        "top_entropy_quantile": (ONE_GROUP + ["train.top_entropy_quantile=0.2"], {}),
+        "entropy_coef": (ONE_GROUP + ["train.entropy_coef=0.01"], {}),
+        "shuffles": (["model.backend=unsloth"], {}),  # 2 prompts x 8 in micro-batches of 16
+        "below its gate": (ONE_GROUP + ["train.max_completion_length=4096", "model.max_seq_length=4352"], {}),
+        "below its gate 1.5": (ONE_GROUP, {ms.PG_TOKR_ENV: "1.5"}),
+    }
+    for words, (overrides, env) in off.items():
+        result = _sharing("qwen2_5_1_5b_gsm8k", overrides, env)
+        assert result.applies == ms.NONE and result.available == ms.UNSLOTH, words
+        assert words.split("=")[0].split(" 1")[0] in result.reason, (words, result.reason)
+    assert _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP + ["train.use_adaptive_entropy=true", "train.entropy_coef=0.01"]
+                    ).applies == ms.UNSLOTH  # Unsloth turns the bonus off under adaptive entropy
+    # a micro-batch of half a group is not whole groups; G = 1 shares nothing
+    assert _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP + ["train.per_device_train_batch_size=4",
+                                                       "train.steps_per_generation=2"]).applies == ms.NONE
+    # the architecture rules: Gemma 3 1B's 512-token window is shorter than 256 + 512; soft-capping, MoE, Mamba
+    assert "sliding window (512)" in _sharing("gemma3_1b_gsm8k", ONE_GROUP).reason
+    assert _sharing("gemma3_1b_gsm8k", ONE_GROUP + ["train.max_completion_length=128"]).applies == ms.UNSLOTH
+    for extra, words in [({"attn_logit_softcapping": 50.0}, "soft-capping"), ({"num_experts": 8}, "mixture"),
+                         ({"mamba_d_state": 16}, "Mamba")]:
+        assert words in _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP, config={**TINY, **extra}).reason
+    assert _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP, config={**TINY, "num_experts": None}).applies == ms.UNSLOTH
+    # Qwen configs carry a window that transformers drops when use_sliding_window is false
+    qwen = load_architecture("Qwen/Qwen2.5-1.5B-Instruct")
+    assert qwen.sliding_window == 32768 and qwen.attention_window is None
+
+
+def test_shared_prompt_rules_on_the_hf_path():
+    """Ours runs the loss pass in the CPU trainer, without gradient checkpointing, on full-attention models."""
+    from lowmem_grpo.memory import sharing as ms
+
+    qwen, gemma = load_architecture("Qwen/Qwen2.5-1.5B-Instruct"), load_architecture("google/gemma-3-1b-it")
+    runs = dict(shared_prompt=True, num_generations=8, gradient_checkpointing=False, device="cpu")
+    assert ms.hf_shared_prompt(qwen, **runs).applies == ms.HF
+    for change, words in [({"shared_prompt": False}, "train.shared_prompt=false"),
+                          ({"num_generations": 1}, "nothing to share"),
+                          ({"gradient_checkpointing": True}, "gradient checkpointing drops the KV cache"),
+                          ({"device": "cuda"}, "on cuda TRL's own log-prob pass runs")]:
+        result = ms.hf_shared_prompt(qwen, **{**runs, **change})
+        assert result.applies == ms.NONE and result.available == ms.HF and words in result.reason, change
+    assert "sliding-window layers" in ms.hf_shared_prompt(gemma, **runs).reason
+    # a plan is for CUDA: the shipped recipe names both of its reasons
+    assert load_recipe("qwen2_5_1_5b_gsm8k").train.shared_prompt is True
+    shipped = _sharing("qwen2_5_1_5b_gsm8k", ["model.backend=hf"])
+    assert shipped.applies == ms.NONE and "gradient checkpointing" in shipped.reason and "on cuda" in shipped.reason
+
+
+def test_shared_prompt_runs_in_the_cpu_trainer_only():
+    """The planner's device rule, against the trainer each device gets."""
+    from lowmem_grpo.memory import sharing as ms
+    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
+    from lowmem_grpo.train.grpo import grpo_trainer_class
+
+    for device in ("cpu", "cuda"):
+        runs_ours = issubclass(grpo_trainer_class("hf", device), CpuSafeGRPOTrainer)
+        assert runs_ours == (device in ms.HF_SHARED_DEVICES), device
+
+
+def test_prefix_grouper_rules_match_the_installed_source():
+    """A drift guard: the switches, defaults and rules our gate copies, read from the installed Unsloth/TRL source
+    (not imported; Unsloth needs a GPU), and its token ratio run against ours."""
+    import ast
+    import importlib.util
+
+    from lowmem_grpo.memory import sharing as ms
+
+    unsloth, zoo, trl = (importlib.util.find_spec(n) for n in ("unsloth", "unsloth_zoo", "trl"))
+    if unsloth is None or zoo is None:
+        pytest.skip("unsloth is not installed")
+    grouper = (Path(unsloth.origin).parent / "utils" / "prefix_grouper.py").read_text(encoding="utf-8")
+    loss = (Path(zoo.origin).parent / "rl_replacements.py").read_text(encoding="utf-8")
+    assert f'env_on("{ms.PG_PACKING_ENV}", "1") and env_on("{ms.PG_ENV}", "1")' in grouper
+    assert f'env_on("{ms.PG_VERIFY_ENV}", "1")' in grouper
+    assert f'float(os.environ.get("{ms.PG_TOKR_ENV}", "{ms.PG_TOKR_DEFAULT}"))' in grouper
+    assert f"not in {ms.PG_OFF_VALUES!r}".replace("'", '"') in grouper.replace("\n", "")
+    assert "if apply_tokr_gate and tok_r < tokr_threshold():" in grouper
+    assert "if G is None or G < 2 or total_rows % G != 0:" in grouper  # whole groups of consecutive rows
+    assert 'if gm["P"] + max(gm["R_list"]) > max_segment_cap:' in grouper
+    # the gradient pass's gate: no vLLM, no entropies, the excluded architectures
+    assert 'not getattr(trainer, "use_vllm", False) and not _need_entropy' in loss
+    gate = loss[loss.index("_pg_engage = (\n"):loss.index("_pg_layout = None")]
+    assert "attn_logit_softcapping" in gate and "_pg_num_gen >= 2" in gate
+    named = set(re.findall(r'"(\w+)"', gate))
+    assert {*MOE_KEYS, *SSM_KEYS} <= named
+    # its self-verify keeps the full-row packed graph while a no-grad shared pass runs
+    assert "_pg_phase_verify = True   # packed graph still co-resident" in loss
+    # TRL shuffles the generation batch's rows before cutting micro-batches
+    prepare = (Path(trl.origin).parent / "trainer" / "grpo_trainer.py").read_text(encoding="utf-8")
+    assert prepare.index("generation_batch = shuffle_sequence_dict(generation_batch)") < \
+        prepare.index("generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)")
+    # their token ratio, run on full-length groups, is ours
+    tree = ast.parse(grouper)
+    namespace: dict = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in ("_tok_r", "env_on"):
+            exec(compile(ast.Module([node], []), "prefix_grouper", "exec"), {"os": os}, namespace)
+    for p, c, g in [(256, 512, 8), (83, 46, 8), (64, 4096, 4), (1, 1, 2)]:
+        groups = [{"P": p, "R_list": [c] * g}, {"P": p, "R_list": [c] * g}]
+        assert namespace["_tok_r"](groups) == pytest.approx(ms.token_ratio(p, c, g))
+    for value in ("0", "false", "No", "OFF", "1", "yes", "true"):
+        os.environ["LOWMEM_TEST_SWITCH"] = value
+        try:
+            assert namespace["env_on"]("LOWMEM_TEST_SWITCH", "1") == ms.env_on({"X": value}, "X")
+        finally:
+            del os.environ["LOWMEM_TEST_SWITCH"]
+
+
+def test_shared_prompt_arithmetic(tiny):
+    """Tiny llama, P 32, C 64, b 4, G 4, R 8: k = min(4, 8 / 4) = 2 prompts per micro-batch."""
+    s = tiny_settings(load_in_4bit=False)
+    shared = dataclasses.replace(s, prompt_sharing="shared_prompt")
+    assert mt.prompts_in_micro_batch(s) == 2
+    assert mt.forward_tokens(tiny, s) == 4 * 96 and mt.forward_tokens(tiny, shared) == 2 * 32 + 4 * 64 == 320
+    # hf, bf16, checkpointing: L x T x H x 2 + T x per_token + 4 x T x H x 2 + mask b x C x S + k x P x P
+    per_token = mt.layer_activation_bytes_per_token(tiny, s)
+    assert mt.activations(tiny, shared) == 2 * 320 * 64 * 2 + 320 * per_token + 4 * 320 * 64 * 2 \
+        + 4 * 64 * 96 + 2 * 32 * 32
+    # the prompt's keys/values: L x k x P x 2 x kv x 2 bytes (each layer's cache) + b x P x 2 x kv x 2 (one expanded)
+    assert mt.prompt_kv(tiny, shared) == 2 * 2 * 32 * 2 * 32 * 2 + 4 * 32 * 2 * 32 * 2
+    no_gc = dataclasses.replace(shared, gradient_checkpointing=False)
+    assert mt.prompt_kv(tiny, no_gc) == 2 * 4 * 32 * 2 * 32 * 2 and mt.prompt_kv(tiny, s) == 0
+    # the log-prob pass scores the same N = b x C tokens either way
+    assert mt.logits(tiny, shared) == mt.logits(tiny, s)
+    # Unsloth's stream: no mask and no expanded cache; with its self-verify the full-row figure stays
+    pg = dataclasses.replace(s, backend="unsloth", prompt_sharing="unsloth_prefix_grouper")
+    plain = dataclasses.replace(s, backend="unsloth")
+    assert mt.attention_mask_bytes(pg, True) == 0 and mt.prompt_kv(tiny, pg) == 0
+    assert mt.activations(tiny, pg) < mt.activations(tiny, plain)
+    assert mt.activations(tiny, dataclasses.replace(pg, sharing_verify=True)) == mt.activations(tiny, plain)
+    pg_no_gc = dataclasses.replace(pg, sharing_verify=True, gradient_checkpointing=False)
+    assert mt.activations(tiny, pg_no_gc) == mt.activations(tiny, dataclasses.replace(plain, gradient_checkpointing=False)) \
+        + 320 * mt.layer_activation_bytes_per_token(tiny, pg_no_gc)
+
+
+def test_plan_counts_the_sharing_that_applies_and_both_figures():
+    no_gc = ["model.backend=hf", "train.gradient_checkpointing=false"]
+    hf = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), no_gc), 80 * GIB, env={})
+    f = hf.sharing_figures
+    assert hf.sharing.applies == "none" and hf.total_bytes == f["peak_without_bytes"]  # a CUDA run: TRL's pass
+    assert f["saving_bytes"] == f["peak_without_bytes"] - f["peak_with_bytes"] > 0
+    assert hf.terms["prompt_kv"] == 0 and "peak_with_unverified_bytes" not in f
+    # counted where it applies: the same settings with the pass on
+    engaged = dataclasses.replace(hf.settings, prompt_sharing="shared_prompt")
+    from lowmem_grpo.memory.plan import evaluate
+
+    assert evaluate(hf.architecture, engaged).total_bytes == f["peak_with_bytes"]
+    assert mt.prompt_kv(hf.architecture, engaged) > 0
+    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ONE_GROUP)
+    verified = plan(recipe, 8 * GIB, env={})
+    unverified = plan(recipe, 8 * GIB, env={"UNSLOTH_GRPO_PREFIX_GROUPER_VERIFY": "0"})
+    assert verified.sharing.applies == unverified.sharing.applies == "unsloth_prefix_grouper"
+    assert verified.total_bytes == verified.sharing_figures["peak_without_bytes"]  # the verify keeps the full row
+    assert unverified.total_bytes == verified.sharing_figures["peak_with_unverified_bytes"] < verified.total_bytes
+
+
+def test_plan_output_names_the_sharing_and_prints_both_figures():
+    text = _cli("plan", "qwen2_5_1_5b_gsm8k", "model.backend=hf", "train.gradient_checkpointing=false",
+                "--gpu-memory", "80GiB")
+    assert text.returncode == 0, text.stderr
+    assert "prompt sharing: our shared-prompt pass does not run the loss pass: on cuda" in text.stdout
+    assert "16 x 768 = 12288 tokens per micro-batch without it, 2 x 256 + 16 x 512 = 8704 with it" in text.stdout
+    figures = re.search(r"peak without prompt sharing ([\d.]+) GiB, with our shared-prompt pass \(if it engaged\) "
+                        r"([\d.]+) GiB \(saves ([\d.]+) (GiB|MiB)\)", text.stdout)
+    assert figures and float(figures.group(1)) > float(figures.group(2))
+    out = _cli("plan", "qwen2_5_1_5b_gsm8k", *ONE_GROUP, "--json", UNSLOTH_GRPO_PREFIX_GROUPER_VERIFY="0")
+    data = json.loads(out.stdout)["prompt_sharing"]
+    assert data["applies"] == "unsloth_prefix_grouper" and data["verify"] is False
+    assert data["peak_with_bytes"] + data["saving_bytes"] == data["peak_without_bytes"]
+    off = json.loads(_cli("plan", "qwen2_5_1_5b_gsm8k", *ONE_GROUP, "--json", UNSLOTH_GRPO_PREFIX_GROUPER="0").stdout)
+    assert off["prompt_sharing"]["applies"] == "none" and "UNSLOTH_GRPO_PREFIX_GROUPER=0" in off["prompt_sharing"]["reason"]
+    assert off["total_bytes"] == off["prompt_sharing"]["peak_without_bytes"]

@@ -42,3 +42,16 @@ def test_a_run_measures_each_stage_and_the_report_shows_them(tiny_model_dir, tmp
     assert all(len(v) == 4 for v in data["verdicts"].values())  # the same 4 problems at each stage
     report = (run_dir / "report.md").read_text()
     assert "## What each stage bought" in report and "| primed->trained |" in report
+    # the process's peak RSS in each stage, in order, and per phase of each GRPO step
+    peaks = json.loads((run_dir / "peak_rss.json").read_text())
+    stages = [r["stage"] for r in peaks["stages"]]
+    assert stages == ["convert", "load", "eval base", "prime", "eval primed", "grpo", "eval trained"]
+    assert all(r["peak_rss_bytes"] > 50 * 2**20 and r["seconds"] >= 0 for r in peaks["stages"])
+    assert "## Memory" in report and "| prime |" in report and "| eval trained |" in report
+    for record in peaks["stages"]:
+        assert f"| {record['stage']} | {record['peak_rss_bytes'] / 2**30:.2f} |" in report
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in steps if r.get("stage") == "grpo" and "loss" in r]
+    assert grpo and all(r["rss/generation"] > 0.05 and r["rss/loss_forward"] > 0.05 and r["rss/backward"] > 0.05
+                        for r in grpo)
+    assert "Peak RSS in each phase of a GRPO step" in report and "backward" in report

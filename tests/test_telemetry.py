@@ -218,3 +218,45 @@ def test_completions_every_is_validated():
     with pytest.raises(RecipeError, match="train.completions_every"):
         validate(recipe)
     assert Recipe().train.completions_every == 10
+
+
+def _touch(size: int) -> bytearray:
+    return bytearray(b"\x01") * size  # written, so resident (a zeroed buffer may stay unmapped)
+
+
+def test_rss_watch_catches_a_peak_inside_its_span_only():
+    from lowmem_grpo.rundir import rss
+
+    if not rss.resettable():
+        pytest.skip("this kernel's RSS high-water mark cannot be reset")
+    size = 300 * 2**20
+    with rss.Watch() as outer:
+        base = rss.current_bytes()
+        with rss.Watch() as inner:
+            block = _touch(size)
+            del block  # freed before the span ends: only the kernel's mark saw it
+        with rss.Watch() as after:
+            small = _touch(2**20)
+            del small
+    assert inner.peak_bytes >= base + size * 0.95
+    assert after.peak_bytes < base + size * 0.5  # the mark was reset when the inner span ended
+    assert outer.peak_bytes >= inner.peak_bytes  # a span holds the peaks of the spans inside it
+
+
+def test_stage_peaks_are_written_in_order_with_their_seconds(tmp_path):
+    from lowmem_grpo.rundir import rss
+
+    peaks = rss.StagePeaks()
+    with peaks.stage("first"):
+        block = _touch(50 * 2**20)
+        del block
+    peaks.attach(tmp_path / "peak_rss.json")  # what came before is written at once
+    assert [r["stage"] for r in rss.read(tmp_path / "peak_rss.json")["stages"]] == ["first"]
+    with pytest.raises(ValueError):
+        with peaks.stage("second"):
+            raise ValueError("a failing stage is recorded too")
+    data = rss.read(tmp_path / "peak_rss.json")
+    assert [r["stage"] for r in data["stages"]] == ["first", "second"]
+    assert data["resettable"] == rss.resettable() and all(r["seconds"] >= 0 for r in data["stages"])
+    assert data["stages"][0]["peak_rss_bytes"] >= 50 * 2**20
+    assert rss.read(tmp_path / "missing.json") is None

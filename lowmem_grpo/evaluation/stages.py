@@ -63,9 +63,10 @@ def _disabled_adapter(model: Any, stage: str) -> Any:
 class StageEvals:
     """Greedy evaluation of the same held-out problems after each stage; results in `path` (stage_eval.json)."""
 
-    def __init__(self, recipe: Any, tokenizer: Any, path: Path) -> None:
+    def __init__(self, recipe: Any, tokenizer: Any, path: Path, peaks: Any = None) -> None:
         t = recipe.train
         self.path = Path(path)
+        self.peaks = peaks  # a lowmem_grpo.rundir.rss.StagePeaks: each evaluation's peak RSS as "eval <stage>"
         self.tokenizer = tokenizer
         self.settings = {"max_new_tokens": t.max_completion_length, "batch_size": max(8, t.per_device_train_batch_size),
                          "seed": t.seed}
@@ -82,7 +83,8 @@ class StageEvals:
         """Evaluate `model` as `stage` (unless already measured) and rewrite stage_eval.json."""
         if stage in self.results:
             return self.results[stage]
-        with _disabled_adapter(model, stage):
+        watch = self.peaks.stage(f"eval {stage}") if self.peaks is not None else contextlib.nullcontext()
+        with watch, _disabled_adapter(model, stage):
             result = run_eval(model, self.tokenizer, self.examples, progress=False, engine="transformers",
                               merged=self.merged, **self.settings)
         self.verdicts[stage] = result.verdicts

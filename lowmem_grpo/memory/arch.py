@@ -27,6 +27,9 @@ QKV_BIAS_TYPES = {"qwen2"}
 QK_NORM_TYPES = {"qwen3", "gemma3_text", "gemma3"}
 # model types with four RMSNorms per decoder layer (pre/post attention, pre/post feed-forward)
 FOUR_NORM_TYPES = {"gemma2", "gemma3_text", "gemma3"}
+# config keys whose presence (not None) marks a mixture-of-experts or a hybrid state-space decoder
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+SSM_KEYS = ("mamba_d_ssm", "mamba_d_state", "mamba_expand")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,10 @@ class Architecture:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default_factory=tuple)
     source: str = ""
+    attention_window: int | None = None  # the sliding window the loaded config keeps (None when use_sliding_window=false)
+    attn_softcapping: bool = False  # attention logits soft-capped (Gemma 2)
+    moe: bool = False  # mixture-of-experts layers
+    ssm: bool = False  # hybrid state-space (Mamba) layers
 
     @property
     def q_dim(self) -> int:
@@ -151,6 +158,11 @@ def architecture_from_config(config: dict[str, Any], source: str = "") -> Archit
         sliding_window=window,
         layer_types=_layer_types(cfg, layers),
         source=source,
+        # transformers drops the window of Qwen-style configs that say use_sliding_window=false
+        attention_window=None if cfg.get("use_sliding_window") is False else window,
+        attn_softcapping=cfg.get("attn_logit_softcapping") is not None,
+        moe=any(cfg.get(k) is not None for k in MOE_KEYS),
+        ssm=any(cfg.get(k) is not None for k in SSM_KEYS),
     )
 
 

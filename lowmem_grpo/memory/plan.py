@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lowmem_grpo.device import resolve_backend, resolve_fast_inference, resolve_optimizer
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.memory import sharing as ms
 from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
 from lowmem_grpo.memory.terms import GIB, MIB, Settings
@@ -43,6 +45,8 @@ class Plan:
     reserved_bytes: int
     budget_bytes: int | None
     proposal: dict[str, Any] | None = field(default=None)
+    sharing: ms.Sharing | None = field(default=None)
+    sharing_figures: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
@@ -61,11 +65,20 @@ class Plan:
             "phases": dict(self.phases),
             "allocated_bytes": self.allocated_bytes,
             "reserved_bytes": self.reserved_bytes,
+            "prompt_sharing": self.sharing_dict(),
             "formulas": {name: _first_line(mt.TERMS[name][0].__doc__) for name in mt.TERMS},
             "settings": dataclasses.asdict(self.settings),
             "architecture": {**dataclasses.asdict(self.architecture),
                              "total_params": self.architecture.total_params()},
         }
+
+
+    def sharing_dict(self) -> dict[str, Any] | None:
+        """Which shared-prompt pass applies and why, and the peak with and without prompt sharing (bytes)."""
+        if self.sharing is None:
+            return None
+        return {"applies": self.sharing.applies, "available": self.sharing.available, "reason": self.sharing.reason,
+                "verify": self.sharing.verify, **self.sharing_figures}
 
 
 def _first_line(doc: str | None) -> str:
@@ -108,13 +121,15 @@ def device_budget(free_bytes: int, total_bytes: int, headroom: float = 0.05) -> 
 
 
 def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunked",
-                     gpu_free_bytes: int = 0) -> Settings:
+                     gpu_free_bytes: int = 0, sharing: ms.Sharing | None = None) -> Settings:
     """The recipe's memory-relevant settings as a CUDA run resolves them (auto values included);
-    `gpu_free_bytes` is the memory free when the model loads (what Unsloth's vLLM share is taken of)."""
+    `gpu_free_bytes` is the memory free when the model loads (what Unsloth's vLLM share is taken of);
+    `sharing` the shared-prompt pass that applies (resolve_sharing; None: none)."""
     m, t = recipe.model, recipe.train
     backend = resolve_backend(m.backend, cuda=True)
     fast = resolve_fast_inference(m.fast_inference)
     fp32 = m.dtype == "float32" or t.precision == "fp32"
+    sharing = sharing or ms.Sharing(ms.NONE, ms.NONE, "")
     return Settings(
         backend=backend,
         load_in_4bit=m.load_in_4bit,
@@ -134,7 +149,17 @@ def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "ch
         gpu_total_bytes=gpu_total_bytes,
         gpu_free_bytes=gpu_free_bytes,
         logits=logits,
+        prompt_sharing=sharing.applies,
+        sharing_verify=sharing.verify,
     )
+
+
+def resolve_sharing(recipe: Recipe, arch: Architecture, env: Mapping[str, str] | None = None) -> ms.Sharing:
+    """The shared-prompt pass a CUDA run of the recipe gets (lowmem_grpo.memory.sharing), `env` the environment
+    Unsloth reads its switches from (None: this process's)."""
+    backend = resolve_backend(recipe.model.backend, cuda=True)
+    fast = bool(resolve_fast_inference(recipe.model.fast_inference)) and backend == "unsloth"
+    return ms.resolve_sharing(arch, backend, recipe, fast_inference=fast, env=env)
 
 
 def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -> Plan:
@@ -153,13 +178,37 @@ def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -
 
 
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
-         allow_hub: bool = True, logits: str = "chunked", free_bytes: int | None = None) -> Plan:
+         allow_hub: bool = True, logits: str = "chunked", free_bytes: int | None = None,
+         env: Mapping[str, str] | None = None) -> Plan:
     """Predicted peak GPU memory of a recipe (lowmem_grpo.memory.fit adds the largest settings that fit);
-    `free_bytes`: the GPU memory free at load when known (the vLLM share is taken of it), else the budget."""
+    `free_bytes`: the GPU memory free at load when known (the vLLM share is taken of it), else the budget; `env`:
+    the environment Unsloth's PrefixGrouper switches are read from (None: this process's).
+
+    The plan counts the shared-prompt pass that applies; `sharing_figures` holds the peak without prompt sharing
+    (peak_without_bytes), with the backend's pass engaged (peak_with_bytes, what it would be where it does not
+    engage), the difference (saving_bytes) and, on unsloth, the peak with its self-verify off
+    (peak_with_unverified_bytes)."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
-    return evaluate(arch, resolve_settings(recipe, total_gpu, logits, free_bytes or 0), budget_bytes)
+    sharing = resolve_sharing(recipe, arch, env)
+    settings = resolve_settings(recipe, total_gpu, logits, free_bytes or 0, sharing)
+    result = evaluate(arch, settings, budget_bytes)
+    result.sharing = sharing
+    result.sharing_figures = sharing_figures(arch, settings, sharing)
+    return result
+
+
+def sharing_figures(arch: Architecture, s: Settings, sharing: ms.Sharing) -> dict[str, int]:
+    """The peak without prompt sharing, with the backend's shared-prompt pass engaged, and their difference."""
+    without = evaluate(arch, dataclasses.replace(s, prompt_sharing=ms.NONE, sharing_verify=False)).total_bytes
+    engaged = dataclasses.replace(s, prompt_sharing=sharing.available, sharing_verify=sharing.verify)
+    figures = {"peak_without_bytes": without, "peak_with_bytes": evaluate(arch, engaged).total_bytes}
+    figures["saving_bytes"] = figures["peak_without_bytes"] - figures["peak_with_bytes"]
+    if sharing.available == ms.UNSLOTH:
+        unverified = dataclasses.replace(engaged, sharing_verify=False)
+        figures["peak_with_unverified_bytes"] = evaluate(arch, unverified).total_bytes
+    return figures
 
 
 def format_plan(p: Plan, title: str = "") -> str:
@@ -177,6 +226,7 @@ def format_plan(p: Plan, title: str = "") -> str:
         doc = (_first_line(mt.TERMS[name][0].__doc__) if name in mt.TERMS
                else "caching-allocator slack on the peak phase")
         lines.append(f"  {name:<22}{phase:<12}{format_bytes(value):>12}  {doc[:70]}")
+    lines += _sharing_lines(p)
     verdict = "" if p.fits is None else (" -> fits" if p.fits else " -> does NOT fit")
     budget = f" of {format_bytes(p.budget_bytes)}" if p.budget_bytes else ""
     lines.append(f"  peak ({p.peak_phase} phase): {format_bytes(p.total_bytes)}{budget}{verdict}; torch allocated "
@@ -187,3 +237,23 @@ def format_plan(p: Plan, title: str = "") -> str:
             text = "n/a" if entry is None else f"{entry['value']}  (peak {format_bytes(entry['total_bytes'])})"
             lines.append(f"    {knob:<30}{text}")
     return "\n".join(lines) + "\n"
+
+
+def _sharing_lines(p: Plan) -> list[str]:
+    """Which shared-prompt pass applies, why, and the peak with and without it."""
+    if p.sharing is None or not p.sharing_figures:
+        return []
+    f, sh, s = p.sharing_figures, p.sharing, p.settings
+    k = mt.prompts_in_micro_batch(s)
+    name = "Unsloth's PrefixGrouper" if sh.available == ms.UNSLOTH else "our shared-prompt pass"
+    engaged = "" if sh.applies != ms.NONE else " (if it engaged)"
+    lines = [f"  prompt sharing: {sh.reason}",
+             f"    training forward: {s.per_device_batch} x {s.seq_len} = {mt.forward_tokens(p.architecture, s, False)} "
+             f"tokens per micro-batch without it, {k} x {s.prompt_len} + {s.per_device_batch} x {s.completion_len} = "
+             f"{mt.forward_tokens(p.architecture, s, True)} with it",
+             f"    peak without prompt sharing {format_bytes(f['peak_without_bytes'])}, with {name}{engaged} "
+             f"{format_bytes(f['peak_with_bytes'])} (saves {format_bytes(f['saving_bytes'])})"]
+    if "peak_with_unverified_bytes" in f:
+        lines.append(f"    with its self-verify off ({ms.PG_VERIFY_ENV}=0): "
+                     f"{format_bytes(f['peak_with_unverified_bytes'])}")
+    return lines

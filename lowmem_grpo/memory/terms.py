@@ -7,7 +7,13 @@ Every term is plain integer arithmetic on an `Architecture` (memory_arch) and re
     q = num_heads x hd, kv = num_kv_heads x hd, r LoRA rank, cb bytes of the compute dtype
     (2 for bf16/fp16, 4 for fp32), P prompt tokens (data.max_prompt_length), C completion tokens
     (train.max_completion_length), S = P + C, b per-device micro-batch (completions), R generation
-    batch (completions generated at once = b x steps_per_generation), N = b x C scored tokens.
+    batch (completions generated at once = b x steps_per_generation), N = b x C scored tokens, G
+    num_generations, k = min(b, R / G) the prompts one micro-batch can hold (TRL shuffles the rows).
+
+Prompt sharing (lowmem_grpo.memory.sharing decides which applies): a shared-prompt pass forwards each
+prompt of a micro-batch once, T = k x P + b x C tokens instead of b x S; only the activations (and, on
+hf, the prompt's keys/values each completion reads: prompt_kv) change; the log-prob pass scores the same
+N completion tokens either way.
 
 A GRPO step has two phases that never hold their transient memory at the same time: generation
 (KV cache, prefill workspace) and the training forward/backward (LoRA gradients, activations, the
@@ -78,6 +84,9 @@ class Settings:
     double_quant: bool = True
     gpu_free_bytes: int = 0  # free GPU memory when the model loads (0: unknown, taken as gpu_total_bytes)
     logits: str = "chunked"  # "chunked" (TRL 1.15 fused LM-head kernel) or "full" (materialized logits)
+    prompt_sharing: str = "none"  # the shared-prompt pass of the training forward: none, shared_prompt (hf) or
+    # unsloth_prefix_grouper (lowmem_grpo.memory.sharing)
+    sharing_verify: bool = False  # Unsloth's self-verify runs the full-row pass beside the shared one at the peak
 
     @property
     def seq_len(self) -> int:
@@ -293,17 +302,34 @@ def layer_activation_bytes_per_token(a: Architecture, s: Settings) -> int:
     return residual + width * s.compute_bytes + 4 * (a.norms_per_layer + a.num_heads)
 
 
-def activations(a: Architecture, s: Settings) -> int:
-    """Activations of the training forward/backward of one micro-batch of T = b x S tokens.
+def prompts_in_micro_batch(s: Settings) -> int:
+    """k = min(b, R / G), at least 1: the distinct prompts one micro-batch can hold (TRL shuffles the generation
+    batch's rows before cutting micro-batches, so at worst every row of a micro-batch is another group's)."""
+    return max(1, min(s.per_device_batch, s.generation_batch // max(s.num_generations, 1)))
 
-    no checkpointing:        L x T x layer_activation_bytes_per_token
-    plain checkpointing:     L x T x H x rb (each layer's saved input) + T x per_token (one layer recomputed)
-    Unsloth (offloaded):     2 x T x H x rb (inputs are offloaded to CPU RAM; two in flight) + T x per_token
-    always:                  + 4 x T x H x rb (final norm in/out, the gradient flowing between layers)
-                             + b x S x S (the boolean 4-D attention mask of a padded batch)
-                             + dequant_workspace (4-bit)
-    """
-    tokens = s.per_device_batch * s.seq_len
+
+def forward_tokens(a: Architecture, s: Settings, shared: bool | None = None) -> int:
+    """T, the tokens of one training forward: b x S; with a shared-prompt pass k x P + b x C."""
+    shared = s.prompt_sharing != "none" if shared is None else shared
+    if shared:
+        return prompts_in_micro_batch(s) * s.prompt_len + s.per_device_batch * s.completion_len
+    return s.per_device_batch * s.seq_len
+
+
+def attention_mask_bytes(s: Settings, shared: bool) -> int:
+    """The boolean attention mask of the training forward: b x S x S for a padded batch; hf shared prompt
+    b x C x (P + C) (each completion over its prompt and itself) + k x P x P (the prompts); Unsloth's
+    shared stream 0 (a FlexAttention block mask, one bit per 128 x 128 block)."""
+    if not shared:
+        return s.per_device_batch * s.seq_len * s.seq_len
+    if s.prompt_sharing == "unsloth_prefix_grouper":
+        return 0
+    return (s.per_device_batch * s.completion_len * s.seq_len
+            + prompts_in_micro_batch(s) * s.prompt_len * s.prompt_len)
+
+
+def _forward_activations(a: Architecture, s: Settings, shared: bool) -> int:
+    tokens = forward_tokens(a, s, shared)
     per_token = layer_activation_bytes_per_token(a, s)
     hidden = tokens * a.hidden_size * residual_bytes(s)
     if not s.gradient_checkpointing:
@@ -312,7 +338,44 @@ def activations(a: Architecture, s: Settings) -> int:
         body = 2 * hidden + tokens * per_token
     else:
         body = a.num_layers * hidden + tokens * per_token
-    return body + 4 * hidden + s.per_device_batch * s.seq_len * s.seq_len + dequant_workspace(a, s)
+    return body + 4 * hidden + attention_mask_bytes(s, shared) + dequant_workspace(a, s)
+
+
+def activations(a: Architecture, s: Settings) -> int:
+    """Activations of the training forward/backward of one micro-batch of T tokens (forward_tokens: b x S, or
+    k x P + b x C with a shared-prompt pass).
+
+    no checkpointing:        L x T x layer_activation_bytes_per_token
+    plain checkpointing:     L x T x H x rb (each layer's saved input) + T x per_token (one layer recomputed)
+    Unsloth (offloaded):     2 x T x H x rb (inputs are offloaded to CPU RAM; two in flight) + T x per_token
+    always:                  + 4 x T x H x rb (final norm in/out, the gradient flowing between layers)
+                             + attention_mask_bytes (b x S x S for a padded batch)
+                             + dequant_workspace (4-bit)
+    Unsloth's PrefixGrouper with its self-verify: the full-row figure (b x S tokens; its graph is kept while a
+    no-grad shared pass is compared with it), + Ts x per_token without checkpointing (one layer of that no-grad pass,
+    Ts = k x P + b x C; with checkpointing it is smaller than the full-row pass's own one-layer term)
+    """
+    if s.prompt_sharing == "unsloth_prefix_grouper" and s.sharing_verify:
+        verify = 0 if s.gradient_checkpointing else forward_tokens(a, s, True) * layer_activation_bytes_per_token(a, s)
+        return _forward_activations(a, s, False) + verify
+    return _forward_activations(a, s, s.prompt_sharing != "none")
+
+
+def prompt_kv(a: Architecture, s: Settings) -> int:
+    """The prompt's keys/values each completion row attends to, hf shared-prompt pass (0 otherwise: unshared rows
+    count theirs in the activations, Unsloth's shared stream keeps its prompt once):
+
+    no checkpointing:        L x b x P x 2 x kv x cb (the prompt's keys/values expanded to the b rows, kept by
+                             attention for the backward)
+    checkpointing:           L x k x P x 2 x kv x cb (each layer's prompt cache, an input of its recompute)
+                             + b x P x 2 x kv x cb (one layer's expanded copy)
+    """
+    if s.prompt_sharing != "shared_prompt":
+        return 0
+    per_row_layer = s.prompt_len * 2 * a.kv_dim * s.compute_bytes
+    if not s.gradient_checkpointing:
+        return a.num_layers * s.per_device_batch * per_row_layer
+    return a.num_layers * prompts_in_micro_batch(s) * per_row_layer + s.per_device_batch * per_row_layer
 
 
 def logits(a: Architecture, s: Settings) -> int:
@@ -389,6 +452,7 @@ TERMS = {
     "generation_workspace": (generation_workspace, "generation", "allocated"),
     "lora_grads": (lora_grads, "training", "allocated"),
     "activations": (activations, "training", "allocated"),
+    "prompt_kv": (prompt_kv, "training", "allocated"),
     "logits": (logits, "training", "allocated"),
 }
 

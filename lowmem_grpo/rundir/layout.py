@@ -14,6 +14,7 @@
       adapter/               the final adapter
       eval.json, eval/       evaluation results (`lowmem-grpo eval`)
       stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.stage_eval)
+      peak_rss.json          the process's peak resident memory in each stage (load, evals, priming, GRPO, save)
       plots/, report.md      the report
 Torch-free.
 """
@@ -43,6 +44,7 @@ SAMPLING_STATE_FILE = "lowmem_sampling.json"  # inside checkpoint-N/: pass rates
 ADAPTER_DIR = "adapter"
 EVAL_FILE = "eval.json"
 STAGE_EVAL_FILE = "stage_eval.json"
+PEAK_RSS_FILE = "peak_rss.json"
 EVAL_DIR = "eval"
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"

@@ -19,6 +19,7 @@ from typing import Any
 
 from lowmem_grpo.rundir import layout
 from lowmem_grpo.rundir import health
+from lowmem_grpo.rundir import rss
 from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.rundir.completions import read_completions
 from lowmem_grpo.errors import BadInputError
@@ -343,6 +344,28 @@ def stage_lines(run_dir: Path) -> list[str]:
     return lines
 
 
+def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
+    """The process's peak RSS in each stage (peak_rss.json), and in each phase of a GRPO step (the rss/<phase> keys
+    of metrics.jsonl: their largest logged value); [] when neither was recorded."""
+    data = rss.read(run_dir / layout.PEAK_RSS_FILE) or {}
+    stages = data.get("stages") or []
+    lines: list[str] = []
+    if stages:
+        how = ("exact: the kernel's high-water mark, reset at each stage" if data.get("resettable")
+               else "the peak since the process started: this system does not reset the kernel's mark")
+        lines += [f"Peak resident memory (RSS) of the training process in each stage ({how}):", "",
+                  "| stage | peak RSS GiB | seconds |", "|---|---|---|"]
+        lines += [f"| {r['stage']} | {r['peak_rss_bytes'] / rss.GIB:.2f} | {_num(r.get('seconds'))} |" for r in stages]
+    grpo = [r for r in records if r.get("stage") == layout.GRPO_STAGE]
+    phases = sorted({k for r in grpo for k in r if k.startswith(rss.RSS_PREFIX)})
+    if phases:
+        peak = {k: max(r[k] for r in grpo if isinstance(r.get(k), (int, float))) for k in phases}
+        lines += [""] if lines else []
+        lines.append("Peak RSS in each phase of a GRPO step (GiB, the largest logged step): "
+                     + ", ".join(f"{k[len(rss.RSS_PREFIX):]} {v:.2f}" for k, v in peak.items()))
+    return lines
+
+
 def _recipe_info(run_dir: Path) -> dict[str, Any]:
     path = run_dir / layout.RECIPE_FILE
     if not path.exists():
@@ -395,6 +418,9 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     evaluation = eval_lines(run_dir)
     if evaluation:
         lines += ["", "## Evaluation", ""] + evaluation
+    memory = memory_lines(run_dir, records)
+    if memory:
+        lines += ["", "## Memory", ""] + memory
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({layout.PLOTS_DIR}/{p.name})" for p in plots]
     lines += ["", "## Sample completions", ""]

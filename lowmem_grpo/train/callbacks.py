@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
 from lowmem_grpo.recipe import resolved_rewards
-from lowmem_grpo.rundir import checkpoints, layout, telemetry
+from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.health import WarningLatch
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ class PhaseTimer(TrainerCallback):
         self.trainer = trainer
         self.clock = CudaClock() if trainer.accelerator.device.type == "cuda" else WallClock()
         self.spans: list[tuple[str, Any, Any]] = []  # (phase, start mark, end mark) of the current step
+        self.rss_peaks: dict[str, int] = {}  # phase -> peak RSS (bytes) of the current step (lowmem_grpo.rundir.rss)
         self.tokens = 0
         self.window_start: Any = None  # the previous step's end mark
         self.begin: Any = None
@@ -224,14 +225,16 @@ class PhaseTimer(TrainerCallback):
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         """Replace owner.name by a timed call of the bound method the instance would have called."""
-        original, spans, clock = getattr(owner, name), self.spans, self.clock
+        original, spans, clock, peaks = getattr(owner, name), self.spans, self.clock, self.rss_peaks
         counts_tokens = phase == "generation"
 
         @functools.wraps(original)
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = clock.mark()
-            result = original(*args, **kwargs)
+            with rss.Watch() as watch:
+                result = original(*args, **kwargs)
             spans.append((phase, start, clock.mark()))
+            peaks[phase] = max(peaks.get(phase, 0), watch.peak_bytes)
             if counts_tokens:
                 self.tokens += _completion_tokens(result)
             return result
@@ -242,7 +245,8 @@ class PhaseTimer(TrainerCallback):
         self.begin = self.clock.mark()
         if self.window_start is None:
             self.window_start = self.begin
-        self.spans.clear()  # in place: the wrappers hold this list
+        self.spans.clear()  # in place: the wrappers hold this list (and this dict)
+        self.rss_peaks.clear()
         self.tokens = 0
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any):
@@ -278,6 +282,7 @@ class PhaseTimer(TrainerCallback):
         record[telemetry.STEP_KEY] = step
         record[telemetry.SHARE_KEY] = phases["generation"] / step if step > 0 else 0.0
         record[telemetry.TOKENS_KEY] = self.tokens / phases["generation"] if phases["generation"] > 0 else 0.0
+        record.update({f"{rss.RSS_PREFIX}{p.lstrip('_')}": b / rss.GIB for p, b in self.rss_peaks.items()})
         return record
 
     def _publish(self, record: dict[str, float]) -> None:

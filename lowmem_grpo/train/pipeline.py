@@ -23,7 +23,7 @@ from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
-from lowmem_grpo.rundir import checkpoints, layout, telemetry
+from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.completions import CompletionRecorder
 from lowmem_grpo.rundir.report import write_report
 from lowmem_grpo.train import preflight as reward_preflight
@@ -46,11 +46,13 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     a GPU recipe stops without a usable one, and auto-fit fits its free memory.
     """
     cuda = cuda or cuda_facts()
+    peaks = rss.StagePeaks()  # the process's peak RSS in each stage, peak_rss.json and the report
     backend = setup(recipe, cuda)
     fit = fit_memory(recipe, explicit or set(), resume_dir, cuda)
     recipe = fit.recipe
     rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
-    model_path = model_path_once(recipe)  # a missing model folder fails before the run directory exists
+    with peaks.stage("convert"):
+        model_path = model_path_once(recipe)  # a missing model folder fails before the run directory exists
     resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
     if resume is not None and resume.finished:
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
@@ -60,25 +62,31 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     run_dir = resume.run_dir if resume else distributed.agree_on_run_dir(lambda: choose_run_dir(recipe))
     log.info("run directory: %s", run_dir)
 
-    loaded = load(recipe, backend, model_path=model_path, adapter_path=start_adapter)
+    with peaks.stage("load"):
+        loaded = load(recipe, backend, model_path=model_path, adapter_path=start_adapter)
     # the bf16/fp16 flags follow the dtype the model was really loaded in; a precision Unsloth would refuse or
     # override stops here (exit 2), before the run directory is written
     training_precision(recipe.train.precision, loaded.dtype, cuda=loaded.device == "cuda", backend=backend)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
     open_run_dir(run_dir, recipe, backend, resume, fit.plan, loaded.dtype)  # inputs are good: from here on the run dir is written
-    stages = stage_evals(recipe, loaded, run_dir)  # the same held-out problems after each stage
+    if distributed.is_main_process():
+        peaks.attach(run_dir / layout.PEAK_RSS_FILE)
+    stages = stage_evals(recipe, loaded, run_dir, peaks)  # the same held-out problems after each stage
     stages.measure(loaded.model, "base")
     if start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
         stages.measure(loaded.model, "start")
     if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
-        prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend,
-              cuda=loaded.device == "cuda", dtype=loaded.dtype)
+        with peaks.stage("prime"):
+            prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend,
+                  cuda=loaded.device == "cuda", dtype=loaded.dtype)
         stages.measure(loaded.model, "primed")
     if recipe.train.preflight and resume is None:  # a resumed run already passed it
-        require_reward_signal(recipe, loaded, examples)
+        with peaks.stage("preflight"):
+            require_reward_signal(recipe, loaded, examples)
 
     started = time.monotonic()
-    trainer = train_grpo(recipe, loaded, examples, run_dir, resume, callbacks)
+    with peaks.stage("grpo"):
+        trainer = train_grpo(recipe, loaded, examples, run_dir, resume, callbacks)
     log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
     stages.measure(loaded.model, "trained")
     return save_and_report(trainer, run_dir, recipe.model.name)
@@ -158,11 +166,13 @@ class _NoStageEvals:
         return None
 
 
-def stage_evals(recipe: Recipe, loaded: Any, run_dir: Path) -> StageEvals | _NoStageEvals:
-    """The per-stage held-out evaluation (rank 0, train.stage_eval problems), or a stand-in that measures nothing."""
+def stage_evals(recipe: Recipe, loaded: Any, run_dir: Path, peaks: rss.StagePeaks | None = None
+                ) -> StageEvals | _NoStageEvals:
+    """The per-stage held-out evaluation (rank 0, train.stage_eval problems), or a stand-in that measures nothing;
+    each evaluation's peak RSS goes into `peaks` as stage "eval <stage>"."""
     if not recipe.train.stage_eval or not distributed.is_main_process():
         return _NoStageEvals()
-    return StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE)
+    return StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks)
 
 
 def require_reward_signal(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]]) -> Any:

@@ -1,0 +1,145 @@
+"""Peak resident memory (RSS) of this process per stage of a run and per phase of a step. Standard library only.
+
+On Linux the kernel keeps the high-water mark of the resident set (VmHWM in /proc/self/status) and resets it to the
+current RSS when "5" is written to /proc/self/clear_refs: every watch below reads the mark, folds it into each
+watch that is open, and resets it, so the peak of a stage is exact, not sampled. Where the mark cannot be reset
+(another OS, a locked-down /proc) it is the peak since the process started (`resettable` False): an upper bound.
+
+    peaks = StagePeaks()
+    with peaks.stage("load"): ...             # peaks.records: [{"stage", "peak_rss_bytes", "seconds"}, ...]
+    with Watch() as w: ...; w.peak_bytes      # one span (PhaseTimer times each phase of a GRPO step in one)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
+GIB = 2**30
+RSS_PREFIX = "rss/"  # metrics.jsonl keys: rss/<phase>, the peak RSS (GiB) of each phase of the logged step
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", STATUS.read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def current_bytes() -> int:
+    """This process's resident set now (0 where /proc is not there)."""
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else 0
+
+
+def high_water_bytes() -> int:
+    """The kernel's high-water mark of the resident set: since the last reset, or since the process started."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def _reset() -> bool:
+    try:
+        CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class _Marks:
+    """The open watches and whether the kernel's mark can be reset (one per process)."""
+
+    def __init__(self) -> None:
+        self.open: list[Watch] = []
+        self.resettable: bool | None = None
+
+    def sample(self) -> None:
+        """Fold the mark since the last sample into every open watch, then reset it."""
+        peak = high_water_bytes()
+        for watch in self.open:
+            watch.peak_bytes = max(watch.peak_bytes, peak)
+        ok = _reset()
+        if self.resettable is None or not ok:
+            self.resettable = ok
+
+
+MARKS = _Marks()
+
+
+def resettable() -> bool:
+    """Whether peaks are per span (the kernel's mark resets) rather than since the process started."""
+    if MARKS.resettable is None:
+        MARKS.sample()
+    return bool(MARKS.resettable)
+
+
+class Watch:
+    """The peak RSS of the span of a `with` block, in bytes (`peak_bytes`), exact where `resettable()`."""
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+
+    def __enter__(self) -> Watch:
+        MARKS.sample()  # what came before belongs to the watches already open
+        self.peak_bytes = current_bytes()
+        MARKS.open.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        MARKS.sample()
+        MARKS.open.remove(self)
+
+
+class StagePeaks:
+    """Peak RSS of each stage of a run, in order; written to `path` (when set) after each stage."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.path: Path | None = None
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[Watch]:
+        """Measure the `with` block as stage `name` (recorded even when it raises)."""
+        started = time.monotonic()
+        watch = Watch()
+        try:
+            with watch:
+                yield watch
+        finally:
+            self.records.append({"stage": name, "peak_rss_bytes": watch.peak_bytes,
+                                 "seconds": round(time.monotonic() - started, 1)})
+            if self.path is not None:
+                self.write()
+
+    def attach(self, path: Path) -> None:
+        """From now on, write the records to `path` (the run directory exists): at once and after each stage."""
+        self.path = Path(path)
+        self.write()
+
+    def write(self) -> None:
+        assert self.path is not None
+        data = {"resettable": resettable(), "stages": self.records}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        tmp.replace(self.path)
+
+
+def read(path: Path) -> dict[str, Any] | None:
+    """A written StagePeaks file, or None when there is none (or it is unreadable)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
