@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 SMOOTHING = 0.8
 """Weight of the past in the exponential moving average drawn over the raw curves."""
 SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "groups/informative",
-                "groups/informative_correctness", "groups/per_step", "curriculum/level", "completions/mean_length",
+                "groups/informative_goal", "groups/per_step", "curriculum/level", "completions/mean_length",
                 "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
                 "time/step", "time/sampling_share", "tokens_per_s"]
 
@@ -176,11 +176,11 @@ def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def _plot_groups(records: list[dict[str, Any]], path: Path) -> Path:
-    """groups.png: the share of informative groups (total reward and correctness) and the curriculum level."""
+    """groups.png: the share of informative groups (total reward and goal reward) and the curriculum level."""
     level = bool(series(records, "curriculum/level")[0])
     fig, ax = _figure("Groups that teach (informative = the group's rewards vary)", 2 if level else 1)
     _panel(ax[0], records, [("total reward", "groups/informative"),
-                            ("correctness", "groups/informative_correctness")], "informative share", smoothed=True)
+                            ("goal reward", "groups/informative_goal")], "informative share", smoothed=True)
     ax[0].set_ylim(-0.05, 1.05)
     if level:
         _panel(ax[1], records, [("curriculum level", "curriculum/level")], "level")
@@ -213,10 +213,10 @@ def groups_lines(records: list[dict[str, Any]]) -> list[str]:
     _, informative = series(records, "groups/informative")
     if not informative:
         return []
-    _, correct = series(records, "groups/informative_correctness")
+    _, correct = series(records, "groups/informative_goal")
     _, per_step = series(records, "groups/per_step")
     lines = [f"- informative groups (total reward varies): mean {_num(fmean(informative))} over {len(informative)} "
-             f"steps" + (f"; on correctness alone: {_num(fmean(correct))}" if correct else "")
+             f"steps" + (f"; on the goal reward alone: {_num(fmean(correct))}" if correct else "")
              + (f"; {_num(per_step[-1])} prompt groups per step" if per_step else "")]
     steps, levels = series(records, "curriculum/level")
     if levels:

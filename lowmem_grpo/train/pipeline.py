@@ -13,7 +13,7 @@ from typing import Any
 from lowmem_grpo import distributed
 from lowmem_grpo.backends import load, prepare, resolve_model_path
 from lowmem_grpo.backends.adapter import check_init_adapter
-from lowmem_grpo.data import load_train_rows, recipe_examples
+from lowmem_grpo.data import budget, load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts, cuda_facts, require_gpu, training_precision
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
@@ -51,6 +51,8 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     recipe = fit.recipe
     rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
     model_path = model_path_once(recipe)  # a missing model folder fails before the run directory exists
+    if resume_dir is None:  # a resumed run keeps the budget it started with
+        check_completion_budget(recipe, rows, model_path)
     resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
     if resume is not None and resume.finished:
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
@@ -118,6 +120,14 @@ def model_path_once(recipe: Recipe) -> str:
     """The folder or hub id to load; an embedded model is converted once, by rank 0."""
     with distributed.main_process_first():
         return resolve_model_path(recipe.model.name)
+
+
+def check_completion_budget(recipe: Recipe, rows: list[dict[str, Any]], model_path: str) -> Any:
+    """RecipeError (exit 2) before any weights load when train.max_completion_length cuts more than
+    train.max_truncated_targets of the worked solutions (lowmem_grpo.data.budget); the fit, or None unchecked."""
+    if not budget.checked(recipe):
+        return None
+    return budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
 
 
 def starting_adapter(recipe: Recipe, model_path: str, resume: Any) -> str | None:
