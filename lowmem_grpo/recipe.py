@@ -183,11 +183,12 @@ class TrainConfig:
     completions_every: int = 10
     """Write sampled completions with their per-reward scores to completions.jsonl every N steps (0 = never)."""
     preflight: bool = True
-    """Before training, sample a few GRPO groups and refuse to start when the rewards cannot vary."""
+    """Before training, sample a few GRPO groups on training problems priming did not see and refuse to start when
+    most groups' total reward is flat, or the goal reward is flat in every group (the only signal is format)."""
     preflight_prompts: int = 4
     """Prompt groups (of num_generations completions each) the preflight samples."""
     allow_no_signal: bool = False
-    """Train even when the preflight finds no reward variance (GRPO would learn nothing)."""
+    """Train even when the preflight finds no signal (GRPO would learn nothing, or only the format)."""
     eval_every: int = 0
     """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
     eval_limit: int = 50

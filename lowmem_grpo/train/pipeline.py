@@ -178,6 +178,13 @@ def require_reward_signal(recipe: Recipe, loaded: Any, examples: list[dict[str, 
     check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight_prompts)
     log.info("%s", reward_preflight.render(check, recipe).rstrip())
     if check.no_signal and not recipe.train.allow_no_signal:
+        if check.format_only:
+            raise NoSignalError(
+                f"reward preflight: the goal reward {check.goal} is the same for every completion in all "
+                f"{check.num_prompts} prompt groups; the only signal is format, so GRPO would learn the format, "
+                "not the task",
+                fix="easier problems, more train.num_generations, more priming or a lower train.temperature; "
+                    "train.allow_no_signal=true trains anyway")
         raise NoSignalError(
             f"reward preflight: in {check.frac_zero_std:.0%} of {check.num_prompts} prompt groups every "
             "completion got the same total reward, so GRPO would learn (almost) nothing",
