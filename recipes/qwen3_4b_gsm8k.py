@@ -22,7 +22,6 @@ def recipe() -> Recipe:
         model=ModelConfig(name="Qwen/Qwen3-4B", backend="auto", load_in_4bit=True, max_seq_length=1280),
         lora=LoraConfig(r=16, alpha=32),
         data=DataConfig(source="hub", max_prompt_length=256),
-        goal_reward="correctness",
         train=TrainConfig(max_steps=250, num_generations=8, per_device_train_batch_size=16,
                           max_completion_length=1024, learning_rate=5e-6, save_steps=50),
         output=OutputConfig(root="runs"),

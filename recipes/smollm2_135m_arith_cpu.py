@@ -40,7 +40,6 @@ def recipe() -> Recipe:
                         max_prompt_length=160, prefill="<reasoning>\n"),
         prime=PrimeConfig(enabled=True, max_steps=10, num_examples=80, learning_rate=5e-4,
                           per_device_train_batch_size=8),
-        goal_reward="correctness",
         train=TrainConfig(max_steps=20, num_generations=8, per_device_train_batch_size=16,
                           max_completion_length=64, learning_rate=2e-4, warmup_ratio=0.0, max_grad_norm=1.0,
                           gradient_checkpointing=False, save_steps=10, preflight_prompts=4, stage_eval=100),

@@ -24,7 +24,6 @@ def recipe() -> Recipe:
         lora=LoraConfig(r=16, alpha=32),
         data=DataConfig(source="embedded", max_prompt_length=192, prefill="<reasoning>\n"),
         prime=PrimeConfig(enabled=True, max_steps=20, learning_rate=5e-4, per_device_train_batch_size=8),
-        goal_reward="correctness",
         train=TrainConfig(max_steps=30, num_generations=8, per_device_train_batch_size=8,
                           max_completion_length=96, learning_rate=1e-4, warmup_ratio=0.0,
                           max_grad_norm=1.0, gradient_checkpointing=False, save_steps=10),

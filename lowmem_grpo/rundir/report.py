@@ -29,7 +29,8 @@ SMOOTHING = 0.8
 """Weight of the past in the exponential moving average drawn over the raw curves."""
 SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "groups/informative",
                 "groups/informative_goal", "groups/per_step", "curriculum/level", "completions/mean_length",
-                "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
+                "completions/clipped_ratio", "completions/distinct_answers", "completions/shared_across_prompts",
+                "optimizer/skipped_no_signal", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
                 "time/step", "time/sampling_share", "tokens_per_s"]
 
 
@@ -355,6 +356,21 @@ def _recipe_info(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def goal_name(run_dir: Path) -> str | None:
+    """The logged name of the run's goal reward (from its recipe.yaml); None without one, or an unreadable recipe."""
+    from lowmem_grpo.errors import LowmemError
+    from lowmem_grpo.recipe import goal_reward_name
+    from lowmem_grpo.recipe_io import load_recipe
+
+    path = run_dir / layout.RECIPE_FILE
+    if not path.exists():
+        return None
+    try:
+        return goal_reward_name(load_recipe(str(path)))
+    except (LowmemError, KeyError, ValueError, ImportError):
+        return None
+
+
 def start_line(info: dict[str, Any]) -> list[str]:
     """Where the adapter started, when not from a fresh LoRA (lora.init_adapter in recipe.yaml)."""
     lora = info.get("lora") if isinstance(info.get("lora"), dict) else {}
@@ -387,7 +403,7 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     if groups:
         lines += ["", "## Groups that teach", ""] + groups
     lines += ["", "## Warnings", ""]
-    warnings = health.scan(steps)
+    warnings = health.scan(steps, goal=goal_name(run_dir))
     lines += [f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."]
     by_stage = stage_lines(run_dir)
     if by_stage:

@@ -26,17 +26,19 @@ log = logging.getLogger(__name__)
 
 
 class TelemetryCallback(TrainerCallback):
-    """Writes each log as one metrics.jsonl line tagged with its stage, the console line and health warnings;
-    flushes a CompletionRecorder (lowmem_grpo.rundir.completions) at each step end."""
+    """Writes each log as one metrics.jsonl line tagged with its stage (with the collapse statistics of the step's
+    completions, when a CompletionRecorder from lowmem_grpo.rundir.completions is given), the console line and
+    health warnings (`goal`: the goal reward's logged name); flushes the recorder at each step end."""
 
-    def __init__(self, run_dir: Path, stage: str, reward_names: list[str], recorder: Any = None) -> None:
+    def __init__(self, run_dir: Path, stage: str, reward_names: list[str], recorder: Any = None,
+                 goal: str | None = None) -> None:
         self.metrics_path = Path(run_dir) / layout.METRICS_FILE
         self.stage = stage
         self.reward_names = reward_names
         self.recorder = recorder
         self.started = time.monotonic()
         self.recent: list[dict[str, Any]] = []  # the newest records, for the health checks
-        self.latch = WarningLatch()
+        self.latch = WarningLatch(goal)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
         if self.recorder is not None:
@@ -50,6 +52,8 @@ class TelemetryCallback(TrainerCallback):
         if not logs or not state.is_world_process_zero:
             return
         logs = dict(logs)
+        if self.recorder is not None and "train_runtime" not in logs:
+            logs.update(self.recorder.take_collapse_stats())
         if torch.cuda.is_available():
             logs["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         record = {"stage": self.stage, "step": state.global_step, **logs}

@@ -19,7 +19,7 @@ from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.memory.fit import fit_to_device
-from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
+from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
@@ -208,7 +208,8 @@ def train_grpo(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]], run_
     reward_funcs = [guard_reward(get_reward(name)) for name in weights]
     recorder = CompletionRecorder(run_dir / layout.COMPLETIONS_FILE, recipe.train.completions_every,
                                   {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
-    ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder)]
+    ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
+                              goal=goal_reward_name(recipe))]
     if recipe.train.eval_every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
         ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir))
     examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off
