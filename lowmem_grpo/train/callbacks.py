@@ -172,10 +172,11 @@ def carries_signal(inputs: Any) -> bool:
 
 class NoSignalStepGuard(TrainerCallback):
     """Skips the optimizer step when no completion of the step's micro-batches had a nonzero advantage and tokens in
-    the loss (every group flat on its total reward, or its varied completions all cut off and masked). Such a batch has no policy gradient, yet AdamW would still move the adapter: its
-    momentum carries the last steps' direction and weight decay shrinks the weights. The learning-rate schedule
-    goes on (the step still counts). With train.beta > 0 the skipped step would only have held the KL pull towards
-    the reference. Logs SKIPPED_STEP_KEY every step.
+    the loss (every group flat on its total reward, or its varied completions all cut off and masked). Such a batch
+    has no policy gradient, yet AdamW would still move the adapter: its momentum carries the last steps' direction
+    and weight decay shrinks the weights. The learning-rate schedule goes on (the step still counts). With
+    train.beta > 0 the skipped step would only have held the KL pull towards the reference. Logs SKIPPED_STEP_KEY
+    every step; a step's decision is the same on every process.
 
     `NoSignalStepGuard.attach(trainer)` wraps compute_loss (to see each micro-batch's advantages) on the trainer
     INSTANCE and, when training starts, the prepared optimizer's step; no subclass, so TRL's, the CPU-safe and
@@ -194,7 +195,7 @@ class NoSignalStepGuard(TrainerCallback):
 
         @functools.wraps(original)
         def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            if carries_signal(inputs):
+            if trainer.model.training and carries_signal(inputs):  # an evaluation pass teaches nothing
                 guard.informative = True
             return original(model, inputs, *args, **kwargs)
 
