@@ -206,6 +206,7 @@ def test_the_preflight_samples_problems_priming_did_not_train_on(caplog):
     examples = [{"prompt": f"p{i}"} for i in range(10)]
     primed = apply_overrides(Recipe(), ["prime.enabled=true", "prime.num_examples=6"])
     assert [e["prompt"] for e in unprimed_examples(primed, examples, 3)] == ["p6", "p7", "p8"]
+    assert [e["prompt"] for e in unprimed_examples(primed, examples, 2, primed=False)] == ["p0", "p1"]  # base model
     unprimed = apply_overrides(Recipe(), ["prime.enabled=false"])
     assert [e["prompt"] for e in unprimed_examples(unprimed, examples, 2)] == ["p0", "p1"]
     with caplog.at_level(logging.WARNING, logger="lowmem_grpo"):  # priming saw all: the first ones, with a warning

@@ -117,11 +117,13 @@ def group_stats(scores: dict[str, list[float]], weights: dict[str, float],
     return stats, stats[-1].frac_zero_std
 
 
-def unprimed_examples(recipe: Any, examples: list[dict[str, Any]], n_prompts: int) -> list[dict[str, Any]]:
-    """The first n_prompts examples priming did not train on (it trains on the first prime.num_examples, or all);
-    when too few are left, the rest from the start, with a warning (those were primed on)."""
+def unprimed_examples(recipe: Any, examples: list[dict[str, Any]], n_prompts: int,
+                      primed: bool = True) -> list[dict[str, Any]]:
+    """The first n_prompts examples priming did not train on (it trains on the first prime.num_examples, or all;
+    `primed`: whether the model was primed on these examples); when too few are left, the rest from the start,
+    with a warning (those were primed on)."""
     prime = getattr(recipe, "prime", None)
-    seen = primed_count(len(examples), prime.num_examples) if prime is not None and prime.enabled else 0
+    seen = primed_count(len(examples), prime.num_examples) if primed and prime is not None and prime.enabled else 0
     chosen = examples[seen:seen + n_prompts]
     if len(chosen) < n_prompts:
         log.warning("preflight: %d of its %d prompts were primed on (priming trained on %d of the %d training "
@@ -131,13 +133,15 @@ def unprimed_examples(recipe: Any, examples: list[dict[str, Any]], n_prompts: in
     return chosen
 
 
-def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompts: int) -> PreflightResult:
-    """Sample the recipe's GRPO groups for n_prompts examples priming did not train on and measure the reward
-    signal, on the weighted total and on the goal reward."""
+def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompts: int,
+              primed: bool = True) -> PreflightResult:
+    """Sample the recipe's GRPO groups for n_prompts examples priming did not train on (`primed`: the model was
+    primed on the recipe's priming examples of `examples`) and measure the reward signal, on the weighted total
+    and on the goal reward."""
     if n_prompts < 1:
         raise BadInputError(f"preflight prompts {n_prompts} must be at least 1", fix="e.g. --prompts 4")
     t = recipe.train
-    chosen = unprimed_examples(recipe, examples, n_prompts)
+    chosen = unprimed_examples(recipe, examples, n_prompts, primed)
     weights = resolved_rewards(recipe)
     k = t.num_generations
     started = time.monotonic()
@@ -260,4 +264,4 @@ def check_rewards(recipe: Any, n_prompts: int) -> PreflightResult:
     rows = load_train_rows(recipe.data)  # bad data fails before the model loads
     loaded = load(recipe, backend, with_lora=False)
     examples = recipe_examples(rows[: n_prompts * 4], loaded.tokenizer, recipe.data)
-    return preflight(recipe, loaded, examples, n_prompts)
+    return preflight(recipe, loaded, examples, n_prompts, primed=False)  # the base model: nothing was primed
