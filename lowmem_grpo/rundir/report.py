@@ -209,6 +209,16 @@ def summary_table(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def skipped_lines(records: list[dict[str, Any]]) -> list[str]:
+    """A bullet on the optimizer steps skipped because no group of their batch varied; [] when none was."""
+    _, skipped = series(records, "optimizer/skipped_no_signal")
+    count = round(sum(skipped))
+    if not count:
+        return []
+    return ["", f"- optimizer steps skipped (no group of the batch varied, nothing to learn): {count} of "
+                f"{len(skipped)} logged steps"]
+
+
 def groups_lines(records: list[dict[str, Any]]) -> list[str]:
     """Markdown bullets on the groups GRPO learned from (dynamic sampling / curriculum runs); [] otherwise."""
     _, informative = series(records, "groups/informative")
@@ -398,6 +408,7 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
              f"- steps logged: {len(steps)} (last step {last} of {max_steps or '?'}), {state}",
              f"- written: {time.strftime('%Y-%m-%d %H:%M:%S')}", "", "## Summary", ""]
     lines += summary_table(steps) if steps else ["No training step logged yet."]
+    lines += skipped_lines(steps)
     lines += time_lines(records)
     groups = groups_lines(steps)
     if groups:
