@@ -51,9 +51,9 @@ def grpo_summary(records: list[dict]) -> dict[str, float]:
     zero = [r["frac_reward_zero_std"] for r in steps if r.get("frac_reward_zero_std") is not None]
     correct = [r["rewards/correctness/mean"] for r in steps if r.get("rewards/correctness/mean") is not None]
     out = {"grpo_steps": len(steps), "mean_frac_reward_zero_std": sum(zero) / len(zero) if zero else float("nan")}
-    informative = [r["groups/informative_correctness"] for r in steps if "groups/informative_correctness" in r]
+    informative = [r["groups/informative_goal"] for r in steps if "groups/informative_goal" in r]
     if informative:
-        out["mean_informative_correctness"] = sum(informative) / len(informative)
+        out["mean_informative_goal"] = sum(informative) / len(informative)
     if correct:
         out["correctness_first_third"], out["correctness_last_third"] = third_means(correct)
     return out

@@ -81,6 +81,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not source_exists(recipe.data.source):
         raise BadInputError(f"data.source {recipe.data.source!r}: no such file or folder",
                             fix="give an existing path, or use hub or embedded")
+    from lowmem_grpo.backends import resolve_model_path
+    from lowmem_grpo.data.budget import check_recipe_budget
+
+    check_recipe_budget(recipe, lambda: resolve_model_path(recipe.model.name))
     if args.trainer_fields:
         from lowmem_grpo.backends import prepare
 

@@ -137,7 +137,15 @@ class TrainConfig:
     steps_per_generation: int | None = None
     """Micro-batches generated at once; None = gradient_accumulation_steps."""
     max_completion_length: int = 256
-    """Longest completion in tokens."""
+    """Longest completion in tokens; `validate` and `train` refuse one that cuts more than
+    train.max_truncated_targets of the rendered worked solutions (lowmem_grpo.data.budget)."""
+    max_truncated_targets: float = 0.02
+    """Largest share of the training problems' worked solutions, rendered in the answer format, that may fail to reach
+    </answer> and the end of turn within max_completion_length (1 = never check)."""
+    mask_truncated_completions: bool = True
+    """Keep completions cut off at max_completion_length out of the loss (TRL's option, DAPO's overlong filtering):
+    they are still scored and still count in their group's mean, so the completions that finish are pushed up, but
+    their tokens (the most, under loss_type dapo) do not push down the reasoning they held before the cut."""
     temperature: float = 1.0
     """Sampling temperature during generation."""
     learning_rate: float = 5e-6
@@ -179,11 +187,12 @@ class TrainConfig:
     completions_every: int = 10
     """Write sampled completions with their per-reward scores to completions.jsonl every N steps (0 = never)."""
     preflight: bool = True
-    """Before training, sample a few GRPO groups and refuse to start when the rewards cannot vary."""
+    """Before training, sample a few GRPO groups on training problems priming did not see and refuse to start when
+    most groups' total reward is flat, or the goal reward is flat in every group (the only signal is format)."""
     preflight_prompts: int = 4
     """Prompt groups (of num_generations completions each) the preflight samples."""
     allow_no_signal: bool = False
-    """Train even when the preflight finds no reward variance (GRPO would learn nothing)."""
+    """Train even when the preflight finds no signal (GRPO would learn nothing, or only the format)."""
     eval_every: int = 0
     """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
     eval_limit: int = 50
@@ -196,13 +205,14 @@ class TrainConfig:
     oom_retries: int = 2
     """CUDA out of memory: lower the memory settings, continue from the last complete checkpoint; at most N times."""
     dynamic_sampling: bool = False
-    """Draw the problems whose recent groups varied (pass rate away from 0 and 1) more often, and keep groups whose
-    rewards all agree out of the loss's token count (DAPO's dynamic sampling, done before generating)."""
+    """Draw the problems whose recent groups varied (goal-reward pass rate away from 0 and 1) more often, and keep
+    groups whose rewards all agree out of the loss (DAPO's dynamic sampling, done before generating); the loss is
+    still normalised by the whole batch's tokens, so a step's scale does not follow how many groups varied."""
     curriculum: bool = False
-    """Start on the easiest level of data.generated.levels and move up one level when the recent pass rate on the
-    current level reaches train.curriculum_promote_at (data.source=generated)."""
+    """Start on the easiest level of data.generated.levels and move up one level when the recent goal-reward pass
+    rate on the current level reaches train.curriculum_promote_at (data.source=generated)."""
     curriculum_promote_at: float = 0.6
-    """Recent correctness pass rate on the current level that moves the curriculum up a level."""
+    """Recent goal-reward pass rate on the current level that moves the curriculum up a level."""
     merged_sampling: bool = True
     """Sample (GRPO's completions, the preflight, evaluation during training) from the LoRA adapter merged into
     the weights, computed in float32 while the model samples, the base weights untouched: the same completions,
@@ -275,6 +285,10 @@ class Recipe:
     """Data and prompts."""
     rewards: dict[str, float] = field(default_factory=dict)
     """Reward name (or module:function) -> weight; empty = the task's default set."""
+    goal_reward: str | None = None
+    """The reward that defines success, one of `rewards` (a score >= 0.5 is a pass): the preflight judges GRPO's
+    signal on it, dynamic sampling and the curriculum count its passes, the health checks watch it fall; None = the
+    task's (correctness for gsm8k) when the rewards include it, else none (then the weighted total is judged)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """GRPO trainer settings."""
     prime: PrimeConfig = field(default_factory=PrimeConfig)
@@ -353,6 +367,8 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
     _require(t.stage_eval >= 0, "train.stage_eval", f"is {t.stage_eval}",
              "use 0 (off) or a number of held-out problems, e.g. train.stage_eval=100")
     _require(t.oom_retries >= 0, "train.oom_retries", f"is {t.oom_retries}", "use 0 (stop at the first OOM) or more")
+    _require(0 <= t.max_truncated_targets <= 1, "train.max_truncated_targets", f"is {t.max_truncated_targets}",
+             "use a share in [0, 1], e.g. 0.02 (1 = never check)")
     _require(0 < t.curriculum_promote_at <= 1, "train.curriculum_promote_at", f"is {t.curriculum_promote_at}",
              "use a pass rate in (0, 1], e.g. 0.6")
     if t.curriculum:
@@ -387,10 +403,15 @@ def _validate_rewards(recipe: Recipe) -> None:
             get_reward(name)
         except (KeyError, ValueError, ImportError) as exc:
             raise RecipeError(f"rewards.{name}: {exc}", fix="use a registered name or package.module:function") from exc
-    if recipe.train.curriculum:  # the level moves on the pass rate, which is the correctness reward's
-        _require(any(get_reward(name).__name__ == "correctness" for name in rewards), "train.curriculum",
-                 "moves up a level on the correctness pass rate, but no reward function is named correctness",
-                 "add rewards.correctness (e.g. rewards.correctness=2.0), or set train.curriculum=false")
+    if recipe.goal_reward is not None:
+        _require(recipe.goal_reward in rewards, "goal_reward", f"{recipe.goal_reward!r} is not one of the rewards "
+                 f"({', '.join(rewards)})", f"add rewards.{recipe.goal_reward}, or name one of "
+                 f"{', '.join(rewards)} as goal_reward")
+    if recipe.train.curriculum:  # the level moves on the goal reward's pass rate
+        _require(goal_reward(recipe) is not None, "train.curriculum",
+                 "moves up a level on the goal reward's pass rate, but the recipe has no goal reward",
+                 "add rewards.correctness (e.g. rewards.correctness=2.0) or name one as goal_reward, or set "
+                 "train.curriculum=false")
 
 
 def _validate_prime(recipe: Recipe) -> None:
@@ -414,3 +435,24 @@ def resolved_rewards(recipe: Recipe) -> dict[str, float]:
     from lowmem_grpo.rewards import GSM8K_DEFAULT_WEIGHTS
 
     return dict(recipe.rewards) if recipe.rewards else dict(GSM8K_DEFAULT_WEIGHTS)
+
+
+TASK_GOAL_REWARDS = {"gsm8k": "correctness"}
+"""The reward that defines success for each task, when a recipe names none."""
+
+
+def goal_reward(recipe: Recipe) -> str | None:
+    """The recipe's goal reward, as a key of `resolved_rewards`: goal_reward, else the task's when the rewards
+    include it, else None (no goal: pass rates, preflight and health judge the weighted total)."""
+    if recipe.goal_reward is not None:
+        return recipe.goal_reward
+    default = TASK_GOAL_REWARDS.get(recipe.task)
+    return default if default in resolved_rewards(recipe) else None
+
+
+def goal_reward_name(recipe: Recipe) -> str | None:
+    """The goal reward's function name: the one TRL logs it under (rewards/<name>/mean) and scores are keyed by."""
+    from lowmem_grpo.rewards import get_reward
+
+    key = goal_reward(recipe)
+    return None if key is None else get_reward(key).__name__

@@ -8,6 +8,9 @@ Hardware: a 2-core CPU with 8 GB of RAM; float32 unless the CPU computes bfloat1
 Data:     generated one- and two-step word problems in GSM8K's format (lowmem_grpo.data.generated, levels 1-2:
           adding and taking away, numbers <= 20): problems a 135M model solves about a quarter of the time, so
           its GRPO groups do vary on correctness. Train and test are disjoint by construction.
+Budget:   64-token completions: 98% of the worked solutions, rendered in the answer format, finish (reach
+          </answer> and the end of turn) within 52 tokens of this tokenizer (`lowmem-grpo validate` checks it);
+          the rest is room for a model that writes a little more than the solution does.
 Stages:   priming teaches the <reasoning>/<answer> format on 80 worked solutions (the model never writes the
           tags unaided), then 20 GRPO steps of 2 prompts x 8 completions; train.stage_eval=100 puts base /
           primed / trained accuracy on the same held-out problems, with 95% CIs, into report.md.
@@ -38,7 +41,7 @@ def recipe() -> Recipe:
         prime=PrimeConfig(enabled=True, max_steps=10, num_examples=80, learning_rate=5e-4,
                           per_device_train_batch_size=8),
         train=TrainConfig(max_steps=20, num_generations=8, per_device_train_batch_size=16,
-                          max_completion_length=48, learning_rate=2e-4, warmup_ratio=0.0, max_grad_norm=1.0,
+                          max_completion_length=64, learning_rate=2e-4, warmup_ratio=0.0, max_grad_norm=1.0,
                           gradient_checkpointing=False, save_steps=10, preflight_prompts=4, stage_eval=100),
         output=OutputConfig(root="runs"),
     )

@@ -45,6 +45,9 @@ def tiny_args(model_dir: Path, run_dir: Path, *extra: str, steps: int = 4, save_
     """`train CPU_RECIPE overrides` for a tiny hf run on CPU (16-token completions, no preflight)."""
     return ["train", CPU_RECIPE, f"model.name={model_dir}", "model.backend=hf", f"output.dir={run_dir}",
             f"train.max_steps={steps}", f"train.save_steps={save_steps}", "train.max_completion_length=16",
+            # 16 tokens on purpose (fast): no budget check, and the cut-off completions stay in the loss so that the
+            # random tiny model has a gradient
+            "train.max_truncated_targets=1", "train.mask_truncated_completions=false",
             "train.preflight=false", "train.completions_every=1", REWARDS, *extra]
 
 

@@ -38,6 +38,7 @@ def env(**extra: str) -> dict[str, str]:
 
 def tiny_overrides(model_dir: Path, steps: int = 2) -> list[str]:
     return [f"model.name={model_dir}", "model.backend=hf", f"train.max_steps={steps}", "train.max_completion_length=16",
+            "train.max_truncated_targets=1", "train.mask_truncated_completions=false", "train.allow_no_signal=true",
             "train.save_steps=2", REWARDS]
 
 

@@ -182,7 +182,9 @@ def test_preflight_as_train_calls_it_on_the_fresh_lora_model(tiny_model_dir):
     assert (result.num_prompts, result.num_generations) == (2, recipe.train.num_generations)
     assert [s.name for s in result.rewards] == ["correctness", "lowmem_test_rewards:length_reward", "total"]
     assert result.rewards[0].mean == 0.0 and result.rewards[0].frac_zero_std == 1.0
-    assert not result.no_signal and result.frac_zero_std == 0.0
+    # the total varies (length), the goal reward (correctness) in no group: the only signal is not the goal's
+    assert result.frac_zero_std == 0.0 and result.goal == "correctness" and result.goal_frac_zero_std == 1.0
+    assert result.format_only and result.no_signal
     assert result.samples[0]["completion"].startswith("<reasoning>\n") and loaded.model.training
 
 

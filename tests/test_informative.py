@@ -177,13 +177,13 @@ def test_console_line_and_report_show_the_informative_share_and_the_level(tmp_pa
     from lowmem_grpo.rundir.telemetry import console_line
 
     records = [{"step": s, "reward": 0.5, "frac_reward_zero_std": 1 - g, "groups/informative": g,
-                "groups/informative_correctness": g / 2, "groups/per_step": 2.0, "curriculum/level": lv}
+                "groups/informative_goal": g / 2, "groups/per_step": 2.0, "curriculum/level": lv}
                for s, g, lv in ((1, 0.5, 1.0), (2, 1.0, 1.0), (3, 0.5, 2.0))]
     line = console_line(records[-1], 3, 10, 30.0, [])
     assert "informative 0.50" in line and "level 2" in line
     lines = groups_lines(records)
     assert lines[0].startswith("- informative groups (total reward varies): mean 0.6667 over 3 steps")
-    assert "on correctness alone: 0.3333" in lines[0] and "2 prompt groups per step" in lines[0]
+    assert "on the goal reward alone: 0.3333" in lines[0] and "2 prompt groups per step" in lines[0]
     assert lines[1] == "- curriculum: level 1 at the start, 2 at the end (moved up: 2 at step 3)"
     assert groups_lines([{"step": 1, "reward": 0.1}]) == []
     assert tmp_path / "groups.png" in plot_all(records, tmp_path)
@@ -196,7 +196,8 @@ def _tiny_recipe(model_dir: Path, run_dir: Path, *extra: str):
 
     return load_recipe(str(CPU_RECIPE), [
         f"model.name={model_dir}", "model.backend=hf", f"output.dir={run_dir}", "prime.enabled=false",
-        "train.preflight=false", "train.max_completion_length=16", "train.num_generations=4",
+        "train.preflight=false", "train.max_completion_length=16", "train.max_truncated_targets=1",
+        "train.mask_truncated_completions=false", "train.num_generations=4",
         "train.per_device_train_batch_size=8", "train.save_steps=10", "train.completions_every=0", FLAT_ON_EVEN,
         *extra])
 
@@ -243,8 +244,8 @@ def test_neither_option_builds_the_plain_trainer_class(tiny_model_dir, tmp_path)
 @pytest.mark.slow
 def test_a_flat_group_is_kept_out_of_the_loss_and_the_step_still_trains(tiny_model_dir, tmp_path):
     """Two problems per step (8 rows, 4 generations): the even one's group is flat (correctness 0, the other
-    reward 0), the odd one's varies. Its rows are masked, num_items_in_batch counts the odd rows only, the LoRA
-    weights still move, and groups/informative = 1 - frac_reward_zero_std = 0.5."""
+    reward 0), the odd one's varies. Its rows are masked, the LoRA weights still move, and groups/informative =
+    1 - frac_reward_zero_std = 0.5."""
     import torch
 
     trainer, loaded, _, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=2", "train.max_steps=2",
@@ -254,7 +255,7 @@ def test_a_flat_group_is_kept_out_of_the_loss_and_the_step_still_trains(tiny_mod
 
     def spy(inputs):
         out = scored(inputs)
-        seen.append(([x["problem_id"] for x in inputs], out["completion_mask"].clone(), out["num_items_in_batch"]))
+        seen.append(([x["problem_id"] for x in inputs], out["completion_mask"].clone()))
         return out
 
     trainer._generate_and_score_completions = spy
@@ -262,20 +263,97 @@ def test_a_flat_group_is_kept_out_of_the_loss_and_the_step_still_trains(tiny_mod
     trainer.train()
 
     assert len(seen) == 2
-    for ids, mask, num_items in seen:
+    for ids, mask in seen:
         assert sorted(set(ids)) == [0, 1]
         masked = (mask.sum(dim=1) == 0).tolist()
-        assert masked == [pid % 2 == 0 for pid in ids]  # exactly the flat (even) group's rows
-        assert int(num_items) == int(mask.sum()) and 0 < int(num_items) <= 4 * mask.size(1)
+        assert all(masked[i] for i, pid in enumerate(ids) if pid % 2 == 0)  # every row of the flat (even) group
     moved = [n for n, p in loaded.model.named_parameters() if p.requires_grad and not torch.equal(p, lora[n])]
     assert moved
     logged = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logged) == 2
     for h in logged:
         assert h["groups/informative"] == pytest.approx(1 - h["frac_reward_zero_std"]) == pytest.approx(0.5)
-        assert h["groups/informative_correctness"] == 0.0  # a random model never answers correctly
+        assert h["groups/informative_goal"] == 0.0  # a random model never answers correctly
         assert h["groups/per_step"] == 2.0
+        assert h["optimizer/skipped_no_signal"] == 0.0  # one group varied: the step is taken
     assert sorted(sampling.rates.history) == [0, 1] and len(sampling.rates.history[0]) == 8
+
+
+@pytest.mark.slow
+def test_masking_flat_groups_leaves_the_loss_normaliser_at_the_whole_batch(tiny_model_dir, tmp_path):
+    """num_items_in_batch (the dapo normaliser) is the token count TRL made for the whole batch, before and after
+    the flat group's rows are masked: counting the informative rows only would scale the step's loss by 1 / (their
+    share of the tokens), so a step's size would follow how many groups happened to vary."""
+    trainer, _, _, _ = _trainer(tiny_model_dir, tmp_path, "data.limit=2", "train.max_steps=2",
+                                "train.dynamic_sampling=true")
+    seen = []
+    exclude = trainer._exclude_flat_groups
+
+    def spy(output, rows):
+        before = (int(output["num_items_in_batch"]), int(output["completion_mask"].sum()))
+        out = exclude(output, rows)
+        seen.append((*before, int(out["num_items_in_batch"]), int(out["completion_mask"].sum())))
+        return out
+
+    trainer._exclude_flat_groups = spy
+    trainer.train()
+    assert len(seen) == 2
+    for trl_items, tokens_before, items_after, tokens_after in seen:
+        assert trl_items == tokens_before  # TRL counted every row's tokens
+        assert tokens_after < tokens_before  # the flat group's rows are out of the loss ...
+        assert items_after == trl_items  # ... and the normaliser is the whole batch's, as without masking
+
+
+@pytest.mark.slow
+def test_a_batch_without_an_informative_group_moves_no_weight(tiny_model_dir, tmp_path):
+    """Correctness alone on a random model: every group is flat, every advantage 0. Without dynamic sampling too,
+    the optimizer does not step (AdamW's weight decay would shrink lora_A, its momentum would carry old steps), and
+    each step logs optimizer/skipped_no_signal = 1."""
+    import torch
+
+    trainer, loaded, _, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=2", "train.max_steps=2",
+                                            "rewards={correctness: 2.0}", "train.weight_decay=0.1")
+    assert sampling is None  # the plain trainer
+    lora = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    moved = [n for n, p in loaded.model.named_parameters() if p.requires_grad and not torch.equal(p, lora[n])]
+    assert moved == []
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(logged) == 2 and all(h["frac_reward_zero_std"] == 1.0 for h in logged)
+    assert [h["optimizer/skipped_no_signal"] for h in logged] == [1.0, 1.0]
+    assert trainer.state.global_step == 2  # the steps still count (and the schedule moves on)
+
+
+@pytest.mark.slow
+def test_the_loader_reads_one_chunk_ahead_of_the_rewards(tiny_model_dir, tmp_path):
+    """What the sampler really sees: the trainer's loader fetches the next generation batch before it yields the
+    current one, so chunk c is drawn after the outcomes of chunk c-2 are recorded but before those of chunk c-1
+    (within an epoch: the first chunk of the next one is drawn when the last one was scored)."""
+    trainer, _, _, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=10", "train.max_steps=4",
+                                       "train.dynamic_sampling=true")
+    events = []
+    chunk, observe = sampling.chunk, sampling.observe
+
+    def chunk_spy(index, size):
+        events.append(("draw", index))
+        return chunk(index, size)
+
+    def observe_spy(ids, passed):
+        events.append(("observe", None))
+        return observe(ids, passed)
+
+    sampling.chunk, sampling.observe = chunk_spy, observe_spy
+    trainer.train()
+    observed_before = {}
+    count = 0
+    for kind, index in events:
+        if kind == "observe":
+            count += 1
+        elif index not in observed_before:
+            observed_before[index] = count
+    assert count == 4  # one scored chunk per step
+    # chunk c (c >= 1) was drawn when c - 1 chunks had been scored: one chunk behind
+    assert [observed_before[c] for c in range(1, 4)] == [0, 1, 2]
 
 
 @pytest.mark.slow
@@ -290,12 +368,13 @@ def test_when_every_group_is_flat_the_batch_is_left_as_it_is(tiny_model_dir, tmp
     assert bool((out["completion_mask"].sum(dim=1) > 0).all())  # no row masked: nothing to weigh them against
     assert int(out["num_items_in_batch"]) == int(out["completion_mask"].sum())
     assert trainer.state.log_history[0]["groups/informative"] == 0.0
+    assert trainer.state.log_history[0]["optimizer/skipped_no_signal"] == 1.0  # and no optimizer step
 
 
 def _run_args(model_dir: Path, run_dir: Path) -> list[str]:
     return ["train", str(CPU_RECIPE), f"model.name={model_dir}", "model.backend=hf", f"output.dir={run_dir}",
             "prime.enabled=false", "train.preflight=false", "train.max_completion_length=16",
-            "train.num_generations=4", "train.per_device_train_batch_size=8", "train.max_steps=4",
+            "train.max_truncated_targets=1", "train.mask_truncated_completions=false", "train.num_generations=4", "train.per_device_train_batch_size=8", "train.max_steps=4",
             "train.save_steps=1", "train.completions_every=1", FLAT_ON_EVEN, "data.source=generated",
             "data.generated.levels=1-2", "data.generated.train_size=8", "train.dynamic_sampling=true",
             "train.curriculum=true"]

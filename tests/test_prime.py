@@ -124,7 +124,8 @@ def tiny_prime_overrides(model_dir: Path, run_dir: Path, backend: str) -> list[s
     return [f"model.name={model_dir}", f"model.backend={backend}", f"output.dir={run_dir}",
             "prime.enabled=true", f"prime.max_steps={PRIME_STEPS}", "prime.learning_rate=5e-3",
             "prime.num_examples=32", "prime.per_device_train_batch_size=4",
-            "train.max_steps=2", "train.max_completion_length=16", "train.save_steps=10",
+            "train.max_steps=2", "train.max_completion_length=16", "train.max_truncated_targets=1",
+            "train.mask_truncated_completions=false", "train.save_steps=10",
             "rewards={strict_format: 0.5, 'prime_probe:prefill_seen': 1.0, 'lowmem_test_rewards:length_reward': 1.0}"]
 
 

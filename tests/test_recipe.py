@@ -151,3 +151,27 @@ def test_small_gpu_defaults():
     assert (t.learning_rate, t.adam_beta1, t.adam_beta2, t.weight_decay) == (5e-6, 0.9, 0.99, 0.1)
     assert (t.warmup_ratio, t.lr_scheduler_type, t.max_grad_norm, t.logging_steps) == (0.1, "cosine", 0.1, 1)
     assert t.gradient_checkpointing and t.optim == "auto"
+
+
+def test_the_goal_reward_is_one_of_the_rewards_and_defaults_to_the_tasks():
+    from lowmem_grpo.recipe import goal_reward, goal_reward_name
+
+    assert goal_reward(Recipe()) == "correctness" and goal_reward_name(Recipe()) == "correctness"
+    assert goal_reward(apply_overrides(Recipe(), ["rewards={xml_count: 1.0}"])) is None  # no goal: the total
+    custom = apply_overrides(Recipe(), ["rewards={xml_count: 1.0, 'lowmem_test_rewards:length_reward': 1.0}",
+                                        "goal_reward=lowmem_test_rewards:length_reward"])
+    validate(custom)
+    assert goal_reward(custom) == "lowmem_test_rewards:length_reward" and goal_reward_name(custom) == "length_reward"
+    with pytest.raises(RecipeError, match="goal_reward") as info:
+        validate(apply_overrides(Recipe(), ["rewards={xml_count: 1.0}", "goal_reward=correctness"]))
+    assert "add rewards.correctness" in info.value.fix
+
+
+@pytest.mark.parametrize("path", shipped_recipes(), ids=lambda p: p.stem)
+def test_every_shipped_recipe_has_correctness_as_its_goal(path):
+    from lowmem_grpo.recipe import goal_reward
+
+    recipe = load_recipe(str(path))
+    assert recipe.task == "gsm8k" and goal_reward(recipe) == "correctness" in resolved_rewards(recipe)
+    # a recipe whose rewards leave correctness out has no goal unless it names one
+    assert goal_reward(apply_overrides(recipe, ["rewards={xml_count: 1.0}"])) is None

@@ -119,6 +119,24 @@ def test_report_lists_warnings_from_the_metrics(tmp_path):
     assert "step 3: reward_std has been 0 for 3 logged steps" in report
 
 
+def test_report_warns_of_reward_hacking_on_the_runs_goal_and_counts_skipped_steps(tmp_path):
+    from lowmem_grpo.recipe import Recipe
+    from lowmem_grpo.recipe_io import dump_yaml
+    from lowmem_grpo.rundir.report import write_report
+
+    records = synthetic_metrics(10)
+    for i, r in enumerate(records):  # the total rises (0.1 a step) while correctness falls
+        r["rewards/correctness/mean"] = 0.3 - 0.03 * i
+        r["optimizer/skipped_no_signal"] = 1.0 if i in (2, 5) else 0.0
+    run_dir = write_run(tmp_path / "run", records)
+    report = write_report(run_dir).read_text()
+    assert "goal reward" not in report  # no recipe.yaml: no goal known
+    assert "optimizer steps skipped (no group of the batch varied, nothing to learn): 2 of 10 logged steps" in report
+    (run_dir / "recipe.yaml").write_text(dump_yaml(Recipe()))  # the gsm8k default: correctness is the goal
+    report = write_report(run_dir).read_text()
+    assert "step 6: the goal reward correctness fell from 0.27 to 0.18" in report and "train.beta" in report
+
+
 def test_report_without_metrics_is_bad_input(tmp_path):
     done = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "report", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

@@ -90,6 +90,69 @@ def test_scan_and_latch_report_each_warning_when_it_starts():
 
 # ---- completions.jsonl: wrapped reward functions ---------------------------------------------------
 
+def _trend(goal: list[float], total: list[float]) -> list[dict]:
+    return [healthy(i + 1, reward=t, **{"rewards/correctness/mean": g}) for i, (g, t) in enumerate(zip(goal, total))]
+
+
+def test_goal_reward_falling_while_the_total_rises_warns_of_reward_hacking():
+    from lowmem_grpo.rundir.health import check, scan
+
+    # the measured failure: correctness 0.31 -> 0, format rewards up to 1.0, the total rising
+    hacked = _trend([0.31, 0.25, 0.2, 0.12, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0],
+                    [1.2, 1.4, 1.5, 1.7, 1.8, 1.9, 2.0, 2.0, 2.0, 2.0])
+    assert check(hacked) == []  # no goal named: nothing to judge
+    (warning,) = check(hacked, goal="correctness")
+    assert warning.code == "reward_hacking" and warning.step == 10
+    assert "correctness fell from" in warning.message and "train.beta" in warning.fix
+    assert check(hacked[:5], goal="correctness") == []  # too few steps to call a trend
+    assert [w.code for w in scan(hacked, goal="correctness")] == ["reward_hacking"]
+    # both rising, both falling, or the goal flat while the total rises: no warning
+    for goal, total in (([0.1 * i for i in range(10)], [1 + 0.1 * i for i in range(10)]),
+                        ([0.3 - 0.03 * i for i in range(10)], [2 - 0.1 * i for i in range(10)]),
+                        ([0.2] * 10, [1 + 0.1 * i for i in range(10)])):
+        assert check(_trend(goal, total), goal="correctness") == []
+
+
+def _collapse(step: int, distinct: float | None, shared: float | None) -> dict:
+    stats = {k: v for k, v in (("completions/distinct_answers", distinct),
+                               ("completions/shared_across_prompts", shared)) if v is not None}
+    return healthy(step, **stats)
+
+
+def test_template_collapse_fires_on_alike_answers_or_shared_completions_over_three_steps():
+    from lowmem_grpo.rundir.health import check
+
+    fine = [_collapse(s, 1.0, 0.0) for s in range(1, 5)]
+    assert check(fine) == []
+    same_answer = fine + [_collapse(s, 0.5, 0.0) for s in range(5, 8)]
+    (warning,) = check(same_answer)
+    assert warning.code == "template_collapse" and "train.beta" in warning.fix
+    assert "distinct answers per distinct correct answer 0.50" in warning.message
+    assert check(fine + [_collapse(5, 0.5, 0.0), _collapse(6, 0.5, 0.0)]) == []  # two steps are not a trend
+    assert check(fine + [_collapse(5, 0.5, 0.0), _collapse(6, 1.0, 0.0), _collapse(7, 0.5, 0.0)]) == []
+    same_text = fine + [_collapse(s, None, 0.5) for s in range(5, 8)]
+    assert [w.code for w in check(same_text)] == ["template_collapse"]
+    assert check(fine + [_collapse(s, None, 0.1) for s in range(5, 8)]) == []
+
+
+def test_collapse_stats_from_a_batch_of_completions():
+    from lowmem_grpo.rundir.completions import collapse_stats
+
+    template = "Then it has 4+2=6.\n</reasoning>\n<answer>\n6\n</answer>"
+    prompts = ["p1"] * 4 + ["p2"] * 4 + ["p3"] * 4
+    collapsed = collapse_stats(prompts, [template] * 12, golds=["6"] * 4 + ["9"] * 4 + ["11"] * 4)
+    assert collapsed == {"completions/distinct_answers": pytest.approx(1 / 3),
+                         "completions/shared_across_prompts": 1.0}
+    varied = [f"{a}+1={a + 1}.\n</reasoning>\n<answer>\n{a + 1}\n</answer>" for a in (5, 5, 5, 4, 8, 8, 7, 8, 10, 10,
+                                                                                       10, 3)]
+    healthy_stats = collapse_stats(prompts, varied, golds=["6"] * 4 + ["9"] * 4 + ["11"] * 4)
+    assert healthy_stats == {"completions/distinct_answers": 1.0, "completions/shared_across_prompts": 0.0}
+    # the same answer to prompts whose correct answers are the same is no collapse
+    same_gold = collapse_stats(["a"] * 2 + ["b"] * 2, ["<answer>\n6\n</answer>"] * 4, golds=["6"] * 4)
+    assert "completions/distinct_answers" not in same_gold
+    assert collapse_stats(["a"] * 4, [template] * 4) == {}  # one prompt: nothing to compare
+
+
 def test_should_record_first_every_nth_and_last():
     from lowmem_grpo.rundir.completions import should_record
 
@@ -129,10 +192,13 @@ def test_metrics_jsonl_has_every_trainer_key(tiny_run):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     keys = {"stage", "step", "loss", "grad_norm", "learning_rate", "num_tokens", "reward", "reward_std",
             "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "entropy", "step_time",
-            "rewards/correctness/mean", "rewards/correctness/std", "rewards/length_reward/mean"}
+            "rewards/correctness/mean", "rewards/correctness/std", "rewards/length_reward/mean",
+            "completions/shared_across_prompts", "optimizer/skipped_no_signal"}  # every step, recorded or not
     for record in steps:
         assert keys <= set(record), keys - set(record)
         assert record["stage"] == "grpo"
+        assert 0.0 <= record["completions/shared_across_prompts"] <= 1.0
+        assert record["optimizer/skipped_no_signal"] in (0.0, 1.0)
     assert "train_runtime" in records[-1]
     env = json.loads((run_dir / "env.json").read_text())
     import torch

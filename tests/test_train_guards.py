@@ -26,6 +26,7 @@ def _tiny_recipe(model_dir: Path, run_dir: Path, *extra: str):
 
     return load_recipe(str(CPU_RECIPE), [f"model.name={model_dir}", f"output.dir={run_dir}", "prime.enabled=false",
                                          "train.max_steps=1", "train.max_completion_length=16",
+                                         "train.max_truncated_targets=1", "train.mask_truncated_completions=false",
                                          "train.preflight=false", REWARDS, *extra])
 
 

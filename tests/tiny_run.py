@@ -29,7 +29,9 @@ def train_tiny(model_dir: Path, run_dir: Path, *extra: str) -> tuple[Path, Captu
     from lowmem_grpo.train.pipeline import train
 
     recipe = load_recipe(str(CPU_RECIPE), [f"model.name={model_dir}", f"output.dir={run_dir}",
-                                           "train.max_completion_length=16", REWARDS, *extra])
+                                           "train.max_completion_length=16", "train.max_truncated_targets=1",
+                                           "train.mask_truncated_completions=false", "train.allow_no_signal=true",
+                                           REWARDS, *extra])
     captured = Captured()
     logger = logging.getLogger("lowmem_grpo")
     old_level = logger.level

@@ -92,8 +92,13 @@ def render_target(solution: str, prefill: str = "") -> str:
     return rest if prefill.endswith("\n") else "\n" + rest
 
 
+def primed_count(total: int, num_examples: int | None) -> int:
+    """How many of `total` examples priming trains on: the first `num_examples`, or all of them (None)."""
+    return min(num_examples, total) if num_examples else total
+
+
 def priming_pairs(examples: Sequence[dict[str, Any]], num_examples: int | None = None) -> list[dict[str, str]]:
     """Prompt-completion rows for SFTTrainer from `build_examples` output (the first `num_examples`)."""
-    chosen = list(examples[:num_examples] if num_examples else examples)
+    chosen = list(examples[:primed_count(len(examples), num_examples)])
     return [{"prompt": ex["prompt"], "completion": render_target(ex["solution"], ex.get("prefill") or "")}
             for ex in chosen]

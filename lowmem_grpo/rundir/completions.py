@@ -5,7 +5,9 @@ nothing in TRL is patched: every wrapper sees the same batch of prompts and comp
 its own scores, and the training callback writes the batch when the step ends. One line per
 prompt group: {"step", "prompt", "question", "answer", "prefill", "completions": [{"text",
 "rewards": {name: score}, "total"}]}, where total is the weighted sum TRL trains on.
-Imports nothing heavy.
+The recorder also keeps the newest batch of every step (recorded or not) for `collapse_stats`: how alike
+the completions of different prompts are, which the training callback logs each step for the health
+check of template collapse (lowmem_grpo.rundir.health). Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.rewards.parsing import extract_answer_block
 from lowmem_grpo.rundir import layout
 
 CONTEXT_COLUMNS = ("question", "answer", "prefill")
@@ -45,6 +49,46 @@ def _score(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _final_answer(text: str) -> str | None:
+    """The answer block's text, whitespace-normalised; None without one."""
+    answer = extract_answer_block(text)
+    return " ".join(answer.split()) if answer and answer.strip() else None
+
+
+def collapse_stats(prompts: Sequence[str], texts: Sequence[str], golds: Sequence[Any] | None = None) -> dict[str, float]:
+    """How alike one batch's completions of different prompts are (empty with fewer than two prompts):
+
+    - completions/distinct_answers: distinct answers the prompts got (each prompt's most common final answer) per
+      distinct correct answer among them (per prompt without `golds`), at most 1; 1/n when every prompt gets the
+      same answer although their correct answers differ. Absent when fewer than two prompts have an answer, or
+      their correct answers are all the same.
+    - completions/shared_across_prompts: the share of completions whose text (stripped) was also written for
+      another prompt of the batch.
+    """
+    by_prompt: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts[:len(texts)]):
+        by_prompt.setdefault(prompt, []).append(i)
+    if len(by_prompt) < 2:
+        return {}
+    stats: dict[str, float] = {}
+    modal, gold_of = {}, {}
+    for prompt, rows in by_prompt.items():
+        answers = [a for a in (_final_answer(texts[i]) for i in rows) if a is not None]
+        if answers:
+            modal[prompt] = Counter(answers).most_common(1)[0][0]
+            gold_of[prompt] = str(golds[rows[0]]) if golds is not None and rows[0] < len(golds) else prompt
+    distinct_golds = len(set(gold_of.values()))
+    if len(modal) >= 2 and distinct_golds >= 2:
+        stats["completions/distinct_answers"] = min(1.0, len(set(modal.values())) / distinct_golds)
+    owners: dict[str, set[str]] = {}
+    for prompt, rows in by_prompt.items():
+        for i in rows:
+            owners.setdefault(texts[i].strip(), set()).add(prompt)
+    shared = sum(len(owners[texts[i].strip()]) > 1 for rows in by_prompt.values() for i in rows)
+    stats["completions/shared_across_prompts"] = shared / sum(len(rows) for rows in by_prompt.values())
+    return stats
+
+
 class CompletionRecorder:
     """Collects what the wrapped reward functions see at recorded steps; `flush` writes it."""
 
@@ -54,6 +98,7 @@ class CompletionRecorder:
         self.weights = dict(weights)  # reward __name__ -> weight
         self.pending: list[dict[str, Any]] = []
         self._batch: dict[str, Any] | None = None
+        self._latest: tuple[Any, Any, Any] | None = None  # (prompts, completions, answers) of the newest batch
 
     def wrap(self, func: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
         """A reward function that records its scores and returns them unchanged (same __name__)."""
@@ -65,6 +110,8 @@ class CompletionRecorder:
             scores = func(*args, **kwargs)
             completions = kwargs.get("completions", args[0] if args else None)
             prompts = kwargs.get("prompts")
+            if completions is not None and prompts is not None:  # every step: references only, read at the step end
+                recorder._latest = (prompts, completions, kwargs.get("answer"))
             state = kwargs.get("trainer_state")
             if state is not None and completions is not None:
                 step = int(state.global_step) + 1  # rewards are computed for the step being trained
@@ -107,6 +154,15 @@ class CompletionRecorder:
                 total = sum(self.weights.get(n, 1.0) * v for n, v in rewards.items() if v is not None)
                 group["completions"].append({"text": text, "rewards": rewards, "total": total})
         return out
+
+    def take_collapse_stats(self) -> dict[str, float]:
+        """`collapse_stats` of the newest batch scored since the last call ({} when none was)."""
+        latest, self._latest = self._latest, None
+        if latest is None:
+            return {}
+        prompts, completions, answers = latest
+        return collapse_stats([_text(p) for p in prompts], [_text(c) for c in completions],
+                              list(answers) if isinstance(answers, (list, tuple)) else None)
 
     def flush(self, write: bool = True) -> int:
         """Append the pending lines to completions.jsonl (when `write`), then forget them; returns the count."""

@@ -1,5 +1,9 @@
 """Known GRPO failure patterns, found in metric records: a pure function of the metrics, no torch.
 
+Besides a flat or clipped reward and a NaN gradient: reward hacking (the goal reward falls while the total
+rises) and template collapse (different prompts answered alike, from the per-step statistics of
+lowmem_grpo.rundir.completions.collapse_stats).
+
 `check(records)` looks at the newest records (the training callback calls it after every log);
 `scan(records)` replays a whole run and returns every warning with the step it first fired at
 (report.md lists those). A record is one metrics.jsonl line; NaN is written there as null.
@@ -17,7 +21,25 @@ ZERO_STD_FRACTION = 0.9
 """frac_reward_zero_std above this warns: most groups carry no gradient."""
 CLIPPED_RATIO = 0.5
 """completions/clipped_ratio above this warns: most completions hit max_completion_length."""
+HACK_WINDOW = 10
+"""Logged steps the reward-hacking check compares (their older half against their newer half)."""
+HACK_MIN_STEPS = 6
+"""The reward-hacking check waits for this many logged steps."""
+HACK_GOAL_DROP = 0.05
+"""The goal reward's mean (unweighted) falling by this much between the halves, while the total rises, warns."""
+HACK_TOTAL_RISE = 0.05
+"""...and the total reward's mean rising by at least this much."""
+COLLAPSE_STEPS = 3
+"""Logged steps with collapse statistics the template-collapse check averages over."""
+DISTINCT_ANSWERS = 0.5
+"""completions/distinct_answers at or below this (mean over COLLAPSE_STEPS) warns: prompts with different correct
+answers get the same answer."""
+SHARED_COMPLETIONS = 0.25
+"""completions/shared_across_prompts at or above this (mean over COLLAPSE_STEPS) warns: the same completion text
+answers different prompts."""
 ZERO_EPS = 1e-8
+SCAN_WINDOW = max(ZERO_STD_STEPS, HACK_WINDOW, COLLAPSE_STEPS)
+"""Records `scan` hands `check` at each step: enough for every check's window."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +74,65 @@ def _is_nan(record: dict[str, Any], key: str) -> bool:
     return value is None or (isinstance(value, float) and not math.isfinite(value))
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def reward_hacking(steps: list[dict[str, Any]], goal: str | None, step: int) -> HealthWarning | None:
+    """The goal reward's mean falls while the total reward rises, over the last HACK_WINDOW logged steps."""
+    if goal is None:
+        return None
+    key = f"rewards/{goal}/mean"
+    pairs = [(_number(r, key), _number(r, "reward")) for r in steps[-HACK_WINDOW:]]
+    pairs = [(g, t) for g, t in pairs if g is not None and t is not None]
+    if len(pairs) < HACK_MIN_STEPS:
+        return None
+    half = len(pairs) // 2
+    old, new = pairs[:half], pairs[-half:]
+    goal_old, goal_new = _mean([g for g, _ in old]), _mean([g for g, _ in new])
+    total_old, total_new = _mean([t for _, t in old]), _mean([t for _, t in new])
+    if goal_old - goal_new < HACK_GOAL_DROP or total_new - total_old < HACK_TOTAL_RISE:
+        return None
+    return HealthWarning(
+        "reward_hacking", step,
+        f"the goal reward {goal} fell from {goal_old:.2f} to {goal_new:.2f} while the total reward rose from "
+        f"{total_old:.2f} to {total_new:.2f} (the last {len(pairs)} logged steps, older half vs newer half): the "
+        "policy is learning to earn the other rewards instead of the goal",
+        "weigh the goal reward above the others together (e.g. lower the format rewards' weights), anchor the "
+        "policy with train.beta > 0, or lower train.learning_rate")
+
+
+def template_collapse(steps: list[dict[str, Any]], step: int) -> HealthWarning | None:
+    """Different prompts answered with the same answer or the same completion, over the last COLLAPSE_STEPS steps
+    that logged collapse statistics (lowmem_grpo.rundir.completions.collapse_stats)."""
+    with_stats = [r for r in steps if _number(r, "completions/distinct_answers") is not None
+                  or _number(r, "completions/shared_across_prompts") is not None][-COLLAPSE_STEPS:]
+    if len(with_stats) < COLLAPSE_STEPS:
+        return None
+    distinct = [v for v in (_number(r, "completions/distinct_answers") for r in with_stats) if v is not None]
+    shared = [v for v in (_number(r, "completions/shared_across_prompts") for r in with_stats) if v is not None]
+    same_answer = len(distinct) == COLLAPSE_STEPS and _mean(distinct) <= DISTINCT_ANSWERS
+    same_text = len(shared) == COLLAPSE_STEPS and _mean(shared) >= SHARED_COMPLETIONS
+    if not (same_answer or same_text):
+        return None
+    seen = []
+    if distinct:
+        seen.append(f"distinct answers per distinct correct answer {_mean(distinct):.2f}")
+    if shared:
+        seen.append(f"{_mean(shared):.0%} of completions also written for another prompt")
+    return HealthWarning(
+        "template_collapse", step,
+        f"the policy answers different prompts alike ({'; '.join(seen)}, mean of the last {COLLAPSE_STEPS} logged "
+        "steps): it has collapsed to a template and no longer reads the question",
+        "anchor the policy to where it started with train.beta (e.g. 0.04), lower train.learning_rate, or put "
+        "more prompts into each step (train.per_device_train_batch_size)")
+
+
 def check(records: list[dict[str, Any]], *, zero_std_steps: int = ZERO_STD_STEPS,
-          zero_std_fraction: float = ZERO_STD_FRACTION, clipped_ratio: float = CLIPPED_RATIO) -> list[HealthWarning]:
-    """The warnings that hold at the newest training record (empty when the run looks healthy)."""
+          zero_std_fraction: float = ZERO_STD_FRACTION, clipped_ratio: float = CLIPPED_RATIO,
+          goal: str | None = None) -> list[HealthWarning]:
+    """The warnings that hold at the newest training record (empty when the run looks healthy); `goal` is the
+    goal reward's name as logged (rewards/<goal>/mean), None when the run has none."""
     steps = training_records(records)
     if not steps:
         return []
@@ -89,6 +167,7 @@ def check(records: list[dict[str, Any]], *, zero_std_steps: int = ZERO_STD_STEPS
             "grad_norm_nan", step, "grad_norm is NaN: the update is broken and the adapter may be corrupted",
             "lower train.learning_rate, keep train.max_grad_norm set, use fp32 or bf16 instead of fp16, "
             "and check rewards for NaN"))
+    found += [w for w in (reward_hacking(steps, goal, step), template_collapse(steps, step)) if w is not None]
     return found
 
 
@@ -97,7 +176,7 @@ def scan(records: list[dict[str, Any]], **thresholds: Any) -> list[HealthWarning
     steps = training_records(records)
     active: set[str] = set()
     fired = []
-    window = int(thresholds.get("zero_std_steps", ZERO_STD_STEPS))
+    window = max(SCAN_WINDOW, int(thresholds.get("zero_std_steps", ZERO_STD_STEPS)))
     for end in range(1, len(steps) + 1):
         now = check(steps[max(0, end - window):end], **thresholds)
         codes = {w.code for w in now}
@@ -107,14 +186,16 @@ def scan(records: list[dict[str, Any]], **thresholds: Any) -> list[HealthWarning
 
 
 class WarningLatch:
-    """Reports each warning once when it starts to hold, again only after it cleared (for the callback)."""
+    """Reports each warning once when it starts to hold, again only after it cleared (for the callback); `goal` is
+    the goal reward's logged name."""
 
-    def __init__(self) -> None:
+    def __init__(self, goal: str | None = None) -> None:
         self.active: set[str] = set()
+        self.goal = goal
 
     def update(self, records: list[dict[str, Any]]) -> list[HealthWarning]:
         """The warnings that are new at the newest record."""
-        now = check(records)
+        now = check(records, goal=self.goal)
         new = [w for w in now if w.code not in self.active]
         self.active = {w.code for w in now}
         return new

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 SMOOTHING = 0.8
 """Weight of the past in the exponential moving average drawn over the raw curves."""
 SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "groups/informative",
-                "groups/informative_correctness", "groups/per_step", "curriculum/level", "completions/mean_length",
-                "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
+                "groups/informative_goal", "groups/per_step", "curriculum/level", "completions/mean_length",
+                "completions/clipped_ratio", "completions/distinct_answers", "completions/shared_across_prompts",
+                "optimizer/skipped_no_signal", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
                 "time/step", "time/sampling_share", "tokens_per_s"]
 
 
@@ -177,11 +178,11 @@ def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def _plot_groups(records: list[dict[str, Any]], path: Path) -> Path:
-    """groups.png: the share of informative groups (total reward and correctness) and the curriculum level."""
+    """groups.png: the share of informative groups (total reward and goal reward) and the curriculum level."""
     level = bool(series(records, "curriculum/level")[0])
     fig, ax = _figure("Groups that teach (informative = the group's rewards vary)", 2 if level else 1)
     _panel(ax[0], records, [("total reward", "groups/informative"),
-                            ("correctness", "groups/informative_correctness")], "informative share", smoothed=True)
+                            ("goal reward", "groups/informative_goal")], "informative share", smoothed=True)
     ax[0].set_ylim(-0.05, 1.05)
     if level:
         _panel(ax[1], records, [("curriculum level", "curriculum/level")], "level")
@@ -209,15 +210,25 @@ def summary_table(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def skipped_lines(records: list[dict[str, Any]]) -> list[str]:
+    """A bullet on the optimizer steps skipped because no group of their batch varied; [] when none was."""
+    _, skipped = series(records, "optimizer/skipped_no_signal")
+    count = round(sum(skipped))
+    if not count:
+        return []
+    return ["", f"- optimizer steps skipped (no group of the batch varied, nothing to learn): {count} of "
+                f"{len(skipped)} logged steps"]
+
+
 def groups_lines(records: list[dict[str, Any]]) -> list[str]:
     """Markdown bullets on the groups GRPO learned from (dynamic sampling / curriculum runs); [] otherwise."""
     _, informative = series(records, "groups/informative")
     if not informative:
         return []
-    _, correct = series(records, "groups/informative_correctness")
+    _, correct = series(records, "groups/informative_goal")
     _, per_step = series(records, "groups/per_step")
     lines = [f"- informative groups (total reward varies): mean {_num(fmean(informative))} over {len(informative)} "
-             f"steps" + (f"; on correctness alone: {_num(fmean(correct))}" if correct else "")
+             f"steps" + (f"; on the goal reward alone: {_num(fmean(correct))}" if correct else "")
              + (f"; {_num(per_step[-1])} prompt groups per step" if per_step else "")]
     steps, levels = series(records, "curriculum/level")
     if levels:
@@ -378,6 +389,21 @@ def _recipe_info(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def goal_name(run_dir: Path) -> str | None:
+    """The logged name of the run's goal reward (from its recipe.yaml); None without one, or an unreadable recipe."""
+    from lowmem_grpo.errors import LowmemError
+    from lowmem_grpo.recipe import goal_reward_name
+    from lowmem_grpo.recipe_io import load_recipe
+
+    path = run_dir / layout.RECIPE_FILE
+    if not path.exists():
+        return None
+    try:
+        return goal_reward_name(load_recipe(str(path)))
+    except (LowmemError, KeyError, ValueError, ImportError):
+        return None
+
+
 def start_line(info: dict[str, Any]) -> list[str]:
     """Where the adapter started, when not from a fresh LoRA (lora.init_adapter in recipe.yaml)."""
     lora = info.get("lora") if isinstance(info.get("lora"), dict) else {}
@@ -405,12 +431,13 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
              f"- steps logged: {len(steps)} (last step {last} of {max_steps or '?'}), {state}",
              f"- written: {time.strftime('%Y-%m-%d %H:%M:%S')}", "", "## Summary", ""]
     lines += summary_table(steps) if steps else ["No training step logged yet."]
+    lines += skipped_lines(steps)
     lines += time_lines(records)
     groups = groups_lines(steps)
     if groups:
         lines += ["", "## Groups that teach", ""] + groups
     lines += ["", "## Warnings", ""]
-    warnings = health.scan(steps)
+    warnings = health.scan(steps, goal=goal_name(run_dir))
     lines += [f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."]
     by_stage = stage_lines(run_dir)
     if by_stage:

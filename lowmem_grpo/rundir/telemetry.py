@@ -91,7 +91,8 @@ def _phase_brief(logs: dict[str, Any]) -> str:
 
 def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: float, reward_names: list[str]) -> str:
     """step/total, reward mean +- std (or the loss, for a stage without rewards such as prime), each reward's
-    mean, the informative share of groups and the curriculum level (when logged), length, KL, step time (with the
+    mean, the informative share of groups and the curriculum level (when logged), length and the share cut off at
+    the budget, a skipped optimizer step, KL, step time (with the
     sampling share and generated tokens/s when phase timing is logged), ETA, peak GPU memory."""
     parts = [f"step {step}/{max_steps}"]
     if "reward" in logs or "loss" not in logs:
@@ -108,6 +109,12 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
         parts.append(f"level {_fmt(logs['curriculum/level'], '.0f')}")
     if "completions/mean_length" in logs:
         parts.append(f"len {_fmt(logs['completions/mean_length'], '.0f')}")
+    clipped = logs.get("completions/clipped_ratio")  # completions cut off at max_completion_length
+    if isinstance(clipped, (int, float)):
+        parts.append(f"cut {100 * clipped:.0f}%")
+    skipped = logs.get("optimizer/skipped_no_signal")  # a mean over the logged steps
+    if isinstance(skipped, (int, float)) and skipped > 0:
+        parts.append("no optimizer step (no group varied)" if skipped >= 1 else f"{skipped:.0%} of steps skipped")
     if "kl" in logs:
         parts.append(f"kl {_fmt(logs['kl'], '.4f')}")
     if STEP_KEY in logs:

@@ -1,5 +1,5 @@
 """The trainer callbacks lowmem_grpo adds to TRL's trainers: telemetry, complete checkpoints, the sampling state
-in checkpoints, periodic eval, and the per-step phase timer.
+in checkpoints, periodic eval, the guard that skips optimizer steps without signal, and the per-step phase timer.
 
 Imports transformers at module level: import this module only after `backends.prepare()` (Unsloth first).
 """
@@ -26,17 +26,19 @@ log = logging.getLogger(__name__)
 
 
 class TelemetryCallback(TrainerCallback):
-    """Writes each log as one metrics.jsonl line tagged with its stage, the console line and health warnings;
-    flushes a CompletionRecorder (lowmem_grpo.rundir.completions) at each step end."""
+    """Writes each log as one metrics.jsonl line tagged with its stage (with the collapse statistics of the step's
+    completions, when a CompletionRecorder from lowmem_grpo.rundir.completions is given), the console line and
+    health warnings (`goal`: the goal reward's logged name); flushes the recorder at each step end."""
 
-    def __init__(self, run_dir: Path, stage: str, reward_names: list[str], recorder: Any = None) -> None:
+    def __init__(self, run_dir: Path, stage: str, reward_names: list[str], recorder: Any = None,
+                 goal: str | None = None) -> None:
         self.metrics_path = Path(run_dir) / layout.METRICS_FILE
         self.stage = stage
         self.reward_names = reward_names
         self.recorder = recorder
         self.started = time.monotonic()
         self.recent: list[dict[str, Any]] = []  # the newest records, for the health checks
-        self.latch = WarningLatch()
+        self.latch = WarningLatch(goal)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
         if self.recorder is not None:
@@ -50,6 +52,8 @@ class TelemetryCallback(TrainerCallback):
         if not logs or not state.is_world_process_zero:
             return
         logs = dict(logs)
+        if self.recorder is not None and "train_runtime" not in logs:
+            logs.update(self.recorder.take_collapse_stats())
         if torch.cuda.is_available():
             logs["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         record = {"stage": self.stage, "step": state.global_step, **logs}
@@ -147,6 +151,97 @@ class PeriodicEvalCallback(TrainerCallback):
         log.info("eval step %d: strict %.3f | lenient %.3f | strict_format %.3f | soft_format %.3f | "
                  "%d problems in %.0f s", state.global_step, m["strict_accuracy"], m["lenient_accuracy"],
                  m["strict_format_rate"], m["soft_format_rate"], m["num_problems"], result.seconds)
+
+
+SKIPPED_STEP_KEY = "optimizer/skipped_no_signal"
+"""Per step: 1 when no group of the step's batch had a nonzero advantage, so the optimizer step was skipped."""
+
+
+def carries_signal(inputs: Any) -> bool:
+    """Whether a GRPO micro-batch has a completion with a nonzero advantage and tokens left in the loss (a truncated
+    one masked by mask_truncated_completions has none); a batch without advantages is taken to have signal."""
+    advantages = inputs.get("advantages") if isinstance(inputs, dict) else None
+    if advantages is None:
+        return True
+    rows = (advantages.reshape(advantages.size(0), -1) != 0).any(dim=1)
+    mask = inputs.get("completion_mask")
+    if mask is not None and mask.size(0) == rows.size(0):
+        rows = rows & (mask.reshape(mask.size(0), -1).sum(dim=1) > 0)
+    return bool(rows.any())
+
+
+class NoSignalStepGuard(TrainerCallback):
+    """Skips the optimizer step when no completion of the step's micro-batches had a nonzero advantage and tokens in
+    the loss (every group flat on its total reward, or its varied completions all cut off and masked). Such a batch
+    has no policy gradient, yet AdamW would still move the adapter: its momentum carries the last steps' direction
+    and weight decay shrinks the weights. The learning-rate schedule goes on (the step still counts). With
+    train.beta > 0 the skipped step would only have held the KL pull towards the reference. Logs SKIPPED_STEP_KEY
+    every step; a step's decision is the same on every process.
+
+    `NoSignalStepGuard.attach(trainer)` wraps compute_loss (to see each micro-batch's advantages) on the trainer
+    INSTANCE and, when training starts, the prepared optimizer's step; no subclass, so TRL's, the CPU-safe and
+    Unsloth's trainers are guarded alike. Under DeepSpeed the engine steps inside backward: not guarded there."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.informative = False  # any nonzero advantage since the last optimizer step
+        self.skipped = 0
+
+    @classmethod
+    def attach(cls, trainer: Any) -> NoSignalStepGuard:
+        """Wrap the trainer's compute_loss and register the guard; returns it."""
+        guard = cls(trainer)
+        original = trainer.compute_loss
+
+        @functools.wraps(original)
+        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if trainer.model.training and carries_signal(inputs):  # an evaluation pass teaches nothing
+                guard.informative = True
+            return original(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = compute_loss
+        trainer.add_callback(guard)
+        return guard
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        self.informative = False
+        if getattr(self.trainer, "is_deepspeed_enabled", False):
+            return
+        optimizer = self.trainer.optimizer
+        if getattr(optimizer.step, "lowmem_guarded", False):  # a second train() on the same trainer
+            return
+        original = optimizer.step
+
+        @functools.wraps(original)
+        def step(*a: Any, **k: Any) -> Any:
+            informative = self._agreed(self.informative)
+            self.informative = False
+            self._publish(0.0 if informative else 1.0)
+            if informative:
+                return original(*a, **k)
+            self.skipped += 1
+            # the schedule moves on with the skipped step: torch's "scheduler stepped before the optimizer" check
+            # reads this flag of the optimizer it wrapped
+            for wrapped in (optimizer, getattr(optimizer, "optimizer", optimizer)):  # accelerate's wrapper and torch's
+                wrapped._opt_called = True
+            log.debug("no group of this batch varied: optimizer step skipped (%d so far)", self.skipped)
+            return None
+
+        step.lowmem_guarded = True
+        optimizer.step = step
+
+    def _agreed(self, informative: bool) -> bool:
+        """Any process saw an informative micro-batch: all ranks step, or none (their gradients are averaged)."""
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes == 1:
+            return informative
+        flag = torch.tensor([1.0 if informative else 0.0], device=accelerator.device)
+        return bool(accelerator.gather(flag).max().item() > 0)
+
+    def _publish(self, value: float) -> None:
+        metrics = getattr(self.trainer, "_metrics", None)  # GRPOTrainer.log averages and clears it at each log
+        if metrics is not None:
+            metrics["train"][SKIPPED_STEP_KEY].append(value)
 
 
 # trainer method -> the phase it times ("_prepare", the whole batch preparation, only yields prepare_other)

@@ -25,15 +25,15 @@ from trl.trainer.utils import nanstd
 
 from lowmem_grpo.device import resolve_optimizer, training_precision
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.train.callbacks import PhaseTimer
+from lowmem_grpo.recipe import Recipe, goal_reward_name
+from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer
 from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
 from lowmem_grpo.train.informative import SamplingState
 
 log = logging.getLogger(__name__)
 
-PASS_REWARD = "correctness"
-"""The reward whose score (>= 0.5) counts a completion as a pass for the pass rates and the curriculum."""
+PASS_SCORE = 0.5
+"""A completion passes when its goal reward (lowmem_grpo.recipe.goal_reward) scores at least this."""
 
 
 def grpo_fields() -> dict[str, Any]:
@@ -73,6 +73,7 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights:
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         steps_per_generation=None if "generation_batch_size" in t.extra else t.steps_per_generation,
         max_completion_length=t.max_completion_length,
+        mask_truncated_completions=t.mask_truncated_completions,
         temperature=t.temperature,
         learning_rate=t.learning_rate,
         adam_beta1=t.adam_beta1,
@@ -121,7 +122,9 @@ class InformativeSampler(Sampler):
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1  # without set_epoch, the next pass is the next epoch
         for c in range(epoch * self.num_chunks, (epoch + 1) * self.num_chunks):
-            # drawn lazily: chunk c sees what the groups generated before it taught the state
+            # drawn when the loader asks for it; the trainer's loader reads one generation batch ahead (accelerate's
+            # DataLoaderShard fetches the next batch before it yields the current one), so chunk c is drawn before
+            # chunk c-1 is scored: its weights hold the outcomes of the chunks up to c-2
             chunk = self.state.chunk(c, self.batch_size)
             for _ in range(self.repeat_count):
                 for index in chunk:
@@ -137,12 +140,13 @@ def _flat_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.isclose(std, torch.zeros_like(std))
 
 
-def _passes(rewards: torch.Tensor, total: torch.Tensor, names: list[str], group_size: int) -> list[bool | None]:
-    """Each completion's outcome: PASS_REWARD >= 0.5 when that reward is used; else a total reward above its
-    group's mean (so a flat group counts as failing and a varied one as about half passing). None = unscored."""
-    if PASS_REWARD in names:
-        scores = rewards[:, names.index(PASS_REWARD)]
-        outcome = scores >= 0.5
+def _passes(rewards: torch.Tensor, total: torch.Tensor, names: list[str], group_size: int,
+            goal: str | None) -> list[bool | None]:
+    """Each completion's outcome: the goal reward >= PASS_SCORE when the recipe has one; else a total reward above
+    its group's mean (so a flat group counts as failing and a varied one as about half passing). None = unscored."""
+    if goal is not None and goal in names:
+        scores = rewards[:, names.index(goal)]
+        outcome = scores >= PASS_SCORE
     else:
         grouped = total.view(-1, group_size)
         outcome = (grouped > torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
@@ -154,12 +158,14 @@ class InformativeTrainerMixin:
     """Dynamic sampling and the curriculum on top of a GRPOTrainer class (TRL's, Unsloth's patched one, or the
     CPU-safe one): the train sampler draws from `lowmem_sampling`; rewards (gathered over ranks, training only)
     update it and log `groups/*` and `curriculum/level`; with `lowmem_dynamic_sampling` the rows of groups whose
-    total reward is flat are kept out of the loss and its token count (unless all are). Every override calls
-    super() and copies no TRL body, so Unsloth's rewrites of those bodies still run. `trainer_factory` sets the
-    two attributes after construction (Unsloth's generated __init__ rejects unknown keyword arguments)."""
+    total reward is flat are kept out of the loss (unless all are). `lowmem_goal` is the goal reward's name, whose
+    passes the pass rates count. Every override calls super() and copies no TRL body, so Unsloth's rewrites of those
+    bodies still run. `trainer_factory` sets the attributes after construction (Unsloth's generated __init__ rejects
+    unknown keyword arguments)."""
 
     lowmem_sampling: SamplingState | None = None
     lowmem_dynamic_sampling: bool = False
+    lowmem_goal: str | None = None
     _lowmem_training = False
     _lowmem_keep: torch.Tensor | None = None
 
@@ -191,7 +197,7 @@ class InformativeTrainerMixin:
         return rewards
 
     def _track_groups(self, inputs: Any, rewards: torch.Tensor) -> None:
-        """Flat groups (on the weighted total, as TRL's frac_reward_zero_std, and on PASS_REWARD alone), the
+        """Flat groups (on the weighted total, as TRL's frac_reward_zero_std, and on the goal reward alone), the
         outcomes fed to the sampling state, and the step's metrics. `rewards` are every rank's rows in rank
         order, so every rank updates its state alike and the samplers stay identical."""
         size = self.num_generations
@@ -202,10 +208,10 @@ class InformativeTrainerMixin:
         self._lowmem_keep = (~flat).repeat_interleave(size)
         self._log_metric("groups/informative", 1.0 - flat.float().mean().item())
         names = list(self.reward_func_names)
-        if PASS_REWARD in names:
-            flat_pass = _flat_groups(rewards[:, names.index(PASS_REWARD)], size)
-            self._log_metric("groups/informative_correctness", 1.0 - flat_pass.float().mean().item())
-        self.lowmem_sampling.observe(ids, _passes(rewards, total, names, size))
+        if self.lowmem_goal in names:
+            flat_pass = _flat_groups(rewards[:, names.index(self.lowmem_goal)], size)
+            self._log_metric("groups/informative_goal", 1.0 - flat_pass.float().mean().item())
+        self.lowmem_sampling.observe(ids, _passes(rewards, total, names, size, self.lowmem_goal))
         per_step = (self.args.per_device_train_batch_size * self.accelerator.num_processes
                     * self.args.gradient_accumulation_steps / size)
         self._log_metric("groups/per_step", per_step)
@@ -213,16 +219,14 @@ class InformativeTrainerMixin:
             self._log_metric("curriculum/level", float(self.lowmem_sampling.level))
 
     def _exclude_flat_groups(self, output: dict[str, Any], rows: int) -> dict[str, Any]:
-        """Zero the completion mask of this rank's rows of flat groups and count the loss's tokens again (the
-        dapo/bnpo normalizer), as TRL itself does for mask_truncated_completions."""
+        """Zero the completion mask of this rank's rows of flat groups. num_items_in_batch (the dapo/cispo
+        normalizer) stays the whole batch's token count: counting the informative tokens only would scale each
+        step's loss by 1 / (its share of informative tokens), so a step with one varied group would push as hard as
+        one where all varied."""
         start = self.accelerator.process_index * rows
         mask = output["completion_mask"]
         keep = self._lowmem_keep[start:start + rows].to(device=mask.device, dtype=mask.dtype)
         output["completion_mask"] = mask * keep.unsqueeze(1)
-        loss_mask = output["completion_mask"]
-        if output.get("tool_mask") is not None:
-            loss_mask = loss_mask * output["tool_mask"]
-        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return output
 
 
@@ -272,6 +276,8 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         if sampling is not None:  # attributes, not __init__ arguments: Unsloth's __init__ rejects unknown ones
             trainer.lowmem_sampling = sampling
             trainer.lowmem_dynamic_sampling = recipe.train.dynamic_sampling
+            trainer.lowmem_goal = goal_reward_name(recipe)
+        NoSignalStepGuard.attach(trainer)  # always on: no optimizer step without an informative group
         PhaseTimer.attach(trainer)  # always on: time/<phase> keys in every log line (its cost is ~0.1 ms a step)
         return trainer
 

@@ -1,8 +1,8 @@
 """Groups that teach: which problems GRPO draws next, from what the last groups showed (torch-free).
 
 GRPO learns only from groups whose rewards differ. With the pass rate p of a problem (the share of its recent
-completions the `correctness` reward accepted), a group of G completions is informative with probability
-1 - p^G - (1-p)^G: never at p = 0 or 1, most at p = 1/2. Two options of the recipe use that:
+completions the goal reward accepted, lowmem_grpo.recipe.goal_reward), a group of G completions is informative with
+probability 1 - p^G - (1-p)^G: never at p = 0 or 1, most at p = 1/2. Two options of the recipe use that:
 
 - train.dynamic_sampling: problems are drawn with that probability as their weight (`PassRates.weight`), so
   generation goes to problems the model sometimes solves; groups that still come out flat are kept out of
@@ -43,7 +43,7 @@ def informative_probability(p: float, group_size: int) -> float:
 
 
 class PassRates:
-    """Each problem's recent correctness (the last `window` completions) and the draw weight it implies.
+    """Each problem's recent passes of the goal reward (the last `window` completions) and the draw weight it implies.
 
     A problem's pass rate is the posterior mean (passes + 2m) / (n + 2) under a Beta prior worth two outcomes
     with mean m. Without levels m = 1/2 (Beta(1,1)): a problem never seen has the largest weight and is tried

@@ -13,13 +13,13 @@ from typing import Any
 from lowmem_grpo import distributed
 from lowmem_grpo.backends import load, prepare, resolve_model_path
 from lowmem_grpo.backends.adapter import check_init_adapter
-from lowmem_grpo.data import load_train_rows, recipe_examples
+from lowmem_grpo.data import budget, load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts, cpu_auto_dtype, cuda_facts, require_gpu, training_precision
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.memory.fit import fit_to_device
-from lowmem_grpo.recipe import Recipe, resolved_rewards, validate
+from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
@@ -53,6 +53,8 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
     with peaks.stage("convert"):
         model_path = model_path_once(recipe)  # a missing model folder fails before the run directory exists
+    if resume_dir is None:  # a resumed run keeps the budget it started with
+        check_completion_budget(recipe, rows, model_path)
     resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
     if resume is not None and resume.finished:
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
@@ -130,6 +132,14 @@ def model_path_once(recipe: Recipe) -> str:
         return resolve_model_path(recipe.model.name)
 
 
+def check_completion_budget(recipe: Recipe, rows: list[dict[str, Any]], model_path: str) -> Any:
+    """RecipeError (exit 2) before any weights load when train.max_completion_length cuts more than
+    train.max_truncated_targets of the worked solutions (lowmem_grpo.data.budget); the fit, or None unchecked."""
+    if not budget.checked(recipe):
+        return None
+    return budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
+
+
 def starting_adapter(recipe: Recipe, model_path: str, resume: Any) -> str | None:
     """The adapter folder GRPO (and priming, when on) starts from: lora.init_adapter, checked against the recipe's
     model, rank, alpha and target modules before any model loads; None for a fresh LoRA. A resumed run with a
@@ -180,6 +190,13 @@ def require_reward_signal(recipe: Recipe, loaded: Any, examples: list[dict[str, 
     check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight_prompts)
     log.info("%s", reward_preflight.render(check, recipe).rstrip())
     if check.no_signal and not recipe.train.allow_no_signal:
+        if check.format_only:
+            raise NoSignalError(
+                f"reward preflight: the goal reward {check.goal} is the same for every completion in all "
+                f"{check.num_prompts} prompt groups; the only signal is format, so GRPO would learn the format, "
+                "not the task",
+                fix="easier problems, more train.num_generations, more priming or a lower train.temperature; "
+                    "train.allow_no_signal=true trains anyway")
         raise NoSignalError(
             f"reward preflight: in {check.frac_zero_std:.0%} of {check.num_prompts} prompt groups every "
             "completion got the same total reward, so GRPO would learn (almost) nothing",
@@ -203,7 +220,8 @@ def train_grpo(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]], run_
     reward_funcs = [guard_reward(get_reward(name)) for name in weights]
     recorder = CompletionRecorder(run_dir / layout.COMPLETIONS_FILE, recipe.train.completions_every,
                                   {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
-    ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder)]
+    ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
+                              goal=goal_reward_name(recipe))]
     if recipe.train.eval_every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
         ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir))
     examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off

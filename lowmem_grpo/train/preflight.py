@@ -3,8 +3,11 @@
 GRPO's advantage is each completion's reward minus its group's mean; a group whose weighted total
 reward is the same for every completion contributes nothing. `preflight` samples
 train.num_generations completions for a few prompts at the recipe's temperature, scores them with
-the recipe's rewards, and reports the share of such zero-variance groups. `check_rewards` is the
-`lowmem-grpo check-rewards` command's whole flow; `train` calls `preflight` before it trains.
+the recipe's rewards, and reports the share of such zero-variance groups, on the weighted total and
+on the goal reward (lowmem_grpo.recipe.goal_reward): a total that varies only through the format
+rewards teaches the format, not the task. The prompts are training problems priming did not train
+on, so a primed model is judged on what it can do, not on targets it memorised. `check_rewards` is
+the `lowmem-grpo check-rewards` command's whole flow; `train` calls `preflight` before it trains.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ from typing import Any
 
 from lowmem_grpo.backends import load, prepare
 from lowmem_grpo.data import load_train_rows, recipe_examples
+from lowmem_grpo.data.format import primed_count
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.evaluation.generate import generate
 from lowmem_grpo.evaluation.metrics import weighted_rewards
-from lowmem_grpo.recipe import resolved_rewards, validate
+from lowmem_grpo.recipe import goal_reward, resolved_rewards, validate
 
 log = logging.getLogger(__name__)
 
 NO_SIGNAL_THRESHOLD = 0.5
-"""When more than this share of prompt groups has a zero-variance total reward ("most"), there is no signal."""
+"""When more than this share of prompt groups has a zero-variance total reward ("most"), there is no signal; when
+more than this share is flat on the goal reward, its signal is weak."""
 ZERO_STD_TOL = 1e-6
 
 
@@ -56,14 +61,36 @@ class PreflightResult:
     samples: list[dict[str, Any]] = field(default_factory=list)
     """Two sample completions (the first one, and the best-scoring one) with their scores."""
     seconds: float = 0.0
+    goal: str | None = None
+    """The goal reward (a name of `rewards`), None when the recipe has none."""
+
+    @property
+    def goal_frac_zero_std(self) -> float | None:
+        """Share of prompt groups in which the goal reward is the same for every completion (None: no goal)."""
+        return next((s.frac_zero_std for s in self.rewards if s.name == self.goal), None)
+
+    @property
+    def format_only(self) -> bool:
+        """The total varies, the goal reward in no group: GRPO would learn the format, not the task."""
+        goal = self.goal_frac_zero_std
+        return goal is not None and goal >= 1.0 and self.frac_zero_std < 1.0
+
+    @property
+    def weak_goal(self) -> bool:
+        """The goal reward is flat in most groups, but not in all."""
+        goal = self.goal_frac_zero_std
+        return goal is not None and NO_SIGNAL_THRESHOLD < goal < 1.0
 
     @property
     def no_signal(self) -> bool:
-        return self.frac_zero_std > NO_SIGNAL_THRESHOLD  # "most" groups: more than half
+        """Most groups flat on the total ("most": more than half), or every group flat on the goal reward."""
+        goal = self.goal_frac_zero_std
+        return self.frac_zero_std > NO_SIGNAL_THRESHOLD or (goal is not None and goal >= 1.0)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["no_signal"] = self.no_signal
+        data.update(no_signal=self.no_signal, format_only=self.format_only, weak_goal=self.weak_goal,
+                    goal_frac_zero_std=self.goal_frac_zero_std)
         return data
 
 
@@ -90,12 +117,31 @@ def group_stats(scores: dict[str, list[float]], weights: dict[str, float],
     return stats, stats[-1].frac_zero_std
 
 
-def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompts: int) -> PreflightResult:
-    """Sample the recipe's GRPO groups for the first n_prompts examples and measure the reward signal."""
+def unprimed_examples(recipe: Any, examples: list[dict[str, Any]], n_prompts: int,
+                      primed: bool = True) -> list[dict[str, Any]]:
+    """The first n_prompts examples priming did not train on (it trains on the first prime.num_examples, or all;
+    `primed`: whether the model was primed on these examples); when too few are left, the rest from the start,
+    with a warning (those were primed on)."""
+    prime = getattr(recipe, "prime", None)
+    seen = primed_count(len(examples), prime.num_examples) if primed and prime is not None and prime.enabled else 0
+    chosen = examples[seen:seen + n_prompts]
+    if len(chosen) < n_prompts:
+        log.warning("preflight: %d of its %d prompts were primed on (priming trained on %d of the %d training "
+                    "problems), so their pass rates are optimistic; prime.num_examples below %d leaves it fresh "
+                    "ones", n_prompts - len(chosen), n_prompts, seen, len(examples), len(examples) - n_prompts + 1)
+        chosen += examples[:n_prompts - len(chosen)]
+    return chosen
+
+
+def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompts: int,
+              primed: bool = True) -> PreflightResult:
+    """Sample the recipe's GRPO groups for n_prompts examples priming did not train on (`primed`: the model was
+    primed on the recipe's priming examples of `examples`) and measure the reward signal, on the weighted total
+    and on the goal reward."""
     if n_prompts < 1:
         raise BadInputError(f"preflight prompts {n_prompts} must be at least 1", fix="e.g. --prompts 4")
     t = recipe.train
-    chosen = examples[:n_prompts]
+    chosen = unprimed_examples(recipe, examples, n_prompts, primed)
     weights = resolved_rewards(recipe)
     k = t.num_generations
     started = time.monotonic()
@@ -114,11 +160,30 @@ def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompt
     samples = [{"prompt_index": i // k, "completion": (prefills[i] or "") + texts[i],
                 "scores": {name: values[i] for name, values in scores.items()}} for i in picks]
     return PreflightResult(stats, frac, len(chosen), k, t.temperature, recipe.data.prefill, samples,
-                           time.monotonic() - started)
+                           time.monotonic() - started, goal_reward(recipe))
 
 
-def fixes(recipe: Any) -> list[str]:
-    """The likely fixes for a reward set without signal, most effective first, fitted to the recipe."""
+def goal_fixes(recipe: Any) -> list[str]:
+    """The likely fixes when only the format varies (the goal reward is flat), most effective first."""
+    t, d = recipe.train, recipe.data
+    prime = getattr(recipe, "prime", None)
+    easier = ("easier problems: a lower data.generated.levels (now " + d.generated.levels + ")"
+              if d.source == "generated" else "easier problems (data.source=generated, data.generated.levels=1)")
+    return [
+        easier,
+        f"sample more completions per prompt: train.num_generations={max(2 * t.num_generations, 8)} "
+        f"(now {t.num_generations}), so that a rare right answer lands in a group",
+        "prime on more worked solutions (prime.num_examples, prime.max_steps)" if prime is not None and prime.enabled
+        else "prime on worked solutions first: prime.enabled=true",
+        f"sample closer to the greedy answer: a lower train.temperature (now {t.temperature})",
+    ]
+
+
+def fixes(recipe: Any, result: PreflightResult | None = None) -> list[str]:
+    """The likely fixes for a reward set without signal, most effective first, fitted to the recipe (and to what
+    the preflight found: a flat goal reward under a varying format gets `goal_fixes`)."""
+    if result is not None and result.format_only:
+        return goal_fixes(recipe)
     t, d = recipe.train, recipe.data
     prime = getattr(recipe, "prime", None)
     if prime is not None and getattr(prime, "enabled", False):
@@ -163,17 +228,31 @@ def render(result: PreflightResult, recipe: Any) -> str:
         lines += [f"sample {n} (prompt {sample['prompt_index']}): {scores}", "    " +
                   sample["completion"].strip().replace("\n", "\n    ")[:1200], ""]
     zero_groups = round(result.frac_zero_std * result.num_prompts)
-    if result.no_signal:
-        lines += [f"NO SIGNAL: in {zero_groups} of {result.num_prompts} prompt groups "
+    n = result.num_prompts
+    goal_zero = result.goal_frac_zero_std
+    goal_varied = None if goal_zero is None else n - round(goal_zero * n)
+    if result.frac_zero_std > NO_SIGNAL_THRESHOLD:
+        lines += [f"NO SIGNAL: in {zero_groups} of {n} prompt groups "
                   f"({result.frac_zero_std:.0%}) every completion got the same total reward. GRPO learns "
                   "only from reward differences inside a group, so those groups give no gradient and training "
-                  "would learn little or nothing.",
-                  "Likely fixes, most effective first:"]
-        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe), start=1)]
+                  "would learn little or nothing."]
+    elif result.format_only:
+        lines += [f"NO SIGNAL ON THE GOAL: the goal reward {result.goal} is the same for every completion in all {n} "
+                  f"prompt groups; the total varies in {n - zero_groups} of them only through the other (format) "
+                  "rewards. The only signal is format: GRPO would learn to write the format, not to get the "
+                  "answers right."]
+    if result.no_signal:
+        lines.append("Likely fixes, most effective first:")
+        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
         lines.append("Train anyway with train.allow_no_signal=true.")
-    else:
-        lines.append(f"ok: {result.num_prompts - zero_groups} of {result.num_prompts} prompt groups have "
-                     "reward variance; GRPO has a signal to learn from.")
+        return "\n".join(lines) + "\n"
+    lines.append(f"ok: {n - zero_groups} of {n} prompt groups have reward variance"
+                 + (f", {goal_varied} of {n} on the goal reward {result.goal}" if goal_varied is not None else
+                    " (no goal reward named: judged on the weighted total)") + "; GRPO has a signal to learn from.")
+    if result.weak_goal:
+        lines.append(f"weak: the goal reward {result.goal} varies in only {goal_varied} of {n} groups; most of the "
+                     "signal is format, which GRPO may learn instead of the answers (more train.num_generations, "
+                     "easier problems or longer priming give the goal more groups)")
     return "\n".join(lines) + "\n"
 
 
@@ -186,4 +265,4 @@ def check_rewards(recipe: Any, n_prompts: int) -> PreflightResult:
     rows = load_train_rows(recipe.data)  # bad data fails before the model loads
     loaded = load(recipe, backend, with_lora=False)
     examples = recipe_examples(rows[: n_prompts * 4], loaded.tokenizer, recipe.data)
-    return preflight(recipe, loaded, examples, n_prompts)
+    return preflight(recipe, loaded, examples, n_prompts, primed=False)  # the base model: nothing was primed
