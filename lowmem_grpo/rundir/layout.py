@@ -14,6 +14,7 @@
       adapter/               the final adapter
       eval.json, eval/       evaluation results (`lowmem-grpo eval`)
       stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.stage_eval)
+      eval_steps.jsonl       per-problem greedy (and sampled) values of each periodic evaluation (train.eval_every)
       plots/, report.md      the report
 Torch-free.
 """
@@ -43,6 +44,7 @@ SAMPLING_STATE_FILE = "lowmem_sampling.json"  # inside checkpoint-N/: pass rates
 ADAPTER_DIR = "adapter"
 EVAL_FILE = "eval.json"
 STAGE_EVAL_FILE = "stage_eval.json"
+EVAL_STEPS_FILE = "eval_steps.jsonl"
 EVAL_DIR = "eval"
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"
