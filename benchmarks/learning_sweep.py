@@ -6,9 +6,9 @@
     python benchmarks/learning_sweep.py curve RUN_DIR                    # a learning curve (train.eval_every)
 
 `run` primes the base configuration ONCE (SWEEP/prime: the recipe's format priming, then one GRPO step, with the
-primed adapter measured on the held-out problems), then trains each variant from that primed adapter
-(lora.init_adapter, prime.enabled=false), so every variant starts from the same policy and the primed stage is
-measured once. Only a variant that changes priming primes anew (and is compared with its own primed stage).
+primed adapter measured on the held-out problems; or --primed-adapter names one, which the base variant measures),
+then trains each variant from that primed adapter (lora.init_adapter, prime.enabled=false), so every variant
+starts from the same policy and the primed stage is measured once. Only a variant that changes priming primes anew (and is compared with its own primed stage).
 Each variant is one `lowmem-grpo train` process (one at a time); its summary lands in SWEEP/results/NAME.json and
 a rerun skips the variants that have one (an interrupted variant is started again from scratch). After each
 variant SWEEP/table.md is rewritten.
@@ -99,9 +99,10 @@ def variant_by_name(name: str) -> Variant:
 
 
 def overrides_for(variant: Variant | None, *, run_dir: Path, steps: int, problems: int, samples: int,
-                  primed_adapter: Path | None) -> list[str]:
+                  primed_adapter: Path | None, measure_start: bool = False) -> list[str]:
     """The `key=value` overrides of one run. variant None: the shared priming run (prime, then one GRPO step, the
-    primed adapter measured). A variant starts from `primed_adapter` unless it primes itself."""
+    primed adapter measured). A variant starts from `primed_adapter` unless it primes itself; with
+    `measure_start` it also measures that adapter (the reference of every variant)."""
     values = dict(BASE)
     values.update({"train.max_steps": str(steps), "train.stage_eval": str(problems),
                    "train.stage_eval_samples": str(samples), "train.preflight": "false",
@@ -114,7 +115,7 @@ def overrides_for(variant: Variant | None, *, run_dir: Path, steps: int, problem
         if primed_adapter is None:
             raise ValueError(f"variant {variant.name} starts from the primed adapter; none given")
         values.update({"lora.init_adapter": str(primed_adapter), "prime.enabled": "false",
-                       "train.stage_eval_stages": "[trained]"})
+                       "train.stage_eval_stages": "[start,trained]" if measure_start else "[trained]"})
     if variant is not None:
         values.update(variant.overrides)
     total = int(values["train.max_steps"])
@@ -174,7 +175,7 @@ def summarize_run(run_dir: Path, primed_eval: dict[str, Any], samples: int) -> d
     def verdicts(data: dict[str, Any], key: str, stage: str) -> list[list[Verdict]]:
         return [[Verdict(**v) for v in p] for p in data[key][stage]]
 
-    primed_stage = "primed"
+    primed_stage = next(s for s in ("primed", "start") if s in primed_eval.get("verdicts", {}))
     greedy = {"primed": verdicts(primed_eval, "verdicts", primed_stage),
               "trained": verdicts(trained_eval, "verdicts", "trained")}
     sampled = {"primed": verdicts(primed_eval, "sampled_verdicts", primed_stage),
@@ -280,16 +281,29 @@ def ensure_primed(sweep_dir: Path, args: argparse.Namespace) -> Path:
     return run_dir
 
 
-def run_variant(sweep_dir: Path, variant: Variant, prime_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def reference(sweep_dir: Path, args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """The adapter every variant starts from, and the stage_eval.json that measured it (None: the base variant
+    measures it, as its start stage). --primed-adapter names an adapter primed elsewhere (with the recipe's
+    priming and the base configuration's data); otherwise the sweep primes once itself."""
+    if args.primed_adapter:
+        return Path(args.primed_adapter).resolve(), None
+    prime_dir = ensure_primed(sweep_dir, args)
+    return prime_dir / "primed_adapter", prime_dir / "stage_eval.json"
+
+
+def run_variant(sweep_dir: Path, variant: Variant, adapter: Path, reference_eval: Path | None,
+                args: argparse.Namespace) -> dict[str, Any]:
     run_dir = sweep_dir / "runs" / variant.name
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted variant starts again
+    measure_start = reference_eval is None and variant.name == VARIANTS[0].name
     overrides = overrides_for(variant, run_dir=run_dir, steps=args.steps, problems=args.problems,
-                              samples=args.samples, primed_adapter=prime_dir / "primed_adapter")
+                              samples=args.samples, primed_adapter=adapter, measure_start=measure_start)
     started = time.monotonic()
     code, rss = run_train(overrides, sweep_dir / "logs" / f"{variant.name}.log")
     if code != 0:
         return {"failed": code, "description": variant.change}
-    primed_eval = json.loads(((run_dir if variant.primes else prime_dir) / "stage_eval.json").read_text())
+    ref = run_dir if variant.primes else (reference_eval or sweep_dir / "runs" / VARIANTS[0].name)
+    primed_eval = json.loads((ref / "stage_eval.json" if ref.is_dir() else ref).read_text())
     result = summarize_run(run_dir, primed_eval, args.samples)
     result.update({"description": variant.change, "overrides": overrides, "peak_rss_bytes": rss,
                    "wall_seconds": time.monotonic() - started, "load": os.getloadavg()})
@@ -321,10 +335,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         variant_by_name(name)
     todo = pending(sweep_dir, names)
     print(f"{len(names) - len(todo)} of {len(names)} variants done; running {', '.join(todo) or 'none'}", flush=True)
-    prime_dir = ensure_primed(sweep_dir, args) if todo else None
+    first = VARIANTS[0].name
+    if args.primed_adapter and todo and first in pending(sweep_dir, [first]):
+        todo = [first] + [n for n in todo if n != first]  # the base variant measures the shared adapter: first
+    adapter, reference_eval = reference(sweep_dir, args) if todo else (None, None)
     for name in todo:
         started = time.strftime("%H:%M:%S")
-        result = run_variant(sweep_dir, variant_by_name(name), prime_dir, args)
+        result = run_variant(sweep_dir, variant_by_name(name), adapter, reference_eval, args)
         (sweep_dir / "results" / f"{name}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
         print(f"{started}-{time.strftime('%H:%M:%S')} {name}: "
               f"{'failed, exit ' + str(result['failed']) if 'failed' in result else 'done'}", flush=True)
@@ -384,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--steps", type=int, default=30, help="GRPO steps per variant (default 30)")
         p.add_argument("--problems", type=int, default=100, help="held-out problems evaluated (default 100)")
         p.add_argument("--samples", type=int, default=4, help="samples per problem at the training temperature")
+        p.add_argument("--primed-adapter", help="start every variant from this primed adapter instead of priming "
+                       "once in SWEEP/prime (the base variant then measures it)")
     sub.add_parser("list")
     p = sub.add_parser("curve")
     p.add_argument("run_dir")

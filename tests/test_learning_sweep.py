@@ -53,6 +53,9 @@ def test_every_variant_is_a_valid_recipe_one_change_from_the_base(sweep, tmp_pat
         if variant.primes:  # a priming change primes anew and is compared with its own primed stage
             assert "lora.init_adapter" not in values and values["train.stage_eval_stages"] == "[primed,trained]"
         validate(load_recipe(sweep.RECIPE, [o for o in overrides if not o.startswith("lora.init_adapter=")]))
+    measured = as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path, steps=30, problems=100,
+                                           samples=4, primed_adapter=adapter, measure_start=True))
+    assert measured["train.stage_eval_stages"] == "[start,trained]"  # the base variant measures the shared start
     steps60 = as_dict(sweep.overrides_for(sweep.variant_by_name("steps60"), run_dir=tmp_path, steps=30,
                                           problems=100, samples=4, primed_adapter=adapter))
     assert steps60["train.warmup_ratio"] == f"{2 / 60:.4f}" and steps60["train.save_steps"] == "60"
