@@ -119,7 +119,8 @@ def overrides_for(variant: Variant | None, *, run_dir: Path, steps: int, problem
     if variant is not None:
         values.update(variant.overrides)
     total = int(values["train.max_steps"])
-    values["train.warmup_ratio"] = f"{min(WARMUP_STEPS / total, 0.5):.4f}"  # 2 warm-up steps at any length
+    # the trainer warms up for ceil(ratio x steps) steps: half a step under WARMUP_STEPS rounds up to exactly it
+    values["train.warmup_ratio"] = f"{min((WARMUP_STEPS - 0.5) / total, 0.5):.6f}"
     values["train.save_steps"] = str(total)  # one checkpoint, at the end
     return [f"{k}={v}" for k, v in values.items()]
 
@@ -165,35 +166,67 @@ def distinct_share(texts: list[str]) -> float:
     return len(set(texts)) / len(texts) if texts else float("nan")
 
 
+def compare_values(reference: dict[str, list[float]], trained: dict[str, list[float]]) -> dict[str, Any]:
+    """Per-problem values (evaluation.stages.problem_values) of the reference and the trained adapter on the same
+    problems: each one's means with CIs, and the paired trained - reference change of each shared metric."""
+    from lowmem_grpo.evaluation.metrics import paired_bootstrap
+    from lowmem_grpo.evaluation.stages import mean_ci
+
+    stages = {name: {m: mean_ci(v) for m, v in vals.items()} for name, vals in
+              (("primed", reference), ("trained", trained))}
+    change = {m: paired_bootstrap(reference[m], trained[m]) for m in reference
+              if m in trained and not m.startswith("room@") and len(reference[m]) == len(trained[m])}
+    return {"stages": stages, "change": change}
+
+
+def stage_values(stage_eval: dict[str, Any], stage: str) -> tuple[dict[str, list[float]], list[str]]:
+    """A stage's per-problem values and its greedy completions, from stage_eval.json."""
+    from lowmem_grpo.evaluation.metrics import Verdict
+    from lowmem_grpo.evaluation.stages import problem_values
+
+    greedy = [[Verdict(**v) for v in p] for p in stage_eval["verdicts"][stage]]
+    sampled = [[Verdict(**v) for v in p] for p in stage_eval.get("sampled_verdicts", {}).get(stage, [])] or None
+    return problem_values(greedy, sampled), [p[0].completion for p in greedy]
+
+
+def reference_stage(stage_eval: dict[str, Any]) -> str:
+    return next(s for s in ("primed", "start") if s in stage_eval.get("verdicts", {}))
+
+
+def training_summary(run_dir: Path, up_to: int | None = None) -> dict[str, Any]:
+    """What the GRPO steps (up to step `up_to`) logged: steps, train time, informative share, goal reward, KL."""
+    metrics = [r for r in _jsonl(run_dir / "metrics.jsonl") if r.get("stage") == "grpo"]
+    steps = [r for r in metrics if "loss" in r and (up_to is None or r.get("step", 0) <= up_to)]
+    runtime = [r["train_runtime"] for r in metrics if "train_runtime" in r] if up_to is None else []
+    groups = [g for g in _jsonl(run_dir / "completions.jsonl") if up_to is None or g.get("step", 0) <= up_to]
+    thirds = goal_thirds(steps)
+    return {"steps": len(steps), "train_seconds": runtime[-1] if runtime else None,
+            "informative_share": informative_share(groups),
+            "goal_first_third": thirds[0] if thirds else None, "goal_last_third": thirds[1] if thirds else None,
+            "kl_last": next((r["kl"] for r in reversed(steps) if isinstance(r.get("kl"), (int, float))), None)}
+
+
 def summarize_run(run_dir: Path, primed_eval: dict[str, Any], samples: int) -> dict[str, Any]:
     """One variant's row: trained vs primed on the same problems (paired), time, goal reward, collapse."""
-    from lowmem_grpo.evaluation.metrics import Verdict
-    from lowmem_grpo.evaluation.stages import summarize
-
     trained_eval = json.loads((run_dir / "stage_eval.json").read_text(encoding="utf-8"))
+    ref, ref_texts = stage_values(primed_eval, reference_stage(primed_eval))
+    trained, texts = stage_values(trained_eval, "trained")
+    return {**compare_values(ref, trained), **training_summary(run_dir), "samples": samples,
+            "distinct_greedy": {"primed": distinct_share(ref_texts), "trained": distinct_share(texts)}}
 
-    def verdicts(data: dict[str, Any], key: str, stage: str) -> list[list[Verdict]]:
-        return [[Verdict(**v) for v in p] for p in data[key][stage]]
 
-    primed_stage = next(s for s in ("primed", "start") if s in primed_eval.get("verdicts", {}))
-    greedy = {"primed": verdicts(primed_eval, "verdicts", primed_stage),
-              "trained": verdicts(trained_eval, "verdicts", "trained")}
-    sampled = {"primed": verdicts(primed_eval, "sampled_verdicts", primed_stage),
-               "trained": verdicts(trained_eval, "sampled_verdicts", "trained")}
-    out = summarize(greedy, sampled=sampled)
-    metrics = _jsonl(run_dir / "metrics.jsonl")
-    steps = [r for r in metrics if r.get("stage") == "grpo" and "loss" in r]
-    runtime = [r["train_runtime"] for r in metrics if r.get("stage") == "grpo" and "train_runtime" in r]
-    thirds = goal_thirds(steps)
-    return {
-        "stages": out["stages"], "change": out["differences"]["primed->trained"],
-        "steps": len(steps), "train_seconds": runtime[-1] if runtime else None,
-        "informative_share": informative_share(_jsonl(run_dir / "completions.jsonl")),
-        "goal_first_third": thirds[0] if thirds else None, "goal_last_third": thirds[1] if thirds else None,
-        "kl_last": next((r["kl"] for r in reversed(steps) if isinstance(r.get("kl"), (int, float))), None),
-        "distinct_greedy": {s: distinct_share([p[0].completion for p in greedy[s]]) for s in greedy},
-        "samples": samples,
-    }
+def summarize_from_curve(curve_dir: Path, step: int, samples: int) -> dict[str, Any] | None:
+    """The base variant's row from a longer run of the base configuration (the learning curve): its start stage
+    against its periodic evaluation at `step` (eval_steps.jsonl); None until that evaluation exists."""
+    at_step = [r for r in _jsonl(curve_dir / "eval_steps.jsonl") if r.get("step") == step]
+    if not at_step:
+        return None
+    stage_eval = json.loads((curve_dir / "stage_eval.json").read_text(encoding="utf-8"))
+    ref, ref_texts = stage_values(stage_eval, reference_stage(stage_eval))
+    trained = {k: v for k, v in at_step[-1].items() if isinstance(v, list)}
+    return {**compare_values(ref, trained), **training_summary(curve_dir, up_to=step), "samples": samples,
+            "distinct_greedy": {"primed": distinct_share(ref_texts)},
+            "from": f"{curve_dir} at step {step} (the learning curve's run)"}
 
 
 # ---------------------------------------------------------------- the table
@@ -238,7 +271,8 @@ def table(results: dict[str, dict[str, Any]], order: list[str] | None = None,
             _paired(ch.get("strict_accuracy")),
             f"{mean('primed', f'mean@{k}')} -> {mean('trained', f'mean@{k}')}", _paired(ch.get(f"mean@{k}")),
             f"{mean('trained', f'pass@{k}')} ({_paired(ch.get(f'pass@{k}'))})", secs, rss,
-            _pct(r.get("informative_share")), goal, f"{r['distinct_greedy'].get('trained', float('nan')):.2f}",
+            _pct(r.get("informative_share")), goal,
+            f"{r['distinct_greedy']['trained']:.2f}" if "trained" in r.get("distinct_greedy", {}) else "-",
         ]) + " |")
     if not_run:
         lines += ["", "Not run: " + ", ".join(not_run) + "."]
@@ -285,6 +319,14 @@ def reference(sweep_dir: Path, args: argparse.Namespace) -> tuple[Path, Path | N
     """The adapter every variant starts from, and the stage_eval.json that measured it (None: the base variant
     measures it, as its start stage). --primed-adapter names an adapter primed elsewhere (with the recipe's
     priming and the base configuration's data); otherwise the sweep primes once itself."""
+    if args.reference_run:
+        ref = Path(args.reference_run).resolve()
+        recipe = (ref / "recipe.yaml").read_text(encoding="utf-8")
+        adapter = next((line.split(":", 1)[1].strip() for line in recipe.splitlines()
+                        if line.strip().startswith("init_adapter:")), "")
+        if not adapter or adapter == "null":
+            raise SystemExit(f"{ref} did not start from an adapter (lora.init_adapter): it cannot be the reference")
+        return Path(adapter), ref / "stage_eval.json"
     if args.primed_adapter:
         return Path(args.primed_adapter).resolve(), None
     prime_dir = ensure_primed(sweep_dir, args)
@@ -319,6 +361,18 @@ def load_results(sweep_dir: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def refresh_base(sweep_dir: Path, args: argparse.Namespace) -> None:
+    """With --reference-run: the base variant's result from it, once it has evaluated step --steps."""
+    first = VARIANTS[0].name
+    if not getattr(args, "reference_run", None) or not pending(sweep_dir, [first]):
+        return
+    row = summarize_from_curve(Path(args.reference_run), args.steps, args.samples)
+    if row is not None:
+        row["description"] = variant_by_name(first).change
+        (sweep_dir / "results").mkdir(parents=True, exist_ok=True)
+        (sweep_dir / "results" / f"{first}.json").write_text(json.dumps(row, indent=1), encoding="utf-8")
+
+
 def write_table(sweep_dir: Path, names: list[str]) -> str:
     results = load_results(sweep_dir)
     text = table(results, [n for n in names if n in results], [n for n in names if n not in results])
@@ -336,7 +390,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     todo = pending(sweep_dir, names)
     print(f"{len(names) - len(todo)} of {len(names)} variants done; running {', '.join(todo) or 'none'}", flush=True)
     first = VARIANTS[0].name
-    if args.primed_adapter and todo and first in pending(sweep_dir, [first]):
+    if args.reference_run:  # the base variant is the reference run's first --steps steps
+        refresh_base(sweep_dir, args)
+        todo = [n for n in todo if n != first]
+    elif args.primed_adapter and todo and first in pending(sweep_dir, [first]):
         todo = [first] + [n for n in todo if n != first]  # the base variant measures the shared adapter: first
     adapter, reference_eval = reference(sweep_dir, args) if todo else (None, None)
     for name in todo:
@@ -345,7 +402,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         (sweep_dir / "results" / f"{name}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
         print(f"{started}-{time.strftime('%H:%M:%S')} {name}: "
               f"{'failed, exit ' + str(result['failed']) if 'failed' in result else 'done'}", flush=True)
+        refresh_base(sweep_dir, args)
         write_table(sweep_dir, names)
+    refresh_base(sweep_dir, args)
     print(write_table(sweep_dir, names))
     return 0
 
@@ -401,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--steps", type=int, default=30, help="GRPO steps per variant (default 30)")
         p.add_argument("--problems", type=int, default=100, help="held-out problems evaluated (default 100)")
         p.add_argument("--samples", type=int, default=4, help="samples per problem at the training temperature")
+        p.add_argument("--reference-run", help="a longer run of the base configuration from a primed adapter, "
+                       "with train.stage_eval (start stage) and train.eval_every / eval_samples on the same problems "
+                       "(the learning curve): every variant starts from its adapter and is compared with its start "
+                       "stage; its evaluation at step --steps is the base variant")
         p.add_argument("--primed-adapter", help="start every variant from this primed adapter instead of priming "
                        "once in SWEEP/prime (the base variant then measures it)")
     sub.add_parser("list")
@@ -411,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(args)
     if args.command == "table":
         names = args.only.split(",") if args.only else [v.name for v in VARIANTS]
+        refresh_base(Path(args.sweep_dir), args)
         print(write_table(Path(args.sweep_dir), names))
         return 0
     if args.command == "curve":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -38,7 +39,11 @@ def test_every_variant_is_a_valid_recipe_one_change_from_the_base(sweep, tmp_pat
                                        problems=100, samples=4, primed_adapter=adapter))
     assert base["lora.init_adapter"] == str(adapter) and base["prime.enabled"] == "false"
     assert base["train.stage_eval_stages"] == "[trained]"  # the primed stage is measured once, by the priming run
-    assert base["train.warmup_ratio"] == f"{2 / 30:.4f}" and base["train.beta"] == "0.04"
+    assert base["train.beta"] == "0.04"
+    for steps in (25, 30, 60, 150):  # exactly 2 warm-up steps as the trainer rounds a ratio (up)
+        ratio = float(as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path, steps=steps,
+                                                  problems=100, samples=4, primed_adapter=adapter))["train.warmup_ratio"])
+        assert math.ceil(steps * ratio) == 2, steps
     names = [v.name for v in sweep.VARIANTS]
     assert len(names) == len(set(names)) and names[0] == "base"
     for variant in sweep.VARIANTS:
@@ -58,7 +63,7 @@ def test_every_variant_is_a_valid_recipe_one_change_from_the_base(sweep, tmp_pat
     assert measured["train.stage_eval_stages"] == "[start,trained]"  # the base variant measures the shared start
     steps60 = as_dict(sweep.overrides_for(sweep.variant_by_name("steps60"), run_dir=tmp_path, steps=30,
                                           problems=100, samples=4, primed_adapter=adapter))
-    assert steps60["train.warmup_ratio"] == f"{2 / 60:.4f}" and steps60["train.save_steps"] == "60"
+    assert math.ceil(60 * float(steps60["train.warmup_ratio"])) == 2 and steps60["train.save_steps"] == "60"
     prime = as_dict(sweep.overrides_for(None, run_dir=tmp_path, steps=30, problems=100, samples=4,
                                         primed_adapter=None))
     assert prime["train.max_steps"] == "1" and prime["train.stage_eval_stages"] == "[primed]"
@@ -131,3 +136,25 @@ def test_run_results_feed_the_table_file(sweep, tmp_path):
     text = sweep.write_table(tmp_path, ["base", "beta0", "lr1e-4"])
     assert (tmp_path / "table.md").read_text() == text
     assert "| base |" in text and "Not run: beta0, lr1e-4." in text
+
+
+def test_the_base_row_from_a_longer_run_of_the_base_configuration(sweep, tmp_path):
+    right, wrong = judge(RIGHT, "4"), judge(WRONG, "4")
+    curve = tmp_path / "curve"
+    curve.mkdir()
+    (curve / "stage_eval.json").write_text(json.dumps({
+        "verdicts": {"start": [[wrong.as_dict()]] * 4},
+        "sampled_verdicts": {"start": [[wrong.as_dict(), right.as_dict()]] * 4}}))
+    assert sweep.summarize_from_curve(curve, 25, 2) is None  # step 25 not evaluated yet
+    with (curve / "eval_steps.jsonl").open("w") as f:
+        f.write(json.dumps({"step": 25, "temperature": 0.7, "strict_accuracy": [1.0, 1.0, 0.0, 0.0],
+                            "strict_format_rate": [1.0] * 4, "mean@2": [1.0] * 4, "pass@2": [1.0] * 4,
+                            "room@2": [0.0, 0.0, 1.0, 1.0]}) + "\n")
+    with (curve / "metrics.jsonl").open("w") as f:
+        for step in range(1, 51):  # steps after 25 belong to the longer run, not to the base variant
+            f.write(json.dumps({"stage": "grpo", "step": step, "loss": 0.1,
+                                "rewards/correctness/mean": 0.2 if step <= 25 else 0.9}) + "\n")
+    row = sweep.summarize_from_curve(curve, 25, 2)
+    assert row["steps"] == 25 and row["goal_last_third"] == pytest.approx(0.2)
+    assert row["change"]["strict_accuracy"]["diff"] == 0.5 and row["change"]["mean@2"]["diff"] == 0.5
+    assert row["stages"]["primed"]["pass@2"]["mean"] == 1.0
