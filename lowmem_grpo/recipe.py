@@ -197,9 +197,18 @@ class TrainConfig:
     """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
     eval_limit: int = 50
     """Problems of data.eval_split the periodic evaluation uses (the first N)."""
+    eval_samples: int = 0
+    """The periodic evaluation also samples this many completions per problem at train.temperature and logs
+    eval/mean@k and eval/pass@k (0 = greedy only); per-problem values go to eval_steps.jsonl (a learning curve)."""
     stage_eval: int = 0
     """Greedy eval of the base model, the primed and the trained adapter on the same first N problems of
     data.eval_split, with 95% CIs in stage_eval.json and the report: what each stage bought (0 = off)."""
+    stage_eval_stages: list[str] = field(default_factory=lambda: ["base", "start", "primed", "trained"])
+    """Which stages train.stage_eval measures (start: the lora.init_adapter, when given); e.g. ["trained"] when an
+    earlier run already measured the adapter this one starts from on the same problems."""
+    stage_eval_samples: int = 4
+    """With train.stage_eval: also sample this many completions per problem at train.temperature at each stage:
+    mean@k and pass@k with paired CIs, and pass@k - greedy, the room GRPO has on the greedy answer (0 = greedy only)."""
     auto_fit: bool | None = None
     """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory.plan); None = on CUDA, false = never."""
     oom_retries: int = 2
@@ -366,6 +375,13 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
     _require(t.eval_limit > 0, "train.eval_limit", f"is {t.eval_limit}", "use a positive number of problems")
     _require(t.stage_eval >= 0, "train.stage_eval", f"is {t.stage_eval}",
              "use 0 (off) or a number of held-out problems, e.g. train.stage_eval=100")
+    unknown = [s for s in t.stage_eval_stages if s not in ("base", "start", "primed", "trained")]
+    _require(not unknown, "train.stage_eval_stages", f"names unknown stage(s) {unknown}",
+             "use some of base, start, primed, trained, e.g. train.stage_eval_stages=[base,primed,trained]")
+    for key in ("stage_eval_samples", "eval_samples"):
+        value = getattr(t, key)
+        _require(value == 0 or value >= 2, f"train.{key}", f"is {value}; mean@k and pass@k need k >= 2 samples",
+                 f"use 0 (greedy only) or e.g. train.{key}=4")
     _require(t.oom_retries >= 0, "train.oom_retries", f"is {t.oom_retries}", "use 0 (stop at the first OOM) or more")
     _require(0 <= t.max_truncated_targets <= 1, "train.max_truncated_targets", f"is {t.max_truncated_targets}",
              "use a share in [0, 1], e.g. 0.02 (1 = never check)")

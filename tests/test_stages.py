@@ -6,8 +6,11 @@ import json
 
 import pytest
 
+from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.metrics import judge
-from lowmem_grpo.evaluation.stages import mean_ci, summarize
+from lowmem_grpo.evaluation.stages import mean_ci, problem_values, summarize
+from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.rundir.report import stage_lines
 from tiny_run import train_tiny
 
 RIGHT = "<reasoning>\n2+2=4\n</reasoning>\n<answer>\n4\n</answer>"
@@ -33,6 +36,59 @@ def test_summarize_pairs_consecutive_stages_on_the_same_problems():
     assert summarize({"base": [wrong] * 3, "trained": [right] * 3})["differences"].keys() == {"base->trained"}
 
 
+def test_sampled_stage_metrics_mean_pass_and_room():
+    right, wrong = judge(RIGHT, "4"), judge(WRONG, "4")
+    greedy = [[right], [wrong], [wrong], [wrong]]
+    samples = [[right, right, wrong, wrong], [right, wrong, wrong, wrong], [wrong] * 4, [right] * 4]
+    values = problem_values(greedy, samples)
+    assert values["mean@4"] == [0.5, 0.25, 0.0, 1.0]
+    assert values["pass@4"] == [1.0, 1.0, 0.0, 1.0]
+    # room: solved by a sample but not greedily (problems 2 and 4); problem 1 is solved both ways
+    assert values["room@4"] == [0.0, 1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="differ in problems"):
+        problem_values(greedy, samples[:3])
+
+
+def test_summarize_pairs_sampled_accuracy_between_stages():
+    right, wrong = judge(RIGHT, "4"), judge(WRONG, "4")
+    greedy = {"primed": [[wrong]] * 20, "trained": [[wrong]] * 20}  # greedy does not move
+    sampled = {"primed": [[right, wrong, wrong, wrong]] * 20, "trained": [[right, right, right, wrong]] * 20}
+    out = summarize(greedy, sampled=sampled)
+    assert out["stages"]["primed"]["mean@4"]["mean"] == 0.25
+    assert out["stages"]["trained"]["room@4"]["mean"] == 1.0
+    gain = out["differences"]["primed->trained"]
+    assert gain["mean@4"]["diff"] == 0.5 and gain["mean@4"]["low"] == 0.5
+    assert gain["strict_accuracy"]["diff"] == 0.0 and gain["pass@4"]["diff"] == 0.0
+    assert "room@4" not in gain  # a difference of differences is not shown
+    # a stage measured greedy only is still paired on greedy metrics
+    partial = summarize(greedy, sampled={"trained": sampled["trained"]})
+    assert set(partial["differences"]["primed->trained"]) == {"strict_accuracy", "strict_format_rate"}
+
+
+def test_report_shows_sampled_columns_and_paired_gain(tmp_path):
+    right, wrong = judge(RIGHT, "4"), judge(WRONG, "4")
+    out = summarize({"primed": [[wrong]] * 10, "trained": [[right]] * 5 + [[wrong]] * 5},
+                    sampled={"primed": [[right, wrong, wrong, wrong]] * 10, "trained": [[right] * 4] * 10})
+    (tmp_path / "stage_eval.json").write_text(json.dumps({"num_problems": 10, "settings": {"samples": 4,
+                                                          "temperature": 0.7}, **out}))
+    text = "\n".join(stage_lines(tmp_path))
+    assert "mean@4 (T 0.7)" in text and "pass@4 - greedy" in text
+    trained_row = next(line for line in text.splitlines() if line.startswith("| trained |"))
+    assert "1.000 [1.000, 1.000]" in trained_row  # mean@4 of the trained stage
+    change = next(line for line in text.splitlines() if line.startswith("| primed->trained |"))
+    assert "| +0.750 [0.750, 0.750] |" in change  # mean@4: 0.25 -> 1.0 on every problem
+
+
+def test_stage_eval_samples_and_stages_are_validated():
+    from lowmem_grpo.recipe import validate
+
+    for bad, key in (("train.stage_eval_samples=1", "stage_eval_samples"), ("train.eval_samples=-2", "eval_samples"),
+                     ("train.stage_eval_stages=[base,final]", "stage_eval_stages")):
+        with pytest.raises(RecipeError, match=key):
+            validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", [bad]))
+    validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", ["train.stage_eval_stages=[trained]"]))
+
+
 @pytest.mark.slow
 def test_a_run_measures_each_stage_and_the_report_shows_them(tiny_model_dir, tmp_path):
     run_dir, _ = train_tiny(tiny_model_dir, tmp_path / "run", "train.max_steps=2", "prime.max_steps=2",
@@ -55,3 +111,18 @@ def test_a_run_measures_each_stage_and_the_report_shows_them(tiny_model_dir, tmp
     assert grpo and all(r["rss/generation"] > 0.05 and r["rss/loss_forward"] > 0.05 and r["rss/backward"] > 0.05
                         for r in grpo)
     assert "Peak RSS in each phase of a GRPO step" in report and "backward" in report
+    k = data["settings"]["samples"]
+    assert k >= 2 and all(len(p) == k for p in data["sampled_verdicts"]["trained"])  # k samples per problem
+    assert f"mean@{k}" in data["differences"]["primed->trained"] and f"mean@{k} (T " in report
+
+
+@pytest.mark.slow
+def test_a_run_can_skip_stages_measured_before(tiny_model_dir, tmp_path):
+    run_dir, _ = train_tiny(tiny_model_dir, tmp_path / "run", "train.max_steps=1", "prime.max_steps=1",
+                            "train.stage_eval=3", "train.stage_eval_samples=2", "train.preflight=false",
+                            "train.stage_eval_stages=[trained]", "train.eval_every=1", "train.eval_limit=3",
+                            "train.eval_samples=2")
+    data = json.loads((run_dir / "stage_eval.json").read_text())
+    assert list(data["stages"]) == ["trained"] and data["differences"] == {}
+    curve = [json.loads(line) for line in (run_dir / "eval_steps.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in curve] == [1] and len(curve[0]["mean@2"]) == 3 and len(curve[0]["room@2"]) == 3

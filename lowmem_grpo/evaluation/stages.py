@@ -1,5 +1,11 @@
-"""What each stage of a run bought: greedy held-out accuracy of the base model, the starting adapter (lora.init_adapter,
-when given), the primed adapter and the trained adapter on the SAME problems, with 95% CIs (per stage, and paired between stages).
+"""What each stage of a run bought: held-out accuracy of the base model, the starting adapter (lora.init_adapter,
+when given), the primed adapter and the trained adapter on the SAME problems, with 95% CIs (per stage, and paired
+between stages).
+
+Each stage is measured greedy (the answer a user gets) and, with train.stage_eval_samples = k > 0, by k samples per
+problem at the training temperature (what GRPO itself sees and scores): mean@k (the share of correct samples) and
+pass@k (a correct sample among the k). `pass@k - greedy` is the room GRPO has on the greedy answer: problems the
+policy can already solve by sampling but does not solve greedily.
 
 `StageEvals(recipe, tokenizer, path)` holds the problems (the first train.stage_eval of data.eval_split) and the
 results so far; `measure(model, stage)` evaluates the model as it is now (the base model with the adapter switched
@@ -12,6 +18,7 @@ import contextlib
 import json
 import logging
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +44,41 @@ def mean_ci(values: list[float], *, confidence: float = 0.95, n_resamples: int =
             "high": means[min(n_resamples - 1, int((1.0 - alpha) * n_resamples))]}
 
 
-def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0) -> dict[str, Any]:
+def sampled_values(samples: Sequence[Sequence[Verdict]], k: int) -> dict[str, list[float]]:
+    """Per problem, from its k samples: mean@k (share strictly correct) and pass@k (any strictly correct)."""
+    return {f"mean@{k}": [problem_value(s, "strict_accuracy") for s in samples],
+            f"pass@{k}": [float(any(v.strict_correct for v in s)) for s in samples]}
+
+
+def problem_values(greedy: Sequence[Sequence[Verdict]], samples: Sequence[Sequence[Verdict]] | None = None
+                   ) -> dict[str, list[float]]:
+    """Per problem, each stage metric: greedy strict accuracy and format, and with samples mean@k, pass@k and
+    room@k = pass@k - greedy (a problem solved by some sample but not by the greedy answer counts 1)."""
+    values = {m: [problem_value(v, m) for v in greedy] for m in METRICS}
+    if samples:
+        if len(samples) != len(greedy):
+            raise ValueError(f"sampled and greedy evals differ in problems: {len(samples)} vs {len(greedy)}")
+        k = max(len(s) for s in samples)
+        values.update(sampled_values(samples, k))
+        values[f"room@{k}"] = [p - g for p, g in zip(values[f"pass@{k}"], values["strict_accuracy"])]
+    return values
+
+
+def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
+              sampled: dict[str, list[list[Verdict]]] | None = None) -> dict[str, Any]:
     """Per stage each metric's mean and CI; between consecutive measured stages (and base -> trained) the paired
-    difference and its CI."""
+    difference and its CI. `sampled` (stage -> k sample verdicts per problem) adds mean@k, pass@k and room@k."""
+    sampled = sampled or {}
     stages = [s for s in STAGES if s in per_stage]
+    values = {s: problem_values(per_stage[s], sampled.get(s)) for s in stages}
     out: dict[str, Any] = {"stages": {}, "differences": {}}
     for stage in stages:
-        out["stages"][stage] = {m: mean_ci([problem_value(v, m) for v in per_stage[stage]], seed=seed)
-                                for m in METRICS}
+        out["stages"][stage] = {m: mean_ci(v, seed=seed) for m, v in values[stage].items()}
     pairs = list(zip(stages, stages[1:])) + ([("base", "trained")] if len(stages) >= 3 else [])
     for a, b in pairs:
-        out["differences"][f"{a}->{b}"] = {
-            m: paired_bootstrap([problem_value(v, m) for v in per_stage[a]],
-                                [problem_value(v, m) for v in per_stage[b]], seed=seed) for m in METRICS}
+        shared = [m for m in values[a] if m in values[b] and not m.startswith("room@")]
+        out["differences"][f"{a}->{b}"] = {m: paired_bootstrap(values[a][m], values[b][m], seed=seed)
+                                           for m in shared}
     return out
 
 
@@ -60,8 +89,17 @@ def _disabled_adapter(model: Any, stage: str) -> Any:
     return contextlib.nullcontext()
 
 
+def _load_verdicts(saved: dict[str, Any]) -> dict[str, list[list[Verdict]]]:
+    return {s: [[Verdict(**v) for v in p] for p in ps] for s, ps in saved.items()}
+
+
+def _dump_verdicts(verdicts: dict[str, list[list[Verdict]]]) -> dict[str, Any]:
+    return {s: [[v.__dict__ for v in p] for p in ps] for s, ps in verdicts.items()}
+
+
 class StageEvals:
-    """Greedy evaluation of the same held-out problems after each stage; results in `path` (stage_eval.json)."""
+    """Greedy (and, with train.stage_eval_samples, sampled) evaluation of the same held-out problems after each
+    stage; results in `path` (stage_eval.json)."""
 
     def __init__(self, recipe: Any, tokenizer: Any, path: Path, peaks: Any = None) -> None:
         t = recipe.train
@@ -69,36 +107,54 @@ class StageEvals:
         self.peaks = peaks  # a lowmem_grpo.rundir.rss.StagePeaks: each evaluation's peak RSS as "eval <stage>"
         self.tokenizer = tokenizer
         self.settings = {"max_new_tokens": t.max_completion_length, "batch_size": max(8, t.per_device_train_batch_size),
-                         "seed": t.seed}
+                         "seed": t.seed, "samples": t.stage_eval_samples, "temperature": t.temperature}
+        self.wanted = list(t.stage_eval_stages)
         self.merged = t.merged_sampling
         self.examples = load_eval_examples(recipe, tokenizer, limit=t.stage_eval)  # bad data fails before training
         self.verdicts: dict[str, list[list[Verdict]]] = {}
+        self.sampled: dict[str, list[list[Verdict]]] = {}
         self.results: dict[str, Any] = {}
         if self.path.exists():  # a resumed run keeps what it measured before the interruption
             saved = json.loads(self.path.read_text(encoding="utf-8"))
             self.results = saved.get("results", {})
-            self.verdicts = {s: [[Verdict(**v) for v in p] for p in ps] for s, ps in saved.get("verdicts", {}).items()}
+            self.verdicts = _load_verdicts(saved.get("verdicts", {}))
+            self.sampled = _load_verdicts(saved.get("sampled_verdicts", {}))
 
     def measure(self, model: Any, stage: str) -> dict[str, float]:
-        """Evaluate `model` as `stage` (unless already measured) and rewrite stage_eval.json."""
+        """Evaluate `model` as `stage` (unless already measured, or not in train.stage_eval_stages) and rewrite
+        stage_eval.json."""
+        if stage not in self.wanted:
+            return {}
         if stage in self.results:
             return self.results[stage]
+        k = self.settings["samples"]
+        common = {"max_new_tokens": self.settings["max_new_tokens"], "batch_size": self.settings["batch_size"],
+                  "seed": self.settings["seed"], "progress": False, "engine": "transformers", "merged": self.merged}
         watch = self.peaks.stage(f"eval {stage}") if self.peaks is not None else contextlib.nullcontext()
         with watch, _disabled_adapter(model, stage):
-            result = run_eval(model, self.tokenizer, self.examples, progress=False, engine="transformers",
-                              merged=self.merged, **self.settings)
+            result = run_eval(model, self.tokenizer, self.examples, **common)
+            sampled = (run_eval(model, self.tokenizer, self.examples, num_samples=k,
+                                temperature=self.settings["temperature"], **common) if k else None)
         self.verdicts[stage] = result.verdicts
-        self.results[stage] = result.metrics
-        m = result.metrics
-        log.info("stage eval %s: strict accuracy %.3f, strict format %.3f on %d held-out problems (%.0f s)",
-                 stage, m["strict_accuracy"], m["strict_format_rate"], m["num_problems"], result.seconds)
+        m = dict(result.metrics)
+        line = ""
+        if sampled is not None:
+            self.sampled[stage] = sampled.verdicts
+            s = sampled.metrics
+            m.update({f"mean@{k}": s["strict_accuracy"], f"pass@{k}": s.get(f"pass@{k}", s["strict_accuracy"]),
+                      "sampled_strict_format_rate": s["strict_format_rate"], "sampled_seconds": sampled.seconds})
+            line = (f"; at T {self.settings['temperature']}: mean@{k} {m[f'mean@{k}']:.3f}, pass@{k} "
+                    f"{m[f'pass@{k}']:.3f} ({sampled.seconds:.0f} s)")
+        self.results[stage] = m
+        log.info("stage eval %s: strict accuracy %.3f, strict format %.3f on %d held-out problems (%.0f s)%s",
+                 stage, m["strict_accuracy"], m["strict_format_rate"], m["num_problems"], result.seconds, line)
         self._write()
         return m
 
     def _write(self) -> None:
         data = {"num_problems": len(self.examples), "settings": self.settings, "results": self.results,
-                **summarize(self.verdicts, seed=self.settings["seed"]),
-                "verdicts": {s: [[v.__dict__ for v in p] for p in ps] for s, ps in self.verdicts.items()}}
+                **summarize(self.verdicts, seed=self.settings["seed"], sampled=self.sampled),
+                "verdicts": _dump_verdicts(self.verdicts), "sampled_verdicts": _dump_verdicts(self.sampled)}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         tmp.replace(self.path)

@@ -15,6 +15,7 @@
       eval.json, eval/       evaluation results (`lowmem-grpo eval`)
       stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.stage_eval)
       peak_rss.json          the process's peak resident memory in each stage (load, evals, priming, GRPO, save)
+      eval_steps.jsonl       per-problem greedy (and sampled) values of each periodic evaluation (train.eval_every)
       plots/, report.md      the report
 Torch-free.
 """
@@ -45,6 +46,7 @@ ADAPTER_DIR = "adapter"
 EVAL_FILE = "eval.json"
 STAGE_EVAL_FILE = "stage_eval.json"
 PEAK_RSS_FILE = "peak_rss.json"
+EVAL_STEPS_FILE = "eval_steps.jsonl"
 EVAL_DIR = "eval"
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"

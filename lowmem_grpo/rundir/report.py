@@ -335,8 +335,9 @@ def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str
 
 
 def stage_lines(run_dir: Path) -> list[str]:
-    """Markdown tables of stage_eval.json: each stage's accuracy and format rate with 95% CIs, and the paired
-    difference between stages; [] when the run measured none."""
+    """Markdown tables of stage_eval.json: each stage's greedy accuracy and format rate (and, when sampled, mean@k,
+    pass@k and pass@k - greedy) with 95% CIs, and the paired difference between stages; [] when the run measured
+    none."""
     path = run_dir / layout.STAGE_EVAL_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -345,12 +346,27 @@ def stage_lines(run_dir: Path) -> list[str]:
     stages, diffs = data.get("stages") or {}, data.get("differences") or {}
     if not stages:
         return []
-    lines = [f"Greedy, the same {data.get('num_problems')} held-out problems at each stage (95% bootstrap CIs):", "",
-             "| stage | strict accuracy | strict format |", "|---|---|---|"]
-    lines += [f"| {s} | {_ci(m['strict_accuracy'])} | {_ci(m['strict_format_rate'])} |" for s, m in stages.items()]
+    present = {m for ms in stages.values() for m in ms}
+    k = (data.get("settings") or {}).get("samples")
+    sampled = [m for m in (f"mean@{k}", f"pass@{k}", f"room@{k}") if m in present]
+    temperature = (data.get("settings") or {}).get("temperature")
+    names = {"strict_accuracy": "greedy strict accuracy", "strict_format_rate": "greedy strict format"}
+    names.update({m: f"{m} (T {temperature})" if not m.startswith("room@") else f"pass@{m[5:]} - greedy"
+                  for m in sampled})
+    columns = ["strict_accuracy", "strict_format_rate", *sampled]
+    lines = [f"The same {data.get('num_problems')} held-out problems at each stage, greedy"
+             + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", "",
+             "| stage | " + " | ".join(names[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += ["| " + " | ".join([s] + [_ci(m[c]) if c in m else "-" for c in columns]) + " |"
+              for s, m in stages.items()]
+    if sampled:
+        lines += ["", "pass@k - greedy is the room GRPO has on the greedy answer: problems some sample solves and "
+                  "the greedy answer does not."]
     if diffs:
-        lines += ["", "| change | strict accuracy (paired) | strict format (paired) |", "|---|---|---|"]
-        lines += [f"| {k} | {_ci(m['strict_accuracy'], 'diff', True)} | {_ci(m['strict_format_rate'], 'diff', True)} |"
+        paired = [c for c in columns if not c.startswith("room@")]
+        lines += ["", "| change | " + " | ".join(f"{names[c]} (paired)" for c in paired) + " |",
+                  "|---" * (len(paired) + 1) + "|"]
+        lines += ["| " + " | ".join([k] + [_ci(m[c], 'diff', True) if c in m else "-" for c in paired]) + " |"
                   for k, m in diffs.items()]
     return lines
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
+from lowmem_grpo.evaluation.stages import problem_values
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.health import WarningLatch
@@ -126,14 +127,17 @@ class SamplingStateCallback(TrainerCallback):
 class PeriodicEvalCallback(TrainerCallback):
     """Greedy held-out evaluation every train.eval_every optimizer steps, on the first train.eval_limit problems
     of data.eval_split with the recipe's prompts and max_completion_length; writes `eval/<metric>` lines
-    (stage "eval") into metrics.jsonl. It samples through lowmem_grpo.evaluation.generate, which puts the model back
-    in the mode it was in and seeds a private RNG stream, so training's random state is left as it was."""
+    (stage "eval") into metrics.jsonl. With train.eval_samples = k it also samples k completions per problem at
+    train.temperature (eval/mean@k, eval/pass@k), and each problem's values go to eval_steps.jsonl, so a learning
+    curve can pair steps problem by problem. It samples through lowmem_grpo.evaluation.generate, which puts the
+    model back in the mode it was in and seeds a private RNG stream, so training's random state is left as it was."""
 
     def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path) -> None:
         self.train = recipe.train
         self.tokenizer = tokenizer
         self.examples = load_eval_examples(recipe, tokenizer, limit=recipe.train.eval_limit)  # bad data fails early
         self.metrics_path = Path(run_dir) / layout.METRICS_FILE
+        self.steps_path = Path(run_dir) / layout.EVAL_STEPS_FILE
         self.weights = resolved_rewards(recipe)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any):
@@ -141,16 +145,31 @@ class PeriodicEvalCallback(TrainerCallback):
         if not every or state.global_step % every or not state.is_world_process_zero:
             return
         t = self.train
-        result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights,
-                          max_new_tokens=t.max_completion_length, batch_size=t.per_device_train_batch_size,
-                          seed=t.seed, progress=False, engine="auto", merged=t.merged_sampling)  # vLLM (live adapter) when the model has it
-        record = {"stage": "eval", "step": state.global_step,
-                  **{f"eval/{k}": v for k, v in result.metrics.items()}, "eval/seconds": result.seconds}
+        # engine auto: vLLM (the live adapter) when the model has it
+        common = {"max_new_tokens": t.max_completion_length, "batch_size": t.per_device_train_batch_size,
+                  "seed": t.seed, "progress": False, "engine": "auto", "merged": t.merged_sampling}
+        result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights, **common)
+        metrics = dict(result.metrics)
+        seconds = result.seconds
+        sampled = None
+        if t.eval_samples:
+            sampled = run_eval(model, self.tokenizer, self.examples, num_samples=t.eval_samples,
+                               temperature=t.temperature, **common)
+            k = t.eval_samples
+            metrics.update({f"mean@{k}": sampled.metrics["strict_accuracy"], f"pass@{k}": sampled.metrics[f"pass@{k}"],
+                            "sampled_strict_format_rate": sampled.metrics["strict_format_rate"]})
+            seconds += sampled.seconds
+        record = {"stage": "eval", "step": state.global_step, **{f"eval/{k}": v for k, v in metrics.items()},
+                  "eval/seconds": seconds}
         telemetry.append_jsonl(self.metrics_path, record)
-        m = result.metrics
-        log.info("eval step %d: strict %.3f | lenient %.3f | strict_format %.3f | soft_format %.3f | "
+        telemetry.append_jsonl(self.steps_path, {"step": state.global_step, "temperature": t.temperature,
+                                                 **problem_values(result.verdicts, sampled and sampled.verdicts)})
+        m = metrics
+        sampled_line = (f" | mean@{t.eval_samples} {m[f'mean@{t.eval_samples}']:.3f} pass@{t.eval_samples} "
+                        f"{m[f'pass@{t.eval_samples}']:.3f}" if sampled else "")
+        log.info("eval step %d: strict %.3f | lenient %.3f | strict_format %.3f | soft_format %.3f%s | "
                  "%d problems in %.0f s", state.global_step, m["strict_accuracy"], m["lenient_accuracy"],
-                 m["strict_format_rate"], m["soft_format_rate"], m["num_problems"], result.seconds)
+                 m["strict_format_rate"], m["soft_format_rate"], sampled_line, m["num_problems"], seconds)
 
 
 SKIPPED_STEP_KEY = "optimizer/skipped_no_signal"

@@ -1,0 +1,160 @@
+"""benchmarks/learning_sweep.py's pure parts: the variants' overrides, what a rerun skips, the tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowmem_grpo.evaluation.metrics import judge
+from lowmem_grpo.evaluation.stages import summarize
+from lowmem_grpo.recipe import validate
+from lowmem_grpo.recipe_io import load_recipe
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_sweep.py"
+RIGHT = "<reasoning>\n2+2=4\n</reasoning>\n<answer>\n4\n</answer>"
+WRONG = "<reasoning>\n2+2=5\n</reasoning>\n<answer>\n5\n</answer>"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("learning_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)  # imports nothing heavy: the training runs in subprocesses
+    return module
+
+
+def as_dict(overrides: list[str]) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in overrides)
+
+
+def test_every_variant_is_a_valid_recipe_one_change_from_the_base(sweep, tmp_path):
+    adapter = tmp_path / "prime" / "primed_adapter"
+    base = as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path / "b", steps=30,
+                                       problems=100, samples=4, primed_adapter=adapter))
+    assert base["lora.init_adapter"] == str(adapter) and base["prime.enabled"] == "false"
+    assert base["train.stage_eval_stages"] == "[trained]"  # the primed stage is measured once, by the priming run
+    assert base["train.beta"] == "0.04"
+    for steps in (25, 30, 60, 150):  # exactly 2 warm-up steps as the trainer rounds a ratio (up)
+        ratio = float(as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path, steps=steps,
+                                                  problems=100, samples=4, primed_adapter=adapter))["train.warmup_ratio"])
+        assert math.ceil(steps * ratio) == 2, steps
+    names = [v.name for v in sweep.VARIANTS]
+    assert len(names) == len(set(names)) and names[0] == "base"
+    for variant in sweep.VARIANTS:
+        overrides = sweep.overrides_for(variant, run_dir=tmp_path / variant.name, steps=30, problems=100,
+                                        samples=4, primed_adapter=adapter)
+        values = as_dict(overrides)
+        changed = {k for k in values if values[k] != base.get(k)} - {"output.dir"}
+        assert set(variant.overrides) <= changed, variant.name
+        derived = {"train.warmup_ratio", "train.save_steps", "lora.init_adapter", "prime.enabled",
+                   "train.stage_eval_stages"}
+        assert changed - set(variant.overrides) <= derived, (variant.name, changed)
+        if variant.primes:  # a priming change primes anew and is compared with its own primed stage
+            assert "lora.init_adapter" not in values and values["train.stage_eval_stages"] == "[primed,trained]"
+        validate(load_recipe(sweep.RECIPE, [o for o in overrides if not o.startswith("lora.init_adapter=")]))
+    measured = as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path, steps=30, problems=100,
+                                           samples=4, primed_adapter=adapter, measure_start=True))
+    assert measured["train.stage_eval_stages"] == "[start,trained]"  # the base variant measures the shared start
+    steps60 = as_dict(sweep.overrides_for(sweep.variant_by_name("steps60"), run_dir=tmp_path, steps=30,
+                                          problems=100, samples=4, primed_adapter=adapter))
+    assert math.ceil(60 * float(steps60["train.warmup_ratio"])) == 2 and steps60["train.save_steps"] == "60"
+    prime = as_dict(sweep.overrides_for(None, run_dir=tmp_path, steps=30, problems=100, samples=4,
+                                        primed_adapter=None))
+    assert prime["train.max_steps"] == "1" and prime["train.stage_eval_stages"] == "[primed]"
+    with pytest.raises(ValueError, match="primed adapter"):
+        sweep.overrides_for(sweep.variant_by_name("lr1e-4"), run_dir=tmp_path, steps=30, problems=100, samples=4,
+                            primed_adapter=None)
+
+
+def test_a_rerun_skips_finished_variants_only(sweep, tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "base.json").write_text("{}")
+    (tmp_path / "runs" / "beta0").mkdir(parents=True)  # started, interrupted: no result file
+    assert sweep.pending(tmp_path, ["base", "beta0", "lr1e-4"]) == ["beta0", "lr1e-4"]
+
+
+def test_goal_thirds_informative_share_and_distinct_share(sweep):
+    steps = [{"rewards/correctness/mean": v} for v in (0.1, 0.2, 0.3, 0.0, 0.5, 0.6, 0.7)]
+    first, last = sweep.goal_thirds(steps)
+    assert first == pytest.approx(0.15) and last == pytest.approx(0.65)
+    assert sweep.goal_thirds(steps[:2]) is None
+    groups = [{"completions": [{"rewards": {"correctness": 1.0}}, {"rewards": {"correctness": 0.0}}]},
+              {"completions": [{"rewards": {"correctness": 0.0}}, {"rewards": {"correctness": 0.0}}]},
+              {"completions": [{"rewards": {"correctness": 1.0}}, {"rewards": {"correctness": 1.0}}]},
+              {"completions": [{"rewards": {"correctness": 0.0}}, {"rewards": {"correctness": 1.0}}]}]
+    assert sweep.informative_share(groups) == 0.5
+    assert sweep.distinct_share(["a", "a", "a", "b"]) == 0.5
+
+
+def _result(sweep, trained_right: int, n: int = 10) -> dict:
+    right, wrong = [judge(RIGHT, "4")], [judge(WRONG, "4")]
+    greedy = {"primed": [wrong] * n, "trained": [right] * trained_right + [wrong] * (n - trained_right)}
+    sampled = {"primed": [[right[0], wrong[0], wrong[0], wrong[0]]] * n, "trained": [right * 4] * n}
+    out = summarize(greedy, sampled=sampled)
+    return {"stages": out["stages"], "change": out["differences"]["primed->trained"], "samples": 4,
+            "description": "x", "train_seconds": 100.0, "peak_rss_bytes": 2.5e9, "informative_share": 0.25,
+            "goal_first_third": 0.1, "goal_last_third": 0.2, "distinct_greedy": {"trained": 0.9}}
+
+
+def test_table_rows_in_order_with_paired_changes_and_not_run(sweep):
+    text = sweep.table({"lr1e-4": _result(sweep, 0), "base": _result(sweep, 10)}, ["base", "lr1e-4"],
+                       not_run=["dynamic"])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert [r.split(" | ")[0] for r in rows] == ["| base", "| lr1e-4"]
+    assert "0.0 -> 100.0" in rows[0] and "+100.0 [+100.0, +100.0] *" in rows[0]  # every problem gained
+    assert "+0.0 [+0.0, +0.0] |" in rows[1]  # greedy unchanged: no star
+    assert "25.0 -> 100.0" in rows[0] and "+75.0" in rows[0]  # mean@4
+    assert "Not run: dynamic." in text
+
+
+def test_curve_pairs_each_step_with_step_zero(sweep):
+    right, wrong = judge(RIGHT, "4"), judge(WRONG, "4")
+    stage_eval = {"verdicts": {"start": [[wrong.as_dict()]] * 4},
+                  "sampled_verdicts": {"start": [[wrong.as_dict(), right.as_dict()]] * 4}}
+    steps = [{"step": 25, "strict_accuracy": [1.0, 0.0, 0.0, 0.0], "mean@2": [1.0, 1.0, 0.5, 0.5]},
+             {"step": 25, "strict_accuracy": [1.0, 1.0, 0.0, 0.0], "mean@2": [1.0, 1.0, 0.5, 0.5]},
+             {"step": 50, "strict_accuracy": [1.0, 1.0, 1.0, 1.0], "mean@2": [1.0, 1.0, 1.0, 1.0]}]
+    rows = sweep.curve_rows(stage_eval, steps)
+    assert [r["step"] for r in rows] == [0, 25, 50]
+    assert rows[0]["strict_accuracy"]["mean"] == 0.0 and rows[0]["mean@2"]["mean"] == 0.5
+    assert rows[1]["strict_accuracy"]["diff"] == 0.5  # the later evaluation of step 25 counts
+    assert rows[2]["mean@2"]["diff"] == 0.5
+    text = sweep.curve_table(rows)
+    assert "| 50 | 100.0 (+100.0 [+100.0, +100.0] *) | 100.0 (+50.0 [+50.0, +50.0] *) |" in text
+
+
+def test_run_results_feed_the_table_file(sweep, tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "base.json").write_text(json.dumps(_result(sweep, 5)))
+    (tmp_path / "results" / "beta0.json").write_text(json.dumps({"failed": 1, "description": "x"}))
+    text = sweep.write_table(tmp_path, ["base", "beta0", "lr1e-4"])
+    assert (tmp_path / "table.md").read_text() == text
+    assert "| base |" in text and "Not run: beta0, lr1e-4." in text
+
+
+def test_the_base_row_from_a_longer_run_of_the_base_configuration(sweep, tmp_path):
+    right, wrong = judge(RIGHT, "4"), judge(WRONG, "4")
+    curve = tmp_path / "curve"
+    curve.mkdir()
+    (curve / "stage_eval.json").write_text(json.dumps({
+        "verdicts": {"start": [[wrong.as_dict()]] * 4},
+        "sampled_verdicts": {"start": [[wrong.as_dict(), right.as_dict()]] * 4}}))
+    assert sweep.summarize_from_curve(curve, 25, 2) is None  # step 25 not evaluated yet
+    with (curve / "eval_steps.jsonl").open("w") as f:
+        f.write(json.dumps({"step": 25, "temperature": 0.7, "strict_accuracy": [1.0, 1.0, 0.0, 0.0],
+                            "strict_format_rate": [1.0] * 4, "mean@2": [1.0] * 4, "pass@2": [1.0] * 4,
+                            "room@2": [0.0, 0.0, 1.0, 1.0]}) + "\n")
+    with (curve / "metrics.jsonl").open("w") as f:
+        for step in range(1, 51):  # steps after 25 belong to the longer run, not to the base variant
+            f.write(json.dumps({"stage": "grpo", "step": step, "loss": 0.1,
+                                "rewards/correctness/mean": 0.2 if step <= 25 else 0.9}) + "\n")
+    row = sweep.summarize_from_curve(curve, 25, 2)
+    assert row["steps"] == 25 and row["goal_last_third"] == pytest.approx(0.2)
+    assert row["change"]["strict_accuracy"]["diff"] == 0.5 and row["change"]["mean@2"]["diff"] == 0.5
+    assert row["stages"]["primed"]["pass@2"]["mean"] == 1.0
