@@ -409,3 +409,59 @@ def test_dynamic_sampling_and_curriculum_run_logs_saves_its_state_and_resumes_ex
     assert json.loads((run / "checkpoint-4" / "lowmem_sampling.json").read_text()) == state
     a, b = adapter_tensors(run / "adapter"), adapter_tensors(reference / "adapter")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+
+
+class _StubAccelerator:
+    num_processes = 1
+
+
+class _StubModel:
+    training = True
+
+
+class _StubTrainer:
+    """What NoSignalStepGuard touches of a trainer: compute_loss, add_callback, optimizer, accelerator, _metrics."""
+
+    def __init__(self, optimizer) -> None:
+        from collections import defaultdict
+
+        self.optimizer = optimizer
+        self.accelerator = _StubAccelerator()
+        self.model = _StubModel()
+        self._metrics = {"train": defaultdict(list)}
+        self.callbacks = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return 0.0
+
+    def add_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+
+def test_the_guard_skips_a_step_without_signal_and_steps_when_it_cannot_judge():
+    import torch
+
+    from lowmem_grpo.train.callbacks import SKIPPED_STEP_KEY, NoSignalStepGuard
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.zeros(3)
+    trainer = _StubTrainer(torch.optim.AdamW([weight], lr=0.1, weight_decay=0.5))
+    guard = NoSignalStepGuard.attach(trainer)
+    assert trainer.callbacks == [guard]
+    guard.on_train_begin(None, None, None)
+    flat = {"advantages": torch.zeros(4), "completion_mask": torch.ones(4, 5)}
+    cut = {"advantages": torch.tensor([0.0, 1.0, -1.0, 0.0]), "completion_mask": torch.tensor([[1] * 5, [0] * 5,
+                                                                                               [0] * 5, [1] * 5])}
+    varied = {"advantages": torch.tensor([0.0, 1.0, -1.0, 0.0]), "completion_mask": torch.ones(4, 5)}
+    for batch in (flat, cut):  # all advantages 0; the varied rows all cut off and masked
+        trainer.compute_loss(None, batch)
+        trainer.optimizer.step()
+        assert torch.equal(weight.detach(), torch.ones(3))  # weight decay did not touch it
+    trainer.compute_loss(None, flat)
+    trainer.compute_loss(None, varied)  # one micro-batch of the accumulation window varies: the step is taken
+    trainer.optimizer.step()
+    assert not torch.equal(weight.detach(), torch.ones(3))
+    moved = weight.detach().clone()
+    trainer.optimizer.step()  # no micro-batch went through compute_loss: nothing judged, the step is taken
+    assert not torch.equal(weight.detach(), moved)
+    assert trainer._metrics["train"][SKIPPED_STEP_KEY] == [1.0, 1.0, 0.0, 0.0] and guard.skipped == 2

@@ -204,6 +204,7 @@ class NoSignalStepGuard(TrainerCallback):
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.informative = False  # any nonzero advantage since the last optimizer step
+        self.seen = False  # any micro-batch judged since the last optimizer step
         self.skipped = 0
 
     @classmethod
@@ -214,8 +215,9 @@ class NoSignalStepGuard(TrainerCallback):
 
         @functools.wraps(original)
         def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            if trainer.model.training and carries_signal(inputs):  # an evaluation pass teaches nothing
-                guard.informative = True
+            if trainer.model.training:  # an evaluation pass teaches nothing
+                guard.seen = True
+                guard.informative = guard.informative or carries_signal(inputs)
             return original(model, inputs, *args, **kwargs)
 
         trainer.compute_loss = compute_loss
@@ -223,7 +225,7 @@ class NoSignalStepGuard(TrainerCallback):
         return guard
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
-        self.informative = False
+        self.informative = self.seen = False
         if getattr(self.trainer, "is_deepspeed_enabled", False):
             return
         optimizer = self.trainer.optimizer
@@ -233,8 +235,9 @@ class NoSignalStepGuard(TrainerCallback):
 
         @functools.wraps(original)
         def step(*a: Any, **k: Any) -> Any:
-            informative = self._agreed(self.informative)
-            self.informative = False
+            # a trainer whose loss did not pass through the wrapper (nothing judged) steps as it would unguarded
+            informative = self._agreed(self.informative or not self.seen)
+            self.informative = self.seen = False
             self._publish(0.0 if informative else 1.0)
             if informative:
                 return original(*a, **k)

@@ -182,7 +182,7 @@ def goal_fixes(recipe: Any) -> list[str]:
 def fixes(recipe: Any, result: PreflightResult | None = None) -> list[str]:
     """The likely fixes for a reward set without signal, most effective first, fitted to the recipe (and to what
     the preflight found: a flat goal reward under a varying format gets `goal_fixes`)."""
-    if result is not None and result.format_only:
+    if result is not None and result.format_only and result.frac_zero_std <= NO_SIGNAL_THRESHOLD:
         return goal_fixes(recipe)
     t, d = recipe.train, recipe.data
     prime = getattr(recipe, "prime", None)
