@@ -93,10 +93,21 @@ def merged_copy_bytes(model: Any) -> int:
                if isinstance(m, Linear))
 
 
+def float32_copy(model: Any) -> Any:
+    """The same base model loaded afresh in float32 with the same adapter weights (a deepcopy converted with
+    .float() still computed in the original's dtype here)."""
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.float32)
+    reference = get_peft_model(base, model.peft_config["default"])
+    set_peft_model_state_dict(reference, get_peft_model_state_dict(model))
+    return reference.eval()
+
+
 def logit_errors(trainer: Any, prompt_ids: list[list[int]]) -> str:
     """Each configuration's logits at every prompt position against the same model in float32, unmerged."""
-    import copy
-
     import torch
 
     from lowmem_grpo.evaluation.generate import fast_sampling
@@ -110,9 +121,8 @@ def logit_errors(trainer: Any, prompt_ids: list[list[int]]) -> str:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        reference = copy.deepcopy(model).float()
-        ref = reference(**batch).logits[keep].float()
-        del reference
+        ref = float32_copy(model)(**batch).logits[keep]
+        assert ref.dtype == torch.float32, ref.dtype
         lines = [f"{'logits vs float32':17s} {'max |diff|':>10s} {'mean |diff|':>11s} {'argmax agrees':>13s}\n"]
         for name, (merged, grouped) in CONFIGS.items():
             with fast_sampling(model, merged, grouped):
