@@ -16,7 +16,10 @@ median, and the ratio of tokens/s to `unmerged` (of the best wall times: load on
 of the medians; of the best CPU times, which waiting for a shared core does not inflate); how many completions
 (rows, and tokens position by position) equal unmerged's (greedy with --greedy; else sampled from the same seed),
 the merged copy's size, the load average.
-EOS is off (every row samples all --tokens tokens) unless --eos, so every configuration does the same work.
+Rows stop at EOS as in training (tokens/s counts the completion tokens TRL keeps, EOS included); the decode
+steps run until the last row ends, so the table prints each configuration's longest completion too.
+In bfloat16 the merged weights round differently from PEFT's unmerged layers: the last table compares each
+configuration's logits (every prompt position) with the same model in float32, unmerged.
 --profile: torch.profiler's top operators (self CPU) of one more sampling pass per configuration.
 """
 
@@ -36,7 +39,7 @@ RECIPE = str(REPO / "recipes" / "smollm2_135m_arith_cpu.py")
 CONFIGS = {"unmerged": (False, False), "merged": (True, False), "merged+grouped": (True, True)}
 
 
-def build(dtype: str, rows: int, tokens: int, group: int, eos: bool, greedy: bool, run_dir: str) -> tuple[Any, Any]:
+def build(dtype: str, rows: int, tokens: int, group: int, greedy: bool, run_dir: str) -> tuple[Any, Any]:
     """(trainer, prompt token ids) of the CPU default, as train() builds them, with a moved LoRA adapter."""
     import torch
     from datasets import Dataset
@@ -61,22 +64,12 @@ def build(dtype: str, rows: int, tokens: int, group: int, eos: bool, greedy: boo
     weights = resolved_rewards(recipe)
     trainer = trainer_factory(loaded, Dataset.from_list(examples), Path(run_dir), [get_reward(n) for n in weights],
                               list(weights.values()), [])(recipe)
-    for config in (trainer.generation_config, trainer.generation_kwargs):
-        if not eos:
-            _set(config, "eos_token_id", None)
-            _set(config, "min_new_tokens", tokens)  # transformers falls back to the model's EOS when none is set
-        if greedy:
-            _set(config, "do_sample", False)
+    if greedy:
+        trainer.generation_config.do_sample = False
+        trainer.generation_kwargs["do_sample"] = False
     trainer.model.train()  # TRL samples with the model in training mode
     prompts = [ex["prompt"] for ex in examples[:rows // group] for _ in range(group)]
     return trainer, loaded.tokenizer(text=prompts)["input_ids"]
-
-
-def _set(config: Any, key: str, value: Any) -> None:
-    if isinstance(config, dict):
-        config[key] = value
-    else:
-        setattr(config, key, value)
 
 
 def sample(trainer: Any, prompt_ids: list[list[int]], group: int, merged: bool, grouped: bool,
@@ -100,6 +93,47 @@ def merged_copy_bytes(model: Any) -> int:
                if isinstance(m, Linear))
 
 
+def float32_copy(model: Any) -> Any:
+    """The same base model loaded afresh in float32 with the same adapter weights (a deepcopy converted with
+    .float() still computed in the original's dtype here)."""
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.float32)
+    reference = get_peft_model(base, model.peft_config["default"])
+    set_peft_model_state_dict(reference, get_peft_model_state_dict(model))
+    return reference.eval()
+
+
+def logit_errors(trainer: Any, prompt_ids: list[list[int]]) -> str:
+    """Each configuration's logits at every prompt position against the same model in float32, unmerged."""
+    import torch
+
+    from lowmem_grpo.evaluation.generate import fast_sampling
+
+    width = max(len(ids) for ids in prompt_ids)
+    pad = trainer.processing_class.pad_token_id
+    batch = {"input_ids": torch.tensor([[pad] * (width - len(i)) + i for i in prompt_ids]),
+             "attention_mask": torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in prompt_ids])}
+    keep = batch["attention_mask"].bool()
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        ref = float32_copy(model)(**batch).logits[keep]
+        assert ref.dtype == torch.float32, ref.dtype
+        lines = [f"{'logits vs float32':17s} {'max |diff|':>10s} {'mean |diff|':>11s} {'argmax agrees':>13s}\n"]
+        for name, (merged, grouped) in CONFIGS.items():
+            with fast_sampling(model, merged, grouped):
+                logits = model(**batch).logits[keep].float()
+            diff = (logits - ref).abs()
+            agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            lines.append(f"{name:17s} {diff.max().item():10.4f} {diff.mean().item():11.5f} {agree:13.4f}\n")
+    model.train(was_training)
+    return "".join(lines)
+
+
 def profile(trainer: Any, prompt_ids: list[list[int]], group: int, merged: bool, grouped: bool, rows: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -115,7 +149,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
     import torch
 
     with tempfile.TemporaryDirectory(prefix="sampling-bench-") as run_dir:
-        trainer, prompt_ids = build(dtype, args.rows, args.tokens, args.group, args.eos, args.greedy, run_dir)
+        trainer, prompt_ids = build(dtype, args.rows, args.tokens, args.group, args.greedy, run_dir)
         model_dtype = next(p.dtype for p in trainer.model.parameters() if not p.requires_grad)
         out = sys.stdout
         out.write(f"\n== dtype {dtype} -> {model_dtype}, {args.rows} rows x up to {args.tokens} tokens, "
@@ -125,6 +159,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {name: [] for name in CONFIGS}
         cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
         tokens: dict[str, int] = {}
+        longest: dict[str, int] = {}
         texts: dict[str, list[list[int]]] = {}
         for r in range(args.repeats):
             order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
@@ -133,12 +168,13 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
                 times[name].append(seconds)
                 cpu[name].append(cpu_seconds)
                 tokens[name] = sum(len(c) for c in completions)
+                longest[name] = max(len(c) for c in completions)
                 texts[name] = completions
                 out.write(f"  repeat {r + 1} {name:15s} {seconds:7.2f} s  {tokens[name] / seconds:6.1f} tok/s  "
                           f"CPU {cpu_seconds:7.2f} s  {tokens[name] / cpu_seconds:6.1f} tok/CPU-s\n")
                 out.flush()
         base = texts["unmerged"]
-        out.write(f"{'configuration':15s} {'tokens':>6s} {'best s':>7s} {'median s':>8s} {'tok/s best':>10s} "
+        out.write(f"{'configuration':15s} {'tokens':>6s} {'steps':>5s} {'best s':>7s} {'median s':>8s} {'tok/s best':>10s} "
                   f"{'x best':>6s} {'x median':>8s} {'best CPU s':>10s} {'x CPU':>6s}  same completions as unmerged\n")
 
         def ratio(name: str, pick: Any, series: dict[str, list[float]]) -> float:
@@ -147,10 +183,12 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
         for name in CONFIGS:
             same = sum(a == b for a, b in zip(texts[name], base))
             agree = sum(x == y for a, b in zip(texts[name], base) for x, y in zip(a, b))
-            out.write(f"{name:15s} {tokens[name]:6d} {min(times[name]):7.2f} {statistics.median(times[name]):8.2f} "
+            out.write(f"{name:15s} {tokens[name]:6d} {longest[name]:5d} {min(times[name]):7.2f} {statistics.median(times[name]):8.2f} "
                       f"{tokens[name] / min(times[name]):10.1f} {ratio(name, min, times):6.2f} "
                       f"{ratio(name, statistics.median, times):8.2f} {min(cpu[name]):10.2f} {ratio(name, min, cpu):6.2f}"
                       f"  {same}/{len(base)} rows, {agree}/{sum(len(b) for b in base)} tokens\n")
+        if model_dtype != torch.float32:
+            out.write(logit_errors(trainer, prompt_ids[::args.group]))
         if args.profile:
             for name in ("unmerged", "merged+grouped"):
                 out.write(f"\n-- profile {name} (one pass, self CPU) --\n")
@@ -165,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (default 8)")
     parser.add_argument("--tokens", type=int, default=48, help="tokens per completion (default 48)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--eos", action="store_true", help="stop rows at EOS as training does")
     parser.add_argument("--greedy", action="store_true", help="greedy instead of the recipe's temperature")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top operators")
     parser.add_argument("--profile-rows", type=int, default=15)

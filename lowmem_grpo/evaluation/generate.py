@@ -254,21 +254,19 @@ def grouped_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attentio
     """transformers' sdpa attention, with grouped-query heads passed to torch's SDPA as they are (enable_gqa)
     instead of first copied out to one key/value head per query head (repeat_kv, which transformers does whenever
     there is a padding mask). Each query head reads the same key/value numbers either way: the output is
-    bit-identical, without copying the whole cache twice per layer per token. Anything else (no grouped heads, a
-    position bias, attention weights asked for) is sdpa's own path."""
+    bit-identical, without copying the whole cache twice per layer per token. Without a mask (transformers then
+    passes the grouped heads itself), without grouped heads, with a position bias or attention weights asked for,
+    it is sdpa's own path."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    if (groups == 1 or key.shape[-1] != value.shape[-1] or kwargs.get("position_bias") is not None
-            or kwargs.get("output_attentions")):
+    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or key.shape[-1] != value.shape[-1]
+            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # as sdpa_attention_forward decides it: causal only for a prompt without a mask
-    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    # with a mask sdpa_attention_forward never sets is_causal: the mask carries the causal pattern
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, is_causal=is_causal,
+                                                           dropout_p=dropout, scale=scaling, is_causal=False,
                                                            enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
