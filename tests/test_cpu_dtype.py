@@ -15,7 +15,7 @@ import pytest
 from lowmem_grpo.device import CPU_DTYPE_ENV, cpu_auto_dtype, resolve_dtype
 from lowmem_grpo.doctor import cpu_dtype_line
 from lowmem_grpo.errors import EXIT_BAD_INPUT, BadInputError
-from tiny_run import CPU_RECIPE, REWARDS
+from tiny_run import CPU_RECIPE, TINY_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,8 +76,7 @@ def test_a_run_and_its_exports_under_each_resolution(dtype, tiny_model_dir, tmp_
     merged-4bit (bitsandbytes' CPU backend): each proof is judged against the dtype the run really used."""
     run = tmp_path / "run"
     done = run_cli("train", str(CPU_RECIPE), f"model.name={tiny_model_dir}", f"output.dir={run}", "model.dtype=auto",
-                   "train.max_completion_length=16", REWARDS, "train.max_steps=2", "train.save_steps=2",
-                   dtype=dtype)
+                   *TINY_OVERRIDES, "train.max_steps=2", "train.save_steps=2", dtype=dtype)
     assert done.returncode == 0, done.stderr[-3000:]
     env = json.loads((run / "env.json").read_text())
     assert env["dtype"] == dtype

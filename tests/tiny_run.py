@@ -7,6 +7,9 @@ from pathlib import Path
 
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
 REWARDS = "rewards={correctness: 2.0, 'lowmem_test_rewards:length_reward': 1.0}"
+TINY_OVERRIDES = ("train.max_completion_length=16", "train.max_truncated_targets=1",
+                  "train.mask_truncated_completions=false", "train.allow_no_signal=true", REWARDS)
+"""What a random tiny model needs: a deliberately short budget, and no refusal when correctness never varies."""
 
 
 class Captured(logging.Handler):
@@ -28,10 +31,8 @@ def train_tiny(model_dir: Path, run_dir: Path, *extra: str) -> tuple[Path, Captu
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.train.pipeline import train
 
-    recipe = load_recipe(str(CPU_RECIPE), [f"model.name={model_dir}", f"output.dir={run_dir}",
-                                           "train.max_completion_length=16", "train.max_truncated_targets=1",
-                                           "train.mask_truncated_completions=false", "train.allow_no_signal=true",
-                                           REWARDS, *extra])
+    recipe = load_recipe(str(CPU_RECIPE), [f"model.name={model_dir}", f"output.dir={run_dir}", *TINY_OVERRIDES,
+                                           *extra])
     captured = Captured()
     logger = logging.getLogger("lowmem_grpo")
     old_level = logger.level
