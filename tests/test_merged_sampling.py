@@ -13,6 +13,7 @@ import pytest
 from transformers import TrainerCallback
 
 from resilience_helpers import CPU_RECIPE, Captured, one_torch_thread  # noqa: F401
+from tiny_run import TINY_OVERRIDES
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -171,8 +172,7 @@ def _run(model_dir: Path, run_dir: Path, merged: bool):
         "prime.enabled=false", "train.preflight=false", "train.max_steps=10", "train.max_completion_length=16",
         "train.num_generations=4", "train.per_device_train_batch_size=8", "train.save_steps=100",
         "train.completions_every=1", "train.stage_eval=4", "train.eval_every=5", "train.eval_limit=4",
-        "train.learning_rate=5e-3", "train.temperature=1.0",
-        "rewards={correctness: 2.0, 'lowmem_test_rewards:length_reward': 1.0}",
+        "train.learning_rate=5e-3", "train.temperature=1.0", *TINY_OVERRIDES,
         f"train.merged_sampling={str(merged).lower()}"])
     guard = BaseWeightGuard()
     captured = Captured()
