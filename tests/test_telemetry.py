@@ -260,3 +260,37 @@ def test_stage_peaks_are_written_in_order_with_their_seconds(tmp_path):
     assert data["resettable"] == rss.resettable() and all(r["seconds"] >= 0 for r in data["stages"])
     assert data["stages"][0]["peak_rss_bytes"] >= 50 * 2**20
     assert rss.read(tmp_path / "missing.json") is None
+
+
+def test_rss_benchmark_arguments_summary_and_table(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rss_cpu", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "rss_cpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["train.shared_prompt=false"])
+    assert args.loads.split(",") == ["default", "4x8x64"] and (args.steps, args.prime_steps, args.stage_eval) == (2, 2, 8)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--loads", "8x8x8"])
+    wide = bench.overrides(args, "4x8x64", tmp_path)
+    assert "train.per_device_train_batch_size=32" in wide and "train.max_completion_length=64" in wide
+    assert wide[-1] == "train.shared_prompt=false" and f"output.dir={tmp_path}" in wide
+    # a run directory as train() leaves it: peak_rss.json and the rss/<phase> keys of the GRPO steps
+    (tmp_path / "peak_rss.json").write_text(json.dumps({"resettable": True, "stages": [
+        {"stage": "load", "peak_rss_bytes": 2**30, "seconds": 3.0},
+        {"stage": "grpo", "peak_rss_bytes": 3 * 2**30, "seconds": 30.0}]}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"stage": "prime", "step": 1, "rss/backward": 9.0},
+        {"stage": "grpo", "step": 1, "rss/generation": 1.5, "rss/backward": 2.5},
+        {"stage": "grpo", "step": 2, "rss/generation": 1.75, "rss/backward": 2.25}]) + "\n")
+    got = bench.summary(tmp_path)
+    assert got["stages"] == {"load": 2**30, "grpo": 3 * 2**30} and got["exact"]
+    assert got["phases"] == {"generation": 1.75 * 2**30, "backward": 2.5 * 2**30}  # GRPO steps only, the largest
+    text = bench.table([{"load": "default", **got, "process_peak": 3.25 * 2**30, "seconds": 40.0,
+                         "loadavg": [1.5, 2.0], "command": "lowmem-grpo train x", "returncode": 0}])
+    lines = text.splitlines()
+    assert lines[0].split() == ["peak", "RSS", "GiB", "default"]
+    assert lines[1].split() == ["load", "1.00"] and lines[2].split() == ["grpo", "3.00"]
+    assert lines[3].split() == ["grpo:", "generation", "1.75"] and lines[4].split() == ["grpo:", "backward", "2.50"]
+    assert "3.25" in lines[5] and "1.5/2.0" in text and "default: lowmem-grpo train x" in text

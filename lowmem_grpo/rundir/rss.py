@@ -1,4 +1,5 @@
-"""Peak resident memory (RSS) of this process per stage of a run and per phase of a step. Standard library only.
+"""Peak resident memory (RSS) of this process per stage of a run and per phase of a step, and the glibc allocator
+settings that keep it near the memory in use. Standard library only.
 
 On Linux the kernel keeps the high-water mark of the resident set (VmHWM in /proc/self/status) and resets it to the
 current RSS when "5" is written to /proc/self/clear_refs: every watch below reads the mark, folds it into each
@@ -8,11 +9,20 @@ watch that is open, and resets it, so the peak of a stage is exact, not sampled.
     peaks = StagePeaks()
     with peaks.stage("load"): ...             # peaks.records: [{"stage", "peak_rss_bytes", "seconds"}, ...]
     with Watch() as w: ...; w.peak_bytes      # one span (PhaseTimer times each phase of a GRPO step in one)
+
+glibc keeps freed memory: a block above M_MMAP_THRESHOLD is mmapped and unmapped when freed, but the threshold
+rises to the size of each large block freed (up to 32 MiB), so afterwards the many tensors of a few MiB that a CPU
+forward/backward makes come from the heap, which fragments and does not shrink. `limit_heap_retention` pins the
+threshold (every block of that size or more goes back to the OS when freed) and `release_free_memory` returns the
+heap's free pages (malloc_trim) between stages. Neither changes what is computed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import logging
 import re
 import resource
 import sys
@@ -21,6 +31,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -106,9 +118,10 @@ class Watch:
 class StagePeaks:
     """Peak RSS of each stage of a run, in order; written to `path` (when set) after each stage."""
 
-    def __init__(self) -> None:
+    def __init__(self, trim: bool = False) -> None:
         self.records: list[dict[str, Any]] = []
         self.path: Path | None = None
+        self.trim = trim  # release_free_memory after each stage (after its peak is read)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[Watch]:
@@ -123,6 +136,8 @@ class StagePeaks:
                                  "seconds": round(time.monotonic() - started, 1)})
             if self.path is not None:
                 self.write()
+            if self.trim:
+                release_free_memory()
 
     def attach(self, path: Path) -> None:
         """From now on, write the records to `path` (the run directory exists): at once and after each stage."""
@@ -135,6 +150,39 @@ class StagePeaks:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         tmp.replace(self.path)
+
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 1 << 16  # blocks of 64 KiB and more are mmapped: each freed tensor of that size leaves the process
+
+
+def _glibc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def limit_heap_retention(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Pin glibc's mmap threshold at `threshold` bytes (module doc); False where the C library is not glibc."""
+    libc = _glibc()
+    ok = bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1)
+    if ok:
+        log.info("allocator: blocks of %d KiB and more go back to the OS when freed (glibc M_MMAP_THRESHOLD)",
+                 threshold >> 10)
+    return ok
+
+
+def release_free_memory() -> bool:
+    """Return the heap's free pages to the OS (glibc malloc_trim(0)); False where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def read(path: Path) -> dict[str, Any] | None:
