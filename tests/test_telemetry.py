@@ -294,3 +294,30 @@ def test_rss_benchmark_arguments_summary_and_table(tmp_path):
     assert lines[1].split() == ["load", "1.00"] and lines[2].split() == ["grpo", "3.00"]
     assert lines[3].split() == ["grpo:", "generation", "1.75"] and lines[4].split() == ["grpo:", "backward", "2.50"]
     assert "3.25" in lines[5] and "1.5/2.0" in text and "default: lowmem-grpo train x" in text
+
+
+def test_pinned_mmap_threshold_gives_freed_blocks_back():
+    """glibc: with the threshold pinned, a block of a few MiB (a CPU forward's tensor) is mmapped, so it leaves the
+    process when freed, even after a large free (which, unpinned, moves blocks of that size into the heap)."""
+    import ctypes
+
+    from lowmem_grpo.rundir import rss
+
+    libc = rss._glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    assert rss.limit_heap_retention() and rss.release_free_memory()
+    libc.free(libc.malloc(8 << 20))  # a large free: an unpinned threshold would rise past 3 MiB here
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(3 << 20)
+    assert libc.mallinfo2().hblkhd - before >= 3 << 20  # mmapped, not carved from the heap
+    libc.free(block)
+    assert libc.mallinfo2().hblkhd == before
