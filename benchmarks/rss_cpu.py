@@ -8,8 +8,8 @@
 Each load is one `lowmem-grpo train recipes/smollm2_135m_arith_cpu.py` in its own process, shortened to --steps GRPO
 steps, --prime-steps priming steps and --stage-eval held-out problems per stage evaluation (the recipe's settings
 otherwise; extra arguments are recipe overrides for every load). Printed per load: the process's peak RSS
-(ru_maxrss of the child), the peak of each stage (RUN_DIR/peak_rss.json: the kernel's high-water mark, reset at each
-stage), the peak of each phase of a GRPO step (the rss/<phase> keys of metrics.jsonl, largest step), wall seconds,
+(ru_maxrss of the child), the peak of each stage (RUN_DIR/peak_rss.json: exact where the stage raised the process's
+high-water mark, else sampled), the peak of each phase of a GRPO step (the rss/<phase> keys of metrics.jsonl, largest step), wall seconds,
 and the load average before and after (other processes on shared cores slow a run; they do not change its memory).
 Writes the numbers to --out (JSON) when given.
 """
@@ -66,6 +66,7 @@ def summary(run_dir: Path) -> dict:
 
     data = rss.read(run_dir / layout.PEAK_RSS_FILE) or {}
     stages = {r["stage"]: r["peak_rss_bytes"] for r in data.get("stages", [])}
+    sampled = [r["stage"] for r in data.get("stages", []) if not r.get("exact")]
     phases: dict[str, float] = {}
     metrics = run_dir / layout.METRICS_FILE
     for line in metrics.read_text().splitlines() if metrics.exists() else []:
@@ -76,7 +77,7 @@ def summary(run_dir: Path) -> dict:
             if key.startswith(rss.RSS_PREFIX) and isinstance(value, (int, float)):
                 name = key[len(rss.RSS_PREFIX):]
                 phases[name] = max(phases.get(name, 0.0), value * GIB)
-    return {"stages": stages, "phases": phases, "exact": bool(data.get("resettable"))}
+    return {"stages": stages, "phases": phases, "sampled": sampled}
 
 
 def run_load(args: argparse.Namespace, load: str, work: Path) -> dict:
@@ -106,7 +107,8 @@ def table(results: list[dict]) -> str:
     stages = list(dict.fromkeys(s for r in results for s in r.get("stages", {})))
     phases = list(dict.fromkeys(p for r in results for p in r.get("phases", {})))
     rows = [["peak RSS GiB", *loads]]
-    rows += [[stage, *[_gib(r.get("stages", {}).get(stage)) for r in results]] for stage in stages]
+    rows += [[stage, *[("~" if stage in r.get("sampled", []) else "") + _gib(r.get("stages", {}).get(stage))
+                       for r in results]] for stage in stages]
     rows += [[f"grpo: {phase}", *[_gib(r.get("phases", {}).get(phase)) for r in results]] for phase in phases]
     rows.append(["whole run (ru_maxrss)", *[_gib(r.get("process_peak")) for r in results]])
     rows.append(["wall s", *[str(r.get("seconds", "-")) for r in results]])
@@ -119,8 +121,8 @@ def table(results: list[dict]) -> str:
         lines.append(f"{r['load']}: {r.get('command', '')}")
         if r.get("error"):
             lines.append(f"  failed (exit {r.get('returncode')}): {r['error']}")
-        elif not r.get("exact", True):
-            lines.append("  (peaks since the process started: this kernel does not reset its high-water mark)")
+    lines.append("(~: sampled every 10 ms, a lower bound; the others are the process's high-water mark, exact; "
+                 "grpo phases: the rss/<phase> keys, the largest logged step)")
     return "\n".join(lines) + "\n"
 
 
