@@ -104,8 +104,10 @@ def test_a_run_measures_each_stage_and_the_report_shows_them(tiny_model_dir, tmp
     assert stages == ["convert", "load", "eval base", "prime", "eval primed", "grpo", "eval trained"]
     assert all(r["peak_rss_bytes"] > 50 * 2**20 and r["seconds"] >= 0 for r in peaks["stages"])
     assert "## Memory" in report and "| prime |" in report and "| eval trained |" in report
-    for record in peaks["stages"]:
-        assert f"| {record['stage']} | {record['peak_rss_bytes'] / 2**30:.2f} |" in report
+    for record in peaks["stages"]:  # ~: sampled, where the stage did not raise the process's high-water mark
+        mark = "" if record["exact"] else "~"
+        assert f"| {record['stage']} | {mark}{record['peak_rss_bytes'] / 2**30:.2f} |" in report
+    assert any(record["exact"] for record in peaks["stages"])  # some stage holds the process's peak
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     grpo = [r for r in steps if r.get("stage") == "grpo" and "loss" in r]
     assert grpo and all(r["rss/generation"] > 0.05 and r["rss/loss_forward"] > 0.05 and r["rss/backward"] > 0.05

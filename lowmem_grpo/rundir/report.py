@@ -378,11 +378,12 @@ def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
     stages = data.get("stages") or []
     lines: list[str] = []
     if stages:
-        how = ("exact: the kernel's high-water mark, reset at each stage" if data.get("resettable")
-               else "the peak since the process started: this system does not reset the kernel's mark")
-        lines += [f"Peak resident memory (RSS) of the training process in each stage ({how}):", "",
+        every = data.get("sample_seconds", rss.SAMPLE_SECONDS)
+        lines += ["Peak resident memory (RSS) of the training process in each stage: exact where the stage raised the "
+                  f"process's high-water mark, else (~) the largest RSS sampled every {every * 1000:.0f} ms:", "",
                   "| stage | peak RSS GiB | seconds |", "|---|---|---|"]
-        lines += [f"| {r['stage']} | {r['peak_rss_bytes'] / rss.GIB:.2f} | {_num(r.get('seconds'))} |" for r in stages]
+        lines += [f"| {r['stage']} | {'' if r.get('exact') else '~'}{r['peak_rss_bytes'] / rss.GIB:.2f} | "
+                  f"{_num(r.get('seconds'))} |" for r in stages]
     grpo = [r for r in records if r.get("stage") == layout.GRPO_STAGE]
     phases = sorted({k for r in grpo for k in r if k.startswith(rss.RSS_PREFIX)})
     if phases:

@@ -1,30 +1,44 @@
-"""Peak resident memory (RSS) of this process per stage of a run and per phase of a step. Standard library only.
+"""Peak resident memory (RSS) of this process per stage of a run and per phase of a step, and the glibc allocator
+settings that keep it near the memory in use. Standard library only.
 
-On Linux the kernel keeps the high-water mark of the resident set (VmHWM in /proc/self/status) and resets it to the
-current RSS when "5" is written to /proc/self/clear_refs: every watch below reads the mark, folds it into each
-watch that is open, and resets it, so the peak of a stage is exact, not sampled. Where the mark cannot be reset
-(another OS, a locked-down /proc) it is the peak since the process started (`resettable` False): an upper bound.
+A span's peak comes from two sources. The kernel keeps the process's high-water mark (VmHWM in /proc/self/status,
+what ru_maxrss reports): when it rises during a span, the span holds the process's peak so far and its value is
+exact (`exact`). Otherwise the peak is the largest RSS a background thread sampled during the span, every
+SAMPLE_SECONDS: a lower bound, off by at most what one interval allocates. The mark is never reset (resetting it
+through /proc/self/clear_refs would also reset the ru_maxrss that `time -v` and benchmarks read).
 
     peaks = StagePeaks()
-    with peaks.stage("load"): ...             # peaks.records: [{"stage", "peak_rss_bytes", "seconds"}, ...]
+    with peaks.stage("load"): ...             # peaks.records: [{"stage", "peak_rss_bytes", "exact", "seconds"}]
     with Watch() as w: ...; w.peak_bytes      # one span (PhaseTimer times each phase of a GRPO step in one)
+
+glibc keeps freed memory: a block above M_MMAP_THRESHOLD is mmapped and unmapped when freed, but the threshold
+rises to the size of each large block freed (up to 32 MiB), so afterwards the many tensors of a few MiB that a CPU
+forward/backward makes come from the heap, which fragments and does not shrink. `limit_heap_retention` pins the
+threshold (every block of that size or more goes back to the OS when freed) and `release_free_memory` returns the
+heap's free pages (malloc_trim) between stages. Neither changes what is computed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import logging
 import re
 import resource
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 STATUS = Path("/proc/self/status")
-CLEAR_REFS = Path("/proc/self/clear_refs")
 GIB = 2**30
+SAMPLE_SECONDS = 0.01  # the sampling interval of a span that does not raise the high-water mark
 RSS_PREFIX = "rss/"  # metrics.jsonl keys: rss/<phase>, the peak RSS (GiB) of each phase of the logged step
 
 
@@ -43,7 +57,7 @@ def current_bytes() -> int:
 
 
 def high_water_bytes() -> int:
-    """The kernel's high-water mark of the resident set: since the last reset, or since the process started."""
+    """The kernel's high-water mark of this process's resident set (its peak since it started)."""
     kib = _status_kib("VmHWM")
     if kib is not None:
         return kib * 1024
@@ -51,64 +65,71 @@ def high_water_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-def _reset() -> bool:
-    try:
-        CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-class _Marks:
-    """The open watches and whether the kernel's mark can be reset (one per process)."""
+class _Sampler:
+    """The open watches, and the thread that samples the RSS into them while any is open."""
 
     def __init__(self) -> None:
         self.open: list[Watch] = []
-        self.resettable: bool | None = None
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
 
-    def sample(self) -> None:
-        """Fold the mark since the last sample into every open watch, then reset it."""
-        peak = high_water_bytes()
-        for watch in self.open:
-            watch.peak_bytes = max(watch.peak_bytes, peak)
-        ok = _reset()
-        if self.resettable is None or not ok:
-            self.resettable = ok
+    def add(self, watch: Watch) -> None:
+        with self.lock:
+            self.open.append(watch)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="lowmem-rss", daemon=True)
+                self.thread.start()
+
+    def remove(self, watch: Watch) -> None:
+        with self.lock:
+            self.open.remove(watch)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                watches = list(self.open)
+                if not watches:
+                    self.thread = None
+                    return
+            now = current_bytes()
+            for watch in watches:
+                watch.peak_bytes = max(watch.peak_bytes, now)
+            time.sleep(SAMPLE_SECONDS)
 
 
-MARKS = _Marks()
-
-
-def resettable() -> bool:
-    """Whether peaks are per span (the kernel's mark resets) rather than since the process started."""
-    if MARKS.resettable is None:
-        MARKS.sample()
-    return bool(MARKS.resettable)
+SAMPLER = _Sampler()
 
 
 class Watch:
-    """The peak RSS of the span of a `with` block, in bytes (`peak_bytes`), exact where `resettable()`."""
+    """The peak RSS of the span of a `with` block, in bytes (`peak_bytes`); `exact` when the span raised the
+    process's high-water mark (its value), else sampled (module doc)."""
 
     def __init__(self) -> None:
         self.peak_bytes = 0
+        self.exact = False
+        self._mark = 0
 
     def __enter__(self) -> Watch:
-        MARKS.sample()  # what came before belongs to the watches already open
+        self._mark = high_water_bytes()
         self.peak_bytes = current_bytes()
-        MARKS.open.append(self)
+        SAMPLER.add(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        MARKS.sample()
-        MARKS.open.remove(self)
+        SAMPLER.remove(self)
+        self.peak_bytes = max(self.peak_bytes, current_bytes())
+        mark = high_water_bytes()
+        if mark > self._mark:  # the process's peak so far was reached inside this span: the exact value
+            self.peak_bytes, self.exact = max(self.peak_bytes, mark), True
 
 
 class StagePeaks:
     """Peak RSS of each stage of a run, in order; written to `path` (when set) after each stage."""
 
-    def __init__(self) -> None:
+    def __init__(self, trim: bool = False) -> None:
         self.records: list[dict[str, Any]] = []
         self.path: Path | None = None
+        self.trim = trim  # release_free_memory after each stage (after its peak is read)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[Watch]:
@@ -119,10 +140,12 @@ class StagePeaks:
             with watch:
                 yield watch
         finally:
-            self.records.append({"stage": name, "peak_rss_bytes": watch.peak_bytes,
+            self.records.append({"stage": name, "peak_rss_bytes": watch.peak_bytes, "exact": watch.exact,
                                  "seconds": round(time.monotonic() - started, 1)})
             if self.path is not None:
                 self.write()
+            if self.trim:
+                release_free_memory()
 
     def attach(self, path: Path) -> None:
         """From now on, write the records to `path` (the run directory exists): at once and after each stage."""
@@ -131,10 +154,43 @@ class StagePeaks:
 
     def write(self) -> None:
         assert self.path is not None
-        data = {"resettable": resettable(), "stages": self.records}
+        data = {"sample_seconds": SAMPLE_SECONDS, "stages": self.records}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         tmp.replace(self.path)
+
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 1 << 16  # blocks of 64 KiB and more are mmapped: each freed tensor of that size leaves the process
+
+
+def _glibc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def limit_heap_retention(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Pin glibc's mmap threshold at `threshold` bytes (module doc); False where the C library is not glibc."""
+    libc = _glibc()
+    ok = bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1)
+    if ok:
+        log.info("allocator: blocks of %d KiB and more go back to the OS when freed (glibc M_MMAP_THRESHOLD)",
+                 threshold >> 10)
+    return ok
+
+
+def release_free_memory() -> bool:
+    """Return the heap's free pages to the OS (glibc malloc_trim(0)); False where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def read(path: Path) -> dict[str, Any] | None:

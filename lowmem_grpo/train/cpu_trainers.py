@@ -83,11 +83,12 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
                 out = shared_prompt.completion_logits(model, ids, attention_mask[start:start + batch_size],
                                                       logits_to_keep, share=share)
             forwarded += out.tokens_forwarded
-            logits = out.logits.float() / self.temperature
-            all_logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]))
+            # row at a time: the float32 copy of the logits and its gradients were this pass's largest tensors
+            logps, entropies = completion_logps(out.logits, ids[:, -logits_to_keep:], self.temperature,
+                                                compute_entropy, entropy_grad)
+            all_logps.append(logps)
             if compute_entropy:
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    all_entropies.append(entropy_from_logits(logits))
+                all_entropies.append(entropies)
         if self.lowmem_shared_prompt:  # this rank's share (no collective: the passes differ in number per step)
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["shared_prompt/tokens_saved"].append(1.0 - forwarded / input_ids.numel())
@@ -112,10 +113,11 @@ class CpuSafeSFTTrainer(SFTTrainer):
         mode = "train" if self.model.training else "eval"
         forward_inputs = {k: v for k, v in inputs.items() if k != "labels"}
         forward_inputs["use_cache"] = False
-        logits = model(**forward_inputs).logits[:, :-1, :].float()
+        logits = model(**forward_inputs).logits[:, :-1, :]
         targets = inputs["labels"][:, 1:]
         mask = targets != -100
-        logps = selective_log_softmax(logits, targets.masked_fill(~mask, 0))
+        # row at a time, bitwise selective_log_softmax / entropy_from_logits of logits.float() (completion_logps)
+        logps, entropies = completion_logps(logits, targets.masked_fill(~mask, 0), 1.0, compute_entropy=True)
         per_token = -logps * mask
         if self.args.loss_type == "dft":
             per_token = per_token * logps.exp().detach()
@@ -125,8 +127,8 @@ class CpuSafeSFTTrainer(SFTTrainer):
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         with torch.no_grad():
             valid = mask.sum()
-            entropy = (entropy_from_logits(logits) * mask).sum()
-            correct = ((logits.argmax(dim=-1) == targets) & mask).sum()
+            entropy = (entropies * mask).sum()
+            correct = ((logits.argmax(dim=-1) == targets) & mask).sum()  # the float copy's argmax: same values
             metrics = self._metrics[mode]
             metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
             metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
@@ -134,3 +136,55 @@ class CpuSafeSFTTrainer(SFTTrainer):
                 self._total_train_tokens += int(inputs["attention_mask"].sum().item())
             metrics["num_tokens"] = [self._total_train_tokens]
         return loss
+
+
+class _RowLogSoftmax(torch.autograd.Function):
+    """log_softmax(logits / T) at the targets, and the entropies, one batch row at a time.
+
+    The same operations, on the same shapes, as TRL's selective_log_softmax (float32 branch: gather, a logsumexp
+    per batch row) and entropy_from_logits on `logits.float() / T`, and the gradient autograd builds for them,
+    written per row: the values and gradients are bitwise the same, but neither the float32 copy of all the logits
+    nor its full-size gradients are ever held (the backward recomputes a row's float32 logits from the logits)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        selected = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(selected)
+        entropy = torch.empty_like(selected) if with_entropy else selected.new_empty(0)
+        for b in range(logits.size(0)):
+            row = logits[b].float() / temperature
+            selected[b] = torch.gather(row, -1, targets[b].unsqueeze(-1)).squeeze(-1)
+            lse[b] = torch.logsumexp(row, dim=-1)
+            if with_entropy:
+                entropy[b] = entropy_from_logits(row)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return selected - lse, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _entropy_grad: Any) -> tuple[Any, ...]:
+        logits, targets, lse = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for b in range(logits.size(0)):
+            row = logits[b].float() / ctx.temperature
+            g = grad[b].unsqueeze(-1)
+            # gather's gradient (a scatter of g) plus logsumexp's ((-g) x exp(row - lse)), then / T and the cast back
+            row_grad = torch.zeros_like(row).scatter_add_(-1, targets[b].unsqueeze(-1), g)
+            row_grad = row_grad + (-g) * (row - lse[b].unsqueeze(-1)).exp()
+            out[b] = (row_grad / ctx.temperature).to(logits.dtype)
+        return out, None, None, None
+
+
+def completion_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float, compute_entropy: bool = False,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of `targets` (batch, C) under `logits` (batch, C, vocab) / temperature, and their
+    entropies when asked: bitwise what `selective_log_softmax(logits.float() / T, targets)` and
+    `entropy_from_logits` of the same give, with their gradients, one batch row at a time (no float32 copy of the
+    whole logits). An entropy that needs a gradient (TRL's entropy bonus) takes the whole-tensor path."""
+    if compute_entropy and entropy_grad and torch.is_grad_enabled():
+        scaled = logits.float() / temperature
+        return selective_log_softmax(scaled, targets), entropy_from_logits(scaled)
+    logps, entropy = _RowLogSoftmax.apply(logits, targets, float(temperature), compute_entropy)
+    return logps, entropy if compute_entropy else None

@@ -46,7 +46,9 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     a GPU recipe stops without a usable one, and auto-fit fits its free memory.
     """
     cuda = cuda or cuda_facts()
-    peaks = rss.StagePeaks()  # the process's peak RSS in each stage, peak_rss.json and the report
+    if not cuda.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
+        rss.limit_heap_retention()
+    peaks = rss.StagePeaks(trim=not cuda.available)  # the process's peak RSS in each stage, peak_rss.json, report
     backend = setup(recipe, cuda)
     fit = fit_memory(recipe, explicit or set(), resume_dir, cuda)
     recipe = fit.recipe
