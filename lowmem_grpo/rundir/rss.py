@@ -37,6 +37,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 STATUS = Path("/proc/self/status")
+STATM = Path("/proc/self/statm")
+PAGE = resource.getpagesize()
 GIB = 2**30
 SAMPLE_SECONDS = 0.01  # the sampling interval of a span that does not raise the high-water mark
 RSS_PREFIX = "rss/"  # metrics.jsonl keys: rss/<phase>, the peak RSS (GiB) of each phase of the logged step
@@ -52,8 +54,10 @@ def _status_kib(field: str) -> int | None:
 
 def current_bytes() -> int:
     """This process's resident set now (0 where /proc is not there)."""
-    kib = _status_kib("VmRSS")
-    return kib * 1024 if kib is not None else 0
+    try:
+        return int(STATM.read_bytes().split()[1]) * PAGE  # resident pages: cheaper than parsing status
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def high_water_bytes() -> int:
