@@ -4,6 +4,7 @@
     python benchmarks/learning_sweep.py table --sweep-dir SWEEP          # the table of what has finished
     python benchmarks/learning_sweep.py list                             # the variants, in run order
     python benchmarks/learning_sweep.py curve RUN_DIR                    # a learning curve (train.eval_every)
+    python benchmarks/learning_sweep.py eval-checkpoint RUN_DIR STEP     # a curve point from checkpoint-STEP
 
 `run` primes the base configuration ONCE (SWEEP/prime: the recipe's format priming, then one GRPO step, with the
 primed adapter measured on the held-out problems; or --primed-adapter names one, which the base variant measures),
@@ -452,6 +453,50 @@ def cmd_curve(args: argparse.Namespace) -> int:
     return 0
 
 
+def eval_verdicts(path: Path) -> list[list[Any]]:
+    """Per problem, the verdicts of each sample from a `lowmem-grpo eval` eval.jsonl (one variant)."""
+    from lowmem_grpo.evaluation.metrics import Verdict
+
+    fields = set(Verdict.__dataclass_fields__)
+    out = []
+    for record in sorted(_jsonl(path), key=lambda r: r["index"]):
+        samples = record.get("samples") or [record]
+        out.append([Verdict(**{k: v for k, v in sample.items() if k in fields}) for sample in samples])
+    return out
+
+
+def checkpoint_point(greedy_jsonl: Path, sampled_jsonl: Path, step: int, temperature: float) -> dict[str, Any]:
+    """An eval_steps.jsonl line (as train.eval_every writes it) from greedy and sampled evals of a checkpoint."""
+    from lowmem_grpo.evaluation.stages import problem_values
+
+    return {"step": step, "temperature": temperature,
+            **problem_values(eval_verdicts(greedy_jsonl), eval_verdicts(sampled_jsonl))}
+
+
+def cmd_eval_checkpoint(args: argparse.Namespace) -> int:
+    """Evaluate RUN_DIR/checkpoint-STEP as the periodic evaluation would (the recipe's prompts, completion length,
+    seed and micro-batch; greedy, then --samples at train.temperature) and append the point to eval_steps.jsonl."""
+    import yaml
+
+    run_dir = Path(args.run_dir).resolve()
+    train = yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8"))["train"]
+    out = run_dir / "eval" / f"checkpoint-{args.step}"
+    common = ["--model", str(run_dir), "--adapter", str(run_dir / f"checkpoint-{args.step}"),
+              "--limit", str(args.problems), "--batch-size", str(train["per_device_train_batch_size"]),
+              "--seed", str(train["seed"]), "--engine", "transformers", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for name, extra in (("greedy", []), ("sampled", ["--samples", str(args.samples), "--temperature",
+                                                     str(train["temperature"])])):
+        cmd = [sys.executable, "-m", "lowmem_grpo.cli", "eval", *common, *extra, "--out", str(out / name)]
+        subprocess.run(cmd, check=True, cwd=REPO, env=env)
+    point = checkpoint_point(out / "greedy" / "eval.jsonl", out / "sampled" / "eval.jsonl", args.step,
+                             train["temperature"])
+    with (run_dir / "eval_steps.jsonl").open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(point) + "\n")
+    print(f"step {args.step}: greedy {sum(point['strict_accuracy']) / len(point['strict_accuracy']):.3f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -471,7 +516,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list")
     p = sub.add_parser("curve")
     p.add_argument("run_dir")
+    p = sub.add_parser("eval-checkpoint", help="a curve point from a saved checkpoint, after or beside the run")
+    p.add_argument("run_dir")
+    p.add_argument("step", type=int)
+    p.add_argument("--problems", type=int, default=100)
+    p.add_argument("--samples", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.command == "eval-checkpoint":
+        return cmd_eval_checkpoint(args)
     if args.command == "run":
         return cmd_run(args)
     if args.command == "table":
