@@ -485,10 +485,18 @@ def cmd_eval_checkpoint(args: argparse.Namespace) -> int:
               "--limit", str(args.problems), "--batch-size", str(train["per_device_train_batch_size"]),
               "--seed", str(train["seed"]), "--engine", "transformers", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for name, extra in (("greedy", []), ("sampled", ["--samples", str(args.samples), "--temperature",
-                                                     str(train["temperature"])])):
+    sampled = ["--samples", str(args.samples), "--temperature", str(train["temperature"])]
+    if args.sample_batch_size:  # more sequences per generate call: fewer calls, the same distribution
+        sampled = [*sampled, "--batch-size", str(args.sample_batch_size)]
+    procs = []
+    for name, extra in (("greedy", []), ("sampled", sampled)):
         cmd = [sys.executable, "-m", "lowmem_grpo.cli", "eval", *common, *extra, "--out", str(out / name)]
-        subprocess.run(cmd, check=True, cwd=REPO, env=env)
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env))
+        if not args.parallel:
+            procs[-1].wait()
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"checkpoint evaluation failed (exit codes {codes})")
     point = checkpoint_point(out / "greedy" / "eval.jsonl", out / "sampled" / "eval.jsonl", args.step,
                              train["temperature"])
     with (run_dir / "eval_steps.jsonl").open("a", encoding="utf-8") as handle:
@@ -521,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("step", type=int)
     p.add_argument("--problems", type=int, default=100)
     p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--sample-batch-size", type=int, help="sequences per generate call of the sampled eval")
+    p.add_argument("--parallel", action="store_true", help="the greedy and the sampled eval as two processes")
     args = parser.parse_args(argv)
     if args.command == "eval-checkpoint":
         return cmd_eval_checkpoint(args)

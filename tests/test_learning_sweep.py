@@ -180,6 +180,7 @@ def test_eval_checkpoint_appends_a_curve_point(sweep, tiny_model_dir, tmp_path):
 
     run_dir, _ = train_tiny(tiny_model_dir, tmp_path / "run", "train.max_steps=1", "prime.max_steps=1",
                             "train.save_steps=1", "train.preflight=false", "train.stage_eval=0")
-    assert sweep.main(["eval-checkpoint", str(run_dir), "1", "--problems", "3", "--samples", "2"]) == 0
+    assert sweep.main(["eval-checkpoint", str(run_dir), "1", "--problems", "3", "--samples", "2", "--parallel",
+                       "--sample-batch-size", "4"]) == 0
     point = json.loads((run_dir / "eval_steps.jsonl").read_text().splitlines()[-1])
     assert point["step"] == 1 and len(point["strict_accuracy"]) == 3 and len(point["mean@2"]) == 3
