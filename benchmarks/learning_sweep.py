@@ -218,13 +218,16 @@ def summarize_run(run_dir: Path, primed_eval: dict[str, Any], samples: int) -> d
             "distinct_greedy": {"primed": distinct_share(ref_texts), "trained": distinct_share(texts)}}
 
 
-def summarize_from_curve(curve_dir: Path, step: int, samples: int) -> dict[str, Any] | None:
-    """The base variant's row from a longer run of the base configuration (the learning curve): its start stage
-    against its periodic evaluation at `step` (eval_steps.jsonl); None until that evaluation exists."""
+def summarize_from_curve(curve_dir: Path, step: int, samples: int,
+                         reference: Path | None = None) -> dict[str, Any] | None:
+    """A row from a run's evaluation at `step` (eval_steps.jsonl: train.eval_every, or eval-checkpoint) against
+    the start stage of `reference` (a stage_eval.json; default the run's own): the base variant's row from a
+    longer run of the base configuration (the learning curve), or a variant evaluated at a checkpoint. None until
+    that evaluation exists."""
     at_step = [r for r in _jsonl(curve_dir / "eval_steps.jsonl") if r.get("step") == step]
     if not at_step:
         return None
-    stage_eval = json.loads((curve_dir / "stage_eval.json").read_text(encoding="utf-8"))
+    stage_eval = json.loads((reference or curve_dir / "stage_eval.json").read_text(encoding="utf-8"))
     ref, ref_texts = stage_values(stage_eval, reference_stage(stage_eval))
     trained = {k: v for k, v in at_step[-1].items() if isinstance(v, list)}
     return {**compare_values(ref, trained), **training_summary(curve_dir, up_to=step), "samples": samples,
@@ -473,6 +476,19 @@ def checkpoint_point(greedy_jsonl: Path, sampled_jsonl: Path, step: int, tempera
             **problem_values(eval_verdicts(greedy_jsonl), eval_verdicts(sampled_jsonl))}
 
 
+def cmd_row(args: argparse.Namespace) -> int:
+    """results/NAME.json for a variant evaluated at a checkpoint (eval-checkpoint), against the reference run."""
+    variant = variant_by_name(args.name)
+    row = summarize_from_curve(Path(args.run_dir), args.step, args.samples,
+                               reference=Path(args.reference_run) / "stage_eval.json")
+    if row is None:
+        raise SystemExit(f"{args.run_dir} has no evaluation at step {args.step} in eval_steps.jsonl")
+    row["description"] = variant.change
+    (Path(args.sweep_dir) / "results").mkdir(parents=True, exist_ok=True)
+    (Path(args.sweep_dir) / "results" / f"{args.name}.json").write_text(json.dumps(row, indent=1), encoding="utf-8")
+    return 0
+
+
 def cmd_eval_checkpoint(args: argparse.Namespace) -> int:
     """Evaluate RUN_DIR/checkpoint-STEP as the periodic evaluation would (the recipe's prompts, completion length,
     seed and micro-batch; greedy, then --samples at train.temperature) and append the point to eval_steps.jsonl."""
@@ -531,7 +547,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--sample-batch-size", type=int, help="sequences per generate call of the sampled eval")
     p.add_argument("--parallel", action="store_true", help="the greedy and the sampled eval as two processes")
+    p = sub.add_parser("row", help="a variant's row from its evaluation at a checkpoint (eval-checkpoint)")
+    p.add_argument("name")
+    p.add_argument("run_dir")
+    p.add_argument("step", type=int)
+    p.add_argument("--sweep-dir", required=True)
+    p.add_argument("--reference-run", required=True)
+    p.add_argument("--samples", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.command == "row":
+        return cmd_row(args)
     if args.command == "eval-checkpoint":
         return cmd_eval_checkpoint(args)
     if args.command == "run":

@@ -156,6 +156,11 @@ def test_the_base_row_from_a_longer_run_of_the_base_configuration(sweep, tmp_pat
                                 "rewards/correctness/mean": 0.2 if step <= 25 else 0.9}) + "\n")
     row = sweep.summarize_from_curve(curve, 25, 2)
     assert row["steps"] == 25 and row["goal_last_third"] == pytest.approx(0.2)
+    # a variant evaluated at a checkpoint is compared with the reference run's start stage
+    sweep.main(["row", "beta0", str(curve), "25", "--sweep-dir", str(tmp_path / "sweep"), "--reference-run",
+                str(curve), "--samples", "2"])
+    saved = json.loads((tmp_path / "sweep" / "results" / "beta0.json").read_text())
+    assert saved["change"]["strict_accuracy"]["diff"] == 0.5 and saved["description"].startswith("no KL anchor")
     assert row["change"]["strict_accuracy"]["diff"] == 0.5 and row["change"]["mean@2"]["diff"] == 0.5
     assert row["stages"]["primed"]["pass@2"]["mean"] == 1.0
 
