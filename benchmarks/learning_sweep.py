@@ -451,7 +451,8 @@ def curve_table(rows: list[dict[str, Any]]) -> str:
 
 def cmd_curve(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    stage_eval = json.loads((run_dir / "stage_eval.json").read_text(encoding="utf-8"))
+    reference = Path(args.reference_run) if args.reference_run else run_dir  # whose start stage is step 0
+    stage_eval = json.loads((reference / "stage_eval.json").read_text(encoding="utf-8"))
     print(curve_table(curve_rows(stage_eval, _jsonl(run_dir / "eval_steps.jsonl"))))
     return 0
 
@@ -540,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list")
     p = sub.add_parser("curve")
     p.add_argument("run_dir")
+    p.add_argument("--reference-run", help="the run whose stage_eval.json measured the adapter RUN_DIR started from, "
+                   "on the same problems (default: RUN_DIR's own start or primed stage)")
     p = sub.add_parser("eval-checkpoint", help="a curve point from a saved checkpoint, after or beside the run")
     p.add_argument("run_dir")
     p.add_argument("step", type=int)
