@@ -201,6 +201,8 @@ def training_summary(run_dir: Path, up_to: int | None = None) -> dict[str, Any]:
     metrics = [r for r in _jsonl(run_dir / "metrics.jsonl") if r.get("stage") == "grpo"]
     steps = [r for r in metrics if "loss" in r and (up_to is None or r.get("step", 0) <= up_to)]
     runtime = [r["train_runtime"] for r in metrics if "train_runtime" in r] if up_to is None else []
+    if up_to is not None and steps and all(isinstance(r.get("step_time"), (int, float)) for r in steps):
+        runtime = [sum(r["step_time"] for r in steps)]  # the steps' own time, evaluations left out
     groups = [g for g in _jsonl(run_dir / "completions.jsonl") if up_to is None or g.get("step", 0) <= up_to]
     thirds = goal_thirds(steps)
     return {"steps": len(steps), "train_seconds": runtime[-1] if runtime else None,
@@ -230,8 +232,12 @@ def summarize_from_curve(curve_dir: Path, step: int, samples: int,
     stage_eval = json.loads((reference or curve_dir / "stage_eval.json").read_text(encoding="utf-8"))
     ref, ref_texts = stage_values(stage_eval, reference_stage(stage_eval))
     trained = {k: v for k, v in at_step[-1].items() if isinstance(v, list)}
+    distinct = {"primed": distinct_share(ref_texts)}
+    greedy_file = curve_dir / "eval" / f"checkpoint-{step}" / "greedy" / "eval.jsonl"  # eval-checkpoint's
+    if greedy_file.exists():
+        distinct["trained"] = distinct_share([p[0].completion for p in eval_verdicts(greedy_file)])
     return {**compare_values(ref, trained), **training_summary(curve_dir, up_to=step), "samples": samples,
-            "distinct_greedy": {"primed": distinct_share(ref_texts)},
+            "distinct_greedy": distinct,
             "from": f"{curve_dir} at step {step} (the learning curve's run)"}
 
 
