@@ -84,8 +84,7 @@ def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
 
 def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
     """`settings` with a batch of at least 8 prompts' k samples: a batch counts sequences, so k samples per prompt
-    at the greedy batch size would mean k times the generate calls; on CPU each call's fixed cost dominates
-    (100 problems x 4 samples, one thread: ~3.5x faster at 32 sequences per call than at 8)."""
+    at the greedy batch size would mean k times the generate calls, and on CPU each call's fixed cost dominates."""
     return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
 
 
