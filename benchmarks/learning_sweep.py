@@ -4,6 +4,7 @@
     python benchmarks/learning_sweep.py table --sweep-dir SWEEP          # the table of what has finished
     python benchmarks/learning_sweep.py list                             # the variants, in run order
     python benchmarks/learning_sweep.py curve RUN_DIR                    # a learning curve (train.eval_every)
+    python benchmarks/learning_sweep.py eval-checkpoint RUN_DIR STEP     # a curve point from checkpoint-STEP
 
 `run` primes the base configuration ONCE (SWEEP/prime: the recipe's format priming, then one GRPO step, with the
 primed adapter measured on the held-out problems; or --primed-adapter names one, which the base variant measures),
@@ -200,6 +201,8 @@ def training_summary(run_dir: Path, up_to: int | None = None) -> dict[str, Any]:
     metrics = [r for r in _jsonl(run_dir / "metrics.jsonl") if r.get("stage") == "grpo"]
     steps = [r for r in metrics if "loss" in r and (up_to is None or r.get("step", 0) <= up_to)]
     runtime = [r["train_runtime"] for r in metrics if "train_runtime" in r] if up_to is None else []
+    if up_to is not None and steps and all(isinstance(r.get("step_time"), (int, float)) for r in steps):
+        runtime = [sum(r["step_time"] for r in steps)]  # the steps' own time, evaluations left out
     groups = [g for g in _jsonl(run_dir / "completions.jsonl") if up_to is None or g.get("step", 0) <= up_to]
     thirds = goal_thirds(steps)
     return {"steps": len(steps), "train_seconds": runtime[-1] if runtime else None,
@@ -217,17 +220,24 @@ def summarize_run(run_dir: Path, primed_eval: dict[str, Any], samples: int) -> d
             "distinct_greedy": {"primed": distinct_share(ref_texts), "trained": distinct_share(texts)}}
 
 
-def summarize_from_curve(curve_dir: Path, step: int, samples: int) -> dict[str, Any] | None:
-    """The base variant's row from a longer run of the base configuration (the learning curve): its start stage
-    against its periodic evaluation at `step` (eval_steps.jsonl); None until that evaluation exists."""
+def summarize_from_curve(curve_dir: Path, step: int, samples: int,
+                         reference: Path | None = None) -> dict[str, Any] | None:
+    """A row from a run's evaluation at `step` (eval_steps.jsonl: train.eval_every, or eval-checkpoint) against
+    the start stage of `reference` (a stage_eval.json; default the run's own): the base variant's row from a
+    longer run of the base configuration (the learning curve), or a variant evaluated at a checkpoint. None until
+    that evaluation exists."""
     at_step = [r for r in _jsonl(curve_dir / "eval_steps.jsonl") if r.get("step") == step]
     if not at_step:
         return None
-    stage_eval = json.loads((curve_dir / "stage_eval.json").read_text(encoding="utf-8"))
+    stage_eval = json.loads((reference or curve_dir / "stage_eval.json").read_text(encoding="utf-8"))
     ref, ref_texts = stage_values(stage_eval, reference_stage(stage_eval))
     trained = {k: v for k, v in at_step[-1].items() if isinstance(v, list)}
+    distinct = {"primed": distinct_share(ref_texts)}
+    greedy_file = curve_dir / "eval" / f"checkpoint-{step}" / "greedy" / "eval.jsonl"  # eval-checkpoint's
+    if greedy_file.exists():
+        distinct["trained"] = distinct_share([p[0].completion for p in eval_verdicts(greedy_file)])
     return {**compare_values(ref, trained), **training_summary(curve_dir, up_to=step), "samples": samples,
-            "distinct_greedy": {"primed": distinct_share(ref_texts)},
+            "distinct_greedy": distinct,
             "from": f"{curve_dir} at step {step} (the learning curve's run)"}
 
 
@@ -447,8 +457,74 @@ def curve_table(rows: list[dict[str, Any]]) -> str:
 
 def cmd_curve(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    stage_eval = json.loads((run_dir / "stage_eval.json").read_text(encoding="utf-8"))
+    reference = Path(args.reference_run) if args.reference_run else run_dir  # whose start stage is step 0
+    stage_eval = json.loads((reference / "stage_eval.json").read_text(encoding="utf-8"))
     print(curve_table(curve_rows(stage_eval, _jsonl(run_dir / "eval_steps.jsonl"))))
+    return 0
+
+
+def eval_verdicts(path: Path) -> list[list[Any]]:
+    """Per problem, the verdicts of each sample from a `lowmem-grpo eval` eval.jsonl (one variant)."""
+    from lowmem_grpo.evaluation.metrics import Verdict
+
+    fields = set(Verdict.__dataclass_fields__)
+    out = []
+    for record in sorted(_jsonl(path), key=lambda r: r["index"]):
+        samples = record.get("samples") or [record]
+        out.append([Verdict(**{k: v for k, v in sample.items() if k in fields}) for sample in samples])
+    return out
+
+
+def checkpoint_point(greedy_jsonl: Path, sampled_jsonl: Path, step: int, temperature: float) -> dict[str, Any]:
+    """An eval_steps.jsonl line (as train.eval_every writes it) from greedy and sampled evals of a checkpoint."""
+    from lowmem_grpo.evaluation.stages import problem_values
+
+    return {"step": step, "temperature": temperature,
+            **problem_values(eval_verdicts(greedy_jsonl), eval_verdicts(sampled_jsonl))}
+
+
+def cmd_row(args: argparse.Namespace) -> int:
+    """results/NAME.json for a variant evaluated at a checkpoint (eval-checkpoint), against the reference run."""
+    variant = variant_by_name(args.name)
+    row = summarize_from_curve(Path(args.run_dir), args.step, args.samples,
+                               reference=Path(args.reference_run) / "stage_eval.json")
+    if row is None:
+        raise SystemExit(f"{args.run_dir} has no evaluation at step {args.step} in eval_steps.jsonl")
+    row["description"] = variant.change
+    (Path(args.sweep_dir) / "results").mkdir(parents=True, exist_ok=True)
+    (Path(args.sweep_dir) / "results" / f"{args.name}.json").write_text(json.dumps(row, indent=1), encoding="utf-8")
+    return 0
+
+
+def cmd_eval_checkpoint(args: argparse.Namespace) -> int:
+    """Evaluate RUN_DIR/checkpoint-STEP as the periodic evaluation would (the recipe's prompts, completion length,
+    seed and micro-batch; greedy, then --samples at train.temperature) and append the point to eval_steps.jsonl."""
+    import yaml
+
+    run_dir = Path(args.run_dir).resolve()
+    train = yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8"))["train"]
+    out = run_dir / "eval" / f"checkpoint-{args.step}"
+    common = ["--model", str(run_dir), "--adapter", str(run_dir / f"checkpoint-{args.step}"),
+              "--limit", str(args.problems), "--batch-size", str(train["per_device_train_batch_size"]),
+              "--seed", str(train["seed"]), "--engine", "transformers", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    sampled = ["--samples", str(args.samples), "--temperature", str(train["temperature"])]
+    if args.sample_batch_size:  # more sequences per generate call: fewer calls, the same distribution
+        sampled = [*sampled, "--batch-size", str(args.sample_batch_size)]
+    procs = []
+    for name, extra in (("greedy", []), ("sampled", sampled)):
+        cmd = [sys.executable, "-m", "lowmem_grpo.cli", "eval", *common, *extra, "--out", str(out / name)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env))
+        if not args.parallel:
+            procs[-1].wait()
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"checkpoint evaluation failed (exit codes {codes})")
+    point = checkpoint_point(out / "greedy" / "eval.jsonl", out / "sampled" / "eval.jsonl", args.step,
+                             train["temperature"])
+    with (run_dir / "eval_steps.jsonl").open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(point) + "\n")
+    print(f"step {args.step}: greedy {sum(point['strict_accuracy']) / len(point['strict_accuracy']):.3f}")
     return 0
 
 
@@ -471,7 +547,27 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list")
     p = sub.add_parser("curve")
     p.add_argument("run_dir")
+    p.add_argument("--reference-run", help="the run whose stage_eval.json measured the adapter RUN_DIR started from, "
+                   "on the same problems (default: RUN_DIR's own start or primed stage)")
+    p = sub.add_parser("eval-checkpoint", help="a curve point from a saved checkpoint, after or beside the run")
+    p.add_argument("run_dir")
+    p.add_argument("step", type=int)
+    p.add_argument("--problems", type=int, default=100)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--sample-batch-size", type=int, help="sequences per generate call of the sampled eval")
+    p.add_argument("--parallel", action="store_true", help="the greedy and the sampled eval as two processes")
+    p = sub.add_parser("row", help="a variant's row from its evaluation at a checkpoint (eval-checkpoint)")
+    p.add_argument("name")
+    p.add_argument("run_dir")
+    p.add_argument("step", type=int)
+    p.add_argument("--sweep-dir", required=True)
+    p.add_argument("--reference-run", required=True)
+    p.add_argument("--samples", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.command == "row":
+        return cmd_row(args)
+    if args.command == "eval-checkpoint":
+        return cmd_eval_checkpoint(args)
     if args.command == "run":
         return cmd_run(args)
     if args.command == "table":

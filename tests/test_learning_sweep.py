@@ -156,5 +156,36 @@ def test_the_base_row_from_a_longer_run_of_the_base_configuration(sweep, tmp_pat
                                 "rewards/correctness/mean": 0.2 if step <= 25 else 0.9}) + "\n")
     row = sweep.summarize_from_curve(curve, 25, 2)
     assert row["steps"] == 25 and row["goal_last_third"] == pytest.approx(0.2)
+    # a variant evaluated at a checkpoint is compared with the reference run's start stage
+    sweep.main(["row", "beta0", str(curve), "25", "--sweep-dir", str(tmp_path / "sweep"), "--reference-run",
+                str(curve), "--samples", "2"])
+    saved = json.loads((tmp_path / "sweep" / "results" / "beta0.json").read_text())
+    assert saved["change"]["strict_accuracy"]["diff"] == 0.5 and saved["description"].startswith("no KL anchor")
     assert row["change"]["strict_accuracy"]["diff"] == 0.5 and row["change"]["mean@2"]["diff"] == 0.5
     assert row["stages"]["primed"]["pass@2"]["mean"] == 1.0
+
+
+def test_a_checkpoint_point_from_eval_files(sweep, tmp_path):
+    right, wrong = judge(RIGHT, "4"), judge(WRONG, "4")
+    greedy = [{"variant": "adapter", "index": i, "gold": "4", **v.as_dict()} for i, v in enumerate([right, wrong])]
+    sampled = [{"variant": "adapter", "index": 1, "gold": "4", **right.as_dict(),
+                "samples": [right.as_dict(), wrong.as_dict()]},
+               {"variant": "adapter", "index": 0, "gold": "4", **wrong.as_dict(),
+                "samples": [wrong.as_dict(), wrong.as_dict()]}]
+    for name, records in (("g.jsonl", greedy), ("s.jsonl", sampled)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    point = sweep.checkpoint_point(tmp_path / "g.jsonl", tmp_path / "s.jsonl", 15, 0.7)
+    assert point["step"] == 15 and point["strict_accuracy"] == [1.0, 0.0]
+    assert point["mean@2"] == [0.0, 0.5] and point["room@2"] == [-1.0, 1.0]  # records are put in problem order
+
+
+@pytest.mark.slow
+def test_eval_checkpoint_appends_a_curve_point(sweep, tiny_model_dir, tmp_path):
+    from tiny_run import train_tiny
+
+    run_dir, _ = train_tiny(tiny_model_dir, tmp_path / "run", "train.max_steps=1", "prime.max_steps=1",
+                            "train.save_steps=1", "train.preflight=false", "train.stage_eval=0")
+    assert sweep.main(["eval-checkpoint", str(run_dir), "1", "--problems", "3", "--samples", "2", "--parallel",
+                       "--sample-batch-size", "4"]) == 0
+    point = json.loads((run_dir / "eval_steps.jsonl").read_text().splitlines()[-1])
+    assert point["step"] == 1 and len(point["strict_accuracy"]) == 3 and len(point["mean@2"]) == 3

@@ -8,7 +8,7 @@ import pytest
 
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.metrics import judge
-from lowmem_grpo.evaluation.stages import mean_ci, problem_values, summarize
+from lowmem_grpo.evaluation.stages import mean_ci, problem_values, sampled_batch, summarize
 from lowmem_grpo.recipe_io import load_recipe
 from lowmem_grpo.rundir.report import stage_lines
 from tiny_run import train_tiny
@@ -77,6 +77,11 @@ def test_report_shows_sampled_columns_and_paired_gain(tmp_path):
     assert "1.000 [1.000, 1.000]" in trained_row  # mean@4 of the trained stage
     change = next(line for line in text.splitlines() if line.startswith("| primed->trained |"))
     assert "| +0.750 [0.750, 0.750] |" in change  # mean@4: 0.25 -> 1.0 on every problem
+
+
+def test_sampled_evals_generate_at_least_eight_prompts_at_once():
+    assert sampled_batch({"batch_size": 8, "seed": 1}, 4) == {"batch_size": 32, "seed": 1}
+    assert sampled_batch({"batch_size": 64}, 4)["batch_size"] == 64  # a larger batch is kept
 
 
 def test_stage_eval_samples_and_stages_are_validated():

@@ -82,6 +82,12 @@ def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
     return out
 
 
+def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
+    """`settings` with a batch of at least 8 prompts' k samples: a batch counts sequences, so k samples per prompt
+    at the greedy batch size would mean k times the generate calls, and on CPU each call's fixed cost dominates."""
+    return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
+
+
 def _disabled_adapter(model: Any, stage: str) -> Any:
     """The base model is the adapter model with its adapter switched off (PEFT's disable_adapter)."""
     if stage == "base" and hasattr(model, "disable_adapter"):
@@ -134,7 +140,7 @@ class StageEvals:
         with watch, _disabled_adapter(model, stage):
             result = run_eval(model, self.tokenizer, self.examples, **common)
             sampled = (run_eval(model, self.tokenizer, self.examples, num_samples=k,
-                                temperature=self.settings["temperature"], **common) if k else None)
+                                temperature=self.settings["temperature"], **sampled_batch(common, k)) if k else None)
         self.verdicts[stage] = result.verdicts
         m = dict(result.metrics)
         line = ""

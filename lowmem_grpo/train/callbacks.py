@@ -18,7 +18,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
-from lowmem_grpo.evaluation.stages import problem_values
+from lowmem_grpo.evaluation.stages import problem_values, sampled_batch
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.health import WarningLatch
@@ -154,7 +154,7 @@ class PeriodicEvalCallback(TrainerCallback):
         sampled = None
         if t.eval_samples:
             sampled = run_eval(model, self.tokenizer, self.examples, num_samples=t.eval_samples,
-                               temperature=t.temperature, **common)
+                               temperature=t.temperature, **sampled_batch(common, t.eval_samples))
             k = t.eval_samples
             metrics.update({f"mean@{k}": sampled.metrics["strict_accuracy"], f"pass@{k}": sampled.metrics[f"pass@{k}"],
                             "sampled_strict_format_rate": sampled.metrics["strict_format_rate"]})
