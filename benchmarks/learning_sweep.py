@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.rundir import layout
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "smollm2_135m_arith_cpu.py")
 
@@ -131,16 +133,7 @@ def overrides_for(variant: Variant | None, *, run_dir: Path, steps: int, problem
 # ---------------------------------------------------------------- reading a finished run
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+_jsonl = layout.read_jsonl  # lenient: a half-written last line (a run still writing) is skipped
 
 
 def goal_thirds(steps: list[dict[str, Any]], key: str = "rewards/correctness/mean") -> tuple[float, float] | None:
