@@ -3,7 +3,7 @@
 Each function follows TRL's protocol ``fn(completions, **kwargs) -> list[float]`` and
 returns its UNWEIGHTED score; see ``GSM8K_DEFAULT_WEIGHTS`` for the usual weights.
 Dataset columns arrive as keyword arguments: ``answer`` (gold, required by
-``correctness``) and optionally ``prefill`` (see ``completion_texts``).
+``correctness`` and ``expression``) and optionally ``prefill`` (see ``completion_texts``).
 """
 
 from __future__ import annotations
@@ -11,15 +11,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
-from .parsing import extract_answer_block, find_numbers, gold_number, last_number, parse_number
+from .calculator import last_calculation
+from .parsing import extract_answer_block, find_numbers, gold_value, parse_number
 from .registry import register
 
 __all__ = [
     "GSM8K_DEFAULT_WEIGHTS",
     "completion_texts",
     "correctness",
+    "expression",
     "integer",
     "soft_format",
     "strict_format",
@@ -95,15 +98,15 @@ def completion_texts(completions: Sequence[Any], **kwargs: Any) -> list[str]:
     return [(p or "") + t for p, t in zip(prefill, texts)]
 
 
-def _gold_value(gold: Any) -> Decimal | None:
-    """Gold answer as a Decimal: a full GSM8K solution ('... #### N') or a bare number."""
-    if gold is None:
-        return None
-    text = str(gold)
-    if "####" in text:
-        return parse_number(gold_number(text))
-    value = parse_number(text)
-    return value if value is not None else parse_number(last_number(text))
+def _gold_answers(answer: Any, count: int, reward: str) -> Sequence[Any]:
+    """The gold ``answer`` column, one entry per completion (a single value is repeated)."""
+    if answer is None:
+        raise ValueError(f"{reward} needs the gold answers as the `answer` dataset column")
+    if isinstance(answer, (str, int, float, Decimal)):
+        answer = [answer] * count
+    if len(answer) != count:
+        raise ValueError(f"got {len(answer)} gold answers for {count} completions")
+    return answer
 
 
 @register("correctness")
@@ -111,17 +114,33 @@ def correctness(completions: Sequence[Any], answer: Sequence[Any] | None = None,
                 **kwargs: Any) -> list[float]:
     """1.0 when the answer block holds exactly one number equal to the gold ``answer``."""
     texts = completion_texts(completions, **kwargs)
-    if answer is None:
-        raise ValueError("correctness needs the gold answers as the `answer` dataset column")
-    if isinstance(answer, (str, int, float, Decimal)):
-        answer = [answer] * len(texts)
-    if len(answer) != len(texts):
-        raise ValueError(f"got {len(answer)} gold answers for {len(texts)} completions")
     scores = []
-    for text, gold in zip(texts, answer):
+    for text, gold in zip(texts, _gold_answers(answer, len(texts), "correctness")):
         numbers = find_numbers(extract_answer_block(text))
-        target = _gold_value(gold)
+        target = gold_value(gold)
         ok = len(numbers) == 1 and target is not None and parse_number(numbers[0]) == target
+        scores.append(1.0 if ok else 0.0)
+    return scores
+
+
+@register("expression")
+def expression(completions: Sequence[Any], answer: Sequence[Any] | None = None,
+               **kwargs: Any) -> list[float]:
+    """1.0 when the exact value of the reasoning's last calculation equals the gold ``answer``.
+
+    What it rewards: the choice of operation and operands. The last arithmetic statement before
+    ``<answer>`` (a calculator annotation ``<<E=C>>`` or a plain ``E = C``) is evaluated exactly by
+    the calculator (``lowmem_grpo.rewards.calculator``), and the model's own result C is ignored:
+    ``20-8=11`` for a gold 12 earns 1.0, ``20+8=28`` earns 0.0. What it cannot see: whether the
+    answer block copies that value (``correctness`` judges the answer), and a right value reached by
+    a wrong route (a last step that happens to equal the gold number).
+    """
+    texts = completion_texts(completions, **kwargs)
+    scores = []
+    for text, gold in zip(texts, _gold_answers(answer, len(texts), "expression")):
+        calc = last_calculation(text)
+        target = gold_value(gold)
+        ok = calc is not None and calc.value is not None and target is not None and calc.value == Fraction(target)
         scores.append(1.0 if ok else 0.0)
     return scores
 

@@ -15,6 +15,7 @@ __all__ = [
     "extract_answer_block",
     "find_numbers",
     "gold_number",
+    "gold_value",
     "last_number",
     "numbers_equal",
     "parse_number",
@@ -124,3 +125,14 @@ def gold_number(answer_text: str) -> str:
         snippet = str(answer_text)[-80:]
         raise ValueError(f"GSM8K gold answer must end with '#### <number>', got ...{snippet!r}")
     return numbers[0].replace(",", "")
+
+
+def gold_value(gold: object) -> Decimal | None:
+    """A gold answer as a Decimal: a full GSM8K solution (``'... #### N'``) or a bare number; None if neither."""
+    if gold is None:
+        return None
+    text = str(gold)
+    if "####" in text:
+        return parse_number(gold_number(text))
+    value = parse_number(text)
+    return value if value is not None else parse_number(last_number(text))
