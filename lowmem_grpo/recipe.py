@@ -120,6 +120,9 @@ class DataConfig:
     """What to do with longer prompts: drop them, or cut the question from the left."""
     generated: GeneratedDataConfig = field(default_factory=GeneratedDataConfig)
     """The generated problems, when source is generated."""
+    calculator: bool = False
+    """The sampling engine completes `<<EXPR=` with the calculator's result (forced tokens, kept out of the GRPO
+    loss); priming renders the annotations that way (lowmem_grpo.rewards.calculator). GSM8K-format data only."""
 
 
 @dataclass
@@ -333,6 +336,11 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
         _require(d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
     if d.source == "generated":
         _validate_generated(d.generated)
+    if d.calculator:  # every source's rows are GSM8K solutions (sources.check_rows); other tasks' are not
+        _require(recipe.task == "gsm8k", "data.calculator", f"completes GSM8K's `<<a-b=` calculator annotations, "
+                 f"but task is {recipe.task!r}, whose data has none",
+                 "set data.calculator=false, or task=gsm8k with data.source=generated, embedded, hub (openai/gsm8k) "
+                 "or a file of GSM8K rows")
     _validate_train(recipe, num_processes)
     _validate_prime(recipe)
     _validate_rewards(recipe)

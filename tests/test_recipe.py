@@ -175,3 +175,17 @@ def test_every_shipped_recipe_has_correctness_as_its_goal(path):
     assert recipe.task == "gsm8k" and goal_reward(recipe) == "correctness" in resolved_rewards(recipe)
     # a recipe whose rewards leave correctness out has no goal unless it names one
     assert goal_reward(apply_overrides(recipe, ["rewards={xml_count: 1.0}"])) is None
+
+
+def test_calculator_is_off_by_default_and_needs_gsm8k_data():
+    assert load_recipe(CPU_RECIPE).data.calculator is False
+    for source in ("generated", "embedded", "hub"):
+        recipe = load_recipe(CPU_RECIPE, ["data.calculator=true", f"data.source={source}"])
+        assert recipe.data.calculator is True
+        validate(recipe)
+    recipe = load_recipe(CPU_RECIPE, ["data.calculator=true", "task=custom", "prime.enabled=false",
+                                      "rewards={xml_count: 1.0}"])
+    with pytest.raises(RecipeError, match=r"data\.calculator.*'custom'") as info:
+        validate(recipe)
+    assert "data.calculator=false" in info.value.fix
+    validate(load_recipe(CPU_RECIPE, ["task=custom", "prime.enabled=false", "rewards={xml_count: 1.0}"]))
