@@ -48,6 +48,31 @@ def test_a_budget_that_cuts_the_worked_solutions_is_refused_with_the_one_that_fi
     assert check_budget(recipe, rows, tokenizer) is None
 
 
+def test_the_budget_counts_the_calculator_form_of_the_targets():
+    from lowmem_grpo.data import load_train_rows
+    from lowmem_grpo.data.budget import target_lengths
+
+    rows = load_train_rows(load_recipe(CPU_RECIPE).data)[:20]
+    solutions = [row["answer"] for row in rows]
+
+    def count(texts):
+        return [len(text) for text in texts]
+
+    plain = target_lengths(solutions, "<reasoning>\n", count)
+    calculator = target_lengths(solutions, "<reasoning>\n", count, calculator=True)
+    assert calculator != plain  # the annotations are rendered, not removed
+    recipe = load_recipe(CPU_RECIPE, ["data.calculator=true", "train.max_completion_length=16"])
+
+    class Tokenizer:  # one token per character
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [list(text) for text in texts]}
+
+    with pytest.raises(RecipeError) as info:
+        check_budget(recipe, rows, Tokenizer())
+    fitting = int(str(info.value).split("set train.max_completion_length=")[1].split()[0])
+    assert fitting == sorted(n + 1 for n in calculator)[-1]  # the longest calculator target, + the end of turn
+
+
 def test_validate_refuses_a_budget_that_does_not_fit_with_exit_2(tiny_model_dir, caplog):
     from lowmem_grpo.cli import main
 

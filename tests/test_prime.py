@@ -49,6 +49,51 @@ def test_targets_drop_calculator_annotations_and_keep_the_arithmetic():
     assert strict_format([render_target("#### 12", "")]) == [1.0]
 
 
+def _calls(text):
+    """Every `<<E=` in `text`, with the index after its "="."""
+    import re
+
+    return [(m.group(1), m.end()) for m in re.finditer(r"<<([^<>=]*)=", text)]
+
+
+@pytest.mark.parametrize("prefill", ["<reasoning>\n", ""], ids=repr)
+def test_calculator_targets_keep_the_calls_the_engine_completes(prefill):
+    """With data.calculator every `<<E=` of a rendered target is followed by exactly what the engine forces,
+    and prefill + target still earns the full score (generated rows of every level and the embedded sample)."""
+    from lowmem_grpo.data.generated import generate_rows
+    from lowmem_grpo.rewards import expression
+    from lowmem_grpo.rewards.calculator import forced_text
+
+    rows = generate_rows("train", 60, "1-5", 0, "arithmetic") + TRAIN_ROWS[:60]
+    completions = [render_target(row["answer"], prefill, calculator=True) for row in rows]
+    prefills, answers = [prefill] * len(rows), [row["answer"] for row in rows]
+    for reward in (strict_format, correctness, expression):
+        kwargs = {"answer": answers} if reward is not strict_format else {}
+        assert reward(completions, prefill=prefills, **kwargs) == [1.0] * len(rows), reward.__name__
+    for row, completion in zip(rows, completions):
+        calls = _calls(completion)
+        assert len(calls) == row["answer"].count("<<") > 0
+        for expr, end in calls:
+            assert completion.startswith(forced_text(expr), end), completion
+        assert "=<<" not in completion and "=$<<" not in completion  # GSM8K's duplicate expression is gone
+    assert render_target(rows[0]["answer"], prefill) == render_target(rows[0]["answer"], prefill, calculator=False)
+
+
+def test_calculator_rendering_of_gsm8k_lines():
+    assert clean_reasoning("She now has 49-4=<<49-4=45>>45 fish.\n#### 45", calculator=True) == \
+        "She now has <<49-4=45>>45 fish."
+    assert clean_reasoning("He makes $4*5=$<<4*5=20>>20.\n#### 20", calculator=True) == "He makes $<<4*5=20>>20."
+    assert clean_reasoning("So 49 - 4 = <<49-4=45>>45\n#### 45", calculator=True) == "So <<49-4=45>>45"
+    # the value is the calculator's, and GSM8K's copy after ">>" follows it
+    assert clean_reasoning("Each gets 100/3=<<100/3=33.33>>33.33.\n#### 33", calculator=True) == \
+        "Each gets <<100/3=33.333333>>33.333333."
+    assert clean_reasoning("Half is .5*10=<<.5*10=5.0>>5.0 kg\n#### 5", calculator=True) == "Half is <<.5*10=5>>5 kg"
+    # an expression the calculator refuses is removed, as without the calculator
+    assert clean_reasoning("It is 3x=<<3x=6>>6 now <<a=b=c>>\n#### 6", calculator=True) == "It is 3x=6 now"
+    # more than the duplicate in front: left as written, the call still complete
+    assert clean_reasoning("12+49-4=<<49-4=45>>45\n#### 57", calculator=True) == "12+49-4=<<49-4=45>>45"
+
+
 def test_the_prefill_is_what_separates_the_target_from_the_full_turn():
     """Rewards score prefill + completion: without the prefill the completion alone is not in format."""
     completion = render_target(TRAIN_ROWS[1]["answer"], "<reasoning>\n")
@@ -67,6 +112,9 @@ def test_prompts_carry_the_prefill_and_pairs_complete_them(tiny_model_dir):
     examples = build_examples(TRAIN_ROWS[:8], tokenizer, "Use the format.", "<reasoning>\n", 256)
     pairs = priming_pairs(examples, num_examples=5)
     assert len(pairs) == 5
+    with_calculator = priming_pairs(examples, num_examples=5, calculator=True)
+    assert [p["prompt"] for p in with_calculator] == [p["prompt"] for p in pairs]
+    assert all("<<" not in p["completion"] for p in pairs) and all("<<" in p["completion"] for p in with_calculator)
     for example, pair in zip(examples, pairs):
         assert example["prompt"].endswith("<|im_start|>assistant\n<reasoning>\n")
         assert example["prefill"] == "<reasoning>\n" and pair["prompt"] == example["prompt"]

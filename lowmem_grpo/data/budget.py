@@ -52,9 +52,11 @@ class BudgetFit:
         return self.share <= self.allowed
 
 
-def target_lengths(solutions: Sequence[str], prefill: str, count_tokens: Callable[[list[str]], list[int]]) -> list[int]:
-    """Tokens of each rendered target (the completion after `prefill`), without the end-of-turn token."""
-    return count_tokens([render_target(solution, prefill) for solution in solutions])
+def target_lengths(solutions: Sequence[str], prefill: str, count_tokens: Callable[[list[str]], list[int]],
+                   calculator: bool = False) -> list[int]:
+    """Tokens of each rendered target (the completion after `prefill`; with `calculator`, the annotations in the
+    calculator's form, forced tokens included), without the end-of-turn token."""
+    return count_tokens([render_target(solution, prefill, calculator) for solution in solutions])
 
 
 def fit_budget(lengths: Sequence[int], budget: int, allowed: float) -> BudgetFit:
@@ -85,7 +87,7 @@ def check_budget(recipe: Any, rows: Sequence[dict[str, str]], tokenizer: Any) ->
     if not solutions:
         log.info("completion budget: not checked (the training rows hold no worked solutions)")
         return None
-    lengths = target_lengths(solutions, recipe.data.prefill, token_counter(tokenizer))
+    lengths = target_lengths(solutions, recipe.data.prefill, token_counter(tokenizer), recipe.data.calculator)
     fit = fit_budget(lengths, t.max_completion_length, t.max_truncated_targets)
     if not fit.fits:
         raise RecipeError(

@@ -11,11 +11,24 @@ A GSM8K worked solution becomes the target
     </answer>
 
 The solution lines are the reasoning; the number after "####" is the answer. The calculator
-annotations `<<7*7=49>>` are removed on purpose: in GSM8K they are the protocol of an external
-calculator that filled in each result while the dataset was written. At generation time nobody
-fills them in, so a model primed on them learns to write every result twice in a syntax no
-reward asks for, spending a tight completion budget on bookkeeping, and to write arithmetic it
-has to get right twice. Without them the reasoning reads as plain prose arithmetic.
+annotations `<<7*7=49>>` are removed unless data.calculator is on: in GSM8K they are the protocol of
+an external calculator that filled in each result while the dataset was written. Without a
+calculator at generation time nobody fills them in, so a model primed on them learns to write every
+result twice in a syntax no reward asks for, spending a tight completion budget on bookkeeping, and
+to write arithmetic it has to get right twice. Without them the reasoning reads as plain prose
+arithmetic.
+
+With data.calculator the sampling engine is that calculator: it completes `<<EXPR=` with the exact
+result and `>>` (lowmem_grpo.rewards.calculator.forced_text). Priming then keeps each annotation in
+exactly that form, so the model learns to call it and to go on after it, and drops the duplicate
+expression GSM8K writes in front of it:
+
+    She starts with <<7*7=49>>49 fish.
+    She now has <<49-4=45>>45 fish.
+
+(GSM8K's `49-4=<<49-4=45>>45`; `$4*5=$<<4*5=20>>20` becomes `$<<4*5=20>>20`.) The value inside is
+re-rendered by the calculator (`format_result`), the text the engine forces; an annotation whose
+expression the calculator refuses is removed as without the calculator.
 
 The prefill (`data.prefill`, e.g. "<reasoning>\\n") is part of the prompt, so the SFT completion
 is the target minus the prefill, exactly the text GRPO samples after it; the rewards score
@@ -29,15 +42,65 @@ from collections.abc import Sequence
 from typing import Any
 
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.rewards.parsing import gold_number
+from lowmem_grpo.rewards.calculator import evaluate, format_result
+from lowmem_grpo.rewards.parsing import gold_number, parse_number
 
 _ANNOTATION_RE = re.compile(r"<<[^<>]*>>")
+_CALL_RE = re.compile(r"<<([^<>=]*)=([^<>=]*)>>")
+_EXPRESSION_CHARS = frozenset("0123456789.,+-*/()")
+_COPY_RE = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?")
 _TAG_RE = re.compile(r"</?(?:reasoning|answer)>")
 _REASONING_OPEN = "<reasoning>\n"
 
 
-def clean_reasoning(solution: str) -> str:
-    """The reasoning lines of a GSM8K solution: the "####" line dropped, `<<...>>` annotations removed.
+def _drop_duplicate(prefix: str, expr: str) -> str:
+    """`prefix` without the `EXPR=` (GSM8K's `$EXPR=$` too) it ends with, keeping one "$"; unchanged otherwise."""
+    rest = prefix.rstrip()
+    dollar = rest.endswith("$")
+    rest = rest.removesuffix("$").rstrip()
+    if not rest.endswith("="):
+        return prefix
+    rest = rest[:-1]
+    wanted = [char for char in expr if not char.isspace()]
+    end = len(rest)
+    while wanted and end > 0:  # match EXPR backwards, ignoring whitespace
+        end -= 1
+        if rest[end].isspace():
+            continue
+        if rest[end] != wanted.pop():
+            return prefix
+    if wanted:
+        return prefix
+    start = end - 1 if end > 0 and rest[end - 1] == "$" else end
+    if start > 0 and rest[start - 1] in _EXPRESSION_CHARS:
+        return prefix  # "12+49-4=" ends with more than the duplicate: left as written
+    dollar = dollar or start < end
+    head = rest[:start]
+    return head + ("$" if dollar else "")
+
+
+def _calculator_line(line: str) -> str:
+    """One solution line with its annotations in the calculator's form (see the module docstring)."""
+    out, pos = "", 0
+    for match in _ANNOTATION_RE.finditer(line):
+        out += line[pos:match.start()]
+        pos = match.end()
+        call = _CALL_RE.fullmatch(match.group(0))
+        value = evaluate(call.group(1).strip()) if call else None
+        if value is None:  # the calculator refuses it: removed, as without the calculator
+            continue
+        expr, result = call.group(1).strip(), format_result(value)
+        out = _drop_duplicate(out, expr) + f"<<{expr}={result}>>"
+        copy = _COPY_RE.match(line, pos)  # GSM8K's copy of the result after ">>" follows the calculator
+        if copy is not None and parse_number(copy.group(0)) == parse_number(call.group(2)):
+            out += result
+            pos = copy.end()
+    return out + line[pos:]
+
+
+def clean_reasoning(solution: str, calculator: bool = False) -> str:
+    """The reasoning lines of a GSM8K solution: the "####" line dropped, `<<...>>` annotations removed, or with
+    `calculator` written the way the calculator completes them (`<<49-4=45>>45`).
 
     Blank lines are dropped and the four format tags removed, so the text can sit inside the
     reasoning block whatever the solution held.
@@ -45,17 +108,19 @@ def clean_reasoning(solution: str) -> str:
     body = solution.rpartition("####")[0] if "####" in solution else solution
     lines = []
     for line in body.splitlines():
-        line = _TAG_RE.sub("", _ANNOTATION_RE.sub("", line))
+        line = _calculator_line(line) if calculator else _ANNOTATION_RE.sub("", line)
+        line = _TAG_RE.sub("", line)
         line = re.sub(r"[ \t]+", " ", line).strip()
         if line:
             lines.append(line)
     return "\n".join(lines)
 
 
-def render_full_target(solution: str) -> str:
-    """The whole assistant turn in the target format for one GSM8K solution (prefill included)."""
+def render_full_target(solution: str, calculator: bool = False) -> str:
+    """The whole assistant turn in the target format for one GSM8K solution (prefill included); `calculator`
+    keeps the annotations in the calculator's form (`clean_reasoning`)."""
     answer = gold_number(solution)
-    reasoning = clean_reasoning(solution) or f"The answer is {answer}."
+    reasoning = clean_reasoning(solution, calculator) or f"The answer is {answer}."
     return f"{_REASONING_OPEN}{reasoning}\n</reasoning>\n<answer>\n{answer}\n</answer>"
 
 
@@ -76,15 +141,16 @@ def check_prefill(prefill: str) -> None:
     )
 
 
-def render_target(solution: str, prefill: str = "") -> str:
+def render_target(solution: str, prefill: str = "", calculator: bool = False) -> str:
     """The completion priming trains on: the target format for `solution`, minus the `prefill`.
 
     `prefill + render_target(solution, prefill)` earns 1.0 under strict_format, soft_format,
     integer, xml_count and correctness (against the solution's "####" number). A prefill that
-    goes on past "<reasoning>\\n" (a reasoning lead-in) is kept in front of the solution lines.
+    goes on past "<reasoning>\\n" (a reasoning lead-in) is kept in front of the solution lines. `calculator`
+    keeps the annotations in the form the calculator completes (data.calculator).
     """
     check_prefill(prefill)
-    full = render_full_target(solution)
+    full = render_full_target(solution, calculator)
     if full.startswith(prefill):
         return full[len(prefill):]
     # a lead-in after "<reasoning>\n": the solution lines follow it on a new line
@@ -97,8 +163,11 @@ def primed_count(total: int, num_examples: int | None) -> int:
     return min(num_examples, total) if num_examples else total
 
 
-def priming_pairs(examples: Sequence[dict[str, Any]], num_examples: int | None = None) -> list[dict[str, str]]:
-    """Prompt-completion rows for SFTTrainer from `build_examples` output (the first `num_examples`)."""
+def priming_pairs(examples: Sequence[dict[str, Any]], num_examples: int | None = None,
+                  calculator: bool = False) -> list[dict[str, str]]:
+    """Prompt-completion rows for SFTTrainer from `build_examples` output (the first `num_examples`);
+    `calculator` renders the annotations for the calculator (data.calculator)."""
     chosen = list(examples[:primed_count(len(examples), num_examples)])
-    return [{"prompt": ex["prompt"], "completion": render_target(ex["solution"], ex.get("prefill") or "")}
+    return [{"prompt": ex["prompt"],
+             "completion": render_target(ex["solution"], ex.get("prefill") or "", calculator)}
             for ex in chosen]

@@ -84,7 +84,7 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
 
     from lowmem_grpo.train.callbacks import TelemetryCallback
 
-    pairs = priming_pairs(examples, recipe.prime.num_examples)
+    pairs = priming_pairs(examples, recipe.prime.num_examples, recipe.data.calculator)
     if not pairs:
         raise RecipeError("prime: no training examples to prime on", fix="raise prime.num_examples or data.limit")
     config = build_sft_config(recipe, run_dir, cuda, dtype, backend)
