@@ -192,8 +192,12 @@ class TrainConfig:
     preflight: bool = True
     """Before training, sample a few GRPO groups on training problems priming did not see and refuse to start when
     most groups' total reward is flat, or the goal reward is flat in every group (the only signal is format)."""
-    preflight_prompts: int = 4
-    """Prompt groups (of num_generations completions each) the preflight samples."""
+    preflight_prompts: int = 16
+    """Prompt groups the preflight samples, drawn at random over the training problems priming did not see (by
+    level for generated data). Each costs num_generations completions of up to max_completion_length tokens: the
+    sampling of one GRPO step whose batch is one prompt group. Fewer is quicker and its share of informative
+    groups noisier; the verdict is never a refusal on fewer than 16 (train samples more first when these show no
+    signal), so a low value costs extra time only when the signal is missing."""
     allow_no_signal: bool = False
     """Train even when the preflight finds no signal (GRPO would learn nothing, or only the format)."""
     eval_every: int = 0

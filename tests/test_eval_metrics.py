@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -19,8 +18,7 @@ from lowmem_grpo.evaluation.metrics import (
     weighted_rewards,
 )
 from lowmem_grpo.evaluation.generate import split_generated
-from lowmem_grpo.train.preflight import NO_SIGNAL_THRESHOLD, PreflightResult, fixes, group_stats, render
-from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.train.preflight import group_stats
 from lowmem_grpo.rewards import get_reward
 
 STRICT = "<reasoning>\n3 + 15 = 18\n</reasoning>\n<answer>\n18\n</answer>"
@@ -156,60 +154,3 @@ def test_group_stats_counts_zero_variance_groups():
     assert stats[-1].name == "total" and stats[0].frac_zero_std == pytest.approx(2 / 3)
     with pytest.raises(ValueError):
         group_stats({"total": [1.0, 2.0, 3.0]}, {}, 2)
-
-
-def test_no_signal_report_names_format_priming_first():
-    recipe = Recipe()
-    stats, frac = group_stats({"correctness": [0.0] * 8, "total": [0.0] * 8}, {"correctness": 2.0}, 4)
-    result = PreflightResult(stats, frac, 2, 4, 1.0, samples=[{"prompt_index": 0, "completion": "hi",
-                                                                "scores": {"total": 0.0}}])
-    assert result.no_signal and frac >= NO_SIGNAL_THRESHOLD
-    text = render(result, recipe)
-    assert "NO SIGNAL" in text and "prime.enabled=true" in text
-    assert text.index("prime.enabled=true") < text.index("partial-credit") < text.index("num_generations")
-    assert "temperature" in fixes(recipe)[3] and "data.prefill" in fixes(recipe)[4]
-    ok = PreflightResult(*group_stats({"total": [0.0, 1.0] * 4}, {}, 4), 2, 4, 1.0)
-    assert not ok.no_signal and "ok:" in render(ok, recipe)
-
-
-def _goal_result(correct: list[float], fmt: list[float], group: int = 4) -> PreflightResult:
-    totals = [2 * c + 0.5 * f for c, f in zip(correct, fmt)]
-    stats, frac = group_stats({"correctness": correct, "strict_format": fmt, "total": totals},
-                              {"correctness": 2.0, "strict_format": 0.5}, group)
-    return PreflightResult(stats, frac, len(correct) // group, group, 1.0, goal="correctness")
-
-
-def test_the_preflight_judges_the_goal_reward_and_says_when_the_only_signal_is_format():
-    recipe = Recipe()
-    # four groups: the format varies in each, correctness in none
-    only_format = _goal_result([0.0] * 16, [0.0, 1.0, 1.0, 1.0] * 4)
-    assert only_format.frac_zero_std == 0.0 and only_format.goal_frac_zero_std == 1.0
-    assert only_format.format_only and only_format.no_signal
-    text = render(only_format, recipe)
-    assert "NO SIGNAL ON THE GOAL" in text and "The only signal is format" in text and "ok:" not in text
-    assert "easier problems" in text and "train.allow_no_signal=true" in text
-    # correctness varies in one group of four: a signal, called weak
-    weak = _goal_result([0.0] * 12 + [0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0] * 4)
-    assert weak.weak_goal and not weak.no_signal and weak.goal_frac_zero_std == pytest.approx(0.75)
-    text = render(weak, recipe)
-    assert "ok: 4 of 4 prompt groups have reward variance, 1 of 4 on the goal reward correctness" in text
-    assert "weak: the goal reward correctness varies in only 1 of 4 groups" in text
-    strong = _goal_result([0.0, 1.0, 0.0, 1.0] * 4, [1.0] * 16)
-    assert not (strong.no_signal or strong.weak_goal or strong.format_only) and "weak:" not in render(strong, recipe)
-    assert strong.as_dict()["goal_frac_zero_std"] == 0.0
-
-
-def test_the_preflight_samples_problems_priming_did_not_train_on(caplog):
-    from lowmem_grpo.recipe_io import apply_overrides
-    from lowmem_grpo.train.preflight import unprimed_examples
-
-    examples = [{"prompt": f"p{i}"} for i in range(10)]
-    primed = apply_overrides(Recipe(), ["prime.enabled=true", "prime.num_examples=6"])
-    assert [e["prompt"] for e in unprimed_examples(primed, examples, 3)] == ["p6", "p7", "p8"]
-    assert [e["prompt"] for e in unprimed_examples(primed, examples, 2, primed=False)] == ["p0", "p1"]  # base model
-    unprimed = apply_overrides(Recipe(), ["prime.enabled=false"])
-    assert [e["prompt"] for e in unprimed_examples(unprimed, examples, 2)] == ["p0", "p1"]
-    with caplog.at_level(logging.WARNING, logger="lowmem_grpo"):  # priming saw all: the first ones, with a warning
-        everything = apply_overrides(Recipe(), ["prime.enabled=true"])
-        assert [e["prompt"] for e in unprimed_examples(everything, examples, 2)] == ["p0", "p1"]
-    assert "2 of its 2 prompts were primed on" in caplog.text

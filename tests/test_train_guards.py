@@ -72,6 +72,8 @@ def test_train_refuses_a_run_without_reward_signal_unless_allowed(tiny_model_dir
     code, log = cli_inprocess(*tiny_args(tiny_model_dir, tmp_path / "refused", *no_signal, steps=1))
     assert code == 3, log[-3000:]
     assert "GRPO would learn (almost) nothing" in log and "train.allow_no_signal=true" in log
+    # 2 prompts asked for, but a refusal is judged on 16: the message names the shares it measured
+    assert "correctness varies in 0 of 16 prompt groups (0%), the weighted total in 0 of 16 (0%)" in log
     assert not (tmp_path / "refused" / "adapter").exists()
     code, log = cli_inprocess(*tiny_args(tiny_model_dir, tmp_path / "allowed", *no_signal,
                                          "train.allow_no_signal=true", steps=1))

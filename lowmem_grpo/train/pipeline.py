@@ -188,23 +188,22 @@ def stage_evals(recipe: Recipe, loaded: Any, run_dir: Path, peaks: rss.StagePeak
 
 
 def require_reward_signal(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]]) -> Any:
-    """The reward preflight: would GRPO get any signal? NoSignalError (exit 3) unless train.allow_no_signal."""
-    check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight_prompts)
-    log.info("%s", reward_preflight.render(check, recipe).rstrip())
+    """The reward preflight: would GRPO get any signal? NoSignalError (exit 3) when the goal reward varies in no
+    group or the total in almost none, judged on at least PREFLIGHT_MIN_PROMPTS prompts, unless
+    train.allow_no_signal; a thin signal (fewer than half the groups) is a warning and the run goes on."""
+    check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight_prompts,
+                                       refusal_prompts=reward_preflight.PREFLIGHT_MIN_PROMPTS)
+    text = reward_preflight.render(check, recipe).rstrip()
+    if check.weak or (check.no_signal and recipe.train.allow_no_signal):
+        log.warning("%s", text)
+    else:
+        log.info("%s", text)
     if check.no_signal and not recipe.train.allow_no_signal:
+        fix = "; ".join(reward_preflight.fixes(recipe, check)[:3]) + "; train.allow_no_signal=true trains anyway"
         if check.format_only:
-            raise NoSignalError(
-                f"reward preflight: the goal reward {check.goal} is the same for every completion in all "
-                f"{check.num_prompts} prompt groups; the only signal is format, so GRPO would learn the format, "
-                "not the task",
-                fix="easier problems, more train.num_generations, more priming or a lower train.temperature; "
-                    "train.allow_no_signal=true trains anyway")
-        raise NoSignalError(
-            f"reward preflight: in {check.frac_zero_std:.0%} of {check.num_prompts} prompt groups every "
-            "completion got the same total reward, so GRPO would learn (almost) nothing",
-            fix="prime.enabled=true (format priming), partial-credit rewards, more train.num_generations, a "
-                "higher train.temperature, or a format hint in data.system_prompt / data.prefill; "
-                "train.allow_no_signal=true trains anyway")
+            raise NoSignalError(f"reward preflight: {check.shares()}: the only signal is format, so GRPO would "
+                                "learn the format, not the task", fix=fix)
+        raise NoSignalError(f"reward preflight: {check.shares()}, so GRPO would learn (almost) nothing", fix=fix)
     return check
 
 

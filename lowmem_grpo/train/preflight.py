@@ -2,25 +2,32 @@
 
 GRPO's advantage is each completion's reward minus its group's mean; a group whose weighted total
 reward is the same for every completion contributes nothing. `preflight` samples
-train.num_generations completions for a few prompts at the recipe's temperature, scores them with
-the recipe's rewards, and reports the share of such zero-variance groups, on the weighted total and
-on the goal reward (lowmem_grpo.recipe.goal_reward): a total that varies only through the format
+train.num_generations completions for training prompts at the recipe's temperature, scores them with
+the recipe's rewards, and reports the share of informative (varying) groups, on the weighted total
+and on the goal reward (lowmem_grpo.recipe.goal_reward): a total that varies only through the format
 rewards teaches the format, not the task. The prompts are training problems priming did not train
-on, so a primed model is judged on what it can do, not on targets it memorised. `check_rewards` is
-the `lowmem-grpo check-rewards` command's whole flow; `train` calls `preflight` before it trains.
+on, so a primed model is judged on what it can do, not on targets it memorised, drawn at random over
+the whole set (by level, for generated problems), so the verdict does not hang on one run of
+similar problems. One varying group proves the reward can vary on this model; flat groups prove
+little, so the preflight refuses only a run with (almost) no varying group, on at least
+PREFLIGHT_MIN_PROMPTS prompts, and warns when fewer than half vary. `check_rewards` is the
+`lowmem-grpo check-rewards` command's whole flow; `train` calls `preflight` before it trains.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lowmem_grpo.backends import load, prepare
 from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.data.format import primed_count
+from lowmem_grpo.data.generated import level_of
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.evaluation.generate import generate
 from lowmem_grpo.evaluation.metrics import weighted_rewards
@@ -28,9 +35,22 @@ from lowmem_grpo.recipe import goal_reward, resolved_rewards, validate
 
 log = logging.getLogger(__name__)
 
-NO_SIGNAL_THRESHOLD = 0.5
-"""When more than this share of prompt groups has a zero-variance total reward ("most"), there is no signal; when
-more than this share is flat on the goal reward, its signal is weak."""
+MIN_TOTAL_SHARE = 0.05
+"""The preflight refuses when the weighted total varies in fewer than this share of prompt groups ("almost none").
+
+A group that varies is proof that the reward can vary on this model; a flat group is weak evidence: a model
+that solves some kinds of problem and none of another (the primed CPU default's groups vary on a third to half
+of the problems) leaves every group of a run of the hard kind flat. So the bar is low: below 1 in 20
+informative groups, a GRPO step of one or two prompt groups has no gradient 90-95% of the time and a run is
+mostly noise; at PREFLIGHT_MIN_PROMPTS (16) prompts it takes every group flat (one varying group is 6%),
+while on more prompts one stray varying group in 40 is not enough."""
+WEAK_SHARE = 0.5
+"""Fewer than this share of groups informative, on the goal reward or on the total: a weak signal. The run goes on
+with a warning naming the share (GRPO learns from those groups only, so it learns slower)."""
+PREFLIGHT_MIN_PROMPTS = 16
+"""A refusal is judged on at least this many prompts (when the training set has them): when fewer show no signal,
+`preflight` samples more before it says so. A model that varies on a third of the problems leaves 8 spread
+prompts all flat ~4% of the time, 16 ~0.15%."""
 ZERO_STD_TOL = 1e-6
 
 
@@ -70,27 +90,56 @@ class PreflightResult:
         return next((s.frac_zero_std for s in self.rewards if s.name == self.goal), None)
 
     @property
-    def format_only(self) -> bool:
-        """The total varies, the goal reward in no group: GRPO would learn the format, not the task."""
-        goal = self.goal_frac_zero_std
-        return goal is not None and goal >= 1.0 and self.frac_zero_std < 1.0
+    def total_share(self) -> float:
+        """Share of prompt groups whose weighted total varies (informative groups: GRPO's gradient comes from them)."""
+        return 1.0 - self.frac_zero_std
 
     @property
-    def weak_goal(self) -> bool:
-        """The goal reward is flat in most groups, but not in all."""
+    def goal_share(self) -> float | None:
+        """Share of prompt groups in which the goal reward varies (None: no goal)."""
         goal = self.goal_frac_zero_std
-        return goal is not None and NO_SIGNAL_THRESHOLD < goal < 1.0
+        return None if goal is None else 1.0 - goal
+
+    @property
+    def format_only(self) -> bool:
+        """The total varies, the goal reward in no group: GRPO would learn the format, not the task."""
+        return self.goal_share == 0.0 and self.total_share > 0.0
 
     @property
     def no_signal(self) -> bool:
-        """Most groups flat on the total ("most": more than half), or every group flat on the goal reward."""
-        goal = self.goal_frac_zero_std
-        return self.frac_zero_std > NO_SIGNAL_THRESHOLD or (goal is not None and goal >= 1.0)
+        """Refuse: the goal reward varies in no group, or the total in almost none (below MIN_TOTAL_SHARE)."""
+        return self.goal_share == 0.0 or self.total_share < MIN_TOTAL_SHARE
+
+    @property
+    def weak_goal(self) -> bool:
+        """The goal reward varies in some groups, but in fewer than half (WEAK_SHARE): a warning, not a refusal."""
+        return not self.no_signal and self.goal_share is not None and self.goal_share < WEAK_SHARE
+
+    @property
+    def weak_total(self) -> bool:
+        """The total varies in fewer than half the groups (WEAK_SHARE), but not in almost none: a warning."""
+        return not self.no_signal and self.total_share < WEAK_SHARE
+
+    @property
+    def weak(self) -> bool:
+        """A signal, but a thin one (weak_goal or weak_total): train goes on with a warning."""
+        return self.weak_goal or self.weak_total
+
+    def shares(self) -> str:
+        """The measured shares in words: "goal reward correctness varies in 3 of 16 prompt groups (19%), the
+        weighted total in 12 of 16 (75%)"."""
+        n = self.num_prompts
+        total = f"{n - round(self.frac_zero_std * n)} of {n}"
+        if self.goal_share is None:
+            return f"the weighted total varies in {total} prompt groups ({self.total_share:.0%}; no goal reward named)"
+        return (f"the goal reward {self.goal} varies in {n - round(self.goal_frac_zero_std * n)} of {n} prompt "
+                f"groups ({self.goal_share:.0%}), the weighted total in {total} ({self.total_share:.0%})")
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(no_signal=self.no_signal, format_only=self.format_only, weak_goal=self.weak_goal,
-                    goal_frac_zero_std=self.goal_frac_zero_std)
+                    weak_total=self.weak_total, goal_frac_zero_std=self.goal_frac_zero_std,
+                    goal_share=self.goal_share, total_share=self.total_share)
         return data
 
 
@@ -117,50 +166,97 @@ def group_stats(scores: dict[str, list[float]], weights: dict[str, float],
     return stats, stats[-1].frac_zero_std
 
 
-def unprimed_examples(recipe: Any, examples: list[dict[str, Any]], n_prompts: int,
-                      primed: bool = True) -> list[dict[str, Any]]:
-    """The first n_prompts examples priming did not train on (it trains on the first prime.num_examples, or all;
-    `primed`: whether the model was primed on these examples); when too few are left, the rest from the start,
-    with a warning (those were primed on)."""
+def spread_order(levels: Sequence[int], seed: int) -> list[int]:
+    """Indices 0..len(levels)-1 in a seeded random order: every prefix is a random sample of the whole range (not a
+    run of neighbours) holding each level in proportion, so a stratified sample of any size is a prefix. Each
+    level's indices are shuffled and interleaved by their position within the level, (j + offset) / count."""
+    rng = random.Random(seed)
+    by_level: dict[int, list[int]] = {}
+    for i, level in enumerate(levels):
+        by_level.setdefault(level, []).append(i)
+    keyed = []
+    for level in sorted(by_level):
+        members = by_level[level]
+        rng.shuffle(members)
+        offset = rng.random()
+        keyed += [((j + offset) / len(members), rng.random(), i) for j, i in enumerate(members)]
+    return [i for *_, i in sorted(keyed)]
+
+
+def preflight_examples(recipe: Any, examples: list[dict[str, Any]], n_prompts: int,
+                       primed: bool = True) -> list[dict[str, Any]]:
+    """n_prompts examples priming did not train on (it trains on the first prime.num_examples, or all; `primed`:
+    whether the model was primed on these examples), in spread_order over all of them, seeded by train.seed and
+    stratified by level for generated problems (lowmem_grpo.data.generated.level_of); a prefix of a larger draw.
+    When too few are left, the rest from the primed ones, with a warning (their pass rates are optimistic)."""
     prime = getattr(recipe, "prime", None)
     seen = primed_count(len(examples), prime.num_examples) if primed and prime is not None and prime.enabled else 0
-    chosen = examples[seen:seen + n_prompts]
+    generated = getattr(recipe.data, "source", None) == "generated"
+
+    def spread(pool: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        levels = [(ex.get("level") or level_of(ex["question"], ex["solution"])) if generated else 0 for ex in pool]
+        return [pool[i] for i in spread_order(levels, recipe.train.seed)]
+
+    chosen = spread(examples[seen:])[:n_prompts]
     if len(chosen) < n_prompts:
+        fix = (f"prime.num_examples below {len(examples) - n_prompts + 1} leaves it fresh ones"
+               if len(examples) > n_prompts else "a larger training set leaves it fresh ones")
         log.warning("preflight: %d of its %d prompts were primed on (priming trained on %d of the %d training "
-                    "problems), so their pass rates are optimistic; prime.num_examples below %d leaves it fresh "
-                    "ones", n_prompts - len(chosen), n_prompts, seen, len(examples), len(examples) - n_prompts + 1)
-        chosen += examples[:n_prompts - len(chosen)]
+                    "problems), so their pass rates are optimistic; %s", min(n_prompts, len(examples)) - len(chosen),
+                    n_prompts, seen, len(examples), fix)
+        chosen += spread(examples[:seen])[:n_prompts - len(chosen)]
     return chosen
 
 
-def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompts: int,
-              primed: bool = True) -> PreflightResult:
-    """Sample the recipe's GRPO groups for n_prompts examples priming did not train on (`primed`: the model was
-    primed on the recipe's priming examples of `examples`) and measure the reward signal, on the weighted total
-    and on the goal reward."""
-    if n_prompts < 1:
-        raise BadInputError(f"preflight prompts {n_prompts} must be at least 1", fix="e.g. --prompts 4")
+def _sample(recipe: Any, loaded: Any, chosen: list[dict[str, Any]], seed: int
+            ) -> tuple[list[str], dict[str, list[Any]]]:
+    """num_generations completions for each chosen example (texts, grouped by prompt) and their reward columns."""
     t = recipe.train
-    chosen = unprimed_examples(recipe, examples, n_prompts, primed)
-    weights = resolved_rewards(recipe)
     k = t.num_generations
-    started = time.monotonic()
     generations = generate(loaded.model, loaded.tokenizer, [ex["prompt"] for ex in chosen],
                            max_new_tokens=t.max_completion_length, batch_size=max(k, t.per_device_train_batch_size),
-                           num_samples=k, temperature=t.temperature, seed=t.seed, progress=True, desc="preflight",
+                           num_samples=k, temperature=t.temperature, seed=seed, progress=True, desc="preflight",
                            merged=t.merged_sampling)
     texts = [g.text for samples in generations for g in samples]
     columns = {key: [ex.get(key) for ex in chosen for _ in range(k)] for key in chosen[0]}
     columns["prompts"] = columns.pop("prompt")
+    return texts, columns
+
+
+def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompts: int,
+              primed: bool = True, refusal_prompts: int = 0) -> PreflightResult:
+    """Sample the recipe's GRPO groups for n_prompts examples priming did not train on, spread over the set
+    (preflight_examples; `primed`: the model was primed on the recipe's priming examples of `examples`), and
+    measure the reward signal, on the weighted total and on the goal reward. When that finds no signal on fewer
+    than `refusal_prompts` prompts, more prompts of the same draw are sampled and the verdict is on all of them."""
+    if n_prompts < 1:
+        raise BadInputError(f"preflight prompts {n_prompts} must be at least 1", fix="e.g. --prompts 16")
+    t = recipe.train
+    chosen = preflight_examples(recipe, examples, n_prompts, primed)
+    weights = resolved_rewards(recipe)
+    goal = goal_reward(recipe)
+    k = t.num_generations
+    started = time.monotonic()
+    texts, columns = _sample(recipe, loaded, chosen, t.seed)
     scores = weighted_rewards(weights, texts, columns)
+    result = PreflightResult(*group_stats(scores, weights, k), len(chosen), k, t.temperature, goal=goal)
+    # a refusal rests on more than a few draws: the next prompts of the same spread draw
+    extra = preflight_examples(recipe, examples, refusal_prompts, primed)[len(chosen):] if result.no_signal else []
+    if extra:
+        log.info("preflight: %s; sampling %d more prompts before judging", result.shares(), len(extra))
+        more_texts, more_columns = _sample(recipe, loaded, extra, t.seed + 1)
+        more = weighted_rewards(weights, more_texts, more_columns)
+        texts += more_texts
+        columns = {key: values + more_columns[key] for key, values in columns.items()}
+        scores = {name: values + more[name] for name, values in scores.items()}
     stats, frac = group_stats(scores, weights, k)
     best = max(range(len(texts)), key=lambda i: scores["total"][i])
     picks = [0] + ([best] if best != 0 else ([1] if len(texts) > 1 else []))
     prefills = columns.get("prefill") or [""] * len(texts)
     samples = [{"prompt_index": i // k, "completion": (prefills[i] or "") + texts[i],
                 "scores": {name: values[i] for name, values in scores.items()}} for i in picks]
-    return PreflightResult(stats, frac, len(chosen), k, t.temperature, recipe.data.prefill, samples,
-                           time.monotonic() - started, goal_reward(recipe))
+    return PreflightResult(stats, frac, len(texts) // k, k, t.temperature, recipe.data.prefill, samples,
+                           time.monotonic() - started, goal)
 
 
 def goal_fixes(recipe: Any) -> list[str]:
@@ -180,9 +276,11 @@ def goal_fixes(recipe: Any) -> list[str]:
 
 
 def fixes(recipe: Any, result: PreflightResult | None = None) -> list[str]:
-    """The likely fixes for a reward set without signal, most effective first, fitted to the recipe (and to what
-    the preflight found: a flat goal reward under a varying format gets `goal_fixes`)."""
-    if result is not None and result.format_only and result.frac_zero_std <= NO_SIGNAL_THRESHOLD:
+    """The likely fixes for a reward set without (enough) signal, most effective first, fitted to the recipe (and to
+    what the preflight found: when the goal reward varies somewhere, or the total in most groups, the format is in
+    reach and the goal is what is short, so `goal_fixes`)."""
+    if result is not None and result.goal_share is not None and (result.goal_share > 0
+                                                                 or result.total_share >= WEAK_SHARE):
         return goal_fixes(recipe)
     t, d = recipe.train, recipe.data
     prime = getattr(recipe, "prime", None)
@@ -227,42 +325,40 @@ def render(result: PreflightResult, recipe: Any) -> str:
         scores = ", ".join(f"{k}={v:.3f}" for k, v in sample["scores"].items())
         lines += [f"sample {n} (prompt {sample['prompt_index']}): {scores}", "    " +
                   sample["completion"].strip().replace("\n", "\n    ")[:1200], ""]
-    zero_groups = round(result.frac_zero_std * result.num_prompts)
-    n = result.num_prompts
-    goal_zero = result.goal_frac_zero_std
-    goal_varied = None if goal_zero is None else n - round(goal_zero * n)
-    if result.frac_zero_std > NO_SIGNAL_THRESHOLD:
-        lines += [f"NO SIGNAL: in {zero_groups} of {n} prompt groups "
-                  f"({result.frac_zero_std:.0%}) every completion got the same total reward. GRPO learns "
-                  "only from reward differences inside a group, so those groups give no gradient and training "
-                  "would learn little or nothing."]
-    elif result.format_only:
-        lines += [f"NO SIGNAL ON THE GOAL: the goal reward {result.goal} is the same for every completion in all {n} "
-                  f"prompt groups; the total varies in {n - zero_groups} of them only through the other (format) "
-                  "rewards. The only signal is format: GRPO would learn to write the format, not to get the "
-                  "answers right."]
     if result.no_signal:
+        if result.format_only:
+            lines.append(f"NO SIGNAL ON THE GOAL: {result.shares()}. The goal reward is the same for every completion "
+                         "in every group; the total varies only through the other (format) rewards, so GRPO would "
+                         "learn to write the format, not to get the answers right.")
+        else:
+            lines.append(f"NO SIGNAL: {result.shares()}; below {MIN_TOTAL_SHARE:.0%} of the groups is almost none. "
+                         "GRPO learns only from reward differences inside a group, so training would learn little "
+                         "or nothing.")
         lines.append("Likely fixes, most effective first:")
         lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
         lines.append("Train anyway with train.allow_no_signal=true.")
         return "\n".join(lines) + "\n"
-    lines.append(f"ok: {n - zero_groups} of {n} prompt groups have reward variance"
-                 + (f", {goal_varied} of {n} on the goal reward {result.goal}" if goal_varied is not None else
-                    " (no goal reward named: judged on the weighted total)") + "; GRPO has a signal to learn from.")
-    if result.weak_goal:
-        lines.append(f"weak: the goal reward {result.goal} varies in only {goal_varied} of {n} groups; most of the "
-                     "signal is format, which GRPO may learn instead of the answers (more train.num_generations, "
-                     "easier problems or longer priming give the goal more groups)")
+    if result.weak:
+        lines.append(f"WEAK SIGNAL: {result.shares()}; fewer than {WEAK_SHARE:.0%} informative. GRPO learns from "
+                     "the varying groups only: training goes on, more slowly"
+                     + (", and with most of the signal in the format it may learn the format instead of the answers"
+                        if result.weak_goal and not result.weak_total else "") + ".")
+        lines.append("To give it more signal, most effective first:")
+        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
+        return "\n".join(lines) + "\n"
+    lines.append(f"ok: {result.shares()}; GRPO has a signal to learn from.")
     return "\n".join(lines) + "\n"
 
 
 def check_rewards(recipe: Any, n_prompts: int) -> PreflightResult:
-    """Load the recipe's base model and training prompts and run the preflight; never trains."""
+    """Load the recipe's base model and training prompts and run the preflight as `train` does (a refusal on at
+    least PREFLIGHT_MIN_PROMPTS prompts); never trains."""
     validate(recipe)
     if n_prompts < 1:
-        raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix="e.g. --prompts 4")
+        raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix=f"e.g. --prompts {PREFLIGHT_MIN_PROMPTS}")
     backend = prepare(recipe.model.backend)
     rows = load_train_rows(recipe.data)  # bad data fails before the model loads
     loaded = load(recipe, backend, with_lora=False)
-    examples = recipe_examples(rows[: n_prompts * 4], loaded.tokenizer, recipe.data)
-    return preflight(recipe, loaded, examples, n_prompts, primed=False)  # the base model: nothing was primed
+    examples = recipe_examples(rows, loaded.tokenizer, recipe.data)  # all of them: the prompts are drawn spread
+    # the base model: nothing was primed
+    return preflight(recipe, loaded, examples, n_prompts, primed=False, refusal_prompts=PREFLIGHT_MIN_PROMPTS)
