@@ -7,7 +7,6 @@ inference mode and on a private RNG stream. Imports torch/transformers only insi
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,11 +17,13 @@ from lowmem_grpo.errors import BadInputError
 
 @dataclass
 class Generation:
-    """One generated completion: its text (without the prefill), token count, and whether it was cut."""
+    """One generated completion: its text (without the prefill), token count, whether it was cut, and how many of
+    its tokens the calculator wrote (data.calculator)."""
 
     text: str
     tokens: int
     truncated: bool
+    forced_tokens: int = 0
 
 
 LIVE_ADAPTER = "lowmem_grpo_live_lora"
@@ -92,67 +93,42 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _generation_config(model: Any, tokenizer: Any, max_new_tokens: int, num_samples: int,
-                       temperature: float, eos: set[int]) -> Any:
-    from transformers import GenerationConfig
-
-    base = getattr(model, "generation_config", None)
-    config = copy.deepcopy(base) if base is not None else GenerationConfig()
-    sample = temperature > 0
-    # Plain sampling at the given temperature (no top-k/top-p), like TRL's defaults; greedy otherwise.
-    config.update(do_sample=sample, temperature=temperature if sample else 1.0, top_p=1.0,
-                  top_k=0 if sample else 50, min_p=None, repetition_penalty=1.0, num_return_sequences=num_samples, max_new_tokens=max_new_tokens,
-                  max_length=None, min_new_tokens=None, eos_token_id=sorted(eos),
-                  pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos))
-    return config
-
-
 def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
                            batch_size: int, num_samples: int, temperature: float, seed: int,
-                           bar: Any, merged: bool) -> list[list[Generation]]:
+                           bar: Any, merged: bool, calculator: bool) -> list[list[Generation]]:
     import torch
+
+    from lowmem_grpo.evaluation.engine import Calculator, sample_rows
 
     eos = _eos_ids(model, tokenizer)
     if not eos:
         raise BadInputError("the tokenizer has no EOS token, so truncation cannot be told from an end",
                             fix="set tokenizer.eos_token (and the model's generation_config.eos_token_id)")
-    config = _generation_config(model, tokenizer, max_new_tokens, num_samples, temperature, eos)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    tool = Calculator(tokenizer) if calculator else None
     device = next(model.parameters()).device
     per_batch = max(1, batch_size // num_samples)  # batch_size counts sequences generated at once
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
     results: list[list[Generation]] = []
     # a private RNG stream: the seed makes the samples repeatable without resetting (or consuming) the stream
     # that training's sampling and dropout draw from
     devices = [device.index or 0] if device.type == "cuda" else []
-    try:
-        with inference_mode(model), fast_sampling(model, merged), torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            for start in range(0, len(prompts), per_batch):
-                batch = prompts[start:start + per_batch]
-                results += _generate_batch(model, tokenizer, batch, config, eos, num_samples, max_new_tokens, device)
-                bar.update(len(batch))
-    finally:
-        tokenizer.padding_side = padding_side
+    with inference_mode(model), fast_sampling(model, merged), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), per_batch):
+            batch = prompts[start:start + per_batch]
+            ids = tokenizer(batch)["input_ids"]
+            rows = sample_rows(model, [p for p in ids for _ in range(num_samples)], max_new_tokens=max_new_tokens,
+                               temperature=temperature, eos_ids=eos, pad_id=pad_id, calculator=tool)
+            for i in range(len(batch)):
+                results.append([_generation(tokenizer, r, eos) for r in rows[i * num_samples:(i + 1) * num_samples]])
+            bar.update(len(batch))
     return results
 
 
-def _generate_batch(model: Any, tokenizer: Any, batch: list[str], config: Any, eos: set[int], num_samples: int,
-                    max_new_tokens: int, device: Any) -> list[list[Generation]]:
-    import torch
-
-    encoded = tokenizer(batch, return_tensors="pt", padding=True).to(device)
-    with torch.inference_mode():
-        out = model.generate(**encoded, generation_config=config)
-    generated = out[:, encoded["input_ids"].shape[1]:].tolist()
-    results = []
-    for i in range(len(batch)):
-        samples = []
-        for ids in generated[i * num_samples:(i + 1) * num_samples]:
-            kept, tokens, truncated = split_generated(ids, eos, max_new_tokens)
-            samples.append(Generation(tokenizer.decode(kept, skip_special_tokens=True), tokens, truncated))
-        results.append(samples)
-    return results
+def _generation(tokenizer: Any, sampled: Any, eos: set[int]) -> Generation:
+    kept = sampled.ids[:-1] if not sampled.truncated and sampled.ids and sampled.ids[-1] in eos else sampled.ids
+    return Generation(tokenizer.decode(kept, skip_special_tokens=True), len(sampled.ids), sampled.truncated,
+                      sum(sampled.forced))
 
 
 @dataclass
@@ -342,12 +318,14 @@ def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_
 def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
              engine: str = "auto", lora_request: Any = None, desc: str = "eval",
-             merged: bool = True) -> list[list[Generation]]:
+             merged: bool = True, calculator: bool = False) -> list[list[Generation]]:
     """num_samples completions per prompt (text after the prompt, prefill excluded).
 
     With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
     model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
-    merged into the weights while it samples when `merged` and merged_adapter applies."""
+    merged into the weights while it samples when `merged` and merged_adapter applies, through
+    lowmem_grpo.evaluation.engine. With `calculator`, each `<<EXPR=` a row writes is completed by the calculator
+    (transformers only: vLLM samples whole completions, so it cannot; asking for both is bad input)."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")
@@ -359,6 +337,10 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
     from tqdm.auto import tqdm
 
     chosen = choose_engine(model, engine)
+    if calculator and chosen == "vllm":
+        raise BadInputError("data.calculator needs the transformers sampling engine: vLLM samples whole completions "
+                            "and cannot take the calculator's results into a row",
+                            fix="set model.fast_inference=false (or --engine transformers), or data.calculator=false")
     with tqdm(total=len(prompts), desc=desc, unit="problem", disable=not progress, dynamic_ncols=True) as bar:
         if chosen == "vllm":
             vllm_engine, request = vllm_target(model, lora_request)  # the adapter as trained so far
@@ -366,4 +348,4 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
                                   temperature=temperature, seed=seed, lora_request=request, bar=bar)
         return _generate_transformers(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                       batch_size=batch_size, num_samples=num_samples, temperature=temperature,
-                                      seed=seed, bar=bar, merged=merged)
+                                      seed=seed, bar=bar, merged=merged, calculator=calculator)

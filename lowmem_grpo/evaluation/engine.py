@@ -1,0 +1,172 @@
+"""The decode loop every transformers sampling path of lowmem_grpo runs: GRPO rollouts, evaluation, stage
+evaluation, the periodic eval, the reward preflight and check-rewards.
+
+`sample_rows(model, prompt_ids, ...)` continues each prompt (token ids) with one completion, greedy or sampled,
+and says per token whether the policy chose it or a tool forced it:
+
+- each distinct prompt is forwarded once, and its KV cache is copied out to the rows that continue it (a GRPO
+  group's G rows, or an evaluation's k samples, share one prefill);
+- sampling draws from the temperature-scaled softmax by inverse CDF (one uniform per row, a cumulative sum and a
+  binary search), a few times cheaper than `torch.multinomial` over a 50k vocabulary, the same distribution;
+- rows that ended are dropped from the batch as they accumulate (the cache is re-indexed when a quarter of the
+  rows have ended), so the decode steps run only on rows still writing;
+- with a `Calculator`, a row whose text ends in `<<EXPR=` gets the calculator's `RESULT>>` forced into it, one
+  token per decode step, each marked as forced: GRPO keeps those tokens out of its loss and KL (the policy did not
+  choose them), and every sampling path writes the same text a user's run will see.
+
+The model runs as it is (callers wrap it in generate.fast_sampling and inference mode); torch and transformers
+are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowmem_grpo.rewards.calculator import forced_text, pending_expression
+
+CALCULATOR_TAIL_TOKENS = 64
+"""How many of a row's last tokens are decoded to look for an open `<<EXPR=`: the calculator refuses longer
+expressions anyway (lowmem_grpo.rewards.calculator bounds their length)."""
+
+COMPACT_SHARE = 0.25
+"""Drop the ended rows from the batch once this share of its rows has ended: each drop copies the KV cache, each
+decode step on an ended row is wasted compute."""
+
+
+@dataclass
+class Sampled:
+    """One completion: its token ids (the EOS included when it ended), which of them a tool forced (1) rather
+    than the policy chose (0), and whether it ran out of tokens before an EOS."""
+
+    ids: list[int] = field(default_factory=list)
+    forced: list[int] = field(default_factory=list)
+    truncated: bool = True
+
+    @property
+    def policy_mask(self) -> list[int]:
+        """1 for the tokens the policy chose, 0 for forced ones: TRL's `env_mask` / `tool_mask` convention."""
+        return [1 - f for f in self.forced]
+
+
+class Calculator:
+    """Completes `<<EXPR=` with the calculator's `RESULT>>` (lowmem_grpo.rewards.calculator), as token ids of
+    `tokenizer`. Only tokens whose text ends in "=" can open a calculation, so only after one of those is a row's
+    tail decoded."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        self.triggers = frozenset(i for i, t in enumerate(tokens) if isinstance(t, str) and t.endswith("="))
+
+    def forced_ids(self, completion_ids: list[int]) -> list[int]:
+        """The ids to force after `completion_ids`: the result and `>>` when the text ends in an open `<<EXPR=`
+        whose EXPR evaluates; else none."""
+        if not completion_ids or completion_ids[-1] not in self.triggers:
+            return []
+        tail = self.tokenizer.decode(completion_ids[-CALCULATOR_TAIL_TOKENS:], skip_special_tokens=True)
+        expr = pending_expression(tail)
+        text = forced_text(expr) if expr is not None else None
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+def _left_padded(prompts: list[tuple[int, ...]], pad_id: int, device: Any) -> tuple[Any, Any]:
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def next_tokens(logits: Any, temperature: float, generator: Any = None) -> Any:
+    """One token per row of `logits` (rows, vocab): the argmax at temperature 0, else a draw from
+    softmax(logits / temperature) by inverse CDF (one uniform per row from `generator`, or torch's global RNG)."""
+    import torch
+
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    cdf = probs.cumsum_(dim=-1)
+    u = torch.rand((logits.size(0), 1), generator=generator, device=logits.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=logits.size(-1) - 1)
+
+
+def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
+                eos_ids: set[int], pad_id: int, calculator: Calculator | None = None,
+                generator: Any = None) -> list[Sampled]:
+    """One completion per entry of `prompt_ids` (rows that repeat a prompt share its prefill). Runs under
+    torch.inference_mode; the model's own mode (eval, merged weights) is the caller's."""
+    import torch
+    from transformers import DynamicCache
+
+    if not prompt_ids:
+        return []
+    device = next(model.parameters()).device
+    distinct: dict[tuple[int, ...], int] = {}
+    source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
+    results = [Sampled() for _ in prompt_ids]
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    with torch.inference_mode():
+        ids, mask = _left_padded(list(distinct), pad_id, device)
+        # the position ids transformers' generate gives left-padded rows
+        positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        index = torch.tensor(source, device=device)
+        if source != list(range(len(distinct))):  # rows repeat or reorder the distinct prompts
+            cache.batch_select_indices(index)
+        logits = out.logits[index, -1, :]
+        mask = mask[index]
+        position = positions[index, -1]
+        rows = list(range(len(prompt_ids)))  # batch position -> row; -1 once the row has ended
+        queued: dict[int, list[int]] = {}  # row -> forced ids still to write
+        for step in range(max_new_tokens):
+            sampled = next_tokens(logits, temperature, generator).tolist()
+            feed = [_advance(results, rows, b, sampled[b], queued, eos_ids, calculator) for b in range(len(rows))]
+            alive = [b for b, row in enumerate(rows) if row >= 0]
+            if not alive or step == max_new_tokens - 1:
+                break
+            if len(alive) <= (1 - COMPACT_SHARE) * len(rows):
+                select = torch.tensor(alive, device=device)
+                cache.batch_select_indices(select)
+                mask, position = mask[select], position[select]
+                rows, feed = [rows[b] for b in alive], [feed[b] for b in alive]
+            mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
+            position = position + 1
+            out = model(input_ids=torch.tensor(feed, device=device).unsqueeze(1), attention_mask=mask,
+                        position_ids=position.unsqueeze(1), past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :]
+    return results
+
+
+def _advance(results: list[Sampled], rows: list[int], b: int, sampled: int, queued: dict[int, list[int]],
+             eos_ids: set[int], calculator: Calculator | None) -> int:
+    """Write batch position b's next token (a queued forced one, else the sampled one) into its row; mark the
+    row ended (-1) at a sampled EOS; queue the calculator's result after an open `<<EXPR=`. Returns the token to
+    feed the model next (a placeholder for an ended row, whose next logits are never read)."""
+    row = rows[b]
+    if row < 0:
+        return sampled
+    result = results[row]
+    pending = queued.get(row)
+    forced = bool(pending)
+    token = pending.pop(0) if forced else sampled
+    if forced and not pending:
+        del queued[row]
+    result.ids.append(token)
+    result.forced.append(int(forced))
+    if not forced and token in eos_ids:
+        result.truncated = False
+        rows[b] = -1
+        return token
+    if calculator is not None and row not in queued:
+        extra = calculator.forced_ids(result.ids)
+        if extra:
+            queued[row] = extra
+    return token
