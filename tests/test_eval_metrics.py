@@ -14,6 +14,7 @@ from lowmem_grpo.evaluation.metrics import (
     judge,
     lenient_equal,
     metrics_table,
+    outcome_shares,
     paired_bootstrap,
     problem_value,
     weighted_rewards,
@@ -213,3 +214,30 @@ def test_the_preflight_samples_problems_priming_did_not_train_on(caplog):
         everything = apply_overrides(Recipe(), ["prime.enabled=true"])
         assert [e["prompt"] for e in unprimed_examples(everything, examples, 2)] == ["p0", "p1"]
     assert "2 of its 2 prompts were primed on" in caplog.text
+
+
+def test_judge_says_what_the_answer_got_wrong():
+    assert judge(STRICT, "18").outcome == "correct"
+    assert judge(WRONG_FORMATTED, "17").outcome == "correct"  # the answer, whatever the calculation's gold
+    assert judge(WRONG_FORMATTED, "18").outcome == "wrong_operation"  # 3 + 14 is 17: right arithmetic, wrong operands
+    assert judge(STRICT.replace("= 18", "= 19").replace("\n18\n", "\n19\n"), "18").outcome == "wrong_arithmetic"
+    assert judge("<reasoning>\n3 + 14 = 18\n</reasoning>\n<answer>\n18\n</answer>", "20").outcome == "both_wrong"
+    assert judge("<reasoning>\nno idea\n</reasoning>\n<answer>\n7\n</answer>", "18").outcome == "no_expression"
+    assert judge("<reasoning>\n3 + 15 = 18\n</reasoning>\n<answer>\n81\n</answer>", "18").outcome == "other"
+    assert judge(STRICT, "18").as_dict()["outcome"] == "correct"
+
+
+def test_outcome_shares_count_the_first_sample_of_each_problem():
+    from lowmem_grpo.evaluation.metrics import Verdict
+    from lowmem_grpo.rewards.calculator import OUTCOMES
+
+    right, operation = judge(STRICT, "18"), judge(WRONG_FORMATTED, "18")
+    none = judge("<reasoning>\nno idea\n</reasoning>\n<answer>\n7\n</answer>", "18")
+    shares = outcome_shares([[right, operation], [operation, right], [none], [operation]])
+    assert list(shares) == list(OUTCOMES)
+    assert shares["correct"] == 0.25 and shares["wrong_operation"] == 0.5 and shares["no_expression"] == 0.25
+    assert sum(shares.values()) == 1.0 and shares["wrong_arithmetic"] == 0.0
+    old = Verdict(**{k: v for k, v in right.as_dict().items() if k != "outcome"})  # saved before outcomes
+    assert old.outcome is None
+    assert outcome_shares([[old], [old]]) == {} and outcome_shares([]) == {}
+    assert outcome_shares([[old], [operation]])["wrong_operation"] == 1.0  # judged problems only
