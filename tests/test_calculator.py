@@ -211,6 +211,10 @@ def test_calculations_skips_non_arithmetic() -> None:
     # prose punctuation before the expression
     (paren,) = calculations("She had 12 apples (5+7=12).")
     assert paren.expr == "5+7" and paren.value == 12
+    (listed,) = calculations("She had 2, 3 and 4. Then, 2, 5+7 = 12 in all.")
+    assert listed.expr == "5+7" and listed.value == 12
+    (thousands,) = calculations("Now 1,200 - 200 = 1,000.")
+    assert thousands.expr == "1,200 - 200" and thousands.value == thousands.written == 1000
 
 
 def test_calculations_is_linear_on_long_text() -> None:

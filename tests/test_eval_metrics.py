@@ -13,6 +13,7 @@ from lowmem_grpo.evaluation.metrics import (
     judge,
     lenient_equal,
     metrics_table,
+    outcome_shares,
     paired_bootstrap,
     problem_value,
     weighted_rewards,

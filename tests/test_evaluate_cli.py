@@ -61,6 +61,12 @@ def test_eval_writes_metrics_records_and_table(tiny_model_dir, tmp_path, capsys)
         for key in ("extracted_answer", "last_number", "strict_correct", "lenient_correct", "strict_format",
                     "soft_format"):
             assert key in r
+    # what the answers got wrong: every outcome a key, shares of the 3 problems' first answers
+    from lowmem_grpo.rewards.calculator import OUTCOMES
+
+    assert list(report["outcomes"]) == list(OUTCOMES) and report["runs"]["model"]["outcomes"] == report["outcomes"]
+    for name in OUTCOMES:
+        assert report["outcomes"][name] == sum(r["outcome"] == name for r in records) / 3
     table = capsys.readouterr().out
     assert "| strict_accuracy |" in table and "| truncated_rate |" in table and "problems/min" in table
 

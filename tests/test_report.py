@@ -158,3 +158,21 @@ def test_report_shows_an_evaluation_in_the_run_dir(tmp_path):
     (run_dir / "eval.json").write_text(json.dumps({"metrics": {"strict_accuracy": 0.125, "num_problems": 8}}))
     report = write_report(run_dir).read_text()
     assert "## Evaluation" in report and "| strict_accuracy | 0.125 |" in report
+
+
+def test_report_shows_what_the_evaluated_answers_got_wrong(tmp_path):
+    from lowmem_grpo.rewards.calculator import OUTCOMES
+    from lowmem_grpo.rundir.report import eval_lines
+
+    run_dir = write_run(tmp_path / "run", synthetic_metrics(3))
+    shares = dict.fromkeys(OUTCOMES, 0.0) | {"correct": 0.25, "wrong_arithmetic": 0.75}
+    (run_dir / "eval.json").write_text(json.dumps({"metrics": {"strict_accuracy": 0.25}, "outcomes": shares,
+                                                   "runs": {"base": {"outcomes": dict(shares, correct=0.0,
+                                                                                      no_expression=0.25)},
+                                                            "adapter": {"outcomes": shares}}}))
+    lines = eval_lines(run_dir)
+    assert "| outcome | base | adapter |" in lines
+    assert "| right expression, wrong arithmetic (`wrong_arithmetic`) | 75% | 75% |" in lines
+    assert "| no arithmetic written (`no_expression`) | 25% | 0% |" in lines
+    (run_dir / "eval.json").write_text(json.dumps({"metrics": {"strict_accuracy": 0.125}}))  # an older eval.json
+    assert not any("outcome" in line for line in eval_lines(run_dir))

@@ -79,6 +79,48 @@ def test_report_shows_sampled_columns_and_paired_gain(tmp_path):
     assert "| +0.750 [0.750, 0.750] |" in change  # mean@4: 0.25 -> 1.0 on every problem
 
 
+def test_stage_outcomes_say_what_the_greedy_answers_got_wrong(tmp_path):
+    right, arithmetic = judge(RIGHT, "4"), judge(WRONG, "4")  # 2+2=5: the right expression, wrong arithmetic
+    operation = judge("<reasoning>\n2*3=6\n</reasoning>\n<answer>\n6\n</answer>", "4")
+    out = summarize({"base": [[operation]] * 6 + [[arithmetic]] * 4,
+                     "trained": [[right]] * 7 + [[arithmetic]] * 3},
+                    sampled={"base": [[right, right]] * 10, "trained": [[operation, operation]] * 10})
+    assert out["outcomes"]["base"]["wrong_operation"] == 0.6 and out["outcomes"]["base"]["wrong_arithmetic"] == 0.4
+    assert out["outcomes"]["trained"]["correct"] == 0.7 and out["outcomes"]["trained"]["wrong_operation"] == 0.0
+    (tmp_path / "stage_eval.json").write_text(json.dumps({"num_problems": 10, "settings": {}, **out}))
+    lines = stage_lines(tmp_path)
+    assert "What the answers got wrong" in "\n".join(lines)
+    header = next(line for line in lines if line.startswith("| outcome |"))
+    assert header == "| outcome | base | trained |"
+    row = next(line for line in lines if "(`wrong_operation`)" in line)
+    assert row == "| right arithmetic, wrong operation or operands (`wrong_operation`) | 60% | 0% |"
+    assert "| correct answer (`correct`) | 0% | 70% |" in lines
+
+
+def test_an_old_stage_eval_without_outcomes_still_loads_and_reports(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from lowmem_grpo.evaluation.stages import StageEvals
+
+    old = judge(WRONG, "4").as_dict()
+    del old["outcome"]  # written before outcomes were judged
+    saved = summarize({"primed": [[judge(WRONG, "4")]] * 3})
+    del saved["outcomes"]
+    path = tmp_path / "stage_eval.json"
+    path.write_text(json.dumps({"num_problems": 3, "settings": {}, "results": {"primed": {"strict_accuracy": 0.0}},
+                                **saved, "verdicts": {"primed": [[old]] * 3}, "sampled_verdicts": {}}))
+    assert stage_lines(tmp_path) and "What the answers got wrong" not in "\n".join(stage_lines(tmp_path))
+    recipe = load_recipe("recipes/smollm2_135m_gsm8k_cpu.py", ["train.stage_eval=3"])
+    evals = StageEvals(recipe, AutoTokenizer.from_pretrained(tiny_model_dir), path)
+    assert evals.verdicts["primed"][0][0].outcome is None and "primed" in evals.results
+    evals.verdicts["trained"] = [[judge(RIGHT, "4")]] * 3  # a stage measured after the upgrade
+    evals._write()
+    data = json.loads(path.read_text())
+    assert set(data["outcomes"]) == {"trained"}
+    table = "\n".join(stage_lines(tmp_path))
+    assert "| correct answer (`correct`) | - | 100% |" in table
+
+
 def test_sampled_evals_generate_at_least_eight_prompts_at_once():
     assert sampled_batch({"batch_size": 8, "seed": 1}, 4) == {"batch_size": 32, "seed": 1}
     assert sampled_batch({"batch_size": 64}, 4)["batch_size"] == 64  # a larger batch is kept

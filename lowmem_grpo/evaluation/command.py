@@ -1,7 +1,7 @@
 """The `lowmem-grpo eval` flow: resolve model/adapter/recipe, load once, evaluate (or compare), write files.
 
 MODEL is a hub id, a local folder, `embedded:<name>`, or a run directory (then the base model, the
-adapter and the prompts come from its recipe.yaml). Writes eval.json (metrics, settings, versions)
+adapter and the prompts come from its recipe.yaml). Writes eval.json (metrics, outcomes, settings, versions)
 and eval.jsonl (one line per problem and variant) into the output folder.
 """
 
@@ -225,8 +225,9 @@ def run(opts: EvalOptions) -> dict[str, Any]:
     env = describe()
     report: dict[str, Any] = {
         "metrics": last.metrics,
-        "runs": {name: {"metrics": r.metrics, "seconds": r.seconds, "problems_per_minute": r.problems_per_minute}
-                 for name, r in results.items()},
+        "outcomes": last.outcomes,
+        "runs": {name: {"metrics": r.metrics, "outcomes": r.outcomes, "seconds": r.seconds,
+                        "problems_per_minute": r.problems_per_minute} for name, r in results.items()},
         "settings": {
             "model": recipe.model.name, "model_path": info["model_path"], "adapter": str(adapter) if adapter else None,
             "run_dir": str(run_dir) if run_dir else None, "recipe": recipe.name, "data": d.source, "split": split,

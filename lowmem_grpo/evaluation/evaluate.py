@@ -16,7 +16,7 @@ from typing import Any
 
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.evaluation.generate import choose_engine, generate
-from lowmem_grpo.evaluation.metrics import Verdict, aggregate, judge, weighted_rewards
+from lowmem_grpo.evaluation.metrics import Verdict, aggregate, judge, outcome_shares, weighted_rewards
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class EvalResult:
     """max_new_tokens, batch_size, num_samples, temperature, seed, engine."""
     seconds: float = 0.0
     """Wall time of generation and scoring."""
+    outcomes: dict[str, float] = field(default_factory=dict)
+    """Share of problems per outcome of the first sample (metrics.outcome_shares): what the answers got wrong."""
 
     @property
     def problems_per_minute(self) -> float:
@@ -103,7 +105,7 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
         metrics.update({f"reward/{name}": total / n for name, total in reward_sums.items()})
     settings = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "num_samples": num_samples,
                 "temperature": temperature, "seed": seed, "engine": choose_engine(model, engine)}
-    return EvalResult(metrics, records, per_problem, settings, time.monotonic() - started)
+    return EvalResult(metrics, records, per_problem, settings, time.monotonic() - started, outcome_shares(per_problem))
 
 
 def load_eval_examples(recipe: Any, tokenizer: Any, *, source: str | None = None, split: str | None = None,

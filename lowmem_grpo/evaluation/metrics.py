@@ -6,7 +6,10 @@ No torch here: everything is testable on fixed strings. The rules are the reward
 - lenient accuracy: the last number anywhere in the completion equals gold (compared as exact
   decimals, with math-verify as a second opinion on the same two numbers);
 - strict / soft format rate: the `strict_format` / `soft_format` rewards score 1.0;
-- truncated: generation stopped at max_new_tokens without emitting EOS.
+- truncated: generation stopped at max_new_tokens without emitting EOS;
+- outcome: what a wrong answer got wrong, judged by the calculator on the last calculation of the
+  reasoning (lowmem_grpo.rewards.calculator.outcome): the operation, the arithmetic, both, or no
+  arithmetic written; `outcome_shares` counts them over the first (greedy) sample of each problem.
 
 Completions are scored as prefill + generated text, exactly as the rewards see them in training.
 """
@@ -21,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lowmem_grpo.rewards import correctness, soft_format, strict_format
+from lowmem_grpo.rewards.calculator import OUTCOMES, outcome
 from lowmem_grpo.rewards.parsing import extract_answer_block, last_number, numbers_equal
 
 # The four headline metrics plus the length ones, in table order.
@@ -55,6 +59,9 @@ class Verdict:
     """Generation hit max_new_tokens without EOS."""
     completion_tokens: int
     """Generated tokens (EOS included, prefill not)."""
+    outcome: str | None = None
+    """What the answer got wrong, one of lowmem_grpo.rewards.calculator.OUTCOMES (`correct` when strictly correct);
+    None in verdicts saved before outcomes were judged."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,17 +105,29 @@ def judge(completion: str, gold: str, *, truncated: bool = False, completion_tok
     """All verdicts for one completion (already prefill + generated text) against the gold number."""
     block = extract_answer_block(completion)
     last = last_number(completion)
+    strict = correctness([completion], answer=[gold])[0] == 1.0
     return Verdict(
         completion=completion,
         extracted_answer=block.strip() if block is not None else None,
         last_number=last,
-        strict_correct=correctness([completion], answer=[gold])[0] == 1.0,
+        strict_correct=strict,
         lenient_correct=lenient_equal(last, gold),
         strict_format=strict_format([completion])[0] == 1.0,
         soft_format=soft_format([completion])[0] == 1.0,
         truncated=bool(truncated),
         completion_tokens=int(completion_tokens),
+        outcome=outcome(completion, gold, strict),
     )
+
+
+def outcome_shares(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
+    """The share of problems in each outcome (every one of OUTCOMES, in order), judged on each problem's first
+    sample: the greedy answer of a greedy eval. Problems whose verdict has no outcome (saved before outcomes were
+    judged) are left out; {} when none has one."""
+    judged = [samples[0].outcome for samples in per_problem if samples and samples[0].outcome is not None]
+    if not judged:
+        return {}
+    return {name: judged.count(name) / len(judged) for name in OUTCOMES}
 
 
 def _mean(values: Sequence[float]) -> float:

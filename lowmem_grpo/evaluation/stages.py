@@ -9,7 +9,8 @@ policy can already solve by sampling but does not solve greedily.
 
 `StageEvals(recipe, tokenizer, path)` holds the problems (the first train.stage_eval of data.eval_split) and the
 results so far; `measure(model, stage)` evaluates the model as it is now (the base model with the adapter switched
-off) and rewrites RUN_DIR/stage_eval.json, so a resumed run keeps the stages it already measured.
+off) and rewrites RUN_DIR/stage_eval.json, so a resumed run keeps the stages it already measured. Each stage's
+`outcomes` there say what its greedy answers got wrong (the operation, the arithmetic, both, or no arithmetic).
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
-from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, Verdict, paired_bootstrap, problem_value
+from lowmem_grpo.evaluation.metrics import (
+    BOOTSTRAP_RESAMPLES,
+    Verdict,
+    outcome_shares,
+    paired_bootstrap,
+    problem_value,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +74,18 @@ def problem_values(greedy: Sequence[Sequence[Verdict]], samples: Sequence[Sequen
 def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
               sampled: dict[str, list[list[Verdict]]] | None = None) -> dict[str, Any]:
     """Per stage each metric's mean and CI; between consecutive measured stages (and base -> trained) the paired
-    difference and its CI. `sampled` (stage -> k sample verdicts per problem) adds mean@k, pass@k and room@k."""
+    difference and its CI. `sampled` (stage -> k sample verdicts per problem) adds mean@k, pass@k and room@k.
+    `outcomes`: per stage, what the greedy answers got wrong (metrics.outcome_shares; a stage saved before outcomes
+    were judged has none)."""
     sampled = sampled or {}
     stages = [s for s in STAGES if s in per_stage]
     values = {s: problem_values(per_stage[s], sampled.get(s)) for s in stages}
-    out: dict[str, Any] = {"stages": {}, "differences": {}}
+    out: dict[str, Any] = {"stages": {}, "differences": {}, "outcomes": {}}
     for stage in stages:
         out["stages"][stage] = {m: mean_ci(v, seed=seed) for m, v in values[stage].items()}
+        shares = outcome_shares(per_stage[stage])
+        if shares:
+            out["outcomes"][stage] = shares
     pairs = list(zip(stages, stages[1:])) + ([("base", "trained")] if len(stages) >= 3 else [])
     for a, b in pairs:
         shared = [m for m in values[a] if m in values[b] and not m.startswith("room@")]

@@ -287,6 +287,8 @@ _ANNOTATION_RE = re.compile(r"<<([^<>=\n]{1,%d})=([^<>\n]{0,40})>>" % MAX_EXPRES
 _EXPRESSION_CHARS = frozenset("0123456789.,$+-*/() \t")
 # The number written after a plain "E =": an optional minus and "$", then a literal.
 _WRITTEN_RE = re.compile(r"[ \t]*(-?\$?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?)")
+_EQUALS_RE = re.compile(r"[0-9)][ \t]*=")
+_SENTENCE_BREAK_RE = re.compile(r"[.,][ \t]")
 _BINARY_RE = re.compile(r"[0-9)][ \t]*[-+*/]")
 _MASK = "\0"
 
@@ -298,11 +300,12 @@ def _as_fraction(number: str) -> Fraction | None:
 
 def _plain_expression(text: str, equals: int) -> str | None:
     """The expression written just before the "=" at `equals`: the run of expression characters
-    (at most `MAX_EXPRESSION_CHARS`), without leading punctuation or unmatched "(" of the prose."""
+    (at most `MAX_EXPRESSION_CHARS`) after the last ", " or ". " (prose punctuation, never inside a
+    number), without leading punctuation or unmatched "(" of the prose."""
     start = equals
     while start > 0 and equals - start < MAX_EXPRESSION_CHARS and text[start - 1] in _EXPRESSION_CHARS:
         start -= 1
-    expr = text[start:equals].strip().lstrip(".,").strip()
+    expr = _SENTENCE_BREAK_RE.split(text[start:equals])[-1].strip().lstrip(".,").strip()
     while expr.startswith("(") and expr.count("(") > expr.count(")"):
         expr = expr[1:].lstrip()
     if not expr or _BINARY_RE.search(expr) is None:
@@ -323,13 +326,12 @@ def calculations(text: str) -> list[Calculation]:
         expr = match.group(1).strip()
         found.append((match.start(), Calculation(expr, evaluate(expr), _as_fraction(match.group(2)), True)))
     masked = _ANNOTATION_RE.sub(lambda m: _MASK * len(m.group(0)), text) if found else text
-    equals = masked.find("=")
-    while equals >= 0:
-        expr = _plain_expression(masked, equals)
+    for candidate in _EQUALS_RE.finditer(masked):  # an "=" after a digit or ")", a number after it
+        equals = candidate.end() - 1
         written = _WRITTEN_RE.match(masked, equals + 1)
-        if expr is not None and written is not None:
+        expr = _plain_expression(masked, equals) if written is not None else None
+        if expr is not None:
             found.append((equals, Calculation(expr, evaluate(expr), _as_fraction(written.group(1)), False)))
-        equals = masked.find("=", equals + 1)
     found.sort(key=lambda item: item[0])
     return [calc for _, calc in found]
 

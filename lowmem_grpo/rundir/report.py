@@ -23,6 +23,7 @@ from lowmem_grpo.rundir import rss
 from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.rundir.completions import read_completions
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.rewards.calculator import OUTCOME_DESCRIPTIONS, OUTCOMES
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,10 @@ def eval_lines(run_dir: Path) -> list[str]:
             if isinstance(v, dict) and {"base", "adapter", "diff"} <= set(v):
                 lines.append(f"| {k} | {format_value(v['base'])} | {format_value(v['adapter'])} | {format_value(v['diff'])} "
                              f"({format_value(v.get('low'))} to {format_value(v.get('high'))}) |")
-    return lines
+    runs = data.get("runs") if isinstance(data.get("runs"), dict) else {}
+    by_run = {name: r.get("outcomes") for name, r in runs.items() if isinstance(r, dict)}
+    outcomes = outcome_lines(by_run) or outcome_lines({"answers": data.get("outcomes")})
+    return lines + (["", *outcomes] if outcomes else [])
 
 
 def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str:
@@ -334,10 +338,26 @@ def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str
     return f"{sign}{value:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
 
 
+def outcome_lines(by_column: dict[str, Any]) -> list[str]:
+    """A markdown table of what the answers got wrong: one row per outcome, one column per stage (or variant), each
+    cell the share of problems; [] when no column has outcomes. A column without them (saved before outcomes were
+    judged) shows "-"."""
+    columns = {name: shares for name, shares in by_column.items() if isinstance(shares, dict)}
+    if not any(columns.values()):
+        return []
+    lines = ["What the answers got wrong (the greedy answer of each problem; its last calculation checked by an exact "
+             "calculator):", "", "| outcome | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name in OUTCOMES:
+        cells = [f"{100 * shares[name]:.0f}%" if isinstance(shares.get(name), (int, float)) else "-"
+                 for shares in columns.values()]
+        lines.append(f"| {OUTCOME_DESCRIPTIONS[name]} (`{name}`) | " + " | ".join(cells) + " |")
+    return lines
+
+
 def stage_lines(run_dir: Path) -> list[str]:
     """Markdown tables of stage_eval.json: each stage's greedy accuracy and format rate (and, when sampled, mean@k,
-    pass@k and pass@k - greedy) with 95% CIs, and the paired difference between stages; [] when the run measured
-    none."""
+    pass@k and pass@k - greedy) with 95% CIs, the paired difference between stages, and what each stage's answers
+    got wrong (`outcome_lines`); [] when the run measured none."""
     path = run_dir / layout.STAGE_EVAL_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -368,6 +388,9 @@ def stage_lines(run_dir: Path) -> list[str]:
                   "|---" * (len(paired) + 1) + "|"]
         lines += ["| " + " | ".join([k] + [_ci(m[c], 'diff', True) if c in m else "-" for c in paired]) + " |"
                   for k, m in diffs.items()]
+    outcomes = data.get("outcomes") or {}
+    if isinstance(outcomes, dict) and outcomes:
+        lines += ["", *outcome_lines({s: outcomes.get(s) or {} for s in stages})]
     return lines
 
 
