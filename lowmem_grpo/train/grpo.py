@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from lowmem_grpo.recipe import Recipe, goal_reward_name
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer
 from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
 from lowmem_grpo.train.informative import SamplingState
+from lowmem_grpo.train.rollout import EngineRollout, rollout_plan
 
 log = logging.getLogger(__name__)
 
@@ -255,15 +257,18 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
     plain trainer class, exactly as before those options existed."""
 
     def build(recipe: Recipe) -> Any:
-        trainer = grpo_trainer_class(loaded.backend, loaded.device, informative=sampling is not None)(
-            model=loaded.model,
-            reward_funcs=reward_funcs,
-            args=build_grpo_config(recipe, run_dir, loaded.device == "cuda", reward_weights, dtype=loaded.dtype,
-                                   backend=loaded.backend),
-            train_dataset=dataset,
-            processing_class=loaded.tokenizer,
-            callbacks=list(callbacks),
-        )
+        plan = rollout_plan(recipe, loaded.backend, loaded.device)
+        log.info("GRPO sampling: %s (%s)", "lowmem_grpo's engine" + (" with the calculator" if plan.calculator
+                                                                      else "") if plan.engine else "TRL's generation",
+                 plan.reason)
+        rollout = EngineRollout(loaded.tokenizer, plan.calculator, recipe.train.merged_sampling) if plan.engine else None
+        trainer_class = grpo_trainer_class(loaded.backend, loaded.device, informative=sampling is not None)
+        args = build_grpo_config(recipe, run_dir, loaded.device == "cuda", reward_weights, dtype=loaded.dtype,
+                                 backend=loaded.backend)
+        with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use
+            warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
+            trainer = trainer_class(model=loaded.model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+                                    processing_class=loaded.tokenizer, callbacks=list(callbacks), rollout_func=rollout)
         trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
         if isinstance(trainer, CpuSafeGRPOTrainer):
             trainer.lowmem_shared_prompt = recipe.train.shared_prompt
