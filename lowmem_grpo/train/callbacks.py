@@ -189,6 +189,18 @@ def carries_signal(inputs: Any) -> bool:
     return bool(rows.any())
 
 
+def _end_scaler_iteration(optimizer: Any) -> None:
+    """Close a skipped step's iteration of accelerate's GradScaler (fp16 mixed precision), which its step() would
+    have stepped and updated: clipping may already have unscaled this step's gradients, and the scaler refuses a
+    second unscale_ (the next step's) before an update. An update to the scale it already has resets its
+    per-optimizer state and counts nothing: no growth, no back-off, as if the step had not happened."""
+    scaler = getattr(optimizer, "scaler", None)  # AcceleratedOptimizer's; None without fp16
+    gradient_state = getattr(optimizer, "gradient_state", None)
+    if scaler is None or not scaler.is_enabled() or (gradient_state is not None and not gradient_state.sync_gradients):
+        return  # accelerate's own step leaves the scaler alone on an accumulation micro-step too
+    scaler.update(scaler.get_scale())
+
+
 class NoSignalStepGuard(TrainerCallback):
     """Skips the optimizer step when no completion of the step's micro-batches had a nonzero advantage and tokens in
     the loss (every group flat on its total reward, or its varied completions all cut off and masked). Such a batch
@@ -199,7 +211,8 @@ class NoSignalStepGuard(TrainerCallback):
 
     `NoSignalStepGuard.attach(trainer)` wraps compute_loss (to see each micro-batch's advantages) on the trainer
     INSTANCE and, when training starts, the prepared optimizer's step; no subclass, so TRL's, the CPU-safe and
-    Unsloth's trainers are guarded alike. Under DeepSpeed the engine steps inside backward: not guarded there."""
+    Unsloth's trainers are guarded alike. Under DeepSpeed the engine steps inside backward: not guarded there. Under
+    fp16 a skip ends the GradScaler's iteration without changing its scale (_end_scaler_iteration)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -242,6 +255,7 @@ class NoSignalStepGuard(TrainerCallback):
             if informative:
                 return original(*a, **k)
             self.skipped += 1
+            _end_scaler_iteration(optimizer)
             # the schedule moves on with the skipped step: torch's "scheduler stepped before the optimizer" check
             # reads this flag of the optimizer it wrapped
             for wrapped in (optimizer, getattr(optimizer, "optimizer", optimizer)):  # accelerate's wrapper and torch's
