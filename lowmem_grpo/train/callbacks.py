@@ -18,7 +18,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
-from lowmem_grpo.evaluation.stages import problem_values, sampled_batch
+from lowmem_grpo.evaluation.stages import periodic_settings, problem_values
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.health import WarningLatch
@@ -145,16 +145,13 @@ class PeriodicEvalCallback(TrainerCallback):
         if not every or state.global_step % every or not state.is_world_process_zero:
             return
         t = self.train
-        # engine auto: vLLM (the live adapter) when the model has it
-        common = {"max_new_tokens": t.max_completion_length, "batch_size": t.per_device_train_batch_size,
-                  "seed": t.seed, "progress": False, "engine": "auto", "merged": t.merged_sampling}
-        result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights, **common)
+        greedy, sampling = periodic_settings(t)  # engine auto: vLLM (the live adapter) when the model has it
+        result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights, **greedy)
         metrics = dict(result.metrics)
         seconds = result.seconds
         sampled = None
-        if t.eval_samples:
-            sampled = run_eval(model, self.tokenizer, self.examples, num_samples=t.eval_samples,
-                               temperature=t.temperature, **sampled_batch(common, t.eval_samples))
+        if sampling is not None:
+            sampled = run_eval(model, self.tokenizer, self.examples, **sampling)
             k = t.eval_samples
             metrics.update({f"mean@{k}": sampled.metrics["strict_accuracy"], f"pass@{k}": sampled.metrics[f"pass@{k}"],
                             "sampled_strict_format_rate": sampled.metrics["strict_format_rate"]})
