@@ -20,13 +20,16 @@ change); train time; peak RSS of the process; the informative share (groups whos
 varies); the goal reward's mean over the first and the last third of the steps; and the share of distinct
 greedy completions across problems (near 0 = one template for every question).
 
-`curve RUN_DIR` prints a run's held-out accuracy at step 0 (stage_eval.json's start or primed stage) and at each
-periodic evaluation (eval_steps.jsonl, train.eval_every with train.eval_samples), each step paired with step 0.
+`curve RUN_DIR` prints a run's held-out accuracy at step 0 and at each periodic evaluation (eval_steps.jsonl,
+train.eval_every with train.eval_samples), each step paired with step 0. Step 0 is the same stage of stage_eval.json
+in the table and the curve (reference_stage): the last one measured before GRPO, primed, else start, else base.
+Run directories' recipe.yaml files are read with lowmem_grpo.recipe_io, as `lowmem-grpo train --resume` reads them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.recipe_io import load_recipe
 from lowmem_grpo.rundir import layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,8 +189,19 @@ def stage_values(stage_eval: dict[str, Any], stage: str) -> tuple[dict[str, list
     return problem_values(greedy, sampled), [p[0].completion for p in greedy]
 
 
+STEP_ZERO_STAGES = ("primed", "start", "base")
+"""The stage a run's GRPO steps are compared with, first found: the last one measured before GRPO (stages run base,
+start = lora.init_adapter, primed; priming continues from a start adapter, so primed comes after start)."""
+
+
 def reference_stage(stage_eval: dict[str, Any]) -> str:
-    return next(s for s in ("primed", "start") if s in stage_eval.get("verdicts", {}))
+    """Step 0 of a run's stage_eval.json, for the table and the curve alike."""
+    measured = stage_eval.get("verdicts", {})
+    stage = next((s for s in STEP_ZERO_STAGES if s in measured), None)
+    if stage is None:
+        raise SystemExit(f"stage_eval.json has no stage measured before GRPO ({', '.join(STEP_ZERO_STAGES)}); "
+                         f"it has {', '.join(measured) or 'none'}: run with train.stage_eval > 0")
+    return stage
 
 
 def training_summary(run_dir: Path, up_to: int | None = None) -> dict[str, Any]:
@@ -326,10 +341,8 @@ def reference(sweep_dir: Path, args: argparse.Namespace) -> tuple[Path, Path | N
     priming and the base configuration's data); otherwise the sweep primes once itself."""
     if args.reference_run:
         ref = Path(args.reference_run).resolve()
-        recipe = (ref / "recipe.yaml").read_text(encoding="utf-8")
-        adapter = next((line.split(":", 1)[1].strip() for line in recipe.splitlines()
-                        if line.strip().startswith("init_adapter:")), "")
-        if not adapter or adapter == "null":
+        adapter = run_recipe(ref).lora.init_adapter
+        if not adapter:
             raise SystemExit(f"{ref} did not start from an adapter (lora.init_adapter): it cannot be the reference")
         return Path(adapter), ref / "stage_eval.json"
     if args.primed_adapter:
@@ -415,12 +428,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def curve_rows(stage_eval: dict[str, Any], steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Step 0 (the start or primed stage) and each periodic evaluation's step, each metric with its paired
-    change from step 0 on the same problems."""
+    """Step 0 (reference_stage) and each periodic evaluation's step, each metric with its paired change from step 0
+    on the same problems."""
     from lowmem_grpo.evaluation.metrics import Verdict, paired_bootstrap
     from lowmem_grpo.evaluation.stages import problem_values
 
-    stage = next(s for s in ("start", "primed") if s in stage_eval.get("verdicts", {}))
+    stage = reference_stage(stage_eval)
     greedy = [[Verdict(**v) for v in p] for p in stage_eval["verdicts"][stage]]
     sampled = [[Verdict(**v) for v in p] for p in stage_eval.get("sampled_verdicts", {}).get(stage, [])] or None
     zero = problem_values(greedy, sampled)
@@ -489,32 +502,54 @@ def cmd_row(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval_checkpoint(args: argparse.Namespace) -> int:
-    """Evaluate RUN_DIR/checkpoint-STEP as the periodic evaluation would (the recipe's prompts, completion length,
-    seed and micro-batch; greedy, then --samples at train.temperature) and append the point to eval_steps.jsonl."""
-    import yaml
+def run_recipe(run_dir: Path) -> Any:
+    """A run directory's recipe.yaml, read as `lowmem-grpo train --resume` reads it (quoted values, comments)."""
+    path = Path(run_dir) / layout.RECIPE_FILE
+    if not path.is_file():
+        raise SystemExit(f"{run_dir} holds no {layout.RECIPE_FILE}: give a run directory `lowmem-grpo train` wrote")
+    return load_recipe(str(path))
 
+
+def eval_checkpoint_commands(run_dir: Path, step: int, problems: int | None = None, samples: int | None = None,
+                             sample_batch_size: int | None = None) -> dict[str, list[str]]:
+    """The `lowmem-grpo eval` arguments (after `eval`) that evaluate RUN_DIR/checkpoint-STEP as the run's periodic
+    evaluation did: its problems (train.eval_limit), samples (train.eval_samples), seed, temperature and, from
+    lowmem_grpo.evaluation.stages.periodic_settings, its batch sizes: seeded samples depend on the batch they were
+    drawn in. `sample_batch_size` trades that for speed (other draws of the same distribution)."""
+    from lowmem_grpo.evaluation.stages import periodic_settings
+
+    train = run_recipe(run_dir).train
+    samples = samples or train.eval_samples or 4
+    greedy, sampling = periodic_settings(dataclasses.replace(train, eval_samples=samples))
+    problems = problems or (train.eval_limit if train.eval_every else None) or 100
+    out = Path(run_dir) / "eval" / f"checkpoint-{step}"
+    common = ["--model", str(run_dir), "--adapter", str(Path(run_dir) / f"checkpoint-{step}"),
+              "--limit", str(problems), "--seed", str(greedy["seed"]), "--max-new-tokens",
+              str(greedy["max_new_tokens"]), "--engine", "transformers", "--no-progress"]
+    return {"greedy": [*common, "--batch-size", str(greedy["batch_size"]), "--out", str(out / "greedy")],
+            "sampled": [*common, "--samples", str(samples), "--temperature", str(sampling["temperature"]),
+                        "--batch-size", str(sample_batch_size or sampling["batch_size"]),
+                        "--out", str(out / "sampled")]}
+
+
+def cmd_eval_checkpoint(args: argparse.Namespace) -> int:
+    """Evaluate RUN_DIR/checkpoint-STEP as the periodic evaluation would (eval_checkpoint_commands: greedy, then
+    samples at train.temperature) and append the point to eval_steps.jsonl."""
     run_dir = Path(args.run_dir).resolve()
-    train = yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8"))["train"]
-    out = run_dir / "eval" / f"checkpoint-{args.step}"
-    common = ["--model", str(run_dir), "--adapter", str(run_dir / f"checkpoint-{args.step}"),
-              "--limit", str(args.problems), "--batch-size", str(train["per_device_train_batch_size"]),
-              "--seed", str(train["seed"]), "--engine", "transformers", "--no-progress"]
+    commands = eval_checkpoint_commands(run_dir, args.step, args.problems, args.samples, args.sample_batch_size)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    sampled = ["--samples", str(args.samples), "--temperature", str(train["temperature"])]
-    if args.sample_batch_size:  # more sequences per generate call: fewer calls, the same distribution
-        sampled = [*sampled, "--batch-size", str(args.sample_batch_size)]
     procs = []
-    for name, extra in (("greedy", []), ("sampled", sampled)):
-        cmd = [sys.executable, "-m", "lowmem_grpo.cli", "eval", *common, *extra, "--out", str(out / name)]
+    for name in ("greedy", "sampled"):
+        cmd = [sys.executable, "-m", "lowmem_grpo.cli", "eval", *commands[name]]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env))
         if not args.parallel:
             procs[-1].wait()
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"checkpoint evaluation failed (exit codes {codes})")
-    point = checkpoint_point(out / "greedy" / "eval.jsonl", out / "sampled" / "eval.jsonl", args.step,
-                             train["temperature"])
+    out = run_dir / "eval" / f"checkpoint-{args.step}"
+    temperature = run_recipe(run_dir).train.temperature
+    point = checkpoint_point(out / "greedy" / "eval.jsonl", out / "sampled" / "eval.jsonl", args.step, temperature)
     with (run_dir / "eval_steps.jsonl").open("a", encoding="utf-8") as handle:
         handle.write(json.dumps(point) + "\n")
     print(f"step {args.step}: greedy {sum(point['strict_accuracy']) / len(point['strict_accuracy']):.3f}")
@@ -545,9 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eval-checkpoint", help="a curve point from a saved checkpoint, after or beside the run")
     p.add_argument("run_dir")
     p.add_argument("step", type=int)
-    p.add_argument("--problems", type=int, default=100)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--sample-batch-size", type=int, help="sequences per generate call of the sampled eval")
+    p.add_argument("--problems", type=int, help="held-out problems (default: the run's train.eval_limit when it "
+                   "evaluated periodically, else 100)")
+    p.add_argument("--samples", type=int, help="samples per problem (default: the run's train.eval_samples, else 4)")
+    p.add_argument("--sample-batch-size", type=int, help="sequences per generate call of the sampled eval instead "
+                   "of the periodic evaluation's: faster, but other draws than the run's own curve points")
     p.add_argument("--parallel", action="store_true", help="the greedy and the sampled eval as two processes")
     p = sub.add_parser("row", help="a variant's row from its evaluation at a checkpoint (eval-checkpoint)")
     p.add_argument("name")

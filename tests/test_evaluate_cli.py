@@ -150,6 +150,50 @@ def test_check_rewards_passes_for_a_reward_that_varies(tiny_model_dir, capsys):
     assert "ok:" in out and "NO SIGNAL" not in out
 
 
+def _strong_adapter(model_dir: Path, out: Path) -> Path:
+    """A LoRA adapter of the tiny model (the CPU recipe's r, alpha and targets) large enough to change its samples."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def _samples(out: str) -> list[str]:
+    """The sample completions check-rewards printed (the lines after each `sample N` header)."""
+    blocks = out.split("\nsample ")[1:]
+    return [block.split("\n", 1)[1].split("\n\n", 1)[0] for block in blocks]
+
+
+def test_check_rewards_samples_the_recipes_init_adapter(tiny_model_dir, tmp_path, capsys):
+    adapter = _strong_adapter(tiny_model_dir, tmp_path / "adapter")
+    common = ("prime.enabled=false", "model.dtype=float32", "rewards={lowmem_test_rewards:length_reward: 1.0}")
+    main(check_rewards(tiny_model_dir, *common))
+    base = capsys.readouterr().out
+    main(check_rewards(tiny_model_dir, *common, f"lora.init_adapter={adapter}"))
+    adapted, err = capsys.readouterr()
+    assert _samples(base) and len(_samples(adapted)) == len(_samples(base)), err[-2000:]
+    assert _samples(adapted) != _samples(base)  # the adapter's samples, not the base model's
+    assert f"sampled: base model {tiny_model_dir} (no adapter)" in base, base[:600]
+    assert f"sampled: adapter {adapter} on {tiny_model_dir}" in adapted, adapted[:600]
+
+    other = tmp_path / "other"  # an adapter that does not fit the recipe stops before sampling, as train does
+    _strong_adapter(tiny_model_dir, other)
+    config = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    assert main(check_rewards(tiny_model_dir, *common, f"lora.init_adapter={other}")) == EXIT_BAD_INPUT
+    assert "lora.r" in capsys.readouterr().err
+
+
 def test_periodic_eval_callback_logs_eval_metrics(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerControl, TrainerState
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from lowmem_grpo.evaluation.metrics import judge
 from lowmem_grpo.evaluation.stages import summarize
 from lowmem_grpo.recipe import validate
-from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.recipe_io import dump_yaml, load_recipe
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_sweep.py"
 RIGHT = "<reasoning>\n2+2=4\n</reasoning>\n<answer>\n4\n</answer>"
@@ -179,13 +181,79 @@ def test_a_checkpoint_point_from_eval_files(sweep, tmp_path):
     assert point["mean@2"] == [0.0, 0.5] and point["room@2"] == [-1.0, 1.0]  # records are put in problem order
 
 
+def test_table_and_curve_compare_with_the_same_step_zero(sweep, tmp_path):
+    """A run with both a start stage (lora.init_adapter) and a primed one (priming continued from it): GRPO started
+    from the primed adapter, so both views compare with it."""
+    right, wrong = judge(RIGHT, "4"), judge(WRONG, "4")
+    run = tmp_path / "run"
+    run.mkdir()
+    stage_eval = {"verdicts": {"start": [[wrong.as_dict()]] * 4,
+                               "primed": [[right.as_dict()]] * 2 + [[wrong.as_dict()]] * 2}}
+    (run / "stage_eval.json").write_text(json.dumps(stage_eval))
+    point = {"step": 5, "strict_accuracy": [1.0, 1.0, 1.0, 0.0], "strict_format_rate": [1.0] * 4}
+    (run / "eval_steps.jsonl").write_text(json.dumps(point) + "\n")
+    curve = sweep.curve_rows(stage_eval, [point])
+    row = sweep.summarize_from_curve(run, 5, 2)
+    assert curve[0]["strict_accuracy"]["mean"] == 0.5 == row["stages"]["primed"]["strict_accuracy"]["mean"]
+    assert curve[1]["strict_accuracy"]["diff"] == 0.25 == row["change"]["strict_accuracy"]["diff"]
+    assert sweep.reference_stage({"verdicts": {"base": [], "start": []}}) == "start"
+    with pytest.raises(SystemExit, match="train.stage_eval"):
+        sweep.reference_stage({"verdicts": {"trained": []}})
+
+
+def _run_dir_with_recipe(path: Path, *overrides: str, init_adapter: str | None = None) -> Path:
+    recipe = load_recipe(str(SCRIPT.parents[1] / "recipes" / "smollm2_135m_arith_cpu.py"), list(overrides))
+    recipe.lora.init_adapter = init_adapter
+    path.mkdir(parents=True)
+    (path / "recipe.yaml").write_text("# lowmem-grpo: a comment line, as an OOM retry writes\n" + dump_yaml(recipe))
+    return path
+
+
+def test_the_reference_runs_adapter_is_read_with_the_recipe_reader(sweep, tmp_path):
+    adapter = tmp_path / "primed: #1" / "primed_adapter"  # YAML must quote it
+    ref = _run_dir_with_recipe(tmp_path / "ref", init_adapter=str(adapter))
+    text = (ref / "recipe.yaml").read_text()
+    assert "init_adapter: '" in text or 'init_adapter: "' in text  # quoted (and a long path folded over lines)
+    args = argparse.Namespace(reference_run=str(ref), primed_adapter=None)
+    assert sweep.reference(tmp_path / "sweep", args) == (adapter, ref.resolve() / "stage_eval.json")
+    none = _run_dir_with_recipe(tmp_path / "fresh")
+    with pytest.raises(SystemExit, match="did not start from an adapter"):
+        sweep.reference(tmp_path / "sweep", argparse.Namespace(reference_run=str(none), primed_adapter=None))
+
+
+def test_eval_checkpoint_batches_as_the_periodic_evaluation(sweep, tmp_path):
+    from lowmem_grpo.evaluation.stages import periodic_settings
+
+    run = _run_dir_with_recipe(tmp_path / "run", "train.eval_every=5", "train.eval_samples=4", "train.eval_limit=50")
+    train = load_recipe(str(run / "recipe.yaml")).train
+    greedy, sampled = periodic_settings(train)
+    assert sampled["batch_size"] != greedy["batch_size"]  # k samples per prompt: a larger batch of sequences
+    commands = sweep.eval_checkpoint_commands(run, 10)
+
+    def value(args: list[str], flag: str) -> str:
+        return args[len(args) - 1 - args[::-1].index(flag) + 1]  # the last occurrence counts, as argparse reads it
+
+    assert value(commands["greedy"], "--batch-size") == str(greedy["batch_size"])
+    assert value(commands["sampled"], "--batch-size") == str(sampled["batch_size"])
+    assert value(commands["sampled"], "--samples") == "4" and value(commands["greedy"], "--limit") == "50"
+    assert value(commands["sampled"], "--seed") == str(sampled["seed"]) == str(train.seed)
+    assert value(commands["sampled"], "--temperature") == str(train.temperature)
+    assert value(commands["greedy"], "--max-new-tokens") == str(train.max_completion_length)
+
+
 @pytest.mark.slow
 def test_eval_checkpoint_appends_a_curve_point(sweep, tiny_model_dir, tmp_path):
     from tiny_run import train_tiny
 
     run_dir, _ = train_tiny(tiny_model_dir, tmp_path / "run", "train.max_steps=1", "prime.max_steps=1",
                             "train.save_steps=1", "train.preflight=false", "train.stage_eval=0")
-    assert sweep.main(["eval-checkpoint", str(run_dir), "1", "--problems", "3", "--samples", "2", "--parallel",
-                       "--sample-batch-size", "4"]) == 0
+    assert sweep.main(["eval-checkpoint", str(run_dir), "1", "--problems", "3", "--samples", "2", "--parallel"]) == 0
     point = json.loads((run_dir / "eval_steps.jsonl").read_text().splitlines()[-1])
     assert point["step"] == 1 and len(point["strict_accuracy"]) == 3 and len(point["mean@2"]) == 3
+    # the batches the periodic evaluation (train.eval_every with train.eval_samples=2) would have drawn in
+    from lowmem_grpo.evaluation.stages import periodic_settings
+
+    greedy, sampled = periodic_settings(replace(load_recipe(str(run_dir / "recipe.yaml")).train, eval_samples=2))
+    for name, settings in (("greedy", greedy), ("sampled", sampled)):
+        written = json.loads((run_dir / "eval" / "checkpoint-1" / name / "eval.json").read_text())["settings"]
+        assert written["batch_size"] == settings["batch_size"] and written["seed"] == settings["seed"], name

@@ -100,6 +100,19 @@ def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
     return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
 
 
+def periodic_settings(train: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """run_eval's settings of the periodic held-out evaluation (train.eval_every) from the train section: greedy, and
+    with train.eval_samples = k its k samples per problem at train.temperature (None when k is 0). One definition,
+    so that an evaluation that reproduces a curve point (benchmarks/learning_sweep.py eval-checkpoint) batches and
+    seeds its generate calls as the run did: seeded samples depend on the batch they were drawn in."""
+    greedy = {"max_new_tokens": train.max_completion_length, "batch_size": train.per_device_train_batch_size,
+              "seed": train.seed, "progress": False, "engine": "auto", "merged": train.merged_sampling}
+    k = train.eval_samples
+    if not k:
+        return greedy, None
+    return greedy, {**sampled_batch(greedy, k), "num_samples": k, "temperature": train.temperature}
+
+
 def _disabled_adapter(model: Any, stage: str) -> Any:
     """The base model is the adapter model with its adapter switched off (PEFT's disable_adapter)."""
     if stage == "base" and hasattr(model, "disable_adapter"):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
-from lowmem_grpo.evaluation.stages import problem_values, sampled_batch
+from lowmem_grpo.evaluation.stages import periodic_settings, problem_values
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.health import WarningLatch
@@ -145,16 +145,13 @@ class PeriodicEvalCallback(TrainerCallback):
         if not every or state.global_step % every or not state.is_world_process_zero:
             return
         t = self.train
-        # engine auto: vLLM (the live adapter) when the model has it
-        common = {"max_new_tokens": t.max_completion_length, "batch_size": t.per_device_train_batch_size,
-                  "seed": t.seed, "progress": False, "engine": "auto", "merged": t.merged_sampling}
-        result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights, **common)
+        greedy, sampling = periodic_settings(t)  # engine auto: vLLM (the live adapter) when the model has it
+        result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights, **greedy)
         metrics = dict(result.metrics)
         seconds = result.seconds
         sampled = None
-        if t.eval_samples:
-            sampled = run_eval(model, self.tokenizer, self.examples, num_samples=t.eval_samples,
-                               temperature=t.temperature, **sampled_batch(common, t.eval_samples))
+        if sampling is not None:
+            sampled = run_eval(model, self.tokenizer, self.examples, **sampling)
             k = t.eval_samples
             metrics.update({f"mean@{k}": sampled.metrics["strict_accuracy"], f"pass@{k}": sampled.metrics[f"pass@{k}"],
                             "sampled_strict_format_rate": sampled.metrics["strict_format_rate"]})
@@ -189,6 +186,18 @@ def carries_signal(inputs: Any) -> bool:
     return bool(rows.any())
 
 
+def _end_scaler_iteration(optimizer: Any) -> None:
+    """Close a skipped step's iteration of accelerate's GradScaler (fp16 mixed precision), which its step() would
+    have stepped and updated: clipping may already have unscaled this step's gradients, and the scaler refuses a
+    second unscale_ (the next step's) before an update. An update to the scale it already has resets its
+    per-optimizer state and counts nothing: no growth, no back-off, as if the step had not happened."""
+    scaler = getattr(optimizer, "scaler", None)  # AcceleratedOptimizer's; None without fp16
+    gradient_state = getattr(optimizer, "gradient_state", None)
+    if scaler is None or not scaler.is_enabled() or (gradient_state is not None and not gradient_state.sync_gradients):
+        return  # accelerate's own step leaves the scaler alone on an accumulation micro-step too
+    scaler.update(scaler.get_scale())
+
+
 class NoSignalStepGuard(TrainerCallback):
     """Skips the optimizer step when no completion of the step's micro-batches had a nonzero advantage and tokens in
     the loss (every group flat on its total reward, or its varied completions all cut off and masked). Such a batch
@@ -199,7 +208,8 @@ class NoSignalStepGuard(TrainerCallback):
 
     `NoSignalStepGuard.attach(trainer)` wraps compute_loss (to see each micro-batch's advantages) on the trainer
     INSTANCE and, when training starts, the prepared optimizer's step; no subclass, so TRL's, the CPU-safe and
-    Unsloth's trainers are guarded alike. Under DeepSpeed the engine steps inside backward: not guarded there."""
+    Unsloth's trainers are guarded alike. Under DeepSpeed the engine steps inside backward: not guarded there. Under
+    fp16 a skip ends the GradScaler's iteration without changing its scale (_end_scaler_iteration)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -242,6 +252,7 @@ class NoSignalStepGuard(TrainerCallback):
             if informative:
                 return original(*a, **k)
             self.skipped += 1
+            _end_scaler_iteration(optimizer)
             # the schedule moves on with the skipped step: torch's "scheduler stepped before the optimizer" check
             # reads this flag of the optimizer it wrapped
             for wrapped in (optimizer, getattr(optimizer, "optimizer", optimizer)):  # accelerate's wrapper and torch's

@@ -21,10 +21,11 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lowmem_grpo.backends import load, prepare
+from lowmem_grpo.backends import load, prepare, resolve_model_path
+from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.data.format import primed_count
 from lowmem_grpo.data.generated import level_of
@@ -83,6 +84,8 @@ class PreflightResult:
     seconds: float = 0.0
     goal: str | None = None
     """The goal reward (a name of `rewards`), None when the recipe has none."""
+    sampled: str = ""
+    """What was sampled: the base model, or which adapter on it ("" when the caller did not say)."""
 
     @property
     def goal_frac_zero_std(self) -> float | None:
@@ -314,7 +317,8 @@ def fixes(recipe: Any, result: PreflightResult | None = None) -> list[str]:
 def render(result: PreflightResult, recipe: Any) -> str:
     """The check-rewards report: per-reward table, zero-variance share, two samples, and the verdict."""
     lines = [f"reward preflight: {result.num_prompts} prompts x {result.num_generations} generations "
-             f"at temperature {result.temperature} ({result.seconds:.0f} s)", "",
+             f"at temperature {result.temperature} ({result.seconds:.0f} s)",
+             *([f"sampled: {result.sampled}"] if result.sampled else []), "",
              "| reward | weight | mean | std | zero-variance groups |", "|---|---|---|---|---|"]
     for s in result.rewards:
         weight = "" if s.name == "total" else f"{s.weight:g}"
@@ -351,14 +355,21 @@ def render(result: PreflightResult, recipe: Any) -> str:
 
 
 def check_rewards(recipe: Any, n_prompts: int) -> PreflightResult:
-    """Load the recipe's base model and training prompts and run the preflight as `train` does (a refusal on at
-    least PREFLIGHT_MIN_PROMPTS prompts); never trains."""
+    """Load the model the recipe starts GRPO from (its base model, with lora.init_adapter on it when set) and the
+    training prompts, and run the preflight as `train` does (a refusal on at least PREFLIGHT_MIN_PROMPTS prompts);
+    never trains, never primes. The report names what was sampled."""
     validate(recipe)
     if n_prompts < 1:
         raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix=f"e.g. --prompts {PREFLIGHT_MIN_PROMPTS}")
     backend = prepare(recipe.model.backend)
     rows = load_train_rows(recipe.data)  # bad data fails before the model loads
-    loaded = load(recipe, backend, with_lora=False)
+    model_path = resolve_model_path(recipe.model.name)
+    # a mismatched adapter stops here (exit 2) before any weights load, as in train
+    adapter = check_init_adapter(recipe.lora, recipe.model.name, model_path) if recipe.lora.init_adapter else None
+    loaded = load(recipe, backend, with_lora=False, adapter_path=str(adapter) if adapter else None,
+                  model_path=model_path)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)  # all of them: the prompts are drawn spread
-    # the base model: nothing was primed
-    return preflight(recipe, loaded, examples, n_prompts, primed=False, refusal_prompts=PREFLIGHT_MIN_PROMPTS)
+    # nothing was primed in this command (priming a given adapter is train's job)
+    result = preflight(recipe, loaded, examples, n_prompts, primed=False, refusal_prompts=PREFLIGHT_MIN_PROMPTS)
+    sampled = f"adapter {adapter} on {recipe.model.name}" if adapter else f"base model {recipe.model.name} (no adapter)"
+    return replace(result, sampled=sampled)

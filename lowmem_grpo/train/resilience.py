@@ -11,7 +11,9 @@
   change in the run directory, rewinds to the last complete checkpoint (or the start) and trains again,
   at most train.oom_retries times; then stops with what was tried;
 - on a full disk removes the checkpoint it could not finish and stops with DiskFullError (exit 2);
-- adds the resume command to a reward fault's fix.
+- adds the resume command to a reward fault's fix;
+- on every trainer it builds (a resume, a retry), restores the checkpoint's policy adapter and keeps the run's
+  original KL reference adapter (RunAdapters), whatever TRL copies into it at init.
 Imports nothing heavy at module level.
 """
 
@@ -189,19 +191,68 @@ def _checkpoint_step(folder: Path) -> int:
     return int(Path(folder).name[len(layout.CHECKPOINT_PREFIX):])
 
 
+REFERENCE_ADAPTER = "ref"
+"""The adapter TRL's GRPOTrainer adds to a PEFT model when beta != 0, as a frozen copy of the policy adapter at the
+trainer's construction: the KL anchor. A checkpoint holds it in checkpoint-N/ref/, the policy at its top level."""
+
+
+class RunAdapters:
+    """The run's policy and reference adapters across every trainer `run_grpo` builds (the first, a resumed one, an
+    OOM retry's): one owner, so that each build trains from the right policy against the run's original reference.
+
+    - `before_build()`: TRL's init copies the policy into a new `ref` adapter and refuses a name that exists; the
+      reference a previous build held (the run's original) is kept aside and its adapter removed.
+    - `after_build(checkpoint)`: the policy adapter becomes the checkpoint's (transformers' PEFT resume loads only
+      the checkpoint's sub-folders, `ref/`, when there are any, and never the top-level policy); the reference
+      becomes the one kept aside, or on a fresh process the checkpoint's `ref/`. Only on a fresh run's first build
+      is TRL's copy the original: the policy as priming, lora.init_adapter or a fresh LoRA left it.
+    Without a PEFT model or a reference adapter (beta 0) only the policy is restored. Weights are copied in place
+    (PEFT's load_state_dict path) before trainer.train() builds the optimizer."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.reference: dict[str, Any] | None = None
+
+    def _has_reference(self) -> bool:
+        return REFERENCE_ADAPTER in getattr(self.model, "peft_config", {})
+
+    def before_build(self) -> None:
+        """Keep the live reference (frozen, never trained) and remove its adapter, so that TRL can add it again."""
+        if not self._has_reference():
+            return
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model, adapter_name=REFERENCE_ADAPTER)
+        self.reference = {name: t.detach().clone() for name, t in state.items()}
+        self.model.delete_adapter(REFERENCE_ADAPTER)
+
+    def after_build(self, checkpoint: Path | None) -> None:
+        """The checkpoint's policy (when given) and the run's original reference (when TRL added one)."""
+        if checkpoint is not None and hasattr(self.model, "load_adapter"):
+            self.model.load_adapter(str(checkpoint), self.model.active_adapter, is_trainable=True)
+        if not self._has_reference():
+            return
+        from peft import set_peft_model_state_dict
+
+        saved = Path(checkpoint) / REFERENCE_ADAPTER if checkpoint is not None else None
+        if self.reference is not None:
+            set_peft_model_state_dict(self.model, self.reference, adapter_name=REFERENCE_ADAPTER)
+        elif saved is not None and saved.is_dir():
+            self.model.load_adapter(str(saved), REFERENCE_ADAPTER, is_trainable=False)
+        elif checkpoint is not None:
+            log.warning("%s holds no %s/ adapter: the KL reference is the checkpoint's policy, not the run's original",
+                        Path(checkpoint).name, REFERENCE_ADAPTER)
+
+
 def _finished_trainer(trainer: Any, checkpoint: Path) -> Any:
     """A trainer holding the final checkpoint's adapter and state, without a step: resuming a run whose last
     checkpoint is its final step would otherwise train one step past max_steps (transformers checks the limit
-    only after a step)."""
+    only after a step). Its adapters are restored by the caller (RunAdapters.after_build)."""
     from transformers import TrainerState
 
-    model = trainer.model
-    model.load_adapter(str(checkpoint), model.active_adapter, is_trainable=True)  # as transformers resumes PEFT
     trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
     log.info("%s is the final step: saving its adapter, nothing to train", Path(checkpoint).name)
     return trainer
-
-
 
 
 def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[str, str] | None:
@@ -292,12 +343,17 @@ def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: 
     from lowmem_grpo.train.callbacks import CompleteCheckpoints
 
     run_dir = Path(run_dir)
+    adapters = RunAdapters(model)
     if resume_from is not None and _checkpoint_step(resume_from) >= recipe.train.max_steps:
-        return _finished_trainer(build(recipe), resume_from)  # only adapter/ and the report were left to write
+        trainer = build(recipe)
+        adapters.after_build(resume_from)
+        return _finished_trainer(trainer, resume_from)  # only adapter/ and the report were left to write
     retries = OomRetries(run_dir, model, fresh_start=resume_from is None, use_planner=use_planner)
     with SignalGuard() as guard:
         while True:
+            adapters.before_build()
             trainer = build(recipe)
+            adapters.after_build(resume_from)
             # after the callbacks `build` passed (a test's fault injector): its save faults hit an unfinished checkpoint
             trainer.add_callback(CompleteCheckpoints(run_dir, recipe.train.save_total_limit, guard))
             failure = _train_once(trainer, run_dir, resume_from)
