@@ -182,3 +182,15 @@ def test_the_front_page_stays_short_and_speaks_of_the_product():
     for page in PAGES:
         body = _text(page)
         assert not re.search(r"\bissue \d+|\bload average|\bload \d", body, flags=re.I), page.name
+
+
+def test_what_the_readme_says_make_demo_runs_is_the_default_recipe():
+    from lowmem_grpo.recipe_io import load_recipe
+
+    recipe = load_recipe(str(REPO / DEFAULT_RECIPE))
+    text = " ".join(_text(README).split())
+    said = {"held-out problems": int(re.search(r"accuracy on (\d+) held-out problems", text).group(1)),
+            "priming steps": int(re.search(r"format priming \((\d+) supervised steps\)", text).group(1)),
+            "GRPO steps": int(re.search(r"(\d+) GRPO steps \(one console line", text).group(1))}
+    assert said == {"held-out problems": recipe.train.stage_eval, "priming steps": recipe.prime.max_steps,
+                    "GRPO steps": recipe.train.max_steps}
