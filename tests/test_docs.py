@@ -55,9 +55,12 @@ def _commands(text: str) -> list[list[str]]:
 
 
 def _cli_args(words: list[str]) -> list[str] | None:
-    """The arguments after `lowmem-grpo` (any path to it) or `-m lowmem_grpo.cli`; None for other commands."""
+    """The arguments after `lowmem-grpo` (any path to it, or the image of `docker run`) or `-m lowmem_grpo.cli`;
+    None for other commands."""
     if Path(words[0]).name == "lowmem-grpo":
         return words[1:]
+    if words[:2] == ["docker", "run"] and "lowmem-grpo" in words:
+        return words[words.index("lowmem-grpo") + 1:]
     for i in range(len(words) - 1):
         if words[i] == "-m" and words[i + 1] == "lowmem_grpo.cli":
             return words[i + 2:]
