@@ -1,11 +1,11 @@
-"""What GRPO itself buys on the CPU default (issue 12), measured: train a recipe, then evaluate the base model,
+"""What GRPO itself buys on the CPU default, measured: train a recipe, then evaluate the base model,
 the primed adapter and the trained adapter on the same held-out problems (greedy), with 95% CIs.
 
-    python benchmarks/demo_targets.py                                  # the CPU default (make demo's recipe)
+    python benchmarks/demo_targets.py                                  # the CPU default (what make demo trains)
     python benchmarks/demo_targets.py --limit 300                      # more held-out problems
-    python benchmarks/demo_targets.py --recipe smollm2_135m_gsm8k_embedded_cpu   # the honest hard case
+    python benchmarks/demo_targets.py --recipe smollm2_135m_gsm8k_cpu  # the embedded GSM8K sample: the hard case
     python benchmarks/demo_targets.py --run-dir runs/X                 # measure an existing run directory
-    python benchmarks/demo_targets.py train.dynamic_sampling=false     # an ablation: recipe overrides
+    python benchmarks/demo_targets.py train.max_steps=10               # recipe overrides for the fresh run
 
 Prints: the recipe's settings that matter, wall time of the whole train() call and of each stage (with the load
 average: other processes slow it), a table of base / primed / trained strict accuracy and strict format rate with
@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_RECIPE = "smollm2_135m_gsm8k_cpu"
+sys.path.insert(0, str(REPO))  # run from a checkout: python benchmarks/demo_targets.py
+from lowmem_grpo import DEFAULT_RECIPE as DEFAULT_RECIPE_FILE  # noqa: E402  (the one name of the CPU default)
+
+DEFAULT_RECIPE = str(REPO / DEFAULT_RECIPE_FILE)
 TIME_BUDGET_S = 600.0
 STAGES = {"base": None, "primed": "primed_adapter", "trained": "adapter"}
 
@@ -173,7 +176,7 @@ def report(run_dir: Path, info: dict, evals: dict, grpo: dict, records: list[dic
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="recipe overrides for a fresh run, e.g. train.max_steps=10")
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"shipped recipe name or path ({DEFAULT_RECIPE})")
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"shipped recipe name or path (default: {DEFAULT_RECIPE_FILE})")
     parser.add_argument("--run-dir", help="measure this existing run directory instead of training")
     parser.add_argument("--limit", type=int, default=200, help="held-out problems to evaluate (default 200)")
     parser.add_argument("--batch-size", type=int, default=16)

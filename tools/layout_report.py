@@ -4,7 +4,7 @@ point up a floor, and the longest functions.
 
     python tools/layout_report.py [--json]
 
-Floors (bottom up) are the import directions README.md describes; a module may import its own floor and
+Floors (bottom up) are the import directions docs/architecture.md describes; a module may import its own floor and
 the floors below it. Exits 1 when there is a circle or an upward import.
 """
 

@@ -70,6 +70,13 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def on_hub(name: str) -> bool:
+    """Whether model.name names a hub model (neither embedded nor a local path): loading it asks the hub."""
+    if is_embedded(name) or Path(name).expanduser().exists():
+        return False
+    return not name.startswith((".", "/", "~")) and name.count("/") <= 1  # resolve_model_path's rule for a hub id
+
+
 def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
     """The wanted module names that exist in the model; an error when none do."""
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}

@@ -108,15 +108,26 @@ def checked(recipe: Any) -> bool:
     return recipe.task == "gsm8k" and recipe.train.max_truncated_targets < 1
 
 
-def check_recipe_budget(recipe: Any, model_path: Callable[[], str]) -> BudgetFit | None:
+def check_recipe_budget(recipe: Any, model_path: Callable[[], str], *, hub_model: bool = False) -> BudgetFit | None:
     """`validate`'s check: loads the training rows and the tokenizer of `model_path()` (no weights) and runs
     `check_budget`; when either cannot be had here (hub data or a hub model without the network) it logs why the
-    budget was not checked and returns None. A budget that does not fit raises RecipeError."""
+    budget was not checked and returns None. A budget that does not fit raises RecipeError.
+
+    `hub_model`: the tokenizer comes from the hub. Where the data or the tokenizer would come from the hub, the hub
+    is asked once first (lowmem_grpo.device.hub_unreachable): without a network the check is skipped in a second
+    instead of after the hub libraries' retries."""
     from lowmem_grpo.data.sources import load_train_rows
+    from lowmem_grpo.device import hub_unreachable
     from lowmem_grpo.errors import LowmemError
 
     if not checked(recipe):
         return None
+    if recipe.data.source == "hub" or hub_model:
+        reason = hub_unreachable()
+        if reason:
+            log.warning("completion budget: not checked, %s; `lowmem-grpo train` checks it before the model loads "
+                        "(HF_HUB_OFFLINE=1 checks it here against the local hub cache)", reason)
+            return None
     try:
         rows = load_train_rows(recipe.data)
         tokenizer = load_tokenizer(model_path(), recipe.model.trust_remote_code)
