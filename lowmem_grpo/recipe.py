@@ -234,6 +234,10 @@ class TrainConfig:
     the weights, computed in float32 while the model samples, the base weights untouched: the same completions,
     faster. Applies to the hf backend on CPU with plain LoRA layers (LoRA dropout active while TRL samples keeps it
     off); false samples through PEFT's unmerged layers."""
+    sampling_engine: bool = True
+    """Sample GRPO's completions on the hf backend on CPU through lowmem_grpo's sampling engine (the decode loop
+    evaluation uses: each prompt's prefill shared by its group, cheaper sampling, ended rows dropped); false uses
+    TRL's generation there. data.calculator always samples through the engine."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 

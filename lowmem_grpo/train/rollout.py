@@ -29,8 +29,8 @@ class RolloutPlan:
 
 
 def rollout_plan(recipe: Any, backend: str, device: str) -> RolloutPlan:
-    """The engine samples GRPO's rollouts for the hf backend on CPU (it is faster than transformers' generate there)
-    and wherever data.calculator is on; TRL's own generation runs otherwise. Raises RecipeError (exit 2) for a
+    """The engine samples GRPO's rollouts for the hf backend on CPU (it is faster than transformers' generate there;
+    train.sampling_engine=false turns that off) and wherever data.calculator is on; TRL's own generation runs otherwise. Raises RecipeError (exit 2) for a
     calculator the run could not honour: vLLM and Unsloth's generation sample whole completions, and sampling
     settings other than plain temperature are TRL's alone."""
     calculator = bool(recipe.data.calculator)
@@ -48,6 +48,8 @@ def rollout_plan(recipe: Any, backend: str, device: str) -> RolloutPlan:
             raise RecipeError(f"data.calculator with train.{custom[0]}: the sampling engine samples at the "
                               "temperature only", fix=f"remove train.{custom[0]}, or set data.calculator=false")
         return RolloutPlan(True, True, "data.calculator: the engine forces the calculator's results (masked out)")
+    if not recipe.train.sampling_engine:
+        return RolloutPlan(False, False, "train.sampling_engine is false")
     if backend == "hf" and device == "cpu" and not custom:
         return RolloutPlan(True, False, "the hf backend on CPU samples through lowmem_grpo's engine")
     why = f"train.{custom[0]} is set" if custom else "TRL's generation on this backend/device"
