@@ -1,0 +1,392 @@
+"""The sampling engine (lowmem_grpo.evaluation.engine) and GRPO's rollouts through it (lowmem_grpo.train.rollout).
+
+Tiny float32 models from tests/tiny.py for exactness against transformers' generate, and a scripted model (a
+small module that writes a fixed token script per prompt) for the calculator, whose forcing must land on exact
+token positions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from lowmem_grpo.errors import BadInputError, RecipeError
+from lowmem_grpo.evaluation.engine import Calculator, Sampled, next_tokens, sample_rows
+from lowmem_grpo.evaluation.generate import fast_sampling, generate
+from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.train.rollout import EngineRollout, rollout_plan
+
+CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
+PROMPTS = ["Natalia sold clips to 48 of her friends", "How many", "A robe takes 2 bolts", "x",
+           "Weng earns $12 an hour for babysitting. Yesterday", "Betty is saving", "Julie is reading a 120-page book.",
+           "James writes"]
+
+
+# --- fixtures ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    from tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+def _load(model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+class BatchSizes:
+    """A forward pre-hook recording each forward call's (rows, tokens per row)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.calls.append(tuple(ids.shape))
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def _reference(model, tokenizer, prompts: list[str], max_new_tokens: int, eos: int) -> list[Sampled]:
+    """transformers' greedy generate, left padded, cut at the first EOS (kept), as Sampled rows."""
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id)
+    rows = []
+    for new in out[:, batch["input_ids"].shape[1]:].tolist():
+        if eos in new:
+            new = new[:new.index(eos) + 1]
+            rows.append(Sampled(new, [0] * len(new), truncated=False))
+        else:
+            rows.append(Sampled(new, [0] * len(new), truncated=True))
+    return rows
+
+
+def _ending_model(model_dir: Path, tokenizer, max_new_tokens: int):
+    """The tiny model with its EOS output row scaled up until greedy generate ends some rows of PROMPTS early, at
+    different steps, while others run to max_new_tokens (a random model alone never writes an EOS). Tied
+    embeddings scale the EOS input row too, which only an ended row's placeholder ever reads."""
+    eos = tokenizer.eos_token_id
+    for scale in (5.0, 5.5, 6.0, 7.0, 8.0):
+        model = _load(model_dir)
+        with torch.no_grad():
+            model.get_output_embeddings().weight[eos] *= scale
+        ref = _reference(model, tokenizer, PROMPTS, max_new_tokens, eos)
+        ends = {len(r.ids) for r in ref if not r.truncated}
+        if len(ends) >= 2 and sum(r.truncated for r in ref) >= len(ref) // 2:
+            return model, ref
+    raise AssertionError("no EOS scale ends rows at different steps: the test lost its early-ending rows")
+
+
+# --- 1. exactness -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "fast_sampling"])
+def test_greedy_rows_equal_transformers_generate(arch, fast, tiny_model_dir, qwen2_dir, tokenizer):
+    model_dir = tiny_model_dir if arch == "llama" else qwen2_dir
+    max_new = 16
+    model, ref = _ending_model(model_dir, tokenizer, max_new)
+    prompt_ids = tokenizer(PROMPTS)["input_ids"]
+    assert len({len(p) for p in prompt_ids}) > 3  # different lengths: real left padding
+    sizes = BatchSizes(model)
+    with fast_sampling(model, grouped=fast, merged=fast):
+        rows = sample_rows(model, prompt_ids, max_new_tokens=max_new, temperature=0.0,
+                           eos_ids={tokenizer.eos_token_id}, pad_id=tokenizer.pad_token_id)
+    sizes.remove()
+    assert [r.ids for r in rows] == [r.ids for r in ref]
+    assert [r.truncated for r in rows] == [r.truncated for r in ref]
+    assert all(r.forced == [0] * len(r.ids) for r in rows)
+    # the ended rows were dropped from the batch (engine.COMPACT_SHARE) and the result is still generate's
+    decode_rows = [rows_ for rows_, width in sizes.calls[1:]]
+    assert sizes.calls[0][0] == len(PROMPTS) and decode_rows[0] == len(PROMPTS)
+    assert min(decode_rows) < len(PROMPTS), decode_rows
+    assert decode_rows == sorted(decode_rows, reverse=True)
+    assert len(sizes.calls) == max(len(r.ids) for r in rows)  # no decode step after the last token
+
+
+# --- 2. sampling ------------------------------------------------------------------------------------------------
+
+def test_next_tokens_draws_softmax_frequencies_and_argmax_at_zero():
+    logits = torch.tensor([[0.0, 1.0, 2.5]])
+    draws = 40_000
+    for temperature in (1.0, 0.5, 2.0):
+        generator = torch.Generator().manual_seed(1)
+        tokens = next_tokens(logits.expand(draws, 3).clone(), temperature, generator)
+        counts = torch.bincount(tokens, minlength=3).double()
+        expected = torch.softmax(logits[0].double() / temperature, dim=-1) * draws
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 13.8, (temperature, counts.tolist(), expected.tolist())  # chi-square, 2 dof, p = 0.001
+    # a broken draw (uniform, or always the argmax) is far outside that tolerance
+    uniform = torch.full((3,), draws / 3)
+    expected = torch.softmax(logits[0].double(), dim=-1) * draws
+    assert float(((uniform - expected) ** 2 / expected).sum()) > 1000
+    greedy = torch.tensor([[0.0, 3.0, 1.0], [5.0, -1.0, 4.9], [-2.0, -3.0, -1.0]])
+    assert next_tokens(greedy, 0.0).tolist() == [1, 0, 2]
+    # very peaked logits never produce an out-of-range index
+    peaked = torch.tensor([[-1e4, 1e4, -1e4]]).expand(1000, 3).clone()
+    assert set(next_tokens(peaked, 1.0, torch.Generator().manual_seed(0)).tolist()) == {1}
+
+
+def test_seeded_sampling_repeats_and_another_seed_differs(tiny_model_dir, tokenizer):
+    model = _load(tiny_model_dir)
+    prompt_ids = tokenizer(PROMPTS[:4])["input_ids"]
+
+    def draw(seed: int) -> list[list[int]]:
+        rows = sample_rows(model, prompt_ids, max_new_tokens=10, temperature=1.0,
+                           eos_ids={tokenizer.eos_token_id}, pad_id=tokenizer.pad_token_id,
+                           generator=torch.Generator().manual_seed(seed))
+        return [r.ids for r in rows]
+
+    first = draw(3)
+    assert draw(3) == first
+    assert draw(4) != first
+    greedy = sample_rows(model, prompt_ids, max_new_tokens=10, temperature=0.0, eos_ids={tokenizer.eos_token_id},
+                         pad_id=tokenizer.pad_token_id)
+    assert [r.ids for r in greedy] != first  # T 1 over a random model's flat logits is not its argmax
+
+
+# --- 3. prompt sharing ------------------------------------------------------------------------------------------
+
+def test_rows_repeating_a_prompt_share_one_prefill(tiny_model_dir, tokenizer):
+    model = _load(tiny_model_dir)
+    a, b = tokenizer(["Natalia sold clips to 48", "How many"])["input_ids"]
+    settings = dict(max_new_tokens=8, temperature=0.0, eos_ids={tokenizer.eos_token_id},
+                    pad_id=tokenizer.pad_token_id)
+    alone = {name: sample_rows(model, [ids], **settings)[0].ids for name, ids in (("a", a), ("b", b))}
+    sizes = BatchSizes(model)
+    rows = sample_rows(model, [b, a, a, b, a], **settings)  # reordered and repeated
+    sizes.remove()
+    assert [r.ids for r in rows] == [alone["b"], alone["a"], alone["a"], alone["b"], alone["a"]]
+    prefill, *decode = sizes.calls
+    assert prefill == (2, max(len(a), len(b)))  # each distinct prompt forwarded once
+    assert all(call == (5, 1) for call in decode)  # then one token per row, every row
+
+
+# --- 4. calculator forcing --------------------------------------------------------------------------------------
+
+class ScriptedLM(torch.nn.Module):
+    """Writes a fixed token script per prompt whatever it is fed: at completion step t the logit of script[t] is
+    far above the rest (EOS past the script's end). Which script a batch row follows, and where its completion
+    starts, ride in its (one-layer, one-head) KV cache, so the engine's cache copies and row drops carry them as
+    they carry a real model's state."""
+
+    def __init__(self, scripts: dict[tuple[int, ...], list[int]], vocab_size: int, eos: int) -> None:
+        super().__init__()
+        self.config = LlamaConfig(vocab_size=vocab_size, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                  num_attention_heads=1, num_key_value_heads=1)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the engine reads the device off the parameters
+        self.prompts = list(scripts)
+        self.scripts = list(scripts.values())
+        self.eos = eos
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache=True, logits_to_keep=0,
+                **kwargs):
+        rows, width = input_ids.shape
+        if past_key_values.get_seq_length() == 0:
+            tags = torch.tensor([[self.prompts.index(tuple(ids[m.bool()].tolist())), int(m.sum())]
+                                 for ids, m in zip(input_ids, attention_mask)], dtype=torch.float32)
+            keys = tags[:, None, None, :].expand(rows, 1, width, 2).contiguous()
+        else:
+            keys = past_key_values.layers[0].keys[:, :, :1, :].clone()
+        past_key_values.update(keys, keys, 0)
+        tags = past_key_values.layers[0].keys[:, 0, 0, :].long()
+        steps = position_ids[:, -1] - tags[:, 1] + 1  # the completion step the next token is written at
+        logits = torch.zeros(rows, 1, self.config.vocab_size)
+        for row, (script, step) in enumerate(zip(tags[:, 0].tolist(), steps.tolist())):
+            written = self.scripts[script]
+            logits[row, 0, written[step] if step < len(written) else self.eos] = 100.0
+        return CausalLMOutputWithPast(logits=logits)
+
+
+def _enc(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer):
+    """(model, prompts, expected): prompt text -> what the row must hold with the calculator."""
+    enc = lambda text: _enc(tokenizer, text)  # noqa: E731
+    eos = tokenizer.eos_token_id
+    result = enc("7>>")
+    assert len(result) >= 2  # forcing spans decode steps
+    placeholder = enc("9") * len(result)  # what the policy would write where the calculator forces
+    calls = enc("<<12-5=") + placeholder + enc(" apples") + [eos]
+    plain = enc("12-5=7 apples") + [eos]  # an "=" without an open "<<": nothing to force
+    refused = enc("<<12/0=") + enc("x>> done") + [eos]  # does not evaluate: nothing forced
+    prompts = {"Q: calls": calls, "Q: plain": plain, "Q: refused": refused}
+    scripts = {tuple(enc(p)): s for p, s in prompts.items()}
+    model = ScriptedLM(scripts, len(tokenizer), eos)
+    expected = {
+        "Q: calls": (enc("<<12-5=") + result + enc(" apples") + [eos],
+                     [0] * len(enc("<<12-5=")) + [1] * len(result) + [0] * (len(enc(" apples")) + 1)),
+        "Q: plain": (plain, [0] * len(plain)),
+        "Q: refused": (refused, [0] * len(refused)),
+    }
+    return model, list(prompts), expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_calculator_forces_its_result_per_row(scripted, tokenizer, temperature):
+    model, prompts, expected = scripted
+    order = [prompts[1], prompts[0], prompts[2], prompts[0]]  # a calling row among rows that do not call
+    rows = sample_rows(model, [_enc(tokenizer, p) for p in order], max_new_tokens=30, temperature=temperature,
+                       eos_ids={tokenizer.eos_token_id}, pad_id=tokenizer.pad_token_id,
+                       calculator=Calculator(tokenizer), generator=torch.Generator().manual_seed(0))
+    for prompt, row in zip(order, rows):
+        ids, forced = expected[prompt]
+        assert row.ids == ids, (prompt, tokenizer.decode(row.ids))
+        assert row.forced == forced, prompt
+        assert row.policy_mask == [1 - f for f in forced]
+        assert not row.truncated  # forcing stops at EOS as usual: the policy's EOS after it ends the row
+    assert "<<12-5=7>> apples" in tokenizer.decode(rows[1].ids)
+    # without the calculator the same policy writes its own digits where the calculator wrote 7>>
+    plain = sample_rows(model, [_enc(tokenizer, prompts[0])], max_new_tokens=30, temperature=temperature,
+                        eos_ids={tokenizer.eos_token_id}, pad_id=tokenizer.pad_token_id)[0]
+    assert tokenizer.decode(plain.ids, skip_special_tokens=True) == "<<12-5=99 apples"
+    assert plain.forced == [0] * len(plain.ids)
+
+
+def test_running_out_of_tokens_inside_forced_tokens_is_truncated(scripted, tokenizer):
+    model, prompts, expected = scripted
+    ids, forced = expected[prompts[0]]
+    cut = len(_enc(tokenizer, "<<12-5=")) + 1  # the budget ends after the first forced token
+    row = sample_rows(model, [_enc(tokenizer, prompts[0])], max_new_tokens=cut, temperature=0.0,
+                      eos_ids={tokenizer.eos_token_id}, pad_id=tokenizer.pad_token_id,
+                      calculator=Calculator(tokenizer))[0]
+    assert row.ids == ids[:cut] and row.forced == forced[:cut] and row.forced[-1] == 1
+    assert row.truncated
+
+
+def test_generate_with_the_calculator_writes_and_counts_forced_tokens(scripted, tokenizer):
+    model, prompts, _ = scripted
+    on = generate(model, tokenizer, prompts, max_new_tokens=30, progress=False, calculator=True)
+    off = generate(model, tokenizer, prompts, max_new_tokens=30, progress=False)
+    calls, plain, refused = (samples[0] for samples in on)
+    assert calls.text == "<<12-5=7>> apples" and calls.forced_tokens == len(_enc(tokenizer, "7>>"))
+    assert not calls.truncated and calls.tokens == len(_enc(tokenizer, "<<12-5=7>> apples")) + 1  # EOS counted
+    assert plain.text == "12-5=7 apples" and plain.forced_tokens == 0
+    assert refused.text == "<<12/0=x>> done" and refused.forced_tokens == 0
+    assert off[0][0].text == "<<12-5=99 apples" and off[0][0].forced_tokens == 0
+
+
+# --- 5. vLLM cannot take the calculator ---------------------------------------------------------------------------
+
+def test_generate_with_the_calculator_refuses_a_vllm_engine(tokenizer):
+    model = SimpleNamespace(vllm_engine=object())  # what choose_engine takes for a model with a vLLM engine
+    with pytest.raises(BadInputError, match="calculator"):
+        generate(model, tokenizer, ["a"], progress=False, calculator=True)
+    with pytest.raises(BadInputError, match="calculator"):
+        generate(model, tokenizer, ["a"], progress=False, calculator=True, engine="vllm")
+
+
+# --- 6. rollouts ------------------------------------------------------------------------------------------------
+
+class FakeAccelerator:
+    def unwrap_model(self, model):
+        return model
+
+
+def _fake_trainer(model, tokenizer, max_completion_length: int = 30):
+    """The attributes of TRL's GRPOTrainer that EngineRollout reads."""
+    return SimpleNamespace(processing_class=tokenizer, accelerator=FakeAccelerator(), model=model,
+                           eos_token_ids=[tokenizer.eos_token_id], max_completion_length=max_completion_length,
+                           temperature=1.0)
+
+
+def test_engine_rollout_returns_trls_keys_and_the_env_mask(scripted, tokenizer):
+    model, prompts, expected = scripted
+    repeated = [p for p in prompts for _ in range(2)]  # TRL's sampler repeats each prompt num_generations times
+    model.train()
+    out = EngineRollout(tokenizer, calculator=True)(repeated, _fake_trainer(model, tokenizer))
+    assert model.training  # put back in the mode training left it in
+    assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "env_mask"}
+    assert out["prompt_ids"] == tokenizer(text=repeated)["input_ids"]  # as TRL's own _tokenize_prompts gives them
+    assert out["logprobs"] is None
+    assert out["completion_ids"] == [expected[p][0] for p in repeated]
+    assert out["env_mask"] == [[1 - f for f in expected[p][1]] for p in repeated]
+    assert 0 in out["env_mask"][0] and all(1 in m for m in out["env_mask"])
+    without = EngineRollout(tokenizer, calculator=False)(repeated, _fake_trainer(model, tokenizer))
+    assert set(without) == {"prompt_ids", "completion_ids", "logprobs"}
+    assert tokenizer.decode(without["completion_ids"][0], skip_special_tokens=True) == "<<12-5=99 apples"
+
+
+def _recipe(*overrides: str):
+    return load_recipe(str(CPU_RECIPE), list(overrides))
+
+
+def test_rollout_plan_cases():
+    plan = rollout_plan(_recipe(), "hf", "cpu")
+    assert plan.engine and not plan.calculator
+    assert not rollout_plan(_recipe(), "hf", "cuda").engine  # TRL's generation
+    assert not rollout_plan(_recipe(), "unsloth", "cuda").engine
+    assert not rollout_plan(_recipe("train.sampling_engine=false"), "hf", "cpu").engine
+    assert not rollout_plan(_recipe("train.top_p=0.9"), "hf", "cpu").engine  # sampling the engine does not do
+    on = rollout_plan(_recipe("data.calculator=true"), "hf", "cuda")
+    assert on.engine and on.calculator  # the calculator samples through the engine on any device
+    assert rollout_plan(_recipe("data.calculator=true", "train.sampling_engine=false"), "hf", "cpu").calculator
+    for backend, overrides, named in (("unsloth", (), "unsloth"), ("hf", ("model.fast_inference=true",), "vLLM"),
+                                      ("hf", ("train.use_vllm=true",), "vLLM"), ("hf", ("train.top_p=0.9",), "top_p"),
+                                      ("hf", ("train.min_p=0.1",), "min_p")):
+        with pytest.raises(RecipeError, match=named) as caught:
+            rollout_plan(_recipe("data.calculator=true", *overrides), backend, "cuda")
+        assert caught.value.exit_code == 2
+
+
+# --- 7. what TRL does with rollout_func and env_mask ------------------------------------------------------------
+
+def test_trl_takes_the_rollout_env_mask_out_of_the_loss():
+    """Pins TRL 1.15's behaviour the engine's rollouts rely on (GRPOTrainer's private _generate and
+    _generate_and_score_completions, read as source: the rollout_func seam is marked experimental)."""
+    import trl
+    from trl import GRPOTrainer
+
+    assert trl.__version__.startswith("1.15"), f"re-check this pin for TRL {trl.__version__}"
+    assert "rollout_func" in inspect.signature(GRPOTrainer.__init__).parameters
+    generate_src = inspect.getsource(GRPOTrainer._generate)
+    assert "self.rollout_func(prompts, self)" in generate_src
+    assert 'required_keys = {"prompt_ids", "completion_ids", "logprobs"}' in generate_src
+    assert 'tool_mask = extra_fields.pop("env_mask", None)' in generate_src
+    score_src = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask" in score_src
+    assert 'output["tool_mask"] = tool_mask' in score_src  # the mask reaches the loss's inputs
+    # the policy loss and its KL term are masked by the same product in the loss itself
+    loss_src = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in loss_src
+    assert "per_token_loss = per_token_loss + self.beta * per_token_kl" in loss_src  # the KL added before the mask
+
+
+# --- 8. a GRPO run with the calculator --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_tiny_grpo_run_samples_through_the_engine_with_the_calculator(tiny_model_dir, tmp_path):
+    from tiny_run import train_tiny
+
+    run_dir, logs = train_tiny(tiny_model_dir, tmp_path / "run", "data.calculator=true", "train.max_steps=1",
+                               "prime.enabled=false", "train.preflight=false", "train.stage_eval=0",
+                               "train.save_steps=10", "train.completions_every=0")
+    messages = logs.messages(logging.INFO)
+    assert any("GRPO sampling: lowmem_grpo's engine with the calculator" in m for m in messages), messages
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("stage") == "grpo" and "loss" in r]
+    assert [r["step"] for r in steps] == [1] and math.isfinite(steps[0]["loss"])
