@@ -390,3 +390,71 @@ def test_a_tiny_grpo_run_samples_through_the_engine_with_the_calculator(tiny_mod
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("stage") == "grpo" and "loss" in r]
     assert [r["step"] for r in steps] == [1] and math.isfinite(steps[0]["loss"])
+
+
+# --- stage-evaluation progress ----------------------------------------------------------------------------------
+
+class Calls:
+    """An on_progress callback that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, done: int, total: int) -> None:
+        self.calls.append((done, total))
+
+
+class Clock:
+    """A clock that reads the given times in turn."""
+
+    def __init__(self, *times: float) -> None:
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+def test_generate_reports_progress_after_each_batch(tiny_model_dir, tokenizer):
+    from lowmem_grpo.evaluation.evaluate import run_eval
+
+    model = _load(tiny_model_dir)
+    greedy = Calls()
+    generate(model, tokenizer, PROMPTS[:5], max_new_tokens=3, batch_size=2, progress=False, on_progress=greedy)
+    assert greedy.calls == [(2, 5), (4, 5), (5, 5)]
+    sampled = Calls()  # a batch counts sequences: 4 of them are 2 problems' 2 samples
+    generate(model, tokenizer, PROMPTS[:3], max_new_tokens=3, batch_size=4, num_samples=2, temperature=1.0,
+             progress=False, on_progress=sampled)
+    assert sampled.calls == [(2, 3), (3, 3)]
+    examples = [{"prompt": p, "answer": "1", "prefill": ""} for p in PROMPTS[:3]]
+    through_eval = Calls()
+    run_eval(model, tokenizer, examples, max_new_tokens=3, batch_size=1, progress=False, on_progress=through_eval)
+    assert through_eval.calls == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_progress_lines_give_done_rate_and_eta_at_most_every_interval(caplog):
+    from lowmem_grpo.evaluation.progress import ProgressLog
+
+    report = ProgressLog("stage eval base: greedy", every=10.0, clock=Clock(100.0, 105.0, 112.0, 115.0, 160.0))
+    with caplog.at_level(logging.INFO, logger="lowmem_grpo.evaluation.progress"):
+        for done in (10, 20, 30, 40):  # at 5 s, 12 s, 15 s and 60 s after it was made
+            report(done, 40)
+    assert [r.getMessage() for r in caplog.records] == [
+        "stage eval base: greedy 20/40 problems | 100/min | eta 0m12s",  # 5 s in: too soon after the start
+        "stage eval base: greedy 40/40 problems | 40/min | done in 1m00s",  # 15 s in: 3 s after the last line
+    ]
+
+
+def test_stage_evaluation_logs_its_progress(tiny_model_dir, tokenizer, tmp_path, caplog):
+    from lowmem_grpo.evaluation.stages import StageEvals
+
+    recipe = _recipe("train.stage_eval=3", "train.stage_eval_samples=2", "train.max_completion_length=4",
+                     "train.stage_eval_stages=[base]")
+    evals = StageEvals(recipe, tokenizer, tmp_path / "stage_eval.json")
+    with caplog.at_level(logging.INFO, logger="lowmem_grpo.evaluation.stages"):
+        evals.measure(_load(tiny_model_dir), "base")
+    lines = [r.getMessage() for r in caplog.records if r.name == "lowmem_grpo.evaluation.stages"]
+    progress = [line for line in lines if " problems | " in line]
+    assert len(progress) == 2, lines
+    assert progress[0].startswith("stage eval base: greedy 3/3 problems | ") and "/min | done in " in progress[0]
+    assert progress[1].startswith("stage eval base: 2 samples 3/3 problems | ")
+    assert lines.index(progress[1]) < len(lines) - 1 and "strict accuracy" in lines[-1]  # before the summary

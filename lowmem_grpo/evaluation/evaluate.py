@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,14 +66,16 @@ def _record(index: int, example: dict[str, Any], verdicts: list[Verdict],
 def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
              reward_weights: dict[str, float] | None = None, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
-             engine: str = "auto", lora_request: Any = None, merged: bool = True) -> EvalResult:
+             engine: str = "auto", lora_request: Any = None, merged: bool = True,
+             on_progress: Callable[[int, int], None] | None = None) -> EvalResult:
     """Generate for each example (from `build_examples`: prompt, answer, prefill, question) and score it.
 
     Greedy when temperature is 0 (the default); seeded sampling of num_samples completions per
     problem otherwise. batch_size counts sequences generated at once. The same seed and settings
     give the same result. With reward_weights, each reward's mean and the weighted total
     (`reward`) are added to the metrics, scored the way TRL calls rewards. `merged`: transformers samples from
-    the LoRA adapter merged into the weights where generate.merged_adapter applies.
+    the LoRA adapter merged into the weights where generate.merged_adapter applies. `on_progress(done, total)`:
+    called with the problems generated so far after each batch (generate's).
     """
     if not examples:
         raise BadInputError("no problems to evaluate", fix="check the data source, split and --limit")
@@ -80,7 +83,7 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     prompts = [ex["prompt"] for ex in examples]
     generations = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                            num_samples=num_samples, temperature=temperature, seed=seed, progress=progress,
-                           engine=engine, lora_request=lora_request, merged=merged)
+                           engine=engine, lora_request=lora_request, merged=merged, on_progress=on_progress)
     per_problem: list[list[Verdict]] = []
     records = []
     reward_sums: dict[str, float] = {}

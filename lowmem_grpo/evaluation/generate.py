@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +95,8 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
 
 def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
                            batch_size: int, num_samples: int, temperature: float, seed: int,
-                           bar: Any, merged: bool, calculator: bool) -> list[list[Generation]]:
+                           bar: Any, merged: bool, calculator: bool,
+                           on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
     import torch
 
     from lowmem_grpo.evaluation.engine import Calculator, sample_rows
@@ -122,6 +123,8 @@ def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, ma
             for i in range(len(batch)):
                 results.append([_generation(tokenizer, r, eos) for r in rows[i * num_samples:(i + 1) * num_samples]])
             bar.update(len(batch))
+            if on_progress is not None:
+                on_progress(len(results), len(prompts))
     return results
 
 
@@ -303,7 +306,8 @@ def inference_mode(model: Any) -> Iterator[None]:
 
 
 def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_samples: int,
-                   temperature: float, seed: int, lora_request: Any, bar: Any) -> list[list[Generation]]:
+                   temperature: float, seed: int, lora_request: Any, bar: Any,
+                   on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
     """vLLM generation with `lora_request` (not exercised by the CPU test suite: vllm needs CUDA)."""
     from vllm import SamplingParams
 
@@ -311,6 +315,8 @@ def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_
                             max_tokens=max_new_tokens, seed=seed)
     outputs = engine.generate(prompts, sampling_params=params, lora_request=lora_request, use_tqdm=False)
     bar.update(len(prompts))
+    if on_progress is not None:
+        on_progress(len(prompts), len(prompts))
     return [[Generation(text=o.text, tokens=len(o.token_ids), truncated=o.finish_reason == "length")
              for o in out.outputs] for out in outputs]
 
@@ -318,14 +324,17 @@ def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_
 def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
              engine: str = "auto", lora_request: Any = None, desc: str = "eval",
-             merged: bool = True, calculator: bool = False) -> list[list[Generation]]:
+             merged: bool = True, calculator: bool = False,
+             on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
     """num_samples completions per prompt (text after the prompt, prefill excluded).
 
     With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
     model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
     merged into the weights while it samples when `merged` and merged_adapter applies, through
     lowmem_grpo.evaluation.engine. With `calculator`, each `<<EXPR=` a row writes is completed by the calculator
-    (transformers only: vLLM samples whole completions, so it cannot; asking for both is bad input)."""
+    (transformers only: vLLM samples whole completions, so it cannot; asking for both is bad input).
+    `on_progress(done, total)`, when given, is called with the problems done after each batch (vLLM: once, at the
+    end), for callers that log progress instead of showing the bar (evaluation.progress.ProgressLog)."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")
@@ -345,7 +354,9 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
         if chosen == "vllm":
             vllm_engine, request = vllm_target(model, lora_request)  # the adapter as trained so far
             return _generate_vllm(vllm_engine, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                  temperature=temperature, seed=seed, lora_request=request, bar=bar)
+                                  temperature=temperature, seed=seed, lora_request=request, bar=bar,
+                                  on_progress=on_progress)
         return _generate_transformers(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                       batch_size=batch_size, num_samples=num_samples, temperature=temperature,
-                                      seed=seed, bar=bar, merged=merged, calculator=calculator)
+                                      seed=seed, bar=bar, merged=merged, calculator=calculator,
+                                      on_progress=on_progress)

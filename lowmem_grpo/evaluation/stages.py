@@ -31,6 +31,7 @@ from lowmem_grpo.evaluation.metrics import (
     paired_bootstrap,
     problem_value,
 )
+from lowmem_grpo.evaluation.progress import ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +164,13 @@ class StageEvals:
                   "seed": self.settings["seed"], "progress": False, "engine": "transformers", "merged": self.merged}
         watch = self.peaks.stage(f"eval {stage}") if self.peaks is not None else contextlib.nullcontext()
         with watch, _disabled_adapter(model, stage):
-            result = run_eval(model, self.tokenizer, self.examples, **common)
+            # minutes without a bar: a progress line like training's (problems done, rate, eta) every ~10 s
+            result = run_eval(model, self.tokenizer, self.examples,
+                              on_progress=ProgressLog(f"stage eval {stage}: greedy", log), **common)
             sampled = (run_eval(model, self.tokenizer, self.examples, num_samples=k,
-                                temperature=self.settings["temperature"], **sampled_batch(common, k)) if k else None)
+                                temperature=self.settings["temperature"],
+                                on_progress=ProgressLog(f"stage eval {stage}: {k} samples", log),
+                                **sampled_batch(common, k)) if k else None)
         self.verdicts[stage] = result.verdicts
         m = dict(result.metrics)
         line = ""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
+from lowmem_grpo.evaluation.progress import ProgressLog
 from lowmem_grpo.evaluation.stages import periodic_settings, problem_values
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
@@ -146,12 +147,15 @@ class PeriodicEvalCallback(TrainerCallback):
             return
         t = self.train
         greedy, sampling = periodic_settings(t)  # engine auto: vLLM (the live adapter) when the model has it
-        result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights, **greedy)
+        step = state.global_step
+        result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights,
+                          on_progress=ProgressLog(f"eval step {step}: greedy", log), **greedy)
         metrics = dict(result.metrics)
         seconds = result.seconds
         sampled = None
         if sampling is not None:
-            sampled = run_eval(model, self.tokenizer, self.examples, **sampling)
+            sampled = run_eval(model, self.tokenizer, self.examples,
+                               on_progress=ProgressLog(f"eval step {step}: {t.eval_samples} samples", log), **sampling)
             k = t.eval_samples
             metrics.update({f"mean@{k}": sampled.metrics["strict_accuracy"], f"pass@{k}": sampled.metrics[f"pass@{k}"],
                             "sampled_strict_format_rate": sampled.metrics["strict_format_rate"]})
