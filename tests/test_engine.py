@@ -20,15 +20,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lowmem_grpo.errors import BadInputError, RecipeError
-from lowmem_grpo.evaluation.engine import Calculator, Sampled, next_tokens, sample_rows
+from lowmem_grpo.evaluation.engine import COMPACT_SHARE, Calculator, Sampled, next_tokens, sample_rows
 from lowmem_grpo.evaluation.generate import fast_sampling, generate
 from lowmem_grpo.recipe_io import load_recipe
 from lowmem_grpo.train.rollout import EngineRollout, rollout_plan
 
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
-PROMPTS = ["Natalia sold clips to 48 of her friends", "How many", "A robe takes 2 bolts", "x",
+PROMPTS = ["Natalia sold clips to 48 of her friends", "How many", "A robe takes 2 bolts",
+           "<|im_start|>user\nHow many apples?<|im_end|>\n<|im_start|>assistant\n",
            "Weng earns $12 an hour for babysitting. Yesterday", "Betty is saving", "Julie is reading a 120-page book.",
            "James writes"]
+"""Prompts of different lengths; the fourth holds the EOS token (<|im_end|>) inside it, as chat prompts do."""
 
 
 # --- fixtures ---------------------------------------------------------------------------------------------------
@@ -84,17 +86,19 @@ def _reference(model, tokenizer, prompts: list[str], max_new_tokens: int, eos: i
 
 
 def _ending_model(model_dir: Path, tokenizer, max_new_tokens: int):
-    """The tiny model with its EOS output row scaled up until greedy generate ends some rows of PROMPTS early, at
-    different steps, while others run to max_new_tokens (a random model alone never writes an EOS). Tied
-    embeddings scale the EOS input row too, which only an ended row's placeholder ever reads."""
+    """The tiny model with its EOS output row scaled up until greedy generate ends enough rows of PROMPTS early to
+    be dropped from the batch, at different steps, while another runs to max_new_tokens (a random model alone
+    never writes an EOS). Tied embeddings scale the EOS input row too, which only an ended row's placeholder
+    ever reads."""
     eos = tokenizer.eos_token_id
-    for scale in (5.0, 5.5, 6.0, 7.0, 8.0):
+    for scale in (5.0, 5.5, 6.0, 7.0, 8.0, 10.0, 12.0):
         model = _load(model_dir)
         with torch.no_grad():
             model.get_output_embeddings().weight[eos] *= scale
         ref = _reference(model, tokenizer, PROMPTS, max_new_tokens, eos)
-        ends = {len(r.ids) for r in ref if not r.truncated}
-        if len(ends) >= 2 and sum(r.truncated for r in ref) >= len(ref) // 2:
+        ends = [len(r.ids) for r in ref if not r.truncated]
+        # enough ended rows to be dropped from the batch (COMPACT_SHARE), at different steps, and one left writing
+        if len(set(ends)) >= 2 and len(ends) >= math.ceil(COMPACT_SHARE * len(ref)) and len(ends) < len(ref):
             return model, ref
     raise AssertionError("no EOS scale ends rows at different steps: the test lost its early-ending rows")
 
