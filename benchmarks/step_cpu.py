@@ -11,18 +11,18 @@ tests/test_step_cpu_check.py runs each of these commands with --check-only (pars
 real model for the first, the tiny one for the others).
 
 The spec is the recipe itself (load_recipe), not a copy: its data (generated problems, the recipe's levels and
-seed), system prompt, prefill and prompt-length rule, LoRA, GRPOConfig values (num_generations, batch,
-accumulation, max_completion_length, temperature, beta, scale_rewards, mask_truncated_completions, ...) and rewards.
-The benchmark changes only: the model (tiny, or the embedded SmolLM2), model.dtype when --dtypes names one,
-train.max_steps, and no preflight, stage or periodic evaluation (--set KEY=VALUE ... changes the recipe for all
-three sides: another shape). The CPU default's GRPO starts from its primed adapter and anchors its KL to it: with
---start primed (the default) the recipe's priming runs once, through train(), and all three sides start from that
-adapter (plain: PeftModel.from_pretrained, trainable; TRL copies it
-as the reference, as it does for ours). The plain side derives its GRPOConfig from the recipe's train section
-generically (every TrainConfig field that is a GRPOConfig field, train.extra, and the few the package resolves:
-plain_grpo_values), builds its rows with the package's data functions, and uses the CPU-safe GRPOTrainer (TRL 1.15's
-log-prob pass is a Triton kernel with no CPU driver) with lowmem_grpo's CPU changes off (PLAIN_TRAINER: full-row
-log-prob passes, PEFT's unmerged layers and head copies while sampling), so it is what a user writes by hand.
+seed), system prompt, prefill and prompt-length rule, LoRA, GRPOConfig values (num_generations, batch, accumulation,
+max_completion_length, temperature, beta, scale_rewards, mask_truncated_completions, ...) and rewards. The benchmark
+changes only: the model (tiny, or the embedded SmolLM2), model.dtype when --dtypes names one, train.max_steps, and
+no preflight, stage or periodic evaluation (--set KEY=VALUE ... changes the recipe for all three sides: another
+shape). The CPU default's GRPO starts from its primed adapter and anchors its KL to it: with --start primed (the
+default) the recipe's priming runs once, through train(), and all three sides start from that adapter (plain:
+PeftModel.from_pretrained, trainable; TRL copies it as the reference, as it does for ours). The plain side derives
+its GRPOConfig from the recipe's train section generically (every TrainConfig field that is a GRPOConfig field,
+train.extra, and the few the package resolves: plain_grpo_values), builds its rows with the package's data
+functions, and uses the CPU-safe GRPOTrainer (TRL 1.15's log-prob pass is a Triton kernel with no CPU driver) with
+lowmem_grpo's CPU changes off (PLAIN_TRAINER: full-row log-prob passes, PEFT's unmerged layers and head copies while
+sampling), so it is what a user writes by hand.
 
 The three sides, each in its own process:
   plain   the plain TRL + PEFT script (the default glibc allocator)
