@@ -207,7 +207,7 @@ def run(opts: EvalOptions) -> dict[str, Any]:
     engine, tokenizer, lora, info = _load(recipe, adapter, opts)
     examples = recipe_examples(rows, tokenizer, d)
     kwargs = dict(max_new_tokens=max_new, batch_size=opts.batch_size, num_samples=opts.samples,
-                  temperature=opts.temperature, seed=opts.seed, progress=opts.progress)
+                  temperature=opts.temperature, seed=opts.seed, progress=opts.progress, calculator=d.calculator)
     results = {}
     if opts.compare:
         if lora is None:

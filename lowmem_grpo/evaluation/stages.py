@@ -101,13 +101,19 @@ def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
     return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
 
 
-def periodic_settings(train: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+EVAL_BATCH = 32
+"""Sequences an evaluation decodes at once (at least): on CPU a decode step over 32 rows of a small model costs
+little more than over 8, so fewer, fuller batches finish sooner; the KV cache of 32 rows is a few MiB."""
+
+
+def periodic_settings(train: Any, calculator: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """run_eval's settings of the periodic held-out evaluation (train.eval_every) from the train section: greedy, and
     with train.eval_samples = k its k samples per problem at train.temperature (None when k is 0). One definition,
     so that an evaluation that reproduces a curve point (benchmarks/learning_sweep.py eval-checkpoint) batches and
     seeds its generate calls as the run did: seeded samples depend on the batch they were drawn in."""
-    greedy = {"max_new_tokens": train.max_completion_length, "batch_size": train.per_device_train_batch_size,
-              "seed": train.seed, "progress": False, "engine": "auto", "merged": train.merged_sampling}
+    greedy = {"max_new_tokens": train.max_completion_length,
+              "batch_size": max(EVAL_BATCH, train.per_device_train_batch_size), "seed": train.seed,
+              "progress": False, "engine": "auto", "merged": train.merged_sampling, "calculator": calculator}
     k = train.eval_samples
     if not k:
         return greedy, None
@@ -138,8 +144,10 @@ class StageEvals:
         self.path = Path(path)
         self.peaks = peaks  # a lowmem_grpo.rundir.rss.StagePeaks: each evaluation's peak RSS as "eval <stage>"
         self.tokenizer = tokenizer
-        self.settings = {"max_new_tokens": t.max_completion_length, "batch_size": max(8, t.per_device_train_batch_size),
-                         "seed": t.seed, "samples": t.stage_eval_samples, "temperature": t.temperature}
+        self.settings = {"max_new_tokens": t.max_completion_length,
+                         "batch_size": max(EVAL_BATCH, t.per_device_train_batch_size), "seed": t.seed,
+                         "samples": t.stage_eval_samples, "temperature": t.temperature,
+                         "calculator": recipe.data.calculator}
         self.wanted = list(t.stage_eval_stages)
         self.merged = t.merged_sampling
         self.examples = load_eval_examples(recipe, tokenizer, limit=t.stage_eval)  # bad data fails before training
@@ -161,7 +169,8 @@ class StageEvals:
             return self.results[stage]
         k = self.settings["samples"]
         common = {"max_new_tokens": self.settings["max_new_tokens"], "batch_size": self.settings["batch_size"],
-                  "seed": self.settings["seed"], "progress": False, "engine": "transformers", "merged": self.merged}
+                  "seed": self.settings["seed"], "progress": False, "engine": "transformers", "merged": self.merged,
+                  "calculator": self.settings["calculator"]}
         watch = self.peaks.stage(f"eval {stage}") if self.peaks is not None else contextlib.nullcontext()
         with watch, _disabled_adapter(model, stage):
             # minutes without a bar: a progress line like training's (problems done, rate, eta) every ~10 s

@@ -140,13 +140,15 @@ class PeriodicEvalCallback(TrainerCallback):
         self.metrics_path = Path(run_dir) / layout.METRICS_FILE
         self.steps_path = Path(run_dir) / layout.EVAL_STEPS_FILE
         self.weights = resolved_rewards(recipe)
+        self.calculator = recipe.data.calculator
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any):
         every = self.train.eval_every
         if not every or state.global_step % every or not state.is_world_process_zero:
             return
         t = self.train
-        greedy, sampling = periodic_settings(t)  # engine auto: vLLM (the live adapter) when the model has it
+        # engine auto: vLLM (the live adapter) when the model has it
+        greedy, sampling = periodic_settings(t, self.calculator)
         step = state.global_step
         result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights,
                           on_progress=ProgressLog(f"eval step {step}: greedy", log), **greedy)
