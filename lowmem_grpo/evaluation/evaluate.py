@@ -67,7 +67,7 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
              reward_weights: dict[str, float] | None = None, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
              engine: str = "auto", lora_request: Any = None, merged: bool = True,
-             on_progress: Callable[[int, int], None] | None = None) -> EvalResult:
+             on_progress: Callable[[int, int], None] | None = None, calculator: bool = False) -> EvalResult:
     """Generate for each example (from `build_examples`: prompt, answer, prefill, question) and score it.
 
     Greedy when temperature is 0 (the default); seeded sampling of num_samples completions per
@@ -75,7 +75,8 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     give the same result. With reward_weights, each reward's mean and the weighted total
     (`reward`) are added to the metrics, scored the way TRL calls rewards. `merged`: transformers samples from
     the LoRA adapter merged into the weights where generate.merged_adapter applies. `on_progress(done, total)`:
-    called with the problems generated so far after each batch (generate's).
+    called with the problems generated so far after each batch (generate's). `calculator`: the engine completes
+    `<<EXPR=` with the calculator's result (data.calculator; generate).
     """
     if not examples:
         raise BadInputError("no problems to evaluate", fix="check the data source, split and --limit")
@@ -83,7 +84,8 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     prompts = [ex["prompt"] for ex in examples]
     generations = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                            num_samples=num_samples, temperature=temperature, seed=seed, progress=progress,
-                           engine=engine, lora_request=lora_request, merged=merged, on_progress=on_progress)
+                           engine=engine, lora_request=lora_request, merged=merged, on_progress=on_progress,
+                           calculator=calculator)
     per_problem: list[list[Verdict]] = []
     records = []
     reward_sums: dict[str, float] = {}
@@ -107,7 +109,8 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
         metrics["reward"] = reward_sums.pop("total") / n
         metrics.update({f"reward/{name}": total / n for name, total in reward_sums.items()})
     settings = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "num_samples": num_samples,
-                "temperature": temperature, "seed": seed, "engine": choose_engine(model, engine)}
+                "temperature": temperature, "seed": seed, "engine": choose_engine(model, engine),
+                "calculator": calculator}
     return EvalResult(metrics, records, per_problem, settings, time.monotonic() - started, outcome_shares(per_problem))
 
 
