@@ -134,6 +134,7 @@ def measure(model: Any, tokenizer: Any, examples: list[dict[str, Any]], stage: s
     import contextlib
 
     from lowmem_grpo.evaluation.evaluate import run_eval
+    from lowmem_grpo.evaluation.progress import ProgressLog
 
     if stage == "base":
         switch = model.disable_adapter()
@@ -141,8 +142,12 @@ def measure(model: Any, tokenizer: Any, examples: list[dict[str, Any]], stage: s
         model.set_adapter("default" if stage == "trained" else stage)
         switch = contextlib.nullcontext()
     with switch:
-        greedy = run_eval(model, tokenizer, examples, **settings["greedy"])
-        sampled = run_eval(model, tokenizer, examples, **settings["sampled"]) if settings["sampled"] else None
+        greedy = run_eval(model, tokenizer, examples, on_progress=ProgressLog(f"{stage}: greedy", log),
+                          **settings["greedy"])
+        sampled = None
+        if settings["sampled"]:
+            sampled = run_eval(model, tokenizer, examples, **settings["sampled"],
+                               on_progress=ProgressLog(f"{stage}: {settings['sampled']['num_samples']} samples", log))
     metrics = {**greedy.metrics, "greedy_seconds": greedy.seconds}
     entry: dict[str, Any] = {"verdicts": [[v.as_dict() for v in p] for p in greedy.verdicts]}
     if sampled is not None:
