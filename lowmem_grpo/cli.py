@@ -131,7 +131,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                        limit=args.limit, batch_size=args.batch_size, seed=args.seed, samples=args.samples,
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, out=args.out,
                        compare=args.compare, prefill=_unescape(args.prefill),
-                       system_prompt=_unescape(args.system_prompt), engine=args.engine, progress=not args.no_progress)
+                       system_prompt=_unescape(args.system_prompt), engine=args.engine, progress=not args.no_progress,
+                       overrides=tuple(args.overrides))
     sys.stdout.write(render(run(opts)))
     return EXIT_OK
 
@@ -229,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto",
                    help="auto = vLLM when installed with CUDA, else transformers generate")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*",
+                   help="key.sub=value recipe overrides, e.g. data.generated.eval_stories=heldout")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("check-rewards", help="reward preflight: would GRPO get a signal? (exit 3 if not); never trains")

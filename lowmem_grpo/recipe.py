@@ -89,6 +89,9 @@ class GeneratedDataConfig:
     """Problems in the generated test split (disjoint from train by construction)."""
     seed: int = 0
     """Seed of the generator: the same seed gives the same problems."""
+    eval_stories: Literal["all", "heldout"] = "all"
+    """Story templates of the evaluated (test) problems: all, or heldout = only the stories the train split never
+    uses (lowmem_grpo.data.generated.HELDOUT_STORIES), which tests wording the model was never trained on."""
 
 
 @dataclass
@@ -344,6 +347,10 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
         _require(d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
     if d.source == "generated":
         _validate_generated(d.generated)
+        if d.generated.eval_stories == "heldout":
+            _require(d.eval_split == "test", "data.generated.eval_stories", f"is heldout, but data.eval_split is "
+                     f"{d.eval_split!r}: only the test split tells problems in the held-out stories",
+                     "set data.eval_split=test, or data.generated.eval_stories=all")
     if d.calculator:  # every source's rows are GSM8K solutions (sources.check_rows); other tasks' are not
         _require(recipe.task == "gsm8k", "data.calculator", f"completes GSM8K's `<<a-b=` calculator annotations, "
                  f"but task is {recipe.task!r}, whose data has none",

@@ -15,9 +15,11 @@ from fractions import Fraction
 import pytest
 
 from lowmem_grpo.data.format import clean_reasoning, render_full_target
-from lowmem_grpo.data.generated import LEVELS, STEPS, generate_rows, level_of, parse_levels, split_of
-from lowmem_grpo.data.sources import check_rows
-from lowmem_grpo.errors import DataError
+from lowmem_grpo.data.generated import (HELDOUT_STORIES, LEVELS, STEPS, generate_rows, level_of, parse_levels,
+                                        split_of, story_of)
+from lowmem_grpo.data.sources import check_rows, load_eval_rows, load_train_rows
+from lowmem_grpo.recipe import DataConfig, GeneratedDataConfig, Recipe, validate
+from lowmem_grpo.errors import DataError, RecipeError
 from lowmem_grpo.rewards import correctness, strict_format
 from lowmem_grpo.rewards.parsing import gold_number
 
@@ -203,6 +205,7 @@ def test_parse_levels():
 
 @pytest.mark.parametrize("kwargs", [
     {"split": "validation"}, {"size": -1}, {"size": 2.5}, {"level": "0-2"}, {"task": "geometry"},
+    {"stories": "unseen"}, {"split": "train", "stories": "heldout"},
 ])
 def test_bad_arguments_raise_data_error(kwargs):
     args = {"split": "train", "size": 3, "level": 1, "seed": 0} | kwargs
@@ -218,3 +221,57 @@ def test_the_first_levels_only_add_and_take_away():
     ops = {op for row in generate_rows("train", 300, 3, seed=3) for expr, _ in steps_of(row["answer"])
            for op in re.sub(r"[\d\s]", "", expr)}
     assert {"*", "/"} & ops
+
+
+def test_train_never_tells_a_held_out_story_and_test_tells_them_all(big_splits):
+    train, test = big_splits
+    told_train = Counter(story_of(r["question"]) for r in train)
+    told_test = Counter(story_of(r["question"]) for r in test)
+    assert None not in told_train and None not in told_test  # every generated question names its story
+    assert not set(HELDOUT_STORIES) & set(told_train)
+    assert set(HELDOUT_STORIES) <= set(told_test) and len(told_test) == len(told_train) + len(HELDOUT_STORIES)
+    assert story_of("Natalia sold clips to 48 of her friends in April.") is None  # not a generated question
+    big_train = {story_of(r["question"]) for r in generate_rows("train", 200, 4, seed=2)}
+    big_heldout = {story_of(r["question"]) for r in generate_rows("test", 200, 4, seed=2, stories="heldout")}
+    assert len(big_train) >= 3 and len(big_heldout) >= 2  # large numbers are told on both sides
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_heldout_stories_draw_every_level(level):
+    rows = generate_rows("test", 120, level, seed=4, stories="heldout")
+    assert {story_of(r["question"]) for r in rows} <= set(HELDOUT_STORIES)
+    assert {level_of(r["question"], r["answer"]) for r in rows} == {level}
+    assert {split_of(r["answer"]) for r in rows} == {"test"}
+    for row in rows:
+        for expr, value in steps_of(row["answer"]):
+            assert exact(expr) == value
+
+
+def test_heldout_rows_are_deterministic_and_disjoint_from_train_by_arithmetic():
+    heldout = generate_rows("test", 300, "1-5", seed=9, stories="heldout")
+    assert heldout == generate_rows("test", 300, "1-5", seed=9, stories="heldout")
+    assert generate_rows("test", 40, "1-5", seed=9, stories="heldout") == heldout[:40]
+    assert {story_of(r["question"]) for r in heldout} == set(HELDOUT_STORIES)
+    train = generate_rows("train", 2000, "1-5", seed=9)
+    assert train == generate_rows("train", 2000, "1-5", seed=9)
+    chains = lambda rows: {tuple(steps_of(r["answer"])) for r in rows}  # noqa: E731
+    assert not chains(train) & chains(heldout)
+    assert not {r["question"] for r in heldout} & {r["question"] for r in generate_rows("test", 300, "1-5", seed=9)}
+
+
+def test_the_eval_split_honours_eval_stories_and_the_train_split_ignores_it():
+    heldout = DataConfig(source="generated", generated=GeneratedDataConfig(levels="1-2", train_size=300, test_size=60,
+                                                                           eval_stories="heldout"))
+    rows = load_eval_rows(heldout, limit=50)
+    assert len(rows) == 50 and {story_of(r["question"]) for r in rows} <= set(HELDOUT_STORIES)
+    assert rows == load_eval_rows(heldout, limit=50)
+    plain = DataConfig(source="generated", generated=GeneratedDataConfig(levels="1-2", train_size=300, test_size=60))
+    assert {story_of(r["question"]) for r in load_eval_rows(plain)} - set(HELDOUT_STORIES)
+    assert load_train_rows(heldout) == load_train_rows(plain)  # eval_stories changes only what is evaluated
+    assert not {story_of(r["question"]) for r in load_train_rows(heldout)} & set(HELDOUT_STORIES)
+    with pytest.raises(DataError, match="held-out"):
+        load_eval_rows(heldout, split="train")
+    validate(Recipe(data=heldout))
+    with pytest.raises(RecipeError, match="eval_stories"):
+        validate(Recipe(data=DataConfig(source="generated", eval_split="train",
+                                        generated=GeneratedDataConfig(eval_stories="heldout"))))

@@ -21,8 +21,15 @@ Train and test are disjoint by construction: a problem's split is a stable hash 
 arithmetic, the chain of `expr=value` annotations (`split_of`). The generator draws candidates
 and keeps only those of the requested split, so no test problem -- not even its arithmetic told
 as another story -- can appear in train, whatever the seeds and sizes. Questions never repeat
-within a split. The same (split, size, level, seed, task) always gives the same rows, and a
-smaller size gives a prefix of a larger one.
+within a split. The same (split, size, level, seed, task, stories) always gives the same rows, and
+a smaller size gives a prefix of a larger one.
+
+Held-out stories: the train split never tells a problem in the story templates named in
+`HELDOUT_STORIES` (a fixed list of names, 3 of the 13 stories, 2 of them able to tell level 4's
+large numbers). The test split tells its problems in every story (`stories="all"`, the default,
+drawn exactly as before the list existed), or with `stories="heldout"` only in the held-out ones:
+problems whose arithmetic AND wording the training split never showed. `story_of(question)` names
+the story a generated question is told in.
 
 Rows carry no level column (check_rows keeps only question/answer): `level_of(question, answer)`
 recovers it from the row itself, so it survives check_rows, a jsonl round trip, and TRL's dataset
@@ -36,13 +43,15 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+import string
 from dataclasses import dataclass
 from typing import Any
 
 from lowmem_grpo.errors import DataError
 from lowmem_grpo.rewards.parsing import find_numbers
 
-__all__ = ["LEVELS", "SPLITS", "STEPS", "TASKS", "generate_rows", "level_of", "parse_levels", "split_of"]
+__all__ = ["HELDOUT_STORIES", "LEVELS", "SPLITS", "STEPS", "STORY_SETS", "TASKS", "generate_rows", "level_of",
+           "parse_levels", "split_of", "story_of"]
 
 LEVELS: dict[int, str] = {
     1: "one step, adding or taking away; every number in the question is at most 20",
@@ -67,6 +76,13 @@ SPLITS: tuple[str, ...] = ("train", "test")
 
 TASKS: tuple[str, ...] = ("arithmetic",)
 """The task families `generate_rows` knows."""
+
+HELDOUT_STORIES: tuple[str, ...] = ("library", "tank", "lemonade")
+"""Stories (`_Story.key`) the train split never uses: about a fifth of them, two able to tell large numbers
+(library, tank) and one not (lemonade), so every level can be told in them and in the rest."""
+
+STORY_SETS: tuple[str, ...] = ("all", "heldout")
+"""What `generate_rows(stories=...)` accepts: every story the split may use, or only HELDOUT_STORIES (test only)."""
 
 _TEST_PERCENT = 20  # share of the problem space (by arithmetic) that belongs to the test split
 _SMALL_MAX = 20
@@ -110,7 +126,7 @@ class _Story:
     (the unit, singular or plural to agree with the result).
     """
 
-    key: str  # a name for readers; no unit slot means the running quantity is dollars
+    key: str  # the story's name (HELDOUT_STORIES, story_of); no unit slot means the running quantity is dollars
     big_ok: bool  # reads naturally with hundreds or thousands
     slots: dict[str, tuple[Any, ...]]  # "unit" -> ((singular, plural), ...), other slots -> options
     start: tuple[str, ...]
@@ -364,6 +380,45 @@ _STORIES: tuple[_Story, ...] = (
 _BIG_STORIES = tuple(s for s in _STORIES if s.big_ok)
 
 
+def _pools(split: str, stories: str) -> tuple[tuple[_Story, ...], tuple[_Story, ...]]:
+    """The stories a split draws from: (for small numbers, for level 4's big numbers)."""
+    if stories == "heldout":
+        keep = [s for s in _STORIES if s.key in HELDOUT_STORIES]
+    elif split == "train":
+        keep = [s for s in _STORIES if s.key not in HELDOUT_STORIES]
+    else:
+        return _STORIES, _BIG_STORIES
+    return tuple(keep), tuple(s for s in keep if s.big_ok)
+
+
+_SLOT_PATTERNS = {
+    "Name": "(?:" + "|".join(p[0] for p in _PEOPLE) + ")",
+    "rel": "(?:" + "|".join(_RELATIVES) + ")",
+    **{k: "[A-Za-z]+" for k in ("he", "He", "him", "his", "His", "himself")},
+    **{k: "[\\d,]+" for k in "abgkpd"},
+}
+
+
+def _opening_pattern(story: _Story) -> re.Pattern[str]:
+    """The question's first sentence as this story opens it (a start or groups template)."""
+    slots = dict(_SLOT_PATTERNS)
+    for slot, options in story.slots.items():
+        words = [o[1] for o in options] if slot == "unit" else list(options)
+        slots["u" if slot == "unit" else slot] = "(?:" + "|".join(map(re.escape, words)) + ")"
+    alternatives = []
+    for template in (*story.start, *(q for q, _ in story.groups)):
+        parts = []
+        for literal, field_name, _, _ in string.Formatter().parse(template):
+            parts.append(re.escape(literal))
+            if field_name is not None:
+                parts.append(slots[field_name])
+        alternatives.append("".join(parts))
+    return re.compile("(?:" + "|".join(alternatives) + ")(?= |$)")
+
+
+_OPENINGS = tuple((story.key, _opening_pattern(story)) for story in _STORIES)
+
+
 # --------------------------------------------------------------------------------------------
 # building one problem
 # --------------------------------------------------------------------------------------------
@@ -500,10 +555,12 @@ def _distract(rng: random.Random, b: _Builder, story: _Story) -> None:
     b.sentences.insert(rng.randint(1, len(b.sentences)), text)
 
 
-def _build(rng: random.Random, level: int) -> tuple[str, str, tuple[tuple[str, int], ...]]:
-    """One candidate problem of `level`: (question, answer, arithmetic steps). Raises _Retry."""
+def _build(rng: random.Random, level: int, pools: tuple[tuple[_Story, ...], tuple[_Story, ...]]
+           ) -> tuple[str, str, tuple[tuple[str, int], ...]]:
+    """One candidate problem of `level` told in a story of `pools` (see _pools): (question, answer, arithmetic
+    steps). Raises _Retry."""
     big = level == 4
-    story = rng.choice(_BIG_STORIES if big else _STORIES)
+    story = rng.choice(pools[1] if big else pools[0])
     low, high = STEPS[level]
     start, middle, ending = _fill(rng, rng.randint(low, high), story, simple=level in SIMPLE_LEVELS)
     b = _Builder(rng, story, big)
@@ -621,29 +678,45 @@ def level_of(question: str, answer: str) -> int:
     return min(max(len(steps), 1), 3)
 
 
-def generate_rows(split: str, size: int, level: int | str, seed: int, task: str = "arithmetic") -> list[dict[str, str]]:
+def story_of(question: str) -> str | None:
+    """The name (a `_Story.key`, as in HELDOUT_STORIES) of the story a generated question is told in, from its
+    first sentence; None for a question no story opens that way (e.g. a real GSM8K problem)."""
+    found = [key for key, pattern in _OPENINGS if pattern.match(question)]
+    return found[0] if len(found) == 1 else None
+
+
+def generate_rows(split: str, size: int, level: int | str, seed: int, task: str = "arithmetic",
+                  stories: str = "all") -> list[dict[str, str]]:
     """`size` GSM8K-style rows {"question", "answer"} of `split` at `level` (a level, "1-3" or "2,4").
 
     Deterministic: the same arguments give the same rows, and a smaller size gives a prefix of a
     larger one. A mixed spec draws each row's level uniformly. Rows of "train" and "test" never
-    share a problem (see `split_of`), and questions never repeat within a call. Raises DataError
-    on a bad argument, or when the split runs out of new problems at this level.
+    share a problem (see `split_of`), and questions never repeat within a call. "train" never uses
+    a story of HELDOUT_STORIES; `stories="heldout"` (test only) tells every row in one of them.
+    Raises DataError on a bad argument, or when the split runs out of new problems at this level.
     """
     if split not in SPLITS:
         raise DataError(f"generated data has no split {split!r}", fix=f"use one of {', '.join(SPLITS)}")
     if task not in TASKS:
         raise DataError(f"unknown generated task {task!r}", fix=f"use one of {', '.join(TASKS)}")
+    if stories not in STORY_SETS:
+        raise DataError(f"generated stories {stories!r} are not a story set", fix=f"use one of {', '.join(STORY_SETS)}")
+    if stories == "heldout" and split != "test":
+        raise DataError(f"the {split} split never tells problems in the held-out stories",
+                        fix="draw held-out stories from the test split, or use stories=all")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise DataError(f"size {size!r} is not a count of rows", fix="pass a whole number >= 0")
     levels = parse_levels(level)
-    rng = random.Random(f"lowmem_grpo.generated|{task}|{split}|{','.join(map(str, levels))}|{seed}")
+    pools = _pools(split, stories)
+    tail = "" if stories == "all" else f"|{stories}"  # "all" keeps the test split's rows as they were
+    rng = random.Random(f"lowmem_grpo.generated|{task}|{split}|{','.join(map(str, levels))}|{seed}{tail}")
     rows: list[dict[str, str]] = []
     seen: set[str] = set()
     while len(rows) < size:
         lv = rng.choice(levels)
         for _ in range(_MAX_MISSES):
             try:
-                question, answer, _steps = _build(rng, lv)
+                question, answer, _steps = _build(rng, lv, pools)
             except _Retry:
                 continue
             if question not in seen and split_of(answer) == split:

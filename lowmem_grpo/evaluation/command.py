@@ -48,6 +48,8 @@ class EvalOptions:
     system_prompt: str | None = None
     engine: str = "auto"
     progress: bool = True
+    overrides: tuple[str, ...] = ()
+    """`key=value` recipe overrides applied to the recipe evaluated with, e.g. data.generated.eval_stories=heldout."""
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -74,7 +76,7 @@ def find_adapter(spec: str | Path) -> Path:
 def resolve(opts: EvalOptions) -> tuple[Any, Path | None, Path | None]:
     """The recipe to evaluate with, the adapter folder (or None) and the run directory (or None)."""
     from lowmem_grpo.recipe import Recipe
-    from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     run_dir = Path(opts.model).expanduser() if is_run_dir(opts.model) else None
     adapter_run = Path(opts.adapter).expanduser() if opts.adapter and is_run_dir(opts.adapter) else None
@@ -84,6 +86,7 @@ def resolve(opts: EvalOptions) -> tuple[Any, Path | None, Path | None]:
         recipe = load_recipe(str((run_dir or adapter_run) / layout.RECIPE_FILE))
     else:
         recipe = Recipe()
+    recipe = apply_overrides(recipe, list(opts.overrides))
     if run_dir is None:
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, name=opts.model))
     adapter = find_adapter(opts.adapter) if opts.adapter else (find_adapter(run_dir) if run_dir else None)
@@ -153,7 +156,7 @@ def _want_vllm(engine: str) -> bool:
     return True
 
 
-def _load(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
+def load_model(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
     """(generator, tokenizer, LoRA request, info): a vLLM engine on CUDA with vllm, else the backend's model."""
     from lowmem_grpo.backends import load, prepare, resolve_model_path
 
@@ -204,7 +207,7 @@ def run(opts: EvalOptions) -> dict[str, Any]:
     except OSError as exc:
         raise BadInputError(f"output folder {out_dir} cannot be created: {exc}", fix="pass a writable --out") from exc
 
-    engine, tokenizer, lora, info = _load(recipe, adapter, opts)
+    engine, tokenizer, lora, info = load_model(recipe, adapter, opts)
     examples = recipe_examples(rows, tokenizer, d)
     kwargs = dict(max_new_tokens=max_new, batch_size=opts.batch_size, num_samples=opts.samples,
                   temperature=opts.temperature, seed=opts.seed, progress=opts.progress, calculator=d.calculator)
@@ -231,6 +234,7 @@ def run(opts: EvalOptions) -> dict[str, Any]:
         "settings": {
             "model": recipe.model.name, "model_path": info["model_path"], "adapter": str(adapter) if adapter else None,
             "run_dir": str(run_dir) if run_dir else None, "recipe": recipe.name, "data": d.source, "split": split,
+            "stories": d.generated.eval_stories if d.source == "generated" else None,
             "limit": opts.limit, "num_problems": len(examples), "system_prompt": d.system_prompt,
             "prefill": d.prefill, **last.settings, "backend": info["backend"], "device": info["device"],
             "dtype": info["dtype"], "compare": opts.compare, "bootstrap_resamples": BOOTSTRAP_RESAMPLES,

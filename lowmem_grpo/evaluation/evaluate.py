@@ -75,7 +75,8 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     give the same result. With reward_weights, each reward's mean and the weighted total
     (`reward`) are added to the metrics, scored the way TRL calls rewards. `merged`: transformers samples from
     the LoRA adapter merged into the weights where generate.merged_adapter applies. `on_progress(done, total)`:
-    called with the problems generated so far after each batch (generate's).
+    called with the problems generated so far after each batch (generate's). `calculator`: the engine completes
+    `<<EXPR=` with the calculator's result (data.calculator; generate).
     """
     if not examples:
         raise BadInputError("no problems to evaluate", fix="check the data source, split and --limit")
@@ -108,8 +109,8 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
         metrics["reward"] = reward_sums.pop("total") / n
         metrics.update({f"reward/{name}": total / n for name, total in reward_sums.items()})
     settings = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "num_samples": num_samples,
-                "calculator": calculator,
-                "temperature": temperature, "seed": seed, "engine": choose_engine(model, engine)}
+                "temperature": temperature, "seed": seed, "engine": choose_engine(model, engine),
+                "calculator": calculator}
     return EvalResult(metrics, records, per_problem, settings, time.monotonic() - started, outcome_shares(per_problem))
 
 

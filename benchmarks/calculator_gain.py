@@ -1,0 +1,276 @@
+"""GRPO's own gain, measured: the base model, the primed adapter and the trained adapter of one run on the same
+held-out problems, greedy and sampled, with paired 95% CIs and what the answers got wrong.
+
+    python benchmarks/calculator_gain.py RUN_DIR --problems 300 --samples 4 [--stories all|heldout] [--out PATH]
+
+RUN_DIR is a finished training run (after `make demo`: the newest folder under runs/). Its recipe.yaml decides
+everything else, read the way `lowmem-grpo eval RUN_DIR` reads it (lowmem_grpo.evaluation.command.resolve): the
+model, the prompts, the eval split (the first --problems problems), data.calculator (the sampling engine completes
+`<<EXPR=` as in training), and the stage evaluation's settings (lowmem_grpo.evaluation.stages): greedy, then
+--samples k samples per problem at train.temperature in batches of `sampled_batch`. The base model is loaded once;
+the stages are its adapter switched off (base), RUN_DIR/primed_adapter (primed, when the run primed) and the
+trained adapter (trained: RUN_DIR/adapter, else the newest checkpoint).
+
+Prints per stage greedy strict accuracy, mean@k, pass@k and strict format (95% bootstrap CIs); the paired
+differences primed->trained (GRPO's own) and base->trained; the greedy answers' outcomes (correct, wrong_operation,
+...: lowmem_grpo.rewards.calculator.outcome) and the share of wrong answers that chose the wrong operation.
+--stories heldout evaluates only test problems told in story templates the train split never used
+(data.generated.eval_stories=heldout; generated data only).
+
+Writes everything to --out (default RUN_DIR/calculator_gain.json, or calculator_gain-heldout.json), with the
+command, the CPU's dtype (lowmem_grpo.device.cpu_auto_dtype), the load average before and after and the wall time.
+Each stage's verdicts are written as soon as it is measured; a rerun reuses every stage measured with the same
+settings (same problems, adapter weights, samples, temperature, seed, budget, calculator) and measures the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout: python benchmarks/calculator_gain.py
+
+from lowmem_grpo.rundir import layout  # noqa: E402
+
+log = logging.getLogger("calculator_gain")
+
+STAGES = ("base", "primed", "trained")
+PAIRS = ("primed->trained", "base->trained")
+TABLE_METRICS = ("strict_accuracy", "mean@{k}", "pass@{k}", "strict_format_rate")
+
+
+def digest(*parts: bytes) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big") + part)
+    return h.hexdigest()
+
+
+def adapter_fingerprint(adapter: Path | None) -> str | None:
+    """A hash of an adapter folder's files (config and weights): a retrained adapter is measured anew."""
+    if adapter is None:
+        return None
+    files = sorted(p for p in adapter.iterdir() if p.is_file() and p.name.startswith("adapter_"))
+    return digest(*(p.name.encode() + p.read_bytes() for p in files))
+
+
+def stage_adapters(run_dir: Path) -> dict[str, Path | None]:
+    """The adapter each stage is measured with (None: the base model); a run that did not prime has no primed."""
+    from lowmem_grpo.evaluation.command import find_adapter
+
+    adapters: dict[str, Path | None] = {"base": None}
+    primed = run_dir / layout.PRIMED_ADAPTER_DIR
+    if (primed / "adapter_config.json").is_file():
+        adapters["primed"] = primed
+    adapters["trained"] = find_adapter(run_dir)
+    return adapters
+
+
+def eval_settings(recipe: Any, samples: int) -> dict[str, Any]:
+    """run_eval's settings of the greedy and (samples > 0) the sampled evaluation, as the stage evaluation uses them."""
+    from lowmem_grpo.evaluation.stages import sampled_batch
+
+    t = recipe.train
+    greedy = {"max_new_tokens": t.max_completion_length, "batch_size": max(8, t.per_device_train_batch_size),
+              "seed": t.seed, "progress": False, "engine": "transformers", "merged": t.merged_sampling,
+              "calculator": recipe.data.calculator}
+    if not samples:
+        return {"greedy": greedy, "sampled": None}
+    return {"greedy": greedy, "sampled": {**sampled_batch(greedy, samples), "num_samples": samples,
+                                          "temperature": t.temperature}}
+
+
+def wrong_operation_share(verdicts: list[list[Any]]) -> float | None:
+    """Of the greedy answers that are wrong, the share that did right arithmetic on the wrong operation or operands."""
+    wrong = [p[0] for p in verdicts if p and not p[0].strict_correct and p[0].outcome is not None]
+    return sum(v.outcome == "wrong_operation" for v in wrong) / len(wrong) if wrong else None
+
+
+class Results:
+    """The JSON file: per stage its settings key, metrics and verdicts, rewritten after every stage."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {}
+        if path.exists():
+            self.data = json.loads(path.read_text(encoding="utf-8"))
+        self.data.setdefault("stages", {})
+
+    def cached(self, stage: str, key: dict[str, Any]) -> bool:
+        return self.data["stages"].get(stage, {}).get("key") == key
+
+    def verdicts(self, kind: str) -> dict[str, list[list[Any]]]:
+        from lowmem_grpo.evaluation.metrics import Verdict
+
+        return {s: [[Verdict(**v) for v in p] for p in entry[kind]]
+                for s, entry in self.data["stages"].items() if entry.get(kind)}
+
+    def write(self, seed: int) -> None:
+        from lowmem_grpo.evaluation.stages import summarize
+
+        greedy = self.verdicts("verdicts")
+        ordered = {s: greedy[s] for s in STAGES if s in greedy}
+        self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"))
+        self.data["wrong_operation_share"] = {s: wrong_operation_share(v) for s, v in ordered.items()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1), encoding="utf-8")
+        tmp.replace(self.path)
+
+
+def measure(model: Any, tokenizer: Any, examples: list[dict[str, Any]], stage: str,
+            settings: dict[str, Any]) -> dict[str, Any]:
+    """Greedy and sampled evaluation of `model` with the adapter of `stage` active (base: switched off)."""
+    import contextlib
+
+    from lowmem_grpo.evaluation.evaluate import run_eval
+    from lowmem_grpo.evaluation.progress import ProgressLog
+
+    if stage == "base":
+        switch = model.disable_adapter()
+    else:
+        model.set_adapter("default" if stage == "trained" else stage)
+        switch = contextlib.nullcontext()
+    with switch:
+        greedy = run_eval(model, tokenizer, examples, on_progress=ProgressLog(f"{stage}: greedy", log),
+                          **settings["greedy"])
+        sampled = None
+        if settings["sampled"]:
+            sampled = run_eval(model, tokenizer, examples, **settings["sampled"],
+                               on_progress=ProgressLog(f"{stage}: {settings['sampled']['num_samples']} samples", log))
+    metrics = {**greedy.metrics, "greedy_seconds": greedy.seconds}
+    entry: dict[str, Any] = {"verdicts": [[v.as_dict() for v in p] for p in greedy.verdicts]}
+    if sampled is not None:
+        k = settings["sampled"]["num_samples"]
+        s = sampled.metrics
+        metrics.update({f"mean@{k}": s["strict_accuracy"], f"pass@{k}": s.get(f"pass@{k}", s["strict_accuracy"]),
+                        "sampled_strict_format_rate": s["strict_format_rate"], "sampled_seconds": sampled.seconds})
+        entry["sampled_verdicts"] = [[v.as_dict() for v in p] for p in sampled.verdicts]
+    log.info("%s: greedy strict accuracy %.3f (%.0f s)%s", stage, metrics["strict_accuracy"], greedy.seconds,
+             f", sampled {sampled.seconds:.0f} s" if sampled is not None else "")
+    return {"metrics": metrics, **entry}
+
+
+def _ci(entry: dict[str, float], key: str = "mean") -> str:
+    spec = "+.3f" if key == "diff" else ".3f"
+    return f"{entry[key]:{spec}} [{entry['low']:{spec}}, {entry['high']:{spec}}]"
+
+
+def table(data: dict[str, Any]) -> str:
+    """The per-stage table, the paired differences, the outcomes and the wrong-operation shares, as text."""
+    from lowmem_grpo.rewards.calculator import OUTCOMES
+
+    summary, k = data["summary"], data["settings"]["samples"]
+    metrics = [m.format(k=k) for m in TABLE_METRICS if k or "{k}" not in m]
+    n = data["settings"]["num_problems"]
+    lines = [f"{data['run_dir']}: {n} held-out problems ({data['settings']['stories']} stories), greedy and {k} "
+             f"samples at T {data['settings']['temperature']}, calculator {data['settings']['calculator']}",
+             "", "| stage | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+    for stage, values in summary["stages"].items():
+        lines.append(f"| {stage} | " + " | ".join(_ci(values[m]) if m in values else "-" for m in metrics) + " |")
+    lines += ["", "| paired difference | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+    for pair in PAIRS:
+        diffs = summary["differences"].get(pair)
+        if diffs:
+            lines.append(f"| {pair} | " + " | ".join(_ci(diffs[m], "diff") if m in diffs else "-" for m in metrics)
+                         + " |")
+    stages = list(summary["outcomes"])
+    lines += ["", "| greedy outcome | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
+    for name in OUTCOMES:
+        lines.append(f"| {name} | " + " | ".join(f"{summary['outcomes'][s][name]:.3f}" for s in stages) + " |")
+    shares = data["wrong_operation_share"]
+    lines.append("| wrong_operation / wrong | " + " | ".join("-" if shares.get(s) is None else f"{shares[s]:.3f}"
+                                                           for s in stages) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="a training run directory (holds recipe.yaml and adapter/)")
+    parser.add_argument("--problems", type=int, default=300, help="first N problems of the eval split (default 300)")
+    parser.add_argument("--samples", type=int, default=4, help="samples per problem at train.temperature; 0 = greedy "
+                        "only (default 4)")
+    parser.add_argument("--stories", choices=("all", "heldout"), help="generated problems told in all stories or "
+                        "only in those the train split never used (default: the recipe's data.generated.eval_stories)")
+    parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain.json)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if args.problems < 1 or args.samples < 0 or args.samples == 1:
+        parser.error("--problems must be >= 1 and --samples 0 or >= 2")
+    load_before, started = list(os.getloadavg()), time.monotonic()
+
+    from lowmem_grpo.data import load_eval_rows, recipe_examples
+    from lowmem_grpo.device import cpu_auto_dtype
+    from lowmem_grpo.evaluation.command import EvalOptions, is_run_dir, load_model, resolve
+
+    run_dir = Path(args.run_dir).expanduser()
+    if not is_run_dir(run_dir):
+        parser.error(f"{run_dir} holds no {layout.RECIPE_FILE}: not a training run directory")
+    overrides = (f"data.generated.eval_stories={args.stories}",) if args.stories else ()
+    opts = EvalOptions(model=str(run_dir), engine="transformers", progress=False, overrides=overrides)
+    recipe, _, _ = resolve(opts)
+    d = recipe.data
+    if args.stories == "heldout" and d.source != "generated":
+        parser.error(f"--stories heldout needs generated problems, but the run's data.source is {d.source!r}")
+    stories = d.generated.eval_stories if d.source == "generated" else "all"
+    rows = load_eval_rows(d, limit=args.problems)  # bad data fails before the model loads
+    adapters = stage_adapters(run_dir)
+    settings = eval_settings(recipe, args.samples)
+    problems = digest(json.dumps(rows, sort_keys=True).encode(), d.system_prompt.encode(), d.prefill.encode())
+    common_key = {"problems": problems, "num_problems": len(rows), "model": recipe.model.name,
+                  "greedy": settings["greedy"], "sampled": settings["sampled"]}
+    keys = {stage: {**common_key, "adapter": adapter_fingerprint(adapter)} for stage, adapter in adapters.items()}
+
+    default_name = "calculator_gain.json" if stories == "all" else f"calculator_gain-{stories}.json"
+    results = Results(Path(args.out).expanduser() if args.out else run_dir / default_name)
+    results.data["stages"] = {s: e for s, e in results.data["stages"].items()
+                              if s in keys and results.cached(s, keys[s])}
+    reused = [s for s in STAGES if s in results.data["stages"]]
+    pending = [s for s in STAGES if s in adapters and s not in reused]
+    results.data.update({
+        "command": shlex.join(["python", "benchmarks/calculator_gain.py",
+                               *(argv if argv is not None else sys.argv[1:])]),
+        "run_dir": str(run_dir), "recipe": recipe.name,
+        "settings": {"num_problems": len(rows), "samples": args.samples, "stories": stories, "source": d.source,
+                     "split": d.eval_split, "temperature": recipe.train.temperature,
+                     "calculator": d.calculator, "seed": recipe.train.seed, "greedy": settings["greedy"],
+                     "sampled": settings["sampled"]},
+        "adapters": {s: str(a) if a else None for s, a in adapters.items()},
+        "questions": [r["question"] for r in rows],
+        "cpu": {**dataclasses.asdict(cpu_auto_dtype()), "cpu_count": os.cpu_count()},
+        "load_before": load_before, "reused": reused, "measured": pending,
+    })
+    if pending:
+        model, tokenizer, _, info = load_model(recipe, adapters["trained"], opts)
+        results.data["cpu"].update({"device": info["device"], "model_dtype": info["dtype"]})
+        if "primed" in pending:
+            model.load_adapter(str(adapters["primed"]), adapter_name="primed", is_trainable=False)
+        model.eval()  # no LoRA dropout while sampling (and merged sampling applies)
+        examples = recipe_examples(rows, tokenizer, d)
+        results.data["settings"]["num_examples"] = len(examples)
+        for stage in pending:
+            t0 = time.monotonic()
+            results.data["stages"][stage] = {"key": keys[stage], **measure(model, tokenizer, examples, stage, settings),
+                                             "seconds": time.monotonic() - t0}
+            results.write(recipe.train.seed)
+    results.data.update({"load_after": list(os.getloadavg()), "wall_seconds": time.monotonic() - started})
+    results.write(recipe.train.seed)
+    sys.stdout.write(table(results.data) + "\n" + f"reused {reused or 'none'}, measured {pending or 'none'} in "
+                     f"{results.data['wall_seconds']:.0f} s on a CPU computing {results.data['cpu']['dtype']}; load "
+                     f"{load_before[0]:.2f} -> "
+                     f"{results.data['load_after'][0]:.2f}; written to {results.path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
