@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -174,7 +175,7 @@ def _samples(out: str) -> list[str]:
     return [block.split("\n", 1)[1].split("\n\n", 1)[0] for block in blocks]
 
 
-def test_check_rewards_samples_the_recipes_init_adapter(tiny_model_dir, tmp_path, capsys):
+def test_check_rewards_samples_the_recipes_init_adapter(tiny_model_dir, tmp_path, capsys, caplog):
     adapter = _strong_adapter(tiny_model_dir, tmp_path / "adapter")
     common = ("prime.enabled=false", "model.dtype=float32", "rewards={lowmem_test_rewards:length_reward: 1.0}")
     main(check_rewards(tiny_model_dir, *common))
@@ -190,8 +191,10 @@ def test_check_rewards_samples_the_recipes_init_adapter(tiny_model_dir, tmp_path
     _strong_adapter(tiny_model_dir, other)
     config = json.loads((other / "adapter_config.json").read_text())
     (other / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
-    assert main(check_rewards(tiny_model_dir, *common, f"lora.init_adapter={other}")) == EXIT_BAD_INPUT
-    assert "lora.r" in capsys.readouterr().err
+    with caplog.at_level(logging.ERROR, logger="lowmem_grpo"):  # main() reports a BadInputError with log.error
+        assert main(check_rewards(tiny_model_dir, *common, f"lora.init_adapter={other}")) == EXIT_BAD_INPUT
+    assert "its rank is 8, lora.r is 16" in caplog.text and "fix: set lora.r=8" in caplog.text, caplog.text
+    assert not _samples(capsys.readouterr().out)  # refused before sampling
 
 
 def test_periodic_eval_callback_logs_eval_metrics(tiny_model_dir, tmp_path):
