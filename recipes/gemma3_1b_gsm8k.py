@@ -8,6 +8,10 @@ Planner:  predicted peak 2.73 GiB with Unsloth (backend auto), 5.28 GiB with pla
           benchmarks/memory_gpu.py has measured this architecture.
 Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step,
           completions up to 512 tokens.
+Option:   the calculator reward, scoring the choice of operation with exact arithmetic:
+          `lowmem-grpo train RECIPE "rewards={correctness: 2.0, expression: 1.0, strict_format: 0.5}"`
+          (docs/rewards.md); the calculator in the sampling loop (data.calculator=true) needs model.backend=hf
+          without vLLM. Neither has been run on a GPU yet.
 """
 
 from lowmem_grpo.recipe import DataConfig, LoraConfig, ModelConfig, OutputConfig, Recipe, TrainConfig
