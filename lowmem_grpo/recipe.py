@@ -193,8 +193,9 @@ class TrainConfig:
     completions_every: int = 10
     """Write sampled completions with their per-reward scores to completions.jsonl every N steps (0 = never)."""
     preflight: bool = True
-    """Before training, sample a few GRPO groups on training problems priming did not see and refuse to start when
-    most groups' total reward is flat, or the goal reward is flat in every group (the only signal is format)."""
+    """Before training, sample GRPO groups on training problems priming did not see and refuse to start only when
+    there is no signal: the goal reward varies in no group, or the weighted total in almost none (judged on at least
+    16 prompts); a weak signal is a warning (lowmem_grpo.train.preflight)."""
     preflight_prompts: int = 16
     """Prompt groups the preflight samples, drawn at random over the training problems priming did not see (by
     level for generated data). Each costs num_generations completions of up to max_completion_length tokens: the
@@ -392,7 +393,7 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
     _require(t.completions_every >= 0, "train.completions_every", f"is {t.completions_every}",
              "use 0 (never) or a positive number of steps, e.g. train.completions_every=10")
     _require(t.preflight_prompts > 0, "train.preflight_prompts", f"is {t.preflight_prompts}",
-             "use a positive number of prompts, e.g. train.preflight_prompts=4")
+             "use a positive number of prompts, e.g. train.preflight_prompts=16")
     _require(t.eval_every >= 0, "train.eval_every", f"is {t.eval_every}",
              "use 0 (never) or a positive number of steps, e.g. train.eval_every=10")
     _require(t.eval_limit > 0, "train.eval_limit", f"is {t.eval_limit}", "use a positive number of problems")
