@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stories", choices=("all", "heldout"), help="generated problems told in all stories or "
                         "only in those the train split never used (default: the recipe's data.generated.eval_stories)")
     parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain.json)")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help="stages to measure, comma-separated (default base,primed,trained; GRPO's own gain needs "
+                             "primed,trained)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if args.problems < 1 or args.samples < 0 or args.samples == 1:
@@ -224,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--stories heldout needs generated problems, but the run's data.source is {d.source!r}")
     stories = d.generated.eval_stories if d.source == "generated" else "all"
     rows = load_eval_rows(d, limit=args.problems)  # bad data fails before the model loads
-    adapters = stage_adapters(run_dir)
+    wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(STAGES))
+    if unknown:
+        parser.error(f"--stages: unknown {', '.join(unknown)} (known: {', '.join(STAGES)})")
+    adapters = {s: a for s, a in stage_adapters(run_dir).items() if s in wanted}
     settings = eval_settings(recipe, args.samples)
     problems = digest(json.dumps(rows, sort_keys=True).encode(), d.system_prompt.encode(), d.prefill.encode())
     common_key = {"problems": problems, "num_problems": len(rows), "model": recipe.model.name,
