@@ -69,7 +69,9 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
-        batch_size = batch_size or input_ids.size(0)
+        # without a graph (TRL's reference and old-policy passes) nothing is kept per row after its layer runs: one
+        # pass over all rows costs little memory, and each prompt of the whole batch is forwarded once
+        batch_size = input_ids.size(0) if not torch.is_grad_enabled() else batch_size or input_ids.size(0)
         share = (self.lowmem_shared_prompt and shared_prompt.unsupported(model) is None
                  and not shared_prompt.checkpointing_active(model))
         # the entropy needs a graph only when TRL's entropy bonus puts it into the loss; else it is logged or masks
