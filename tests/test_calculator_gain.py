@@ -13,6 +13,7 @@ import pytest
 from lowmem_grpo.cli import build_parser
 from lowmem_grpo.data.generated import HELDOUT_STORIES, story_of
 from lowmem_grpo.evaluation.command import EvalOptions, resolve
+from lowmem_grpo.evaluation.stages import EVAL_BATCH
 from lowmem_grpo.recipe_io import dump_yaml, load_recipe
 from lowmem_grpo.rewards.calculator import OUTCOMES
 
@@ -62,7 +63,8 @@ def test_three_stages_differences_outcomes_and_a_rerun_that_reuses_them(gain, ru
     assert data["measured"] == ["base", "primed", "trained"] and data["reused"] == []
     assert data["adapters"]["primed"] == str(run_dir / "primed_adapter")
     assert data["settings"]["calculator"] is True and data["settings"]["num_problems"] == 4
-    assert data["settings"]["sampled"]["batch_size"] == 16  # sampled_batch: 8 prompts' 2 samples
+    # batched as the stage evaluation: at least EVAL_BATCH sequences, and 8 prompts' k samples
+    assert data["settings"]["sampled"]["batch_size"] == max(EVAL_BATCH, 8 * 2)
     assert data["settings"]["sampled"]["temperature"] == data["settings"]["temperature"] > 0
     assert data["cpu"]["dtype"] in ("bfloat16", "float32") and len(data["load_before"]) == 3
     assert data["wall_seconds"] > 0 and data["command"].startswith("python benchmarks/calculator_gain.py ")

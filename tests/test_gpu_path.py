@@ -110,7 +110,8 @@ def test_a_vllm_engine_samples_the_live_adapter():
 
 
 class UnslothLike(torch.nn.Module):
-    """A model with Unsloth's for_inference / for_training and a generate that appends one EOS."""
+    """A model with Unsloth's for_inference / for_training whose every next token is EOS (the sampling engine calls
+    its forward)."""
 
     def __init__(self, eos: int):
         super().__init__()
@@ -128,10 +129,10 @@ class UnslothLike(torch.nn.Module):
         self.calls.append(("for_training", use_gradient_checkpointing))
         self.training = True
 
-    def generate(self, input_ids, attention_mask=None, generation_config=None):
-        rows = input_ids.shape[0] * generation_config.num_return_sequences
-        ids = input_ids.repeat_interleave(generation_config.num_return_sequences, 0)
-        return torch.cat([ids, torch.full((rows, 1), self.eos)], dim=1)
+    def forward(self, input_ids, **_):
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], self.eos + 1)
+        logits[..., self.eos] = 1.0
+        return SimpleNamespace(logits=logits)
 
 
 @pytest.fixture(scope="module")

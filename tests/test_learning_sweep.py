@@ -222,12 +222,12 @@ def test_the_reference_runs_adapter_is_read_with_the_recipe_reader(sweep, tmp_pa
 
 
 def test_eval_checkpoint_batches_as_the_periodic_evaluation(sweep, tmp_path):
-    from lowmem_grpo.evaluation.stages import periodic_settings
+    from lowmem_grpo.evaluation.stages import periodic_settings, sampled_batch
 
     run = _run_dir_with_recipe(tmp_path / "run", "train.eval_every=5", "train.eval_samples=4", "train.eval_limit=50")
     train = load_recipe(str(run / "recipe.yaml")).train
     greedy, sampled = periodic_settings(train)
-    assert sampled["batch_size"] != greedy["batch_size"]  # k samples per prompt: a larger batch of sequences
+    assert sampled == {**sampled_batch(greedy, 4), "num_samples": 4, "temperature": train.temperature}
     commands = sweep.eval_checkpoint_commands(run, 10)
 
     def value(args: list[str], flag: str) -> str:

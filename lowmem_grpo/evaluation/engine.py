@@ -115,7 +115,7 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
         ids, mask = _left_padded(list(distinct), pad_id, device)
         # the position ids transformers' generate gives left-padded rows
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=getattr(model, "config", None))  # without one, layers are added as they come
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
         index = torch.tensor(source, device=device)

@@ -8,12 +8,15 @@ mask, so forced tokens are in neither the policy loss nor the KL.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.engine import Calculator, sample_rows
 from lowmem_grpo.evaluation.generate import fast_sampling, inference_mode
+
+log = logging.getLogger(__name__)
 
 PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
 """The sampling settings the engine implements (TRL's defaults): plain sampling at the temperature."""
@@ -65,6 +68,7 @@ class EngineRollout:
     def __init__(self, tokenizer: Any, calculator: bool, merged: bool = True) -> None:
         self.calculator = Calculator(tokenizer) if calculator else None
         self.merged = merged
+        self.merge_logged = False
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         tokenizer = trainer.processing_class
@@ -72,7 +76,13 @@ class EngineRollout:
         model = trainer.accelerator.unwrap_model(trainer.model)
         eos = set(trainer.eos_token_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-        with inference_mode(model), fast_sampling(model, self.merged):
+        with inference_mode(model), fast_sampling(model, self.merged) as merge:
+            if not self.merge_logged:
+                self.merge_logged = True
+                if merge.layers:
+                    log.info("sampling from merged LoRA weights (%d layers; train.merged_sampling)", merge.layers)
+                else:
+                    log.info("sampling through the unmerged LoRA adapter: %s", merge.reason)
             rows = sample_rows(model, prompt_ids, max_new_tokens=trainer.max_completion_length,
                                temperature=trainer.temperature, eos_ids=eos, pad_id=pad_id,
                                calculator=self.calculator)
