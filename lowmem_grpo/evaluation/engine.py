@@ -110,7 +110,6 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
     distinct: dict[tuple[int, ...], int] = {}
     source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
     results = [Sampled() for _ in prompt_ids]
-    eos = torch.tensor(sorted(eos_ids), device=device)
     with torch.inference_mode():
         ids, mask = _left_padded(list(distinct), pad_id, device)
         # the position ids transformers' generate gives left-padded rows

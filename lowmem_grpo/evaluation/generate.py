@@ -141,6 +141,12 @@ class MergeResult:
     layers: int
     reason: str = ""
 
+    def describe(self) -> str:
+        """The log line of a sampling path: merged (how many layers), or why not."""
+        if self.layers:
+            return f"sampling from merged LoRA weights ({self.layers} layers; train.merged_sampling)"
+        return f"sampling through the unmerged LoRA adapter: {self.reason}"
+
 
 def _merge_problem(module: Any, lora_linear: type, linear: type, identity: type) -> str:
     """Why this PEFT LoRA layer cannot be sampled from merged weights exactly ("" when it can)."""

@@ -55,10 +55,7 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
         with fast_sampling(self.model, self.lowmem_merged_sampling, self.lowmem_grouped_attention) as merged:
             if not self._lowmem_merge_logged:
                 self._lowmem_merge_logged = True
-                if merged.layers:
-                    log.info("sampling from merged LoRA weights (%d layers; train.merged_sampling)", merged.layers)
-                else:
-                    log.info("sampling through the unmerged LoRA adapter: %s", merged.reason)
+                log.info(merged.describe())
             return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor,

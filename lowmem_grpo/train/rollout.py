@@ -79,10 +79,7 @@ class EngineRollout:
         with inference_mode(model), fast_sampling(model, self.merged) as merge:
             if not self.merge_logged:
                 self.merge_logged = True
-                if merge.layers:
-                    log.info("sampling from merged LoRA weights (%d layers; train.merged_sampling)", merge.layers)
-                else:
-                    log.info("sampling through the unmerged LoRA adapter: %s", merge.reason)
+                log.info(merge.describe())
             rows = sample_rows(model, prompt_ids, max_new_tokens=trainer.max_completion_length,
                                temperature=trainer.temperature, eos_ids=eos, pad_id=pad_id,
                                calculator=self.calculator)
