@@ -220,7 +220,7 @@ class ScriptedLM(torch.nn.Module):
         for row, (script, step) in enumerate(zip(tags[:, 0].tolist(), steps.tolist())):
             written = self.scripts[script]
             logits[row, 0, written[step] if step < len(written) else self.eos] = 100.0
-        return CausalLMOutputWithPast(logits=logits)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)  # as transformers returns it
 
 
 def _enc(tokenizer, text: str) -> list[int]:

@@ -55,6 +55,12 @@ def prepare(requested: str) -> str:
     return backend
 
 
+def is_unsloth_model(model: Any) -> bool:
+    """Whether `model` (or the model a PEFT wrapper holds) was loaded by Unsloth: Unsloth gives every model it
+    loads `for_inference` / `for_training`, which PEFT's wrappers pass through."""
+    return hasattr(model, "for_inference") and hasattr(model, "for_training")
+
+
 def resolve_model_path(name: str) -> str:
     """A local folder or hub id to load; embedded models are converted to a cached folder first."""
     if is_embedded(name):

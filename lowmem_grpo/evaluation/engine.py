@@ -8,8 +8,11 @@ and says per token whether the policy chose it or a tool forced it:
   group's G rows, or an evaluation's k samples, share one prefill);
 - sampling draws from the temperature-scaled softmax by inverse CDF (one uniform per row, a cumulative sum and a
   binary search), a few times cheaper than `torch.multinomial` over a 50k vocabulary, the same distribution;
+- each forward's returned cache (`past_key_values`: a transformers Cache, or the tuple Unsloth's fast forward
+  returns) is what the next step is given, so every backend's cache contract holds (DecodeContract);
 - rows that ended are dropped from the batch as they accumulate (the cache is re-indexed when a quarter of the
-  rows have ended), so the decode steps run only on rows still writing;
+  rows have ended), so the decode steps run only on rows still writing; an Unsloth model keeps its batch fixed
+  until the next prefill, its ended rows fed a placeholder, as its decode buffers require;
 - with a `Calculator`, a row whose text ends in `<<EXPR=` gets the calculator's `RESULT>>` forced into it, one
   token per decode step, each marked as forced: GRPO keeps those tokens out of its loss and KL (the policy did not
   choose them), and every sampling path writes the same text a user's run will see.
@@ -20,14 +23,22 @@ are imported inside the functions.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lowmem_grpo.backends import is_unsloth_model
 from lowmem_grpo.rewards.calculator import forced_text, pending_expression
 
 CALCULATOR_TAIL_TOKENS = 64
 """How many of a row's last tokens are decoded to look for an open `<<EXPR=`: the calculator refuses longer
 expressions anyway (lowmem_grpo.rewards.calculator bounds their length)."""
+
+UNSLOTH_GRAPHS_ENV = "UNSLOTH_DECODE_CUDA_GRAPHS"
+"""Unsloth's switch for its CUDA-graph decode (unsloth/models/_decode_graphs.py `enabled()`), held at "0" while the
+loop decodes an Unsloth model."""
 
 COMPACT_SHARE = 0.25
 """Drop the ended rows from the batch once this share of its rows has ended: each drop copies the KV cache, each
@@ -96,30 +107,106 @@ def next_tokens(logits: Any, temperature: float, generator: Any = None) -> Any:
     return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=logits.size(-1) - 1)
 
 
+@dataclass(frozen=True)
+class DecodeContract:
+    """How a model keeps its KV cache between forwards, as the decode loop must honour it.
+
+    Every model returns its cache as `past_key_values`, and the loop feeds back what it returned: transformers
+    writes into the Cache it is given and returns it, while Unsloth's fast forward (`CausalLM_fast_forward` in
+    unsloth/models/llama.py) reads a Cache as a tuple of slices (`_cache_as_legacy_tuple`), never writes it, and
+    returns a tuple of its own. `fixed_batch`: Unsloth's decode step sizes its per-layer decode buffers
+    (`paged_attention_K/V`) by the batch at the first decode after a prefill and reads those, not the tuple, so
+    the batch must keep its rows until the next prefill (ended rows are fed a placeholder). `autocast`: the dtype
+    Unsloth's own generate (`unsloth_fast_generate`) runs its forwards under on CUDA, None for none."""
+
+    fixed_batch: bool = False
+    autocast: Any = None
+
+
+def decode_contract(model: Any) -> DecodeContract:
+    """An Unsloth model keeps its batch fixed (and on CUDA decodes under autocast in its config dtype, as
+    `unsloth_fast_generate` does); any other model decodes as transformers does."""
+    if not is_unsloth_model(model):
+        return DecodeContract()
+    device = next(model.parameters()).device
+    config = getattr(model, "config", None)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return DecodeContract(fixed_batch=True, autocast=dtype if device.type == "cuda" else None)
+
+
+def select_rows(cache: Any, index: Any) -> Any:
+    """The cache of the rows `index` (a long tensor): a transformers Cache in place (and returned), a legacy
+    tuple of per-layer tensors as a new tuple."""
+    from transformers import Cache
+
+    if isinstance(cache, Cache):
+        cache.batch_select_indices(index)
+        return cache
+    return tuple(tuple(t.index_select(0, index) for t in layer) for layer in cache)
+
+
+def release_decode_buffers(model: Any) -> None:
+    """Drop the decode buffers an Unsloth decode left on the attention modules, as `unsloth_fast_generate` does
+    before a new generation (llama.py), so the next decode sizes them for its own batch."""
+    for module in model.modules():
+        if hasattr(module, "paged_attention"):
+            del module.paged_attention_K, module.paged_attention_V, module.paged_attention
+
+
+@contextlib.contextmanager
+def _decoding(model: Any, contract: DecodeContract) -> Iterator[None]:
+    """inference_mode, and for an Unsloth model: its eager decode step (its CUDA-graph replay sizes persistent
+    buffers for the generate() calls it wraps, which this loop is not), fresh decode buffers before and after,
+    and autocast on CUDA."""
+    import torch
+
+    if not contract.fixed_batch:
+        with torch.inference_mode():
+            yield
+        return
+    saved = os.environ.get(UNSLOTH_GRAPHS_ENV)
+    os.environ[UNSLOTH_GRAPHS_ENV] = "0"
+    release_decode_buffers(model)
+    autocast = (torch.autocast(device_type="cuda", dtype=contract.autocast) if contract.autocast is not None
+                else contextlib.nullcontext())
+    try:
+        with torch.inference_mode(), autocast:
+            yield
+    finally:
+        release_decode_buffers(model)
+        if saved is None:
+            del os.environ[UNSLOTH_GRAPHS_ENV]
+        else:
+            os.environ[UNSLOTH_GRAPHS_ENV] = saved
+
+
 def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
                 eos_ids: set[int], pad_id: int, calculator: Calculator | None = None,
                 generator: Any = None) -> list[Sampled]:
     """One completion per entry of `prompt_ids` (rows that repeat a prompt share its prefill). Runs under
-    torch.inference_mode; the model's own mode (eval, merged weights) is the caller's."""
+    torch.inference_mode and the model's DecodeContract; the model's own mode (eval, merged weights) is the
+    caller's."""
     import torch
     from transformers import DynamicCache
 
     if not prompt_ids:
         return []
     device = next(model.parameters()).device
+    contract = decode_contract(model)
     distinct: dict[tuple[int, ...], int] = {}
     source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
     results = [Sampled() for _ in prompt_ids]
-    with torch.inference_mode():
+    with _decoding(model, contract):
         ids, mask = _left_padded(list(distinct), pad_id, device)
         # the position ids transformers' generate gives left-padded rows
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
         cache = DynamicCache(config=getattr(model, "config", None))  # without one, layers are added as they come
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
         index = torch.tensor(source, device=device)
         if source != list(range(len(distinct))):  # rows repeat or reorder the distinct prompts
-            cache.batch_select_indices(index)
+            cache = select_rows(cache, index)
         logits = out.logits[index, -1, :]
         mask = mask[index]
         position = positions[index, -1]
@@ -131,15 +218,16 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
             alive = [b for b, row in enumerate(rows) if row >= 0]
             if not alive or step == max_new_tokens - 1:
                 break
-            if len(alive) <= (1 - COMPACT_SHARE) * len(rows):
+            if not contract.fixed_batch and len(alive) <= (1 - COMPACT_SHARE) * len(rows):
                 select = torch.tensor(alive, device=device)
-                cache.batch_select_indices(select)
+                cache = select_rows(cache, select)
                 mask, position = mask[select], position[select]
                 rows, feed = [rows[b] for b in alive], [feed[b] for b in alive]
             mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
             position = position + 1
             out = model(input_ids=torch.tensor(feed, device=device).unsqueeze(1), attention_mask=mask,
                         position_ids=position.unsqueeze(1), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
             logits = out.logits[:, -1, :]
     return results
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lowmem_grpo.backends import is_unsloth_model
 from lowmem_grpo.errors import BadInputError
 
 
@@ -187,7 +188,7 @@ def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
     if not enabled:
         yield MergeResult(0, "off")
         return
-    if hasattr(model, "for_inference"):
+    if is_unsloth_model(model):
         yield MergeResult(0, "an Unsloth model samples through its own fused LoRA kernels")
         return
     import torch
@@ -265,7 +266,7 @@ def grouped_attention(model: Any, enabled: bool = True) -> Iterator[bool]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     device = next(iter(model.parameters())).device if enabled and heads else None
     if (not enabled or getattr(config, "_attn_implementation", None) != "sdpa" or not heads or kv_heads == heads
-            or device.type != "cpu" or hasattr(model, "for_inference")):
+            or device.type != "cpu" or is_unsloth_model(model)):
         yield False
         return
     from transformers import AttentionInterface
@@ -296,7 +297,7 @@ def inference_mode(model: Any) -> Iterator[None]:
     off and on again, with the model's saved mode, and set its generation flag): `model.train()` alone would leave
     it half in inference mode, with checkpointing off. Other models: eval() / train()."""
     was_training = model.training
-    unsloth = hasattr(model, "for_inference") and hasattr(model, "for_training")
+    unsloth = is_unsloth_model(model)
     checkpointing = getattr(model, "_unsloth_gradient_checkpointing", None)
     if unsloth:
         model.for_inference()
