@@ -462,3 +462,43 @@ def test_stage_evaluation_logs_its_progress(tiny_model_dir, tokenizer, tmp_path,
     assert progress[0].startswith("stage eval base: greedy 3/3 problems | ") and "/min | done in " in progress[0]
     assert progress[1].startswith("stage eval base: 2 samples 3/3 problems | ")
     assert lines.index(progress[1]) < len(lines) - 1 and "strict accuracy" in lines[-1]  # before the summary
+
+
+# --- preallocated KV cache --------------------------------------------------------------------------------------
+
+def test_preallocated_layer_writes_in_place_grows_and_selects_rows():
+    from lowmem_grpo.evaluation.kv_cache import PreallocatedLayer
+
+    layer = PreallocatedLayer(capacity=4)
+    k, v = torch.randn(3, 2, 3, 5), torch.randn(3, 2, 3, 5)
+    keys, values = layer.update(k, v)
+    assert torch.equal(keys, k) and torch.equal(values, v) and layer.get_seq_length() == 3
+    buffer = layer.key_buffer
+    step = torch.randn(3, 2, 1, 5)
+    keys, _ = layer.update(step, step)
+    assert layer.key_buffer is buffer  # written in place, no new block
+    assert torch.equal(keys, torch.cat([k, step], dim=-2))
+    keys, values = layer.update(step, step)  # past the capacity: the buffers grow, the contents stay
+    assert layer.key_buffer.shape[-2] >= 6 and torch.equal(keys, torch.cat([k, step, step], dim=-2))
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.keys, torch.cat([k, step, step], dim=-2)[[2, 0]])
+    assert layer.get_seq_length() == 5 and layer.get_mask_sizes(1) == (6, 0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_preallocated_cache_samples_what_dynamic_cache_samples(temperature, tiny_model_dir, tokenizer):
+    """Greedy and seeded rows bit for bit the same with the preallocated cache as with transformers' DynamicCache,
+    float32, with rows ending (the batch shrinks) and a row writing to the budget."""
+    from lowmem_grpo.evaluation.engine import DecodeContract
+
+    model, _ = _ending_model(tiny_model_dir, tokenizer, 16)
+    prompt_ids = tokenizer(PROMPTS)["input_ids"]
+    runs = {}
+    for preallocate in (False, True):
+        rows = sample_rows(model, prompt_ids, max_new_tokens=16, temperature=temperature,
+                           eos_ids={tokenizer.eos_token_id}, pad_id=tokenizer.pad_token_id,
+                           generator=torch.Generator().manual_seed(5), contract=DecodeContract(preallocate=preallocate))
+        runs[preallocate] = [(r.ids, r.truncated) for r in rows]
+    assert runs[True] == runs[False]
+    if temperature == 0:  # greedy rows of _ending_model end at different steps: the batch shrank
+        assert any(t for _, t in runs[True]) and not all(t for _, t in runs[True])

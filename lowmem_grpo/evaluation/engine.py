@@ -117,10 +117,14 @@ class DecodeContract:
     returns a tuple of its own. `fixed_batch`: Unsloth's decode step sizes its per-layer decode buffers
     (`paged_attention_K/V`) by the batch at the first decode after a prefill and reads those, not the tuple, so
     the batch must keep its rows until the next prefill (ended rows are fed a placeholder). `autocast`: the dtype
-    Unsloth's own generate (`unsloth_fast_generate`) runs its forwards under on CUDA, None for none."""
+    Unsloth's own generate (`unsloth_fast_generate`) runs its forwards under on CUDA, None for none.
+    `preallocate`: the loop gives the model a cache allocated once for the prompt plus the budget
+    (lowmem_grpo.evaluation.kv_cache), not transformers' DynamicCache, which copies the whole cache at every step;
+    for a model that writes the cache it is given (Unsloth's keeps its own buffers)."""
 
     fixed_batch: bool = False
     autocast: Any = None
+    preallocate: bool = True
 
 
 def decode_contract(model: Any) -> DecodeContract:
@@ -131,7 +135,7 @@ def decode_contract(model: Any) -> DecodeContract:
     device = next(model.parameters()).device
     config = getattr(model, "config", None)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return DecodeContract(fixed_batch=True, autocast=dtype if device.type == "cuda" else None)
+    return DecodeContract(fixed_batch=True, autocast=dtype if device.type == "cuda" else None, preallocate=False)
 
 
 def select_rows(cache: Any, index: Any) -> Any:
@@ -182,17 +186,16 @@ def _decoding(model: Any, contract: DecodeContract) -> Iterator[None]:
 
 def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
                 eos_ids: set[int], pad_id: int, calculator: Calculator | None = None,
-                generator: Any = None) -> list[Sampled]:
+                generator: Any = None, contract: DecodeContract | None = None) -> list[Sampled]:
     """One completion per entry of `prompt_ids` (rows that repeat a prompt share its prefill). Runs under
-    torch.inference_mode and the model's DecodeContract; the model's own mode (eval, merged weights) is the
-    caller's."""
+    torch.inference_mode and `contract` (default: the model's, decode_contract); the model's own mode (eval, merged
+    weights) is the caller's."""
     import torch
-    from transformers import DynamicCache
 
     if not prompt_ids:
         return []
     device = next(model.parameters()).device
-    contract = decode_contract(model)
+    contract = contract or decode_contract(model)
     distinct: dict[tuple[int, ...], int] = {}
     source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
     results = [Sampled() for _ in prompt_ids]
@@ -200,7 +203,7 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
         ids, mask = _left_padded(list(distinct), pad_id, device)
         # the position ids transformers' generate gives left-padded rows
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
-        cache = DynamicCache(config=getattr(model, "config", None))  # without one, layers are added as they come
+        cache = _new_cache(model, contract, ids.size(1) + max_new_tokens)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
@@ -230,6 +233,21 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
             cache = out.past_key_values
             logits = out.logits[:, -1, :]
     return results
+
+
+def _new_cache(model: Any, contract: DecodeContract, capacity: int) -> Any:
+    """The cache the prefill writes: preallocated for `capacity` positions where the contract and the model's
+    layers allow it, else transformers' DynamicCache (without a config its layers are added as they come)."""
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)
+    if contract.preallocate and config is not None:
+        from lowmem_grpo.evaluation.kv_cache import preallocated_cache
+
+        cache = preallocated_cache(config, capacity)
+        if cache is not None:
+            return cache
+    return DynamicCache(config=config)
 
 
 def _advance(results: list[Sampled], rows: list[int], b: int, sampled: int, queued: dict[int, list[int]],

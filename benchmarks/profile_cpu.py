@@ -1,0 +1,112 @@
+"""torch.profiler tables of one GRPO step and one evaluation of the CPU default, as the package runs them.
+
+    OMP_NUM_THREADS=2 python benchmarks/profile_cpu.py --what step --out /tmp/profile-step
+    OMP_NUM_THREADS=2 python benchmarks/profile_cpu.py --what eval --out /tmp/profile-eval
+
+`step`: train() of recipes/smollm2_135m_arith_cpu.py (no preflight, no stage evaluation, its priming as shipped),
+profiled over GRPO step --profile-step (a later step: the first pays one-off costs); the table of the operators
+with the most self CPU time goes to stdout and to OUT/step.txt. `eval`: greedy + --samples samples at the training
+temperature on --problems test problems of the same recipe through lowmem_grpo.evaluation.generate (the base
+model), at the stage evaluation's batch size; OUT/eval.txt. --set KEY=VALUE changes the recipe (another shape).
+Prints the load average before and after: a table taken on busy cores is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile
+from transformers import TrainerCallback  # the embedded CPU default runs the hf backend: no Unsloth to import first
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "smollm2_135m_arith_cpu.py"
+ROWS = 30
+
+
+def _table(profiler, title: str) -> str:
+    events = profiler.key_averages()
+    return f"{title}\n" + events.table(sort_by="self_cpu_time_total", row_limit=ROWS)
+
+
+class StepProfiler(TrainerCallback):
+    """Profiles GRPO step `step` (train()'s callback seam) and writes its table to OUT/step.txt."""
+
+    def __init__(self, step: int, out: Path) -> None:
+        self.step, self.out = step, out
+        self.profiler = profile(activities=[ProfilerActivity.CPU])
+        self.started = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            self.started = time.perf_counter()
+            self.profiler.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.profiler.__exit__(None, None, None)
+            text = _table(self.profiler, f"GRPO step {self.step}: {time.perf_counter() - self.started:.2f} s wall")
+            (self.out / "step.txt").write_text(text)
+            sys.stdout.write(text + "\n")
+
+
+def profile_step(args: argparse.Namespace, out: Path) -> None:
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+    from lowmem_grpo.train.pipeline import train
+
+    overrides = [f"train.max_steps={args.profile_step}", "train.preflight=false", "train.stage_eval=0",
+                 "train.save_steps=1000", f"output.dir={out / 'run'}", *args.set]
+    recipe = apply_overrides(load_recipe(str(RECIPE)), overrides)
+    train(recipe, callbacks=[StepProfiler(args.profile_step, out)])
+
+
+def profile_eval(args: argparse.Namespace, out: Path) -> None:
+    import torch
+
+    from lowmem_grpo.backends import load, prepare, resolve_model_path
+    from lowmem_grpo.data import load_eval_rows, recipe_examples
+    from lowmem_grpo.evaluation.generate import generate
+    from lowmem_grpo.evaluation.stages import EVAL_BATCH
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+
+    recipe = apply_overrides(load_recipe(str(RECIPE)), list(args.set))
+    backend = prepare(recipe.model.backend)
+    loaded = load(recipe, backend, model_path=resolve_model_path(recipe.model.name))
+    rows = load_eval_rows(recipe.data)[:args.problems]
+    prompts = [e["prompt"] for e in recipe_examples(rows, loaded.tokenizer, recipe.data)]
+    t = recipe.train
+    common = dict(max_new_tokens=t.max_completion_length, progress=False, calculator=recipe.data.calculator)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        generate(loaded.model, loaded.tokenizer, prompts, batch_size=EVAL_BATCH, **common)
+        greedy = time.perf_counter() - start
+        start = time.perf_counter()
+        generate(loaded.model, loaded.tokenizer, prompts, batch_size=EVAL_BATCH, num_samples=args.samples,
+                 temperature=t.temperature, seed=t.seed, **common)
+        sampled = time.perf_counter() - start
+    text = _table(prof, f"evaluation of {len(prompts)} problems ({loaded.dtype}, torch threads "
+                        f"{torch.get_num_threads()}): greedy {greedy:.1f} s, {args.samples} samples {sampled:.1f} s")
+    (out / "eval.txt").write_text(text)
+    sys.stdout.write(text + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--what", choices=["step", "eval"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--profile-step", type=int, default=3)
+    parser.add_argument("--problems", type=int, default=100)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    sys.stdout.write(f"load average before: {os.getloadavg()[0]:.2f}\n")
+    (profile_step if args.what == "step" else profile_eval)(args, args.out)
+    sys.stdout.write(f"load average after: {os.getloadavg()[0]:.2f}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""A transformers KV cache whose layers are allocated once per batch, for the sampling engine's decode loop.
+
+transformers' DynamicCache concatenates each new token's keys and values onto the whole cache at every decode step,
+per layer: a copy of the entire cache, into a freshly allocated block (on CPU above the allocator's mmap threshold
+that is a new mapping, zeroed page by page, at every step). `preallocated_cache(config, capacity)` writes each step
+in place into buffers sized for the prompt plus the completion budget and hands the attention views of the filled
+part: the same numbers in the same order, without the copies. Imported by the engine inside its functions (it
+imports transformers at module level, after backends.prepare()).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Cache, DynamicLayer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in buffers of `capacity` positions, allocated at the first update
+    (batch, heads, capacity, head_dim); `keys`/`values` are views of the filled positions. A write past the
+    capacity doubles the buffers (one copy), so a wrong capacity costs time, never correctness."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self.key_buffer: Any = None
+        self.value_buffer: Any = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, dim = key_states.shape
+        self.key_buffer = key_states.new_empty((batch, heads, self.capacity, dim))
+        self.value_buffer = value_states.new_empty((batch, value_states.shape[1], self.capacity,
+                                                    value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:
+            self._grow(end)
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
+        self.length = end
+        self._refresh()
+        return self.keys, self.values
+
+    def _grow(self, needed: int) -> None:
+        size = max(needed, 2 * self.key_buffer.shape[-2])
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], size, old.shape[-1]))
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+
+    def _refresh(self) -> None:
+        self.keys = self.key_buffer[:, :, :self.length]
+        self.values = self.value_buffer[:, :, :self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices`: new, smaller buffers (one copy each), not a view into the old ones."""
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.index_select(0, indices)
+            self.value_buffer = self.value_buffer.index_select(0, indices)
+            self._refresh()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+            self._refresh()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            self.length = max(0, self.length - abs(tokens_to_remove))
+            self._refresh()
+
+
+def preallocated_cache(config: Any, capacity: int) -> Cache | None:
+    """A Cache of PreallocatedLayers, one per layer of a model with `config`, each for `capacity` positions; None
+    for a model whose layers are not all full attention (sliding windows, linear attention: their caches keep a
+    window or a state, which DynamicCache's own layer types handle)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * (layers or 0)
+    if not layers or getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
+            or any(t != "full_attention" for t in types):
+        return None
+    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])
