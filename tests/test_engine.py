@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lowmem_grpo.errors import BadInputError, RecipeError
+from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.engine import COMPACT_SHARE, Calculator, Sampled, next_tokens, sample_rows
 from lowmem_grpo.evaluation.generate import fast_sampling, generate
 from lowmem_grpo.recipe_io import load_recipe
@@ -294,17 +294,7 @@ def test_generate_with_the_calculator_writes_and_counts_forced_tokens(scripted, 
     assert off[0][0].text == "<<12-5=99 apples" and off[0][0].forced_tokens == 0
 
 
-# --- 5. vLLM cannot take the calculator ---------------------------------------------------------------------------
-
-def test_generate_with_the_calculator_refuses_a_vllm_engine(tokenizer):
-    model = SimpleNamespace(vllm_engine=object())  # what choose_engine takes for a model with a vLLM engine
-    with pytest.raises(BadInputError, match="calculator"):
-        generate(model, tokenizer, ["a"], progress=False, calculator=True)
-    with pytest.raises(BadInputError, match="calculator"):
-        generate(model, tokenizer, ["a"], progress=False, calculator=True, engine="vllm")
-
-
-# --- 6. rollouts ------------------------------------------------------------------------------------------------
+# --- 5. rollouts ------------------------------------------------------------------------------------------------
 
 class FakeAccelerator:
     def unwrap_model(self, model):
@@ -349,15 +339,15 @@ def test_rollout_plan_cases():
     on = rollout_plan(_recipe("data.calculator=true"), "hf", "cuda")
     assert on.engine and on.calculator  # the calculator samples through the engine on any device
     assert rollout_plan(_recipe("data.calculator=true", "train.sampling_engine=false"), "hf", "cpu").calculator
+    # on vLLM (train.use_vllm, Unsloth's fast_inference) the calculator runs in rounds: tests/test_vllm_calculator.py
     for backend, overrides, named in (("unsloth", (), "unsloth"), ("hf", ("model.fast_inference=true",), "vLLM"),
-                                      ("hf", ("train.use_vllm=true",), "vLLM"), ("hf", ("train.top_p=0.9",), "top_p"),
-                                      ("hf", ("train.min_p=0.1",), "min_p")):
+                                      ("hf", ("train.top_p=0.9",), "top_p"), ("hf", ("train.min_p=0.1",), "min_p")):
         with pytest.raises(RecipeError, match=named) as caught:
             rollout_plan(_recipe("data.calculator=true", *overrides), backend, "cuda")
         assert caught.value.exit_code == 2
 
 
-# --- 7. what TRL does with rollout_func and env_mask ------------------------------------------------------------
+# --- 6. what TRL does with rollout_func and env_mask ------------------------------------------------------------
 
 def test_trl_takes_the_rollout_env_mask_out_of_the_loss():
     """Pins TRL 1.15's behaviour the engine's rollouts rely on (GRPOTrainer's private _generate and
@@ -380,7 +370,7 @@ def test_trl_takes_the_rollout_env_mask_out_of_the_loss():
     assert "per_token_loss = per_token_loss + self.beta * per_token_kl" in loss_src  # the KL added before the mask
 
 
-# --- 8. a GRPO run with the calculator --------------------------------------------------------------------------
+# --- 7. a GRPO run with the calculator --------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_a_tiny_grpo_run_samples_through_the_engine_with_the_calculator(tiny_model_dir, tmp_path):

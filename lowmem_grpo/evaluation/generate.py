@@ -1,6 +1,7 @@
 """The one sampling engine: completions for rendered prompts, used by evaluation, the reward preflight and
 the periodic eval. It generates with vLLM when the model has a vLLM engine (a vllm.LLM, or Unsloth's
-fast_inference engine, sampling the live adapter), else with batched transformers `generate` (left padding), in
+fast_inference engine, sampling the live adapter; with the calculator through
+lowmem_grpo.evaluation.vllm_calculator), else with batched transformers `generate` (left padding), in
 inference mode and on a private RNG stream. Imports torch/transformers only inside the functions that sample.
 """
 
@@ -94,6 +95,14 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def _required_eos(model: Any, tokenizer: Any) -> set[int]:
+    eos = _eos_ids(model, tokenizer)
+    if not eos:
+        raise BadInputError("the tokenizer has no EOS token, so truncation cannot be told from an end",
+                            fix="set tokenizer.eos_token (and the model's generation_config.eos_token_id)")
+    return eos
+
+
 def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
                            batch_size: int, num_samples: int, temperature: float, seed: int,
                            bar: Any, merged: bool, calculator: bool,
@@ -102,10 +111,7 @@ def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, ma
 
     from lowmem_grpo.evaluation.engine import Calculator, sample_rows
 
-    eos = _eos_ids(model, tokenizer)
-    if not eos:
-        raise BadInputError("the tokenizer has no EOS token, so truncation cannot be told from an end",
-                            fix="set tokenizer.eos_token (and the model's generation_config.eos_token_id)")
+    eos = _required_eos(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     tool = Calculator(tokenizer) if calculator else None
     device = next(model.parameters()).device
@@ -328,20 +334,44 @@ def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_
              for o in out.outputs] for out in outputs]
 
 
+def _generate_vllm_calculator(engine: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
+                              num_samples: int, temperature: float, seed: int, lora_request: Any, eos: set[int],
+                              bar: Any, params_class: Callable[..., Any] | None = None,
+                              on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
+    """vLLM generation with the calculator (lowmem_grpo.evaluation.vllm_calculator): the prompts tokenized as the
+    transformers path tokenizes them, num_samples rows each, every row seeded from `seed`."""
+    from lowmem_grpo.evaluation.engine import Calculator
+    from lowmem_grpo.evaluation.vllm_calculator import EngineRounds, calculator_rows
+
+    ids = tokenizer(prompts)["input_ids"]
+    settings = {"temperature": temperature, "top_p": 1.0, "top_k": -1 if temperature else 1}
+    rows = calculator_rows(EngineRounds(engine, settings, lora_request, params_class),
+                           [p for p in ids for _ in range(num_samples)], max_tokens=max_new_tokens,
+                           calculator=Calculator(tokenizer), eos_ids=eos, seed=seed)
+    bar.update(len(prompts))
+    if on_progress is not None:
+        on_progress(len(prompts), len(prompts))
+    return [[_generation(tokenizer, r, eos) for r in rows[i * num_samples:(i + 1) * num_samples]]
+            for i in range(len(prompts))]
+
+
 def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
              engine: str = "auto", lora_request: Any = None, desc: str = "eval",
              merged: bool = True, calculator: bool = False,
-             on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
+             on_progress: Callable[[int, int], None] | None = None,
+             sampling_params_class: Callable[..., Any] | None = None) -> list[list[Generation]]:
     """num_samples completions per prompt (text after the prompt, prefill excluded).
 
     With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
     model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
     merged into the weights while it samples when `merged` and merged_adapter applies, through
-    lowmem_grpo.evaluation.engine. With `calculator`, each `<<EXPR=` a row writes is completed by the calculator
-    (transformers only: vLLM samples whole completions, so it cannot; asking for both is bad input).
-    `on_progress(done, total)`, when given, is called with the problems done after each batch (vLLM: once, at the
-    end), for callers that log progress instead of showing the bar (evaluation.progress.ProgressLog)."""
+    lowmem_grpo.evaluation.engine. With `calculator`, each `<<EXPR=` a row writes is completed by the calculator:
+    by the engine, or on vLLM by stopping the row after each token ending in "=" and resubmitting it
+    (lowmem_grpo.evaluation.vllm_calculator; `sampling_params_class` builds its per-request settings, None:
+    vllm.SamplingParams). `on_progress(done, total)`, when given, is called with the problems done after each
+    batch (vLLM: once, at the end), for callers that log progress instead of showing the bar
+    (evaluation.progress.ProgressLog)."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")
@@ -353,13 +383,14 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
     from tqdm.auto import tqdm
 
     chosen = choose_engine(model, engine)
-    if calculator and chosen == "vllm":
-        raise BadInputError("data.calculator needs the transformers sampling engine: vLLM samples whole completions "
-                            "and cannot take the calculator's results into a row",
-                            fix="set model.fast_inference=false (or --engine transformers), or data.calculator=false")
     with tqdm(total=len(prompts), desc=desc, unit="problem", disable=not progress, dynamic_ncols=True) as bar:
         if chosen == "vllm":
             vllm_engine, request = vllm_target(model, lora_request)  # the adapter as trained so far
+            if calculator:
+                return _generate_vllm_calculator(vllm_engine, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                                 num_samples=num_samples, temperature=temperature, seed=seed,
+                                                 lora_request=request, eos=_required_eos(model, tokenizer), bar=bar,
+                                                 params_class=sampling_params_class, on_progress=on_progress)
             return _generate_vllm(vllm_engine, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples,
                                   temperature=temperature, seed=seed, lora_request=request, bar=bar,
                                   on_progress=on_progress)

@@ -30,7 +30,7 @@ from lowmem_grpo.recipe import Recipe, goal_reward_name
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer
 from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
 from lowmem_grpo.train.informative import SamplingState
-from lowmem_grpo.train.rollout import EngineRollout, rollout_plan
+from lowmem_grpo.train.rollout import make_rollout, rollout_plan
 
 log = logging.getLogger(__name__)
 
@@ -258,10 +258,8 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
 
     def build(recipe: Recipe) -> Any:
         plan = rollout_plan(recipe, loaded.backend, loaded.device)
-        log.info("GRPO sampling: %s (%s)", "lowmem_grpo's engine" + (" with the calculator" if plan.calculator
-                                                                      else "") if plan.engine else "TRL's generation",
-                 plan.reason)
-        rollout = EngineRollout(loaded.tokenizer, plan.calculator, recipe.train.merged_sampling) if plan.engine else None
+        log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
+        rollout = make_rollout(plan, loaded.tokenizer, recipe.train.merged_sampling)
         trainer_class = grpo_trainer_class(loaded.backend, loaded.device, informative=sampling is not None)
         args = build_grpo_config(recipe, run_dir, loaded.device == "cuda", reward_weights, dtype=loaded.dtype,
                                  backend=loaded.backend)

@@ -1,20 +1,33 @@
 """GRPO's rollouts through lowmem_grpo's sampling engine (lowmem_grpo.evaluation.engine), by TRL's public seam
 `rollout_func(prompts, trainer)`: the same decode loop as evaluation, and with data.calculator the calculator's
 results forced into the rows and returned as TRL's `env_mask` (0 = forced), which TRL multiplies into the loss
-mask, so forced tokens are in neither the policy loss nor the KL.
+mask, so forced tokens are in neither the policy loss nor the KL. On vLLM (Unsloth's fast_inference engine, or
+TRL's use_vllm in colocate or server mode) the calculator runs through lowmem_grpo.evaluation.vllm_calculator
+instead (VllmRollout), with vLLM's per-token log-probs for TRL's importance-sampling correction.
 
-`rollout_plan(...)` decides, once, whether a run samples through the engine and why.
+`rollout_plan(...)` decides, once, whether a run samples through the engine and why; `make_rollout` builds the
+rollout_func it names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.engine import Calculator, sample_rows
-from lowmem_grpo.evaluation.generate import fast_sampling, inference_mode
+from lowmem_grpo.evaluation.generate import fast_sampling, inference_mode, live_adapter_request
+from lowmem_grpo.evaluation.vllm_calculator import (
+    MAX_ROUNDS,
+    ClientRounds,
+    Completion,
+    EngineRounds,
+    calculator_rows,
+    split_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,23 +37,37 @@ PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty":
 
 @dataclass(frozen=True)
 class RolloutPlan:
-    """Whether GRPO samples through the engine (`engine`), with the calculator (`calculator`), and why."""
+    """Whether GRPO samples through the engine (`engine`), with the calculator (`calculator`), on vLLM through
+    the calculator's rounds (`vllm`: VllmRollout), and why."""
 
     engine: bool
     calculator: bool
     reason: str
+    vllm: bool = False
+
+    def describe(self) -> str:
+        """What samples GRPO's rollouts, for the log."""
+        if self.vllm:
+            return "vLLM with the calculator"
+        if self.engine:
+            return "lowmem_grpo's engine" + (" with the calculator" if self.calculator else "")
+        return "TRL's generation"
 
 
 def rollout_plan(recipe: Any, backend: str, device: str) -> RolloutPlan:
     """The engine samples GRPO's rollouts for the hf backend on CPU (it is faster than transformers' generate there;
     train.sampling_engine=false turns that off) and wherever data.calculator is on; TRL's own generation runs otherwise. Raises RecipeError (exit 2) for a
     calculator the run could not honour: vLLM and Unsloth's generation sample whole completions, and sampling
-    settings other than plain temperature are TRL's alone."""
+    settings other than plain temperature are TRL's alone. data.calculator on vLLM (train.use_vllm, or Unsloth's
+    fast_inference engine) samples through VllmRollout (plan.vllm)."""
     calculator = bool(recipe.data.calculator)
     extra = recipe.train.extra
     custom = sorted(k for k, v in PLAIN_SAMPLING.items() if k in extra and extra[k] != v)
     custom += ["generation_kwargs"] if extra.get("generation_kwargs") else []
     if calculator:
+        if extra.get("use_vllm") or (backend == "unsloth" and recipe.model.fast_inference):
+            return RolloutPlan(False, True, "data.calculator on vLLM: rows stop at each token ending in '=', the "
+                               "calculator's results are forced in (masked out) and the rows resubmitted", vllm=True)
         if backend != "hf" or recipe.model.fast_inference or extra.get("use_vllm"):
             raise RecipeError(
                 f"data.calculator with backend {backend!r}"
@@ -87,3 +114,111 @@ class EngineRollout:
         if self.calculator is not None:
             output["env_mask"] = [r.policy_mask for r in rows]
         return output
+
+
+class VllmRollout:
+    """TRL's `rollout_func` for data.calculator on vLLM: the calculator's rounds
+    (lowmem_grpo.evaluation.vllm_calculator.calculator_rows) on the trainer's vLLM, as TRL's own
+    VLLMGeneration.generate samples it (trl/generation/vllm_generation.py): its sampling settings and
+    generation_kwargs, one row per prompt (TRL has repeated each num_generations times), and in colocate mode its
+    sleep mode around the rounds. TRL calls it after its weight sync, on every rank. Returns prompt_ids,
+    completion_ids, each sampled token's vLLM log-prob (None for forced tokens: TRL's importance-sampling
+    correction reads those as no correction) and `env_mask` (0 = forced, kept out of the loss and the KL).
+
+    Colocate (Unsloth's fast_inference engine, or TRL's own vllm.LLM): each rank samples its own rows, with the
+    live adapter's LoRA request on an engine that shares the training weights (Unsloth's, as its GRPO asks for
+    it: model.load_lora(name, load_tensors=True)) and none on TRL's engine, whose weights TRL synced. Server: the
+    main process samples every rank's rows through TRL's VLLMClient and hands each rank its share.
+    `sampling_params_class` builds vLLM's per-request settings in colocate mode (None: vllm.SamplingParams)."""
+
+    def __init__(self, tokenizer: Any, max_rounds: int = MAX_ROUNDS,
+                 sampling_params_class: Callable[..., Any] | None = None) -> None:
+        self.calculator = Calculator(tokenizer)
+        self.max_rounds = max_rounds
+        self.params_class = sampling_params_class
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        tokenizer = trainer.processing_class
+        prompt_ids = tokenizer(text=prompts)["input_ids"]
+        generation = getattr(trainer, "vllm_generation", None)
+        if not getattr(trainer, "use_vllm", False) or generation is None:
+            raise RecipeError("data.calculator on vLLM, but the trainer has no vLLM engine (TRL's use_vllm is off)",
+                              fix="set train.use_vllm=true, or model.backend=unsloth with model.fast_inference=true")
+        if getattr(generation, "structured_outputs_regex", None) is not None:
+            raise RecipeError("data.calculator with train.vllm_structured_outputs_regex: a row resubmitted after "
+                              "each '=' would restart the regex", fix="remove train.vllm_structured_outputs_regex")
+        settings = _sampling_settings(generation)
+        if generation.mode == "server":
+            rows = self._server(generation, settings, prompt_ids, trainer)
+        else:
+            rows = self._colocate(generation, settings, prompt_ids, trainer)
+        return {"prompt_ids": prompt_ids, "completion_ids": [r.ids for r in rows],
+                "logprobs": [r.logprobs for r in rows], "env_mask": [r.policy_mask for r in rows]}
+
+    def _rows(self, sample: Any, settings: dict[str, Any], prompt_ids: list[list[int]],
+              trainer: Any) -> list[Completion]:
+        _, _, seed = split_settings(settings)  # a generation_kwargs seed seeds each row's own
+        return calculator_rows(sample, prompt_ids, max_tokens=trainer.max_completion_length,
+                               calculator=self.calculator, eos_ids=trainer.eos_token_ids, seed=seed,
+                               max_rounds=self.max_rounds)
+
+    def _colocate(self, generation: Any, settings: dict[str, Any], prompt_ids: list[list[int]],
+                  trainer: Any) -> list[Completion]:
+        if getattr(generation, "tensor_parallel_size", 1) > 1:  # TRL gathers a TP group's prompts; this does not
+            raise RecipeError("data.calculator with train.vllm_tensor_parallel_size > 1 is not supported",
+                              fix="set train.vllm_tensor_parallel_size=1, or use train.vllm_mode=server")
+        llm = generation.llm
+        shared = getattr(llm, "shared_weights", False) or getattr(generation, "unsloth_fast_inference_lora", False)
+        # Unsloth's engine holds the base weights (its sync_weights pushes nothing): the adapter goes with the call
+        lora = live_adapter_request(trainer.accelerator.unwrap_model(trainer.model)) if shared else None
+        with awake(generation):
+            return self._rows(EngineRounds(llm, settings, lora, self.params_class), settings, prompt_ids, trainer)
+
+    def _server(self, generation: Any, settings: dict[str, Any], prompt_ids: list[list[int]],
+                trainer: Any) -> list[Completion]:
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        everyone = gather_object(prompt_ids)
+        rows = None
+        if trainer.accelerator.is_main_process:
+            rows = self._rows(ClientRounds(generation.vllm_client, settings), settings, everyone, trainer)
+        box = [rows]
+        broadcast_object_list(box, from_process=0)
+        start = trainer.accelerator.process_index * len(prompt_ids)
+        return box[0][start:start + len(prompt_ids)]
+
+
+def _sampling_settings(generation: Any) -> dict[str, Any]:
+    """The sampling settings TRL's VLLMGeneration.generate gives vLLM, its generation_kwargs over them."""
+    min_p = getattr(generation, "min_p", None)
+    return {"temperature": generation.temperature, "top_p": generation.top_p, "top_k": generation.top_k,
+            "min_p": 0.0 if min_p is None else min_p, "repetition_penalty": generation.repetition_penalty,
+            **(getattr(generation, "generation_kwargs", None) or {})}
+
+
+@contextlib.contextmanager
+def awake(generation: Any) -> Iterator[None]:
+    """vLLM's sleep mode around the rounds, as TRL's VLLMGeneration.generate runs it in colocate mode with
+    vllm_enable_sleep_mode: weights that slept (level 2 discards them) re-pushed by its sync_weights, the KV cache
+    woken, and everything back to sleep (level 2) afterwards, so training gets the memory back."""
+    if generation.mode != "colocate" or not getattr(generation, "enable_sleep_mode", False):
+        yield
+        return
+    if getattr(generation, "_llm_weights_sleeping", False):
+        generation.sync_weights()
+    generation.llm.wake_up(tags=["kv_cache"])
+    try:
+        yield
+    finally:
+        generation.llm.sleep(level=2)
+        generation._llm_weights_sleeping = True
+
+
+def make_rollout(plan: RolloutPlan, tokenizer: Any, merged: bool = True) -> Any:
+    """The rollout_func `plan` names: VllmRollout (vLLM with the calculator), EngineRollout (the engine, merged
+    LoRA weights while it samples when `merged`), or None (TRL's own generation)."""
+    if plan.vllm:
+        return VllmRollout(tokenizer)
+    if plan.engine:
+        return EngineRollout(tokenizer, plan.calculator, merged)
+    return None
