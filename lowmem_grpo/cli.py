@@ -72,11 +72,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from lowmem_grpo.recipe import validate
+    from lowmem_grpo import distributed
+    from lowmem_grpo.combinations import check, run_target
     from lowmem_grpo.recipe_io import dump_yaml, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    validate(recipe)
+    environ = distributed.launcher_environment(args.accelerate_config) if args.accelerate_config else None
+    target = run_target(recipe, distributed.launch(recipe.train.extra, environ))
+    check(recipe, target)  # what `train` checks before any model loads, on the target it would run on
     from lowmem_grpo.data import source_exists
 
     if not source_exists(recipe.data.source):
@@ -93,7 +96,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         from lowmem_grpo.train.grpo import check_trainer_fields
 
         check_trainer_fields(recipe)
-    sys.stdout.write(dump_yaml(recipe) if args.show else f"ok: {args.recipe} ({recipe.name})\n")
+    sys.stdout.write(dump_yaml(recipe) if args.show else f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n")
     return EXIT_OK
 
 
@@ -203,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", action="store_true", help="print the resolved recipe as YAML")
     p.add_argument("--no-trainer-fields", dest="trainer_fields", action="store_false",
                    help="skip checking extra train keys against TRL's GRPOConfig (which imports trl)")
+    p.add_argument("--accelerate-config", metavar="FILE",
+                   help="check the recipe as `accelerate launch --config_file FILE` would run it (its processes and "
+                        "DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero3.yaml; default: this process's launcher")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("recipes", help="list the shipped recipes")

@@ -114,7 +114,15 @@ def bf16_supported(capability: tuple[int, int] | None = None) -> bool:
 
 
 def resolve_backend(requested: str, *, cuda: bool, processes: int = 1) -> str:
-    """auto -> unsloth when CUDA and unsloth are both present and one process runs, else hf."""
+    """auto -> unsloth when CUDA and unsloth are both present and one process runs, else hf. An explicit unsloth
+    under several processes is bad input (exit 2): lowmem_grpo runs Unsloth in one process only."""
+    if requested == "unsloth" and processes > 1:
+        from lowmem_grpo.errors import BadInputError
+
+        raise BadInputError(f"model.backend=unsloth under {processes} processes (WORLD_SIZE={processes}): "
+                            "lowmem_grpo runs Unsloth in a single process only",
+                            fix="set model.backend=hf for accelerate launch / torchrun (DDP or DeepSpeed "
+                                "ZeRO, recipes/accelerate/), or run one process with unsloth")
     if requested != "auto":
         return requested
     if processes > 1:
@@ -205,21 +213,26 @@ def training_precision(precision: str, dtype: str, *, cuda: bool, backend: str) 
         if not cuda:
             return {"bf16": False, "fp16": False}
         return {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
-    if cuda and backend == "unsloth":
-        _check_unsloth_precision(precision, dtype)
+    check_precision(precision, cuda=cuda, backend=backend, dtype=dtype)
     return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
 
 
-def _check_unsloth_precision(precision: str, dtype: str) -> None:
+def check_precision(precision: str, *, cuda: bool, backend: str, dtype: str | None = None) -> None:
+    """BadInputError (exit 2) for a train.precision the Unsloth CUDA path would refuse or override: fp32 always
+    (known before the model loads: `dtype` None), bf16/fp16 against the dtype the model was loaded in."""
+    if not cuda or backend != "unsloth" or precision == "auto":
+        return
     from lowmem_grpo.errors import BadInputError
 
     if precision == "fp32":
         raise BadInputError(
             f"train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
             f"autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
-            f"check; this model is {dtype}); only the models it forces to float32 (Gemma 3) stay in float32, and "
-            f"train.precision=auto already gives them that",
+            f"check{f'; this model is {dtype}' if dtype else ''}); only the models it forces to float32 (Gemma 3) "
+            f"stay in float32, and train.precision=auto already gives them that",
             fix="use model.backend=hf for float32 training, or train.precision=auto")
+    if dtype is None:
+        return
     wanted = {"bf16": "bfloat16", "fp16": "float16"}[precision]
     if dtype in ("bfloat16", "float16") and dtype != wanted:
         why = (" (this GPU has no native bfloat16: compute capability below 8, so Unsloth loaded float16)"

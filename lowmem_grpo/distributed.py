@@ -21,7 +21,8 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,17 +34,18 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 1800  # transformers' ddp_timeout default, so the early process group matches the trainer's
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
+def _env_int(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
+    value = (os.environ if environ is None else environ).get(name, "")
     try:
         return int(value)
     except ValueError:
         return default
 
 
-def world_size() -> int:
-    """Processes in this run, as the launcher set WORLD_SIZE (1 without a launcher)."""
-    return max(1, _env_int("WORLD_SIZE", 1))
+def world_size(environ: Mapping[str, str] | None = None) -> int:
+    """Processes in this run, as the launcher set WORLD_SIZE (1 without a launcher); `environ` (default
+    os.environ) is the launcher's environment."""
+    return max(1, _env_int("WORLD_SIZE", 1, environ))
 
 
 def rank() -> int:
@@ -75,22 +77,90 @@ def cuda_device_index() -> int:
     return torch.cuda.current_device()
 
 
-def deepspeed_zero_stage() -> int | None:
-    """The ZeRO stage `accelerate launch` set up (from its config keys or its DeepSpeed JSON), None without DeepSpeed."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true", "yes"):
+def deepspeed_zero_stage(environ: Mapping[str, str] | None = None) -> int | None:
+    """The ZeRO stage `accelerate launch` set up (from its config keys or its DeepSpeed JSON), None without DeepSpeed;
+    `environ` (default os.environ) is the launcher's environment."""
+    env = os.environ if environ is None else environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true", "yes"):
         return None
-    stage: Any = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if config_file:  # the JSON is authoritative: accelerate refuses config keys beside it
-        try:
-            stage = json.loads(Path(config_file).read_text(encoding="utf-8")).get("zero_optimization", {}).get("stage")
-        except (OSError, ValueError) as exc:
-            raise BadInputError(f"DeepSpeed config {config_file}: {exc}",
-                                fix="point deepspeed_config_file at a readable JSON file") from exc
+        return _json_zero_stage(config_file, "DeepSpeed config")
+    return _stage(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
+
+
+def _stage(value: Any) -> int | None:
     try:
-        return int(stage) if stage is not None else None
+        return int(value) if value is not None else None
     except (TypeError, ValueError):
         return None
+
+
+def _json_zero_stage(config: str | dict[str, Any], what: str) -> int | None:
+    """zero_optimization.stage of a DeepSpeed config: a JSON file (read relative to the working directory, as
+    DeepSpeed reads it) or its dict; BadInputError naming `what` when the file cannot be read."""
+    if not isinstance(config, dict):
+        try:
+            config = json.loads(Path(config).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise BadInputError(f"{what} {config}: {exc}",
+                                fix="point it at a readable DeepSpeed JSON file (relative paths start at the "
+                                    "working directory)") from exc
+    section = config.get("zero_optimization") if isinstance(config, dict) else None
+    return _stage(section.get("stage")) if isinstance(section, dict) else None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the launcher runs `train`: how many processes, under which DeepSpeed ZeRO stage."""
+
+    num_processes: int = 1
+    """Processes of the run (WORLD_SIZE; 1 without a launcher)."""
+    zero_stage: int | None = None
+    """DeepSpeed's ZeRO stage (0-3); None without DeepSpeed."""
+
+    def describe(self) -> str:
+        """E.g. "2 processes, DeepSpeed ZeRO-3"."""
+        processes = f"{self.num_processes} process{'es' if self.num_processes > 1 else ''}"
+        return processes + (f", DeepSpeed ZeRO-{self.zero_stage}" if self.zero_stage is not None else "")
+
+
+def launch(train_extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Launch:
+    """The run's Launch, as the launcher's environment (`environ`, default os.environ) says it, or, without a
+    DeepSpeed launcher, the ZeRO stage of TrainingArguments' own DeepSpeed config when the recipe sets one
+    (train.deepspeed: a JSON file or a dict)."""
+    stage = deepspeed_zero_stage(environ)
+    ds_config = (train_extra or {}).get("deepspeed")
+    if stage is None and ds_config:
+        stage = _json_zero_stage(ds_config, "train.deepspeed")
+    return Launch(world_size(environ), stage)
+
+
+def launcher_environment(config_file: str | Path) -> dict[str, str]:
+    """The variables that say how the run is launched, as `accelerate launch --config_file CONFIG_FILE` sets
+    them for each process (accelerate/commands/launch.py reads the file, accelerate/utils/launch.py
+    prepare_deepspeed_cmd_env): WORLD_SIZE, and under DeepSpeed ACCELERATE_USE_DEEPSPEED with the config's
+    zero_stage or deepspeed_config_file. BadInputError for a file that is no accelerate config."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(config_file).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise BadInputError(f"accelerate config {config_file}: {exc}",
+                            fix="give an accelerate config file, e.g. recipes/accelerate/zero3.yaml") from exc
+    if not isinstance(config, dict) or "distributed_type" not in config:
+        raise BadInputError(f"accelerate config {config_file}: no distributed_type, so not an accelerate config",
+                            fix="give a file `accelerate config` wrote, e.g. recipes/accelerate/ddp.yaml")
+    kind = str(config["distributed_type"]).upper()
+    env = {"WORLD_SIZE": str(1 if kind == "NO" else config.get("num_processes", 1))}
+    if kind == "DEEPSPEED":
+        ds = config.get("deepspeed_config") or {}
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
+        if ds.get("zero_stage") is not None:
+            env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(ds["zero_stage"])
+        if ds.get("deepspeed_config_file"):
+            env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(ds["deepspeed_config_file"])
+    return env
 
 
 def setup(train_extra: dict[str, Any] | None = None) -> None:

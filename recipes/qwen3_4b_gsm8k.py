@@ -10,8 +10,8 @@ Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generation
           completions up to 1024 tokens.
 Option:   the calculator reward, scoring the choice of operation with exact arithmetic:
           `lowmem-grpo train RECIPE "rewards={correctness: 2.0, expression: 1.0, strict_format: 0.5}"`
-          (docs/rewards.md); the calculator in the sampling loop (data.calculator=true) needs model.backend=hf
-          without vLLM. Neither has been run on a GPU yet.
+          (docs/rewards.md); the calculator in the sampling loop (data.calculator=true) runs on either backend,
+          with plain sampling at train.temperature. Neither has been run on a GPU yet.
 """
 
 from lowmem_grpo.recipe import DataConfig, LoraConfig, ModelConfig, OutputConfig, Recipe, TrainConfig

@@ -19,11 +19,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.engine import COMPACT_SHARE, Calculator, Sampled, next_tokens, sample_rows
 from lowmem_grpo.evaluation.generate import fast_sampling, generate
 from lowmem_grpo.recipe_io import load_recipe
-from lowmem_grpo.train.rollout import EngineRollout, rollout_plan
+from lowmem_grpo.train.rollout import EngineRollout
 
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
 PROMPTS = ["Natalia sold clips to 48 of her friends", "How many", "A robe takes 2 bolts",
@@ -329,22 +328,7 @@ def _recipe(*overrides: str):
     return load_recipe(str(CPU_RECIPE), list(overrides))
 
 
-def test_rollout_plan_cases():
-    plan = rollout_plan(_recipe(), "hf", "cpu")
-    assert plan.engine and not plan.calculator
-    assert not rollout_plan(_recipe(), "hf", "cuda").engine  # TRL's generation
-    assert not rollout_plan(_recipe(), "unsloth", "cuda").engine
-    assert not rollout_plan(_recipe("train.sampling_engine=false"), "hf", "cpu").engine
-    assert not rollout_plan(_recipe("train.top_p=0.9"), "hf", "cpu").engine  # sampling the engine does not do
-    on = rollout_plan(_recipe("data.calculator=true"), "hf", "cuda")
-    assert on.engine and on.calculator  # the calculator samples through the engine on any device
-    assert rollout_plan(_recipe("data.calculator=true", "train.sampling_engine=false"), "hf", "cpu").calculator
-    # on vLLM (train.use_vllm, Unsloth's fast_inference) the calculator runs in rounds: tests/test_vllm_calculator.py
-    for backend, overrides, named in (("unsloth", (), "unsloth"), ("hf", ("model.fast_inference=true",), "vLLM"),
-                                      ("hf", ("train.top_p=0.9",), "top_p"), ("hf", ("train.min_p=0.1",), "min_p")):
-        with pytest.raises(RecipeError, match=named) as caught:
-            rollout_plan(_recipe("data.calculator=true", *overrides), backend, "cuda")
-        assert caught.value.exit_code == 2
+# (how GRPO samples, and what it refuses, is lowmem_grpo.combinations: tests/test_combinations.py)
 
 
 # --- 6. what TRL does with rollout_func and env_mask ------------------------------------------------------------

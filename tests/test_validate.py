@@ -1,5 +1,6 @@
 """`lowmem-grpo validate` asks only for what it checks: the hub once (not through the hub libraries' retries), and
-TRL only when the recipe has extra train keys to check against GRPOConfig."""
+TRL only when the recipe has extra train keys to check against GRPOConfig; it refuses, as `train` does before any
+model loads, every combination a run could not honour (lowmem_grpo.combinations, tests/test_combinations.py)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,114 @@ def test_no_trainer_fields_skips_the_check_even_with_extra_keys(tiny_model_dir):
     code, modules, log = _validate_in_subprocess(CPU_RECIPE, f"model.name={tiny_model_dir}", "train.top_pp=0.95",
                                                  "--no-trainer-fields")
     assert code == 0 and "trl" not in modules, log[-2000:]
+
+
+ZERO3 = ("--accelerate-config", str(REPO / "recipes" / "accelerate" / "zero3.yaml"))
+ZERO3_HF = ("model.backend=hf", "model.load_in_4bit=false")
+REFUSED = [  # (arguments after `validate`, words the refusal names)
+    ((GPU_RECIPE, "data.calculator=true", "train.top_p=0.9"), ("data.calculator", "train.top_p", "temperature only")),
+    ((GPU_RECIPE, "data.calculator=true", "model.backend=unsloth", "train.top_k=20"), ("data.calculator", "train.top_k")),
+    ((GPU_RECIPE, "data.calculator=true", "train.use_vllm=true", "train.vllm_structured_outputs_regex=a+"),
+     ("train.vllm_structured_outputs_regex",)),
+    ((GPU_RECIPE, "data.calculator=true", "train.repetition_penalty=1.2"), ("train.repetition_penalty",)),
+    ((GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", *ZERO3), ("train.stage_eval=10", "ZeRO-3", "train.stage_eval=0")),
+    ((GPU_RECIPE, *ZERO3_HF, "train.eval_every=5", *ZERO3), ("train.eval_every=5", "ZeRO-3", "train.eval_every=0")),
+    ((GPU_RECIPE, *ZERO3_HF, "data.calculator=true", *ZERO3), ("data.calculator", "ZeRO-3", "data.calculator=false")),
+    ((GPU_RECIPE, "model.backend=hf", *ZERO3), ("model.load_in_4bit=true under DeepSpeed ZeRO-3",)),
+    ((GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", "train.deepspeed=recipes/accelerate/ds_zero3.json"),
+     ("train.stage_eval=10", "ZeRO-3")),  # TrainingArguments' own DeepSpeed config, no accelerate launcher
+    ((GPU_RECIPE, "model.backend=unsloth", "--accelerate-config", str(REPO / "recipes" / "accelerate" / "ddp.yaml")),
+     ("model.backend=unsloth under 2 processes",)),
+    ((GPU_RECIPE, "model.backend=unsloth", "train.precision=fp32"), ("train.precision=fp32", "autocast")),
+    ((GPU_RECIPE, "model.fast_inference=true", "--accelerate-config", str(REPO / "recipes" / "accelerate" / "ddp.yaml")),
+     ("model.fast_inference=true with the hf backend",)),  # auto under 2 processes is hf: no vLLM
+]
+ALLOWED = [  # (arguments, words the ok line names)
+    ((GPU_RECIPE, "data.calculator=true", "model.backend=unsloth"), "backend unsloth on cuda, 1 process"),
+    ((GPU_RECIPE, "data.calculator=true", "model.backend=unsloth", "model.fast_inference=true"), "backend unsloth"),
+    ((GPU_RECIPE, "data.calculator=true", "model.backend=hf"), "backend hf on cuda"),
+    ((GPU_RECIPE, "data.calculator=true", "train.use_vllm=true", "--no-trainer-fields"), "ok"),
+    ((GPU_RECIPE, "data.calculator=true", "model.backend=unsloth", "model.fast_inference=true", "train.top_k=20",
+      "--no-trainer-fields"), "backend unsloth"),  # the calculator's vLLM rounds take TRL's sampling settings
+    ((GPU_RECIPE, *ZERO3_HF, *ZERO3), "backend hf on cuda, 2 processes, DeepSpeed ZeRO-3"),
+    ((GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", "data.calculator=true", "--accelerate-config",
+      str(REPO / "recipes" / "accelerate" / "zero2.yaml")), "DeepSpeed ZeRO-2"),
+]
+CASES_IN_A_CHILD = """
+import io, json, logging, sys, time
+from contextlib import redirect_stdout
+from lowmem_grpo.cli import main
+results = []
+for args in json.loads(sys.argv[1]):
+    log, out = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("lowmem_grpo").addHandler(handler)
+    start = time.monotonic()
+    with redirect_stdout(out):
+        code = main([sys.argv[2], *args])
+    results.append({"code": code, "log": log.getvalue(), "out": out.getvalue(), "s": time.monotonic() - start})
+    logging.getLogger("lowmem_grpo").removeHandler(handler)
+heavy = sorted(m for m in ("torch", "transformers", "trl", "unsloth", "peft", "vllm") if m in sys.modules)
+print(json.dumps({"results": results, "heavy": heavy}))
+"""
+
+
+def _launch_free_env(**extra: str) -> dict[str, str]:
+    """This environment without a launcher's variables, the hub closed (the budget check says so at once)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+           and not k.startswith("ACCELERATE_")}
+    env.update(HF_ENDPOINT=CLOSED, **extra)
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        env.pop(name, None)
+    return env
+
+
+def _run_cases(command: str, cases: list, **env: str) -> tuple[list[dict], list[str]]:
+    import json
+
+    done = subprocess.run([sys.executable, "-c", CASES_IN_A_CHILD, json.dumps(cases), command], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env=_launch_free_env(**env))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return report["results"], report["heavy"]
+
+
+def test_validate_refuses_each_combination_a_run_could_not_honour_loading_nothing():
+    """Each refusal exits 2 naming the combination and its fix, in well under a second, with no model library
+    imported (so no weights could have loaded): the GPU recipe is judged on the CUDA run it is tuned for."""
+    results, heavy = _run_cases("validate", [list(args) for args, _ in REFUSED])
+    for (args, named), result in zip(REFUSED, results):
+        assert result["code"] == 2, (args, result)
+        assert all(word in result["log"] for word in named), (named, result["log"])
+        assert "fix: " in result["log"] and not result["out"], result
+        assert result["s"] < 5, (args, result["s"])
+    assert heavy == [], f"validate imported {heavy} on its way to a refusal"
+
+
+def test_validate_passes_the_calculator_on_either_backend_and_zero3_without_rank0_sampling():
+    results, heavy = _run_cases("validate", [list(args) for args, _ in ALLOWED])
+    for (args, named), result in zip(ALLOWED, results):
+        assert result["code"] == 0, (args, result["log"][-2000:])
+        assert result["out"].startswith("ok: ") and named in result["out"], result["out"]
+    assert heavy == []
+
+
+def test_train_refuses_the_same_combinations_before_any_model_loads(tmp_path):
+    """`train` under a ZeRO-3 launcher's environment refuses in seconds, before the process group, the run
+    directory or any model library: the check validate makes, on the target train would run on."""
+    zero3 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "ACCELERATE_USE_DEEPSPEED": "true",
+             "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(REPO / "recipes" / "accelerate" / "ds_zero3.json"),
+             "CUDA_VISIBLE_DEVICES": ""}  # the CPU recipe runs on the CPU, where the engine samples, on any machine
+    out = tmp_path / "run"
+    cases = [[GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", f"output.dir={out}"],
+             [GPU_RECIPE, *ZERO3_HF, "data.calculator=true", f"output.dir={out}"],
+             [CPU_RECIPE, "train.stage_eval=0", f"output.dir={out}"]]  # hf on this CPU: the engine would sample
+    results, heavy = _run_cases("train", cases, **zero3)
+    for args, result, named in zip(cases, results, ("train.stage_eval=10", "data.calculator",
+                                                   "train.sampling_engine=true")):
+        assert result["code"] == 2 and named in result["log"] and "ZeRO-3" in result["log"], (args, result["log"])
+        assert result["s"] < 60, result["s"]
+    assert not out.exists()
+    assert not {"transformers", "trl", "unsloth", "peft"} & set(heavy), heavy  # torch only: train asks it for CUDA

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from lowmem_grpo.combinations import rollout_plan
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.engine import Calculator
 from lowmem_grpo.evaluation.generate import LIVE_ADAPTER, generate
@@ -34,7 +35,7 @@ from lowmem_grpo.evaluation.vllm_calculator import (
     row_seed,
 )
 from lowmem_grpo.recipe_io import load_recipe
-from lowmem_grpo.train.rollout import EngineRollout, VllmRollout, make_rollout, rollout_plan
+from lowmem_grpo.train.rollout import EngineRollout, VllmRollout, make_rollout
 
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
 
@@ -443,13 +444,11 @@ def test_vllm_rollout_in_server_mode_samples_through_the_client(scripted, tokeni
     assert client.engine.events == [] and client.calls  # no sleep mode calls on a server
 
 
-def test_vllm_rollout_refuses_what_it_cannot_honour(scripted, tokenizer):
+def test_vllm_rollout_refuses_a_trainer_without_vllm(scripted, tokenizer):
+    """(The settings the rounds cannot take, a structured-outputs regex and tensor parallelism in colocate mode,
+    are refused before any model loads: lowmem_grpo.combinations, tests/test_combinations.py.)"""
     scripts, _ = scripted
     engine = _engine(tokenizer, scripts)
-    for generation, named in ((FakeGeneration(llm=engine, tensor_parallel_size=2), "tensor_parallel"),
-                              (FakeGeneration(llm=engine, structured_outputs_regex="a+"), "structured_outputs")):
-        with pytest.raises(RecipeError, match=named):
-            _rollout(tokenizer)(["Q: calls"], _trainer(tokenizer, generation))
     trainer = _trainer(tokenizer, None)
     with pytest.raises(RecipeError, match="use_vllm"):
         _rollout(tokenizer)(["Q: calls"], trainer)
@@ -467,11 +466,9 @@ def test_the_plan_and_the_rollout_for_the_calculator_on_vllm(tokenizer):
         assert plan.vllm and plan.calculator and not plan.engine, (backend, overrides)
         assert plan.describe() == "vLLM with the calculator"
         assert isinstance(make_rollout(plan, tokenizer), VllmRollout)
-    for backend, overrides in (("unsloth", ()), ("hf", ("model.fast_inference=true",))):
-        with pytest.raises(RecipeError):  # no vLLM engine: Unsloth's generate, or fast_inference without Unsloth
-            rollout_plan(_recipe("data.calculator=true", *overrides), backend, "cuda")
-    engine = rollout_plan(_recipe("data.calculator=true"), "hf", "cuda")
-    assert not engine.vllm and isinstance(make_rollout(engine, tokenizer), EngineRollout)
+    for backend in ("hf", "unsloth"):  # off vLLM the engine samples with the calculator, on either backend
+        engine = rollout_plan(_recipe("data.calculator=true"), backend, "cuda")
+        assert not engine.vllm and isinstance(make_rollout(engine, tokenizer), EngineRollout)
     assert make_rollout(rollout_plan(_recipe(), "hf", "cuda"), tokenizer) is None  # TRL's generation
     assert not rollout_plan(_recipe("train.use_vllm=true"), "hf", "cuda").vllm  # no calculator: TRL's vLLM
 

@@ -22,7 +22,7 @@ FLOORS = {
     "rewards": 2, "distributed": 2, "doctor": 2,
     "data": 3, "backends": 3,
     "recipe": 4,
-    "recipe_io": 5, "memory": 5,
+    "recipe_io": 5, "memory": 5, "combinations": 5,
     "rundir": 6,
     "evaluation": 7, "export": 7,
     "train": 8,

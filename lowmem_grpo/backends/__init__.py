@@ -42,12 +42,7 @@ def prepare(requested: str) -> str:
     if requested == "auto":
         log.info("backend auto -> %s (cuda=%s, unsloth installed=%s, %d process(es))", backend,
                  torch.cuda.is_available(), is_installed("unsloth"), world_size())
-    if backend == "unsloth":
-        if world_size() > 1:  # before the import, which patches transformers/trl/peft process-wide
-            raise BadInputError(f"model.backend=unsloth under {world_size()} processes (WORLD_SIZE={world_size()}): "
-                                "lowmem_grpo runs Unsloth in a single process only",
-                                fix="set model.backend=hf for accelerate launch / torchrun (DDP or DeepSpeed "
-                                    "ZeRO, recipes/accelerate/), or run one process with unsloth")
+    if backend == "unsloth":  # resolve_backend refused it under several processes, before this import
         if not is_installed("unsloth"):
             raise BadInputError("model.backend=unsloth but unsloth is not installed",
                                 fix="pip install unsloth, or set model.backend=hf")

@@ -12,8 +12,7 @@ def load_hf(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowmem_grpo.backends import present_target_modules
-    from lowmem_grpo.distributed import cuda_device_index, deepspeed_zero_stage
-    from lowmem_grpo.errors import BadInputError
+    from lowmem_grpo.distributed import cuda_device_index
 
     m, lora = recipe.model, recipe.lora
     torch_dtype = getattr(torch, dtype)
@@ -26,10 +25,6 @@ def load_hf(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch_dtype,
         )
-        if deepspeed_zero_stage() == 3:
-            raise BadInputError("model.load_in_4bit=true under DeepSpeed ZeRO-3: the hf backend does not partition "
-                                "bitsandbytes 4-bit weights", fix="set model.load_in_4bit=false for ZeRO-3, or use "
-                                "recipes/accelerate/ddp.yaml or zero2.yaml with the 4-bit base")
         kwargs["device_map"] = {"": cuda_device_index()}  # this process's GPU: LOCAL_RANK under a launcher
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -24,13 +24,14 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanstd
 
+from lowmem_grpo.combinations import rollout_plan
 from lowmem_grpo.device import resolve_optimizer, training_precision
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe, goal_reward_name
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer
 from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
 from lowmem_grpo.train.informative import SamplingState
-from lowmem_grpo.train.rollout import make_rollout, rollout_plan
+from lowmem_grpo.train.rollout import make_rollout
 
 log = logging.getLogger(__name__)
 

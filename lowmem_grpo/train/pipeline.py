@@ -13,13 +13,14 @@ from typing import Any
 from lowmem_grpo import distributed
 from lowmem_grpo.backends import load, prepare, resolve_model_path
 from lowmem_grpo.backends.adapter import check_init_adapter
+from lowmem_grpo.combinations import check, run_target
 from lowmem_grpo.data import budget, load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts, cpu_auto_dtype, cuda_facts, require_gpu, training_precision
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.memory.fit import fit_to_device
-from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards, validate
+from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
@@ -97,9 +98,10 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
 
 
 def setup(recipe: Recipe, cuda: CudaFacts) -> str:
-    """Validate, stop a GPU recipe without a usable GPU, import Unsloth first when it is the backend, join the
-    launcher's process group, check the trainer fields and the logger; returns the backend."""
-    validate(recipe, num_processes=distributed.world_size())
+    """Validate, with every combination a run on this machine and launch could not honour (the same check as
+    `lowmem-grpo validate`), stop a GPU recipe without a usable GPU, import Unsloth first when it is the backend,
+    join the launcher's process group, check the trainer fields and the logger; returns the backend."""
+    check(recipe, run_target(recipe, distributed.launch(recipe.train.extra), cuda=cuda.available))
     require_gpu(recipe.gpu_memory_gb, cuda)  # not days of float32 on CPU by accident: exit 2, the cause named
     if not cuda.available:
         cpu_auto_dtype()  # an unknown LOWMEM_GRPO_CPU_DTYPE stops here (exit 2), before anything is written

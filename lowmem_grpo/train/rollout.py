@@ -5,8 +5,8 @@ mask, so forced tokens are in neither the policy loss nor the KL. On vLLM (Unslo
 TRL's use_vllm in colocate or server mode) the calculator runs through lowmem_grpo.evaluation.vllm_calculator
 instead (VllmRollout), with vLLM's per-token log-probs for TRL's importance-sampling correction.
 
-`rollout_plan(...)` decides, once, whether a run samples through the engine and why; `make_rollout` builds the
-rollout_func it names.
+How a run samples, and why, is lowmem_grpo.combinations.rollout_plan (which `check` also reads before any model
+loads, to refuse what a run could not honour); `make_rollout` builds the rollout_func it names.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
+from lowmem_grpo.combinations import RolloutPlan
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.engine import Calculator, sample_rows
 from lowmem_grpo.evaluation.generate import fast_sampling, inference_mode, live_adapter_request
@@ -30,61 +30,6 @@ from lowmem_grpo.evaluation.vllm_calculator import (
 )
 
 log = logging.getLogger(__name__)
-
-PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
-"""The sampling settings the engine implements (TRL's defaults): plain sampling at the temperature."""
-
-
-@dataclass(frozen=True)
-class RolloutPlan:
-    """Whether GRPO samples through the engine (`engine`), with the calculator (`calculator`), on vLLM through
-    the calculator's rounds (`vllm`: VllmRollout), and why."""
-
-    engine: bool
-    calculator: bool
-    reason: str
-    vllm: bool = False
-
-    def describe(self) -> str:
-        """What samples GRPO's rollouts, for the log."""
-        if self.vllm:
-            return "vLLM with the calculator"
-        if self.engine:
-            return "lowmem_grpo's engine" + (" with the calculator" if self.calculator else "")
-        return "TRL's generation"
-
-
-def rollout_plan(recipe: Any, backend: str, device: str) -> RolloutPlan:
-    """The engine samples GRPO's rollouts for the hf backend on CPU (it is faster than transformers' generate there;
-    train.sampling_engine=false turns that off) and wherever data.calculator is on; TRL's own generation runs otherwise. Raises RecipeError (exit 2) for a
-    calculator the run could not honour: vLLM and Unsloth's generation sample whole completions, and sampling
-    settings other than plain temperature are TRL's alone. data.calculator on vLLM (train.use_vllm, or Unsloth's
-    fast_inference engine) samples through VllmRollout (plan.vllm)."""
-    calculator = bool(recipe.data.calculator)
-    extra = recipe.train.extra
-    custom = sorted(k for k, v in PLAIN_SAMPLING.items() if k in extra and extra[k] != v)
-    custom += ["generation_kwargs"] if extra.get("generation_kwargs") else []
-    if calculator:
-        if extra.get("use_vllm") or (backend == "unsloth" and recipe.model.fast_inference):
-            return RolloutPlan(False, True, "data.calculator on vLLM: rows stop at each token ending in '=', the "
-                               "calculator's results are forced in (masked out) and the rows resubmitted", vllm=True)
-        if backend != "hf" or recipe.model.fast_inference or extra.get("use_vllm"):
-            raise RecipeError(
-                f"data.calculator with backend {backend!r}"
-                f"{' and vLLM' if recipe.model.fast_inference or extra.get('use_vllm') else ''}: the calculator "
-                "runs inside lowmem_grpo's sampling engine, and vLLM / Unsloth's generation sample whole completions "
-                "without it", fix="use model.backend=hf with model.fast_inference=false, or set data.calculator=false")
-        if custom:
-            raise RecipeError(f"data.calculator with train.{custom[0]}: the sampling engine samples at the "
-                              "temperature only", fix=f"remove train.{custom[0]}, or set data.calculator=false")
-        return RolloutPlan(True, True, "data.calculator: the engine forces the calculator's results (masked out)")
-    if not recipe.train.sampling_engine:
-        return RolloutPlan(False, False, "train.sampling_engine is false")
-    if backend == "hf" and device == "cpu" and not custom:
-        return RolloutPlan(True, False, "the hf backend on CPU samples through lowmem_grpo's engine")
-    why = f"train.{custom[0]} is set" if custom else "TRL's generation on this backend/device"
-    return RolloutPlan(False, False, why)
-
 
 class EngineRollout:
     """TRL's `rollout_func`: completes each prompt (rendered text, already repeated num_generations times by TRL's
@@ -144,9 +89,6 @@ class VllmRollout:
         if not getattr(trainer, "use_vllm", False) or generation is None:
             raise RecipeError("data.calculator on vLLM, but the trainer has no vLLM engine (TRL's use_vllm is off)",
                               fix="set train.use_vllm=true, or model.backend=unsloth with model.fast_inference=true")
-        if getattr(generation, "structured_outputs_regex", None) is not None:
-            raise RecipeError("data.calculator with train.vllm_structured_outputs_regex: a row resubmitted after "
-                              "each '=' would restart the regex", fix="remove train.vllm_structured_outputs_regex")
         settings = _sampling_settings(generation)
         if generation.mode == "server":
             rows = self._server(generation, settings, prompt_ids, trainer)
@@ -164,9 +106,6 @@ class VllmRollout:
 
     def _colocate(self, generation: Any, settings: dict[str, Any], prompt_ids: list[list[int]],
                   trainer: Any) -> list[Completion]:
-        if getattr(generation, "tensor_parallel_size", 1) > 1:  # TRL gathers a TP group's prompts; this does not
-            raise RecipeError("data.calculator with train.vllm_tensor_parallel_size > 1 is not supported",
-                              fix="set train.vllm_tensor_parallel_size=1, or use train.vllm_mode=server")
         llm = generation.llm
         shared = getattr(llm, "shared_weights", False) or getattr(generation, "unsloth_fast_inference_lora", False)
         # Unsloth's engine holds the base weights (its sync_weights pushes nothing): the adapter goes with the call
