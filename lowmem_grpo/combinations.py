@@ -119,7 +119,7 @@ def _refuse(problem: str, fix: str) -> None:
 
 def _check_calculator(recipe: Recipe, target: RunTarget) -> None:
     """The calculator's two paths: the engine samples at the temperature only; the vLLM rounds resubmit each row
-    after an "=", which a structured-outputs regex would restart, and sample each rank's rows on its own engine."""
+    after an "=", which a structured-outputs regex would restart, and gather no tensor-parallel group's prompts."""
     if not recipe.data.calculator:
         return
     extra = recipe.train.extra
@@ -134,8 +134,9 @@ def _check_calculator(recipe: Recipe, target: RunTarget) -> None:
     if extra.get("vllm_structured_outputs_regex") is not None:
         _refuse("data.calculator with train.vllm_structured_outputs_regex: a row resubmitted after each '=' would "
                 "restart the regex", "remove train.vllm_structured_outputs_regex, or set data.calculator=false")
-    if extra.get("vllm_mode", "colocate") != "server" and int(extra.get("vllm_tensor_parallel_size") or 1) > 1:
-        _refuse(f"data.calculator with train.vllm_tensor_parallel_size={extra['vllm_tensor_parallel_size']} in "
+    tensor_parallel = extra.get("vllm_tensor_parallel_size", 1)  # a value of the wrong type: check_trainer_fields
+    if extra.get("vllm_mode", "colocate") != "server" and isinstance(tensor_parallel, int) and tensor_parallel > 1:
+        _refuse(f"data.calculator with train.vllm_tensor_parallel_size={tensor_parallel} in "
                 "colocate mode: TRL gathers a tensor-parallel group's prompts, the calculator's rounds do not",
                 "set train.vllm_tensor_parallel_size=1, or use train.vllm_mode=server")
 
