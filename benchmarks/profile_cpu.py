@@ -2,12 +2,15 @@
 
     OMP_NUM_THREADS=2 python benchmarks/profile_cpu.py --what step --out /tmp/profile-step
     OMP_NUM_THREADS=2 python benchmarks/profile_cpu.py --what eval --out /tmp/profile-eval
+    OMP_NUM_THREADS=2 python benchmarks/profile_cpu.py --what decode --out /tmp/decode --repeats 2
 
 `step`: train() of recipes/smollm2_135m_arith_cpu.py (no preflight, no stage evaluation, its priming as shipped),
 profiled over GRPO step --profile-step (a later step: the first pays one-off costs); the table of the operators
 with the most self CPU time goes to stdout and to OUT/step.txt. `eval`: greedy + --samples samples at the training
 temperature on --problems test problems of the same recipe through lowmem_grpo.evaluation.generate (the base
-model), at the stage evaluation's batch size; OUT/eval.txt. --set KEY=VALUE changes the recipe (another shape).
+model), at the stage evaluation's batch size; OUT/eval.txt. `decode`: the engine's decode loop with transformers'
+DynamicCache and with the preallocated cache, alternating in one process on the same prompts and seeds, with
+whether their rows are identical; OUT/decode.txt. --set KEY=VALUE changes the recipe (another shape).
 Prints the load average before and after: a table taken on busy cores is noise.
 """
 
@@ -66,17 +69,10 @@ def profile_step(args: argparse.Namespace, out: Path) -> None:
 def profile_eval(args: argparse.Namespace, out: Path) -> None:
     import torch
 
-    from lowmem_grpo.backends import load, prepare, resolve_model_path
-    from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.evaluation.generate import generate
     from lowmem_grpo.evaluation.stages import EVAL_BATCH
-    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
-    recipe = apply_overrides(load_recipe(str(RECIPE)), list(args.set))
-    backend = prepare(recipe.model.backend)
-    loaded = load(recipe, backend, model_path=resolve_model_path(recipe.model.name))
-    rows = load_eval_rows(recipe.data)[:args.problems]
-    prompts = [e["prompt"] for e in recipe_examples(rows, loaded.tokenizer, recipe.data)]
+    loaded, prompts, recipe = _eval_setup(args)
     t = recipe.train
     common = dict(max_new_tokens=t.max_completion_length, progress=False, calculator=recipe.data.calculator)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -93,9 +89,69 @@ def profile_eval(args: argparse.Namespace, out: Path) -> None:
     sys.stdout.write(text + "\n")
 
 
+def compare_decode(args: argparse.Namespace, out: Path) -> None:
+    """The engine's decode with transformers' DynamicCache (before) and with the preallocated cache (after), in
+    one process, alternating, on the same prompts and seeds: greedy over --problems, then --samples samples each
+    at the training temperature, in the stage evaluation's batches, with the LoRA-free base model. Prints the
+    seconds of each and whether the rows are identical."""
+    import torch
+
+    from lowmem_grpo.evaluation.engine import DecodeContract, sample_rows
+    from lowmem_grpo.evaluation.generate import fast_sampling
+
+    loaded, prompts, recipe = _eval_setup(args)
+    ids = loaded.tokenizer(prompts)["input_ids"]
+    eos = {loaded.tokenizer.eos_token_id}
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else min(eos)
+    t = recipe.train
+    from lowmem_grpo.evaluation.stages import EVAL_BATCH
+
+    def run(preallocate: bool, k: int, temperature: float) -> tuple[float, list[list[int]]]:
+        rows, start = [], time.perf_counter()
+        per = max(1, EVAL_BATCH // k)
+        with fast_sampling(loaded.model):
+            for i in range(0, len(ids), per):
+                batch = [p for p in ids[i:i + per] for _ in range(k)]
+                rows += sample_rows(loaded.model, batch, max_new_tokens=t.max_completion_length,
+                                    temperature=temperature, eos_ids=eos, pad_id=pad,
+                                    generator=torch.Generator().manual_seed(t.seed),
+                                    contract=DecodeContract(preallocate=preallocate))
+        return time.perf_counter() - start, [r.ids for r in rows]
+
+    loaded.model.eval()
+    lines = []
+    for label, k, temperature in (("greedy", 1, 0.0), (f"{args.samples} samples", args.samples, t.temperature)):
+        times: dict[bool, list[float]] = {False: [], True: []}
+        outputs = {}
+        for _ in range(args.repeats):
+            for preallocate in (False, True):
+                seconds, outputs[preallocate] = run(preallocate, k, temperature)
+                times[preallocate].append(seconds)
+        same = outputs[False] == outputs[True]
+        lines.append(f"{label:10s} DynamicCache {min(times[False]):6.1f} s  preallocated {min(times[True]):6.1f} s  "
+                     f"(min of {args.repeats}; ratio {min(times[True]) / min(times[False]):.2f}); rows identical: {same}")
+    text = f"decode of {len(ids)} problems, {loaded.dtype}, batch {EVAL_BATCH} sequences\n" + "\n".join(lines)
+    (out / "decode.txt").write_text(text)
+    sys.stdout.write(text + "\n")
+
+
+def _eval_setup(args: argparse.Namespace):
+    from lowmem_grpo.backends import load, prepare, resolve_model_path
+    from lowmem_grpo.data import load_eval_rows, recipe_examples
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+
+    recipe = apply_overrides(load_recipe(str(RECIPE)), list(args.set))
+    backend = prepare(recipe.model.backend)
+    loaded = load(recipe, backend, model_path=resolve_model_path(recipe.model.name))
+    rows = load_eval_rows(recipe.data)[:args.problems]
+    prompts = [e["prompt"] for e in recipe_examples(rows, loaded.tokenizer, recipe.data)]
+    return loaded, prompts, recipe
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--what", choices=["step", "eval"], required=True)
+    parser.add_argument("--what", choices=["step", "eval", "decode"], required=True)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--profile-step", type=int, default=3)
     parser.add_argument("--problems", type=int, default=100)
@@ -104,7 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(f"load average before: {os.getloadavg()[0]:.2f}\n")
-    (profile_step if args.what == "step" else profile_eval)(args, args.out)
+    {"step": profile_step, "eval": profile_eval, "decode": compare_decode}[args.what](args, args.out)
     sys.stdout.write(f"load average after: {os.getloadavg()[0]:.2f}\n")
 
 

@@ -129,10 +129,10 @@ class UnslothLike(torch.nn.Module):
         self.calls.append(("for_training", use_gradient_checkpointing))
         self.training = True
 
-    def forward(self, input_ids, **_):
+    def forward(self, input_ids, past_key_values=None, **_):
         logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], self.eos + 1)
         logits[..., self.eos] = 1.0
-        return SimpleNamespace(logits=logits)
+        return SimpleNamespace(logits=logits, past_key_values=past_key_values)  # every model returns its cache
 
 
 @pytest.fixture(scope="module")
