@@ -217,25 +217,25 @@ def _item(one: str, many: str, tags: str, container: str = "", **kw: object) -> 
     return Item(one, many, frozenset(tags.split()), box, **kw)  # type: ignore[arg-type]
 
 
-_PERSON = ("{Name} is {d} years old.", "{His} {rel} is {d} years old.", "{His} {rel} has {d:q}.")
+_PERSON = ("{Name} is {d} years old.", "{His} {rel} lives {d} miles away.", "{His} {rel} has {d:q}.")
 _TOYS = "buy win give lose sell share arrange"
 
 FRAMES: tuple[Frame, ...] = (
     Frame("beach", (_item("seashell", "seashells", "find collect give lose sell share arrange", "bucket/buckets/in"),
                     _item("pebble", "pebbles", "find collect give lose share arrange", "bucket/buckets/in")),
-          ("{Name} collects {a:q} at the beach.", "{Name} brings home {a:q} from the beach."),
+          ("{Name} gathers {a:q} at the beach.", "{Name} brings home {a:q} from the beach."),
           distract=("The beach is {d} miles from {his} house.",) + _PERSON),
     Frame("orchard", tuple(_item(o, m, "pick buy eat give sell share arrange", "basket/baskets/in")
                            for o, m in (("apple", "apples"), ("pear", "pears"), ("plum", "plums"))),
           ("{Name} picks {a:q} at the orchard.", "{Name} brings {a:q} home from the orchard."),
-          distract=("The orchard has {d} rows of trees.",) + _PERSON),
+          distract=("The orchard has {d} trees.",) + _PERSON),
     Frame("bakery", tuple(_item(o, m, "make buy eat give sell share arrange", "tray/trays/on")
                           for o, m in (("cookie", "cookies"), ("muffin", "muffins"), ("cupcake", "cupcakes"))),
           ("{Name} bakes {a:q} for a party.", "{Name} has {a:q} at {his} bake sale."),
           distract=("The oven is {d} years old.",) + _PERSON),
     Frame("marbles", (_item("marble", "marbles", "find " + _TOYS, "bag/bags/in"),),
           ("{Name} plays with {a:q} at recess.", "{Name} keeps {a:q} in a jar."), distract=_PERSON),
-    Frame("stickers", (_item("sticker", "stickers", "buy win earn give lose share arrange", "sheet/sheets/on"),),
+    Frame("stickers", (_item("sticker", "stickers", "buy win earn give lose use share arrange", "sheet/sheets/on"),),
           ("{Name} has {a:q} in {his} sticker book.", "{Name} gets {a:q} at school on Monday."), distract=_PERSON),
     Frame("cards", tuple(_item(o, m, _TOYS, "pack/packs/in")
                          for o, m in (("trading card", "trading cards"), ("baseball card", "baseball cards"))),
@@ -247,7 +247,7 @@ FRAMES: tuple[Frame, ...] = (
     Frame("eggs", (_item("egg", "eggs", "collect buy give sell use eat share", "carton/cartons/in"),),
           ("{Name}'s hens lay {a:q} this week.", "{Name} gathers {a:q} on the farm."),
           distract=("{Name}'s farm has {d} goats.",) + _PERSON),
-    Frame("fair", (_item("ticket", "tickets", "win earn spend lose give share", "strip/strips/on"),),
+    Frame("fair", (_item("ticket", "tickets", "win earn spend use lose give share", "strip/strips/on"),),
           ("{Name} has {a:q} at the fair.", "{Name} starts the day at the fair with {a:q}."),
           distract=("The fair has {d} rides.",) + _PERSON),
     Frame("savings", (MONEY,), ("{Name} has {a:q} in {his} piggy bank.", "{Name} keeps {a:q} in {his} wallet."),
