@@ -425,3 +425,12 @@ def test_the_recipe_names_the_operations_and_levels_to_sweep():
     with pytest.raises(RecipeError, match="data.generated.operations"):
         validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", ["data.generated.operations=+^"]))
     validate(load_recipe("recipes/smollm2_135m_arith_cpu.py"))  # the default, unchanged: level 1
+
+
+def test_the_documented_example_reads_back():
+    import lowmem_grpo.data.generated as generated
+
+    question = re.search(r'"question": (".*?"),\n\s+"answer"', generated.__doc__, flags=re.S).group(1)
+    question = "".join(json.loads(part) for part in re.findall(r'"[^"]*"', question))
+    wording = wording_of(question)
+    assert (wording.frame, wording.phrasings, wording.group) == ("marbles", ("mul.times_as_many", "sub.loses"), "seen")

@@ -4,7 +4,7 @@ Rows follow GSM8K's schema, so `sources.check_rows`, `parsing.gold_number` and t
 unchanged, plus columns that say how the problem is told (check_rows drops them; `wording_of` reads the same back
 from the question)::
 
-    {"question": "Maya has 12 marbles. Liam has 3 times as many marbles as Maya. He loses 5 marbles. "
+    {"question": "Maya keeps 12 marbles in a jar. Liam has 3 times as many marbles as Maya. He loses 5 marbles. "
                  "How many marbles does Liam have now?",
      "answer": "Liam has 12*3=<<12*3=36>>36 marbles.\\nHe now has 36-5=<<36-5=31>>31 marbles.\\n#### 31",
      "frame": "marbles", "phrasings": ["mul.times_as_many", "sub.loses"], "frame_seen": true,
