@@ -85,8 +85,9 @@ class GeneratedDataConfig:
     """Difficulty levels drawn, each row's level uniformly: one level ("2"), a range ("1-3") or a list ("1,4"). 1, 2,
     3 = one, two, three steps of any operation (given numbers <= 20); 4 = two or three steps with numbers in the
     hundreds or thousands; 5 = two or three steps plus a distractor (lowmem_grpo.data.generated.LEVELS)."""
-    operations: str = "+-*/"
-    """The operations a step may take, some of + - * / ("+-": adding and taking away only)."""
+    operations: str = "add,sub,mul,div"
+    """The operations a step may take, comma-separated: some of add, sub, mul, div ("add,sub": adding and taking
+    away only)."""
     train_size: int = 2000
     """Problems in the generated train split."""
     test_size: int = 500
@@ -435,7 +436,7 @@ def _validate_generated(g: GeneratedDataConfig) -> None:
     try:
         parse_operations(g.operations)
     except DataError as exc:
-        raise RecipeError(f"data.generated.operations: {exc}", fix='e.g. data.generated.operations="+-*/"') from exc
+        raise RecipeError(f"data.generated.operations: {exc}", fix="e.g. data.generated.operations=add,sub") from exc
     for key in ("train_size", "test_size"):
         _require(getattr(g, key) > 0, f"data.generated.{key}", f"is {getattr(g, key)}", "use a positive size")
 

@@ -347,13 +347,14 @@ def test_wording_survives_check_rows_and_is_none_for_other_questions(big_splits)
 
 
 def test_operations_keep_to_the_named_ones():
-    for ops in ("+-", "*", "/", "+/"):
-        rows = generate_rows("train", 60, "1-3", seed=2, operations=ops)
-        assert set().union(*map(operators, rows)) == set(ops), ops
-    assert generate_rows("train", 20, 2, seed=2, operations="-+") == generate_rows("train", 20, 2, seed=2,
-                                                                                   operations="+-")
-    assert parse_operations("/ *") == "*/"
-    for bad in ("", "x", "+-%", None):
+    for names in ("add,sub", "mul", "div", "add,div"):
+        rows = generate_rows("train", 60, "1-3", seed=2, operations=names)
+        assert set().union(*map(operators, rows)) == {OPS[n] for n in names.split(",")}, names
+        assert {key.split(".")[0] for r in rows for key in r["phrasings"]} == set(names.split(","))
+    assert generate_rows("train", 20, 2, seed=2, operations="sub, add") == generate_rows("train", 20, 2, seed=2,
+                                                                                         operations="add,sub")
+    assert parse_operations("div, mul") == ("mul", "div")
+    for bad in ("", "x", "add,", "+-", None):
         with pytest.raises(DataError, match="operations"):
             parse_operations(bad)
 
@@ -384,7 +385,7 @@ def test_parse_levels():
 
 @pytest.mark.parametrize("kwargs", [
     {"split": "validation"}, {"size": -1}, {"size": 2.5}, {"level": "0-2"}, {"task": "geometry"},
-    {"stories": "unseen"}, {"split": "train", "stories": "heldout"}, {"operations": "+x"},
+    {"stories": "unseen"}, {"split": "train", "stories": "heldout"}, {"operations": "add,times"},
 ])
 def test_bad_arguments_raise_data_error(kwargs):
     args = {"split": "train", "size": 3, "level": 1, "seed": 0} | kwargs
@@ -417,13 +418,13 @@ def test_the_recipe_names_the_operations_and_levels_to_sweep():
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe("recipes/smollm2_135m_arith_cpu.py", ["data.generated.levels=2-3",
-                                                               "data.generated.operations=+-"])
+                                                               "data.generated.operations=add,sub"])
     validate(recipe)
     rows = load_train_rows(recipe.data)[:100]
     assert {level_of(r["question"], r["answer"]) for r in rows} == {2, 3}
     assert set().union(*map(operators, rows)) == {"+", "-"}
     with pytest.raises(RecipeError, match="data.generated.operations"):
-        validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", ["data.generated.operations=+^"]))
+        validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", ["data.generated.operations=add,pow"]))
     validate(load_recipe("recipes/smollm2_135m_arith_cpu.py"))  # the default, unchanged: level 1
 
 

@@ -12,13 +12,13 @@ from the question)::
 
 One solution line per calculation, each with its annotation `<<expr=value>>`, and a last line `#### N`. Every
 value is a positive integer, computed exactly (shares divide exactly). The question is told in a frame and each
-step in a phrasing of its operation (lowmem_grpo.data.wording): all four operations, each in many phrasings,
+step in a phrasing of its operation (lowmem_grpo.data.vocabulary): all four operations, each in many phrasings,
 combined with every frame they fit.
 
 Levels (`LEVELS`): 1 one step, 2 two steps, 3 three steps (each step adding, taking away, a product or an exact
 share; every given number at most 20), 4 two or three steps with numbers in the hundreds or thousands, 5 two or
 three steps plus a distractor (a quantity the solution does not use). A spec such as "1-3" or "2,4" draws each
-row's level uniformly from those levels; `operations` ("+-" ...) keeps to some of the four operations.
+row's level uniformly from those levels; `operations` ("add,sub" ...) keeps to some of the four operations.
 
 Train and test are disjoint by construction: a problem's split is a stable hash (blake2b) of its arithmetic, the
 chain of `expr=value` annotations (`split_of`); the generator keeps only candidates of the requested split, so no
@@ -40,7 +40,7 @@ import random
 import re
 from typing import Any
 
-from lowmem_grpo.data.problem import BIG_MIN, Retry, Spec, build
+from lowmem_grpo.data.problem import BIG_MIN, Problem, Retry, Spec, build
 from lowmem_grpo.data.vocabulary import FRAMES, HELDOUT_FRAMES, HELDOUT_PHRASINGS, PHRASINGS
 from lowmem_grpo.data.wording import Wording, frame_of, wording_of
 from lowmem_grpo.errors import DataError
@@ -62,8 +62,8 @@ LEVELS: dict[int, str] = {
 STEPS: dict[int, tuple[int, int]] = {1: (1, 1), 2: (2, 2), 3: (3, 3), 4: (2, 3), 5: (2, 3)}
 """Per level, the (fewest, most) calculator steps of its solutions."""
 
-OPERATIONS = "+-*/"
-"""Every operation a step can take (`operations` keeps to some of them)."""
+OPERATIONS: dict[str, str] = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+"""Every operation a step can take, by name (`operations` keeps to some of them), and its sign."""
 
 SPLITS: tuple[str, ...] = ("train", "test")
 """The splits; `split_of` assigns every problem to exactly one of them."""
@@ -132,15 +132,17 @@ def parse_levels(spec: int | str) -> tuple[int, ...]:
     return levels
 
 
-def parse_operations(spec: str) -> str:
-    """The operations a spec names, in the order of OPERATIONS: "+-" -> "+-", "/*" -> "*/".
+def parse_operations(spec: str) -> tuple[str, ...]:
+    """The operations a comma-separated spec names, in the order of OPERATIONS: "sub,add" -> ("add", "sub").
 
-    Raises DataError for an empty spec or any character that is not one of + - * /.
+    Raises DataError for an empty spec or a name that is not one of add, sub, mul, div.
     """
-    if not isinstance(spec, str) or not spec.strip() or set(spec.replace(" ", "")) - set(OPERATIONS):
-        raise DataError(f"operations {spec!r} are not some of {OPERATIONS}",
-                        fix='name the operations to draw, e.g. "+-*/" (all) or "+-" (adding and taking away)')
-    return "".join(op for op in OPERATIONS if op in spec)
+    names = [n.strip() for n in spec.split(",")] if isinstance(spec, str) else []
+    if not names or not all(names) or set(names) - set(OPERATIONS):
+        raise DataError(f"operations {spec!r} are not some of {', '.join(OPERATIONS)}",
+                        fix='name the operations to draw, comma-separated: e.g. "add,sub,mul,div" (all) or "add,sub" '
+                            "(adding and taking away)")
+    return tuple(op for op in OPERATIONS if op in names)
 
 
 def level_of(question: str, answer: str) -> int:
@@ -194,7 +196,7 @@ def _check_arguments(split: str, task: str, stories: str, size: Any) -> None:
         raise DataError(f"size {size!r} is not a count of rows", fix="pass a whole number >= 0")
 
 
-def _row(problem: Any) -> dict[str, Any]:
+def _row(problem: Problem) -> dict[str, Any]:
     wording = Wording(problem.frame, problem.phrasings)
     return {"question": problem.question, "answer": problem.answer, "frame": wording.frame,
             "phrasings": list(wording.phrasings), "frame_seen": wording.frame_seen,
@@ -202,7 +204,7 @@ def _row(problem: Any) -> dict[str, Any]:
 
 
 def generate_rows(split: str, size: int, level: int | str, seed: int, task: str = "arithmetic",
-                  stories: str = "all", operations: str = OPERATIONS) -> list[dict[str, Any]]:
+                  stories: str = "all", operations: str = ",".join(OPERATIONS)) -> list[dict[str, Any]]:
     """`size` GSM8K-style rows of `split` at `level` (a level, "1-3" or "2,4"), with their wording columns.
 
     Deterministic: the same arguments give the same rows, and a smaller size gives a prefix of a
@@ -212,7 +214,8 @@ def generate_rows(split: str, size: int, level: int | str, seed: int, task: str 
     Raises DataError on a bad argument, or when the split runs out of new problems at this level.
     """
     _check_arguments(split, task, stories, size)
-    levels, ops = parse_levels(level), parse_operations(operations)
+    levels, names = parse_levels(level), parse_operations(operations)
+    ops = "".join(OPERATIONS[n] for n in names)
     stories = "all" if split == "train" else stories  # train is seen wording whatever is asked
     rng = random.Random(f"lowmem_grpo.generated|{task}|{split}|{','.join(map(str, levels))}|{ops}|{seed}|{stories}")
     rows: list[dict[str, Any]] = []

@@ -42,6 +42,8 @@ class Spec:
 
 @dataclass(frozen=True)
 class Problem:
+    """One drawn problem: its GSM8K question and worked solution, its arithmetic, and how it is told."""
+
     question: str
     answer: str
     steps: tuple[tuple[str, int], ...]
@@ -222,13 +224,9 @@ def build(rng: random.Random, spec: Spec) -> Problem:
         if not (phrasing.start or b.feasible(phrasing, b.value)):
             raise Retry(f"{phrasing.key} does not work on {b.value}")
         b.step(phrasing)
-    ask = _ask(b, phrasing)
+    ask = fill(phrasing.ask or frame.ask, b.words(), {}, b.item)  # about what the last step left
     if spec.distractor:
         b.distract()
     question = " ".join(b.sentences + [ask])
     answer = "\n".join(b.lines + [f"#### {b.value}"])
     return Problem(question, answer, tuple(b.steps), frame.key, tuple(b.used))
-
-
-def _ask(b: _Builder, last: Phrasing) -> str:
-    return fill(last.ask or b.frame.ask, b.words(), {}, b.item)
