@@ -235,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--problems", type=int, default=300, help="first N problems of the eval split (default 300)")
     parser.add_argument("--samples", type=int, default=4, help="samples per problem at train.temperature; 0 = greedy "
                         "only (default 4)")
-    parser.add_argument("--stories", choices=("all", "seen", "heldout"), help="generated problems' wording: half "
-                        "seen, half held-out (all), or only one kind (default: the recipe's data.generated.eval_stories)")
+    parser.add_argument("--stories", choices=("all", "seen", "heldout"),
+                        help="generated problems' wording: half seen, half held-out (all), or only one kind (default: "
+                             "the recipe's data.generated.eval_stories)")
     parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain.json)")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help="stages to measure, comma-separated (default base,primed,trained; GRPO's own gain needs "

@@ -63,9 +63,10 @@ def _pattern(templates: Iterable[str], items: Sequence[Item]) -> re.Pattern[str]
 
 _ALL_ITEMS = tuple({i for f in FRAMES for i in f.items} | {MONEY})
 _PHRASING_PATTERNS = tuple((p.key, _pattern(p.says, sorted(_ALL_ITEMS, key=lambda i: i.one))) for p in PHRASINGS)
-_FIRST_SENTENCES = tuple(
-    (f.key, _pattern(f.openings + tuple(s for p in PHRASINGS if p.start and any(p.needs <= tags_of(f, i) for i in f.items)
-                                        for s in p.says), f.items))
+_FIRST_SENTENCES = tuple(  # a frame's openings, and the products that can open a problem in it
+    (f.key, _pattern(f.openings + tuple(s for p in PHRASINGS if p.start and any(p.needs <= tags_of(f, i)
+                                                                               for i in f.items) for s in p.says),
+                     f.items))
     for f in FRAMES)
 _SENTENCE_END = re.compile(r"(?<=[.?])\s+")
 
