@@ -9,6 +9,7 @@ library only.
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from collections.abc import Iterable, Sequence
@@ -61,13 +62,17 @@ def _pattern(templates: Iterable[str], items: Sequence[Item]) -> re.Pattern[str]
     return re.compile("(?:" + "|".join(alternatives) + ")")
 
 
-_ALL_ITEMS = tuple({i for f in FRAMES for i in f.items} | {MONEY})
-_PHRASING_PATTERNS = tuple((p.key, _pattern(p.says, sorted(_ALL_ITEMS, key=lambda i: i.one))) for p in PHRASINGS)
-_FIRST_SENTENCES = tuple(  # a frame's openings, and the products that can open a problem in it
-    (f.key, _pattern(f.openings + tuple(s for p in PHRASINGS if p.start and any(p.needs <= tags_of(f, i)
-                                                                               for i in f.items) for s in p.says),
-                     f.items))
-    for f in FRAMES)
+@functools.cache
+def _patterns() -> tuple[tuple[tuple[str, re.Pattern[str]], ...], tuple[tuple[str, re.Pattern[str]], ...]]:
+    """(phrasing key, its sentences) and (frame key, its first sentences: the openings and the products that can
+    open a problem in it); compiled on first use (a third of a second), not at import."""
+    items = sorted({i for f in FRAMES for i in f.items} | {MONEY}, key=lambda i: i.one)
+    phrasings = tuple((p.key, _pattern(p.says, items)) for p in PHRASINGS)
+    firsts = tuple((f.key, _pattern(f.openings + tuple(s for p in PHRASINGS if p.start and any(
+        p.needs <= tags_of(f, i) for i in f.items) for s in p.says), f.items)) for f in FRAMES)
+    return phrasings, firsts
+
+
 _SENTENCE_END = re.compile(r"(?<=[.?])\s+")
 
 
@@ -103,7 +108,7 @@ def frame_of(question: str) -> str | None:
     """The frame (`Frame.key`) a generated question is told in, from its first sentence; None for a question no
     frame opens that way (e.g. a real GSM8K problem)."""
     first = _SENTENCE_END.split(question.strip(), maxsplit=1)[0]
-    found = [key for key, pattern in _FIRST_SENTENCES if pattern.fullmatch(first)]
+    found = [key for key, pattern in _patterns()[1] if pattern.fullmatch(first)]
     return found[0] if len(found) == 1 else None
 
 
@@ -116,7 +121,7 @@ def wording_of(question: str) -> Wording | None:
         return None
     found = []
     for sentence in _SENTENCE_END.split(question.strip())[:-1]:
-        keys = [key for key, pattern in _PHRASING_PATTERNS if pattern.fullmatch(sentence)]
+        keys = [key for key, pattern in _patterns()[0] if pattern.fullmatch(sentence)]
         if keys:
             found.append(keys[0] if len(keys) == 1 else "?")
     return Wording(frame, tuple(found))
