@@ -1,7 +1,7 @@
 """GRPO's own gain, measured: the base model, the primed adapter and the trained adapter of one run on the same
 held-out problems, greedy and sampled, with paired 95% CIs and what the answers got wrong.
 
-    python benchmarks/calculator_gain.py RUN_DIR --problems 300 --samples 4 [--stories all|heldout] [--out PATH]
+    python benchmarks/calculator_gain.py RUN_DIR --problems 300 --samples 4 [--stories all|seen|heldout] [--out PATH]
 
 RUN_DIR is a finished training run (after `make demo`: the newest folder under runs/). Its recipe.yaml decides
 everything else, read the way `lowmem-grpo eval RUN_DIR` reads it (lowmem_grpo.evaluation.command.resolve): the
@@ -13,11 +13,12 @@ trained adapter (trained: RUN_DIR/adapter, else the newest checkpoint).
 
 Prints per stage greedy strict accuracy, mean@k, pass@k and strict format (95% bootstrap CIs); the paired
 differences primed->trained (GRPO's own) and base->trained; the greedy answers' outcomes (correct, wrong_operation,
-...: lowmem_grpo.rewards.calculator.outcome) and the share of wrong answers that chose the wrong operation.
---stories heldout evaluates only test problems told in story templates the train split never used
-(data.generated.eval_stories=heldout; generated data only).
+...: lowmem_grpo.rewards.calculator.outcome) and the share of wrong answers that chose the wrong operation. For
+generated problems the same side by side on seen wording (frames and phrasings the train split uses) and held-out
+wording (a frame or a phrasing it never used): the recipe's eval split holds both, half each
+(data.generated.eval_stories=all); --stories seen or heldout evaluates only one kind (generated data only).
 
-Writes everything to --out (default RUN_DIR/calculator_gain.json, or calculator_gain-heldout.json), with the
+Writes everything to --out (default RUN_DIR/calculator_gain.json, or calculator_gain-seen/-heldout.json), with the
 command, the CPU's dtype (lowmem_grpo.device.cpu_auto_dtype), the load average before and after and the wall time.
 Each stage's verdicts are written as soon as it is measured; a rerun reuses every stage measured with the same
 settings (same problems, adapter weights, samples, temperature, seed, budget, calculator) and measures the rest.
@@ -96,6 +97,17 @@ def wrong_operation_share(verdicts: list[list[Any]]) -> float | None:
     return sum(v.outcome == "wrong_operation" for v in wrong) / len(wrong) if wrong else None
 
 
+def wrong_operation_by_wording(verdicts: list[list[Any]], groups: list[str | None] | None
+                               ) -> dict[str, float | None]:
+    """`wrong_operation_share` on each wording group's problems ({} without groups)."""
+    from lowmem_grpo.evaluation.stages import WORDING_GROUPS
+
+    if not groups or len(groups) != len(verdicts):
+        return {}
+    return {g: wrong_operation_share([v for v, mine in zip(verdicts, groups) if mine == g])
+            for g in WORDING_GROUPS if g in groups}
+
+
 class Results:
     """The JSON file: per stage its settings key, metrics and verdicts, rewritten after every stage."""
 
@@ -120,8 +132,13 @@ class Results:
 
         greedy = self.verdicts("verdicts")
         ordered = {s: greedy[s] for s in STAGES if s in greedy}
-        self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"))
+        groups = self.data.get("problem_wording")
+        if groups and any(len(v) != len(groups) for v in ordered.values()):
+            groups = None  # the verdicts are of other problems than the groups (a file of an earlier setting)
+        self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"), groups=groups)
         self.data["wrong_operation_share"] = {s: wrong_operation_share(v) for s, v in ordered.items()}
+        self.data["wrong_operation_share_by_wording"] = {s: wrong_operation_by_wording(v, groups)
+                                                         for s, v in ordered.items()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1), encoding="utf-8")
@@ -191,7 +208,25 @@ def table(data: dict[str, Any]) -> str:
     shares = data["wrong_operation_share"]
     lines.append("| wrong_operation / wrong | " + " | ".join("-" if shares.get(s) is None else f"{shares[s]:.3f}"
                                                            for s in stages) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + _wording_table(data))
+
+
+def _wording_table(data: dict[str, Any]) -> list[str]:
+    """The stage tables on seen and held-out wording side by side, and the wrong-operation share of each; [] when
+    the problems are not generated ones."""
+    from lowmem_grpo.rundir.stage_tables import WORDING_LABELS, wording_lines
+
+    settings = data["settings"]
+    lines = wording_lines(data["summary"].get("wording") or {}, settings["samples"], settings["temperature"])
+    by_wording = data.get("wrong_operation_share_by_wording") or {}
+    groups = [g for g in WORDING_LABELS if any(g in shares for shares in by_wording.values())]
+    if not lines or not groups:
+        return lines
+    cell = lambda share: "-" if share is None else f"{share:.3f}"  # noqa: E731
+    return ["", *lines, "", "| wrong_operation / wrong | " + " | ".join(WORDING_LABELS[g] for g in groups) + " |",
+            "|---" * (len(groups) + 1) + "|",
+            *(f"| {stage} | " + " | ".join(cell(shares.get(g)) for g in groups) + " |"
+              for stage, shares in by_wording.items())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--problems", type=int, default=300, help="first N problems of the eval split (default 300)")
     parser.add_argument("--samples", type=int, default=4, help="samples per problem at train.temperature; 0 = greedy "
                         "only (default 4)")
-    parser.add_argument("--stories", choices=("all", "heldout"), help="generated problems told in all stories or "
-                        "only in those the train split never used (default: the recipe's data.generated.eval_stories)")
+    parser.add_argument("--stories", choices=("all", "seen", "heldout"),
+                        help="generated problems' wording: half seen, half held-out (all), or only one kind (default: "
+                             "the recipe's data.generated.eval_stories)")
     parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain.json)")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help="stages to measure, comma-separated (default base,primed,trained; GRPO's own gain needs "
@@ -215,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.device import cpu_auto_dtype
     from lowmem_grpo.evaluation.command import EvalOptions, is_run_dir, load_model, resolve
+    from lowmem_grpo.evaluation.stages import wording_groups
 
     run_dir = Path(args.run_dir).expanduser()
     if not is_run_dir(run_dir):
@@ -223,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = EvalOptions(model=str(run_dir), engine="transformers", progress=False, overrides=overrides)
     recipe, _, _ = resolve(opts)
     d = recipe.data
-    if args.stories == "heldout" and d.source != "generated":
-        parser.error(f"--stories heldout needs generated problems, but the run's data.source is {d.source!r}")
+    if args.stories in ("seen", "heldout") and d.source != "generated":
+        parser.error(f"--stories {args.stories} needs generated problems, but the run's data.source is {d.source!r}")
     stories = d.generated.eval_stories if d.source == "generated" else "all"
     rows = load_eval_rows(d, limit=args.problems)  # bad data fails before the model loads
     wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -254,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                      "sampled": settings["sampled"]},
         "adapters": {s: str(a) if a else None for s, a in adapters.items()},
         "questions": [r["question"] for r in rows],
+        "problem_wording": wording_groups([r["question"] for r in rows]) if d.source == "generated" else None,
         "cpu": {**dataclasses.asdict(cpu_auto_dtype()), "cpu_count": os.cpu_count()},
         "load_before": load_before, "reused": reused, "measured": pending,
     })
@@ -265,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         model.eval()  # no LoRA dropout while sampling (and merged sampling applies)
         examples = recipe_examples(rows, tokenizer, d)
         results.data["settings"]["num_examples"] = len(examples)
+        if d.source == "generated":  # the problems evaluated (long prompts may be filtered out)
+            results.data["problem_wording"] = wording_groups([e["question"] for e in examples])
         for stage in pending:
             t0 = time.monotonic()
             results.data["stages"][stage] = {"key": keys[stage], **measure(model, tokenizer, examples, stage, settings),

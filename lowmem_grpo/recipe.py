@@ -82,16 +82,22 @@ class GeneratedDataConfig:
     task: str = "arithmetic"
     """Task family of the generated problems."""
     levels: str = "1-3"
-    """Difficulty levels drawn: one level ("2"), a range ("1-3") or a list ("1,4"); 1 = one step ... 5 = distractors."""
+    """Difficulty levels drawn, each row's level uniformly: one level ("2"), a range ("1-3") or a list ("1,4"). 1, 2,
+    3 = one, two, three steps of any operation (given numbers <= 20); 4 = two or three steps with numbers in the
+    hundreds or thousands; 5 = two or three steps plus a distractor (lowmem_grpo.data.generated.LEVELS)."""
+    operations: str = "add,sub,mul,div"
+    """The operations a step may take, comma-separated: some of add, sub, mul, div ("add,sub": adding and taking
+    away only)."""
     train_size: int = 2000
     """Problems in the generated train split."""
     test_size: int = 500
     """Problems in the generated test split (disjoint from train by construction)."""
     seed: int = 0
     """Seed of the generator: the same seed gives the same problems."""
-    eval_stories: Literal["all", "heldout"] = "all"
-    """Story templates of the evaluated (test) problems: all, or heldout = only the stories the train split never
-    uses (lowmem_grpo.data.generated.HELDOUT_STORIES), which tests wording the model was never trained on."""
+    eval_stories: Literal["all", "seen", "heldout"] = "all"
+    """Wording of the evaluated (test) problems: all = alternately seen wording (the train split's frames and
+    phrasings) and held-out wording (a frame or a phrasing the train split never uses:
+    lowmem_grpo.data.generated.HELDOUT_FRAMES, HELDOUT_PHRASINGS), half each; seen or heldout = only that kind."""
 
 
 @dataclass
@@ -350,7 +356,7 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
         _validate_generated(d.generated)
         if d.generated.eval_stories == "heldout":
             _require(d.eval_split == "test", "data.generated.eval_stories", f"is heldout, but data.eval_split is "
-                     f"{d.eval_split!r}: only the test split tells problems in the held-out stories",
+                     f"{d.eval_split!r}: only the test split tells problems in held-out wording",
                      "set data.eval_split=test, or data.generated.eval_stories=all")
     if d.calculator:  # every source's rows are GSM8K solutions (sources.check_rows); other tasks' are not
         _require(recipe.task == "gsm8k", "data.calculator", f"completes GSM8K's `<<a-b=` calculator annotations, "
@@ -419,7 +425,7 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
 
 
 def _validate_generated(g: GeneratedDataConfig) -> None:
-    from lowmem_grpo.data.generated import TASKS, parse_levels
+    from lowmem_grpo.data.generated import TASKS, parse_levels, parse_operations
     from lowmem_grpo.errors import DataError
 
     _require(g.task in TASKS, "data.generated.task", f"is {g.task!r}", f"use one of {', '.join(TASKS)}")
@@ -427,6 +433,10 @@ def _validate_generated(g: GeneratedDataConfig) -> None:
         parse_levels(g.levels)
     except DataError as exc:
         raise RecipeError(f"data.generated.levels: {exc}", fix='e.g. data.generated.levels="1-3"') from exc
+    try:
+        parse_operations(g.operations)
+    except DataError as exc:
+        raise RecipeError(f"data.generated.operations: {exc}", fix="e.g. data.generated.operations=add,sub") from exc
     for key in ("train_size", "test_size"):
         _require(getattr(g, key) > 0, f"data.generated.{key}", f"is {getattr(g, key)}", "use a positive size")
 

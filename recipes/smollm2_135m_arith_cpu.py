@@ -5,9 +5,10 @@ Run:      lowmem-grpo train recipes/smollm2_135m_arith_cpu.py      (or: make dem
 Hardware: a 2-core CPU with 8 GB of RAM; model.dtype=auto trains in bfloat16 on a CPU with native bfloat16
           (avx512_bf16/AMX) and in float32 on an AVX2-only CPU (LOWMEM_GRPO_CPU_DTYPE decides it from outside).
           Wall time, peak RSS and each stage's accuracy, measured: docs/results.md.
-Data:     generated one-step word problems in GSM8K's format (lowmem_grpo.data.generated, level 1: adding and
-          taking away, numbers <= 20). Train and test are disjoint by construction; the train split never tells
-          the held-out story templates (data.generated.eval_stories=heldout evaluates on them).
+Data:     generated one-step word problems in GSM8K's format (lowmem_grpo.data.generated, level 1: adding, taking
+          away, a product or an exact share, numbers <= 20), each told in a frame and a phrasing of its operation.
+          Train and test are disjoint by construction; the train split never uses the held-out frames and
+          phrasings, and the eval split alternates seen and held-out wording (docs/data.md).
 Calculator: data.calculator: the model writes `<<16-10=`, the sampling engine forces the exact `6>>` into the row
           (GSM8K's calculator annotations), in GRPO's rollouts and in every evaluation; GRPO keeps those tokens out of
           its loss and KL. So the answer depends on the model's choice of operation and operands, which is what GRPO
@@ -17,7 +18,8 @@ Budget:   64-token completions: every worked solution, rendered in the answer fo
 Stages:   priming teaches the <reasoning>/<answer> format and the calculator's annotations on 80 worked solutions,
           then 30 GRPO steps of 4 prompts x 8 completions (4 accumulated groups a step); train.stage_eval=100 puts
           base / primed / trained accuracy on the same held-out problems (greedy, and mean@4 / pass@4 at the
-          training temperature), with paired 95% CIs and what the wrong answers got wrong, into report.md.
+          training temperature), with paired 95% CIs and what the wrong answers got wrong, into report.md, also
+          side by side on seen and held-out wording.
 GRPO:     the answer is rewarded (correctness 1.0, strict_format 0.1), temperature 0.7, lr 2e-4 constant after 2
           warm-up steps, no weight decay, gradient norm clipped at 0.2, rewards scaled over the batch, and a KL
           anchor (beta 0.04) to the primed adapter. What GRPO itself buys (trained - primed, 300 held-out problems,

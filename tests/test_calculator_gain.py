@@ -1,5 +1,5 @@
 """benchmarks/calculator_gain.py on a tiny trained run: three stages, paired differences, outcomes, a rerun that
-reuses what it measured, and held-out stories."""
+reuses what it measured, and seen and held-out wording side by side."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lowmem_grpo.cli import build_parser
-from lowmem_grpo.data.generated import HELDOUT_STORIES, story_of
+from lowmem_grpo.data.generated import wording_of
 from lowmem_grpo.evaluation.command import EvalOptions, resolve
 from lowmem_grpo.evaluation.stages import EVAL_BATCH
 from lowmem_grpo.recipe_io import dump_yaml, load_recipe
@@ -83,6 +83,12 @@ def test_three_stages_differences_outcomes_and_a_rerun_that_reuses_them(gain, ru
             assert diff["low"] <= diff["diff"] <= diff["high"]
     printed = capsys.readouterr().out
     assert "| primed->trained |" in printed and "| wrong_operation / wrong |" in printed
+    # the default eval split holds seen and held-out wording, half each: both, side by side
+    assert data["problem_wording"] == ["seen", "heldout"] * 2
+    assert summary["wording"]["num_problems"] == {"seen": 2, "heldout": 2}
+    assert set(summary["wording"]["differences"]["primed->trained"]) == {"seen", "heldout"}
+    assert "| stage | greedy: seen | greedy: held-out | mean@2 (T " in printed
+    assert set(data["wrong_operation_share_by_wording"]["trained"]) == {"seen", "heldout"}
 
     # a rerun with the same settings measures nothing; one stage dropped from the file is measured alone, the same
     assert gain.main(args) == 0
@@ -95,13 +101,14 @@ def test_three_stages_differences_outcomes_and_a_rerun_that_reuses_them(gain, ru
     third = json.loads(out.read_text())
     assert third["measured"] == ["trained"] and third["summary"] == summary  # seeded: the same verdicts
 
-    # other problems (held-out stories) are other settings: every stage is measured anew, on those problems
+    # other problems (held-out wording only) are other settings: every stage is measured anew, on those problems
     heldout = run_dir / "heldout.json"
     assert gain.main([*args[:-1], str(heldout), "--stories", "heldout"]) == 0
     told = json.loads(heldout.read_text())
     assert told["measured"] == ["base", "primed", "trained"] and told["settings"]["stories"] == "heldout"
-    assert {story_of(q) for q in told["questions"]} <= set(HELDOUT_STORIES)
-    assert told["questions"] != data["questions"]  # other draws (the test split's all-story problems tell these too)
+    assert {wording_of(q).group for q in told["questions"]} == {"heldout"} == set(told["problem_wording"])
+    assert told["questions"] != data["questions"]  # other draws
+    assert told["summary"]["wording"]["num_problems"] == {"heldout": 4}
 
 
 def test_the_table_pairs_the_stages_and_counts_wrong_operations(gain, tmp_path):
@@ -125,3 +132,21 @@ def test_the_table_pairs_the_stages_and_counts_wrong_operations(gain, tmp_path):
     assert "| stage | strict_accuracy | mean@2 | pass@2 | strict_format_rate |" in text
     assert "| trained | 0.750 [" in text and "| primed->trained | +0.750 [" in text
     assert "| wrong_operation | 1.000 | 1.000 | 0.250 |" in text
+    assert "By wording" not in text  # no wording known: no wording tables
+
+    # with the problems' wording: each stage on seen and held-out wording, and the wrong-operation share of each
+    results.data["problem_wording"] = ["seen", "heldout", "seen", "heldout"]
+    results.write(seed=0)
+    saved = json.loads((tmp_path / "g.json").read_text())
+    wording = saved["summary"]["wording"]
+    assert wording["stages"]["trained"]["seen"]["strict_accuracy"]["mean"] == 1.0
+    assert wording["stages"]["trained"]["heldout"]["strict_accuracy"]["mean"] == 0.5
+    assert wording["differences"]["primed->trained"]["heldout"]["mean@2"]["diff"] == 0.25
+    assert saved["wrong_operation_share_by_wording"]["trained"] == {"seen": None, "heldout": 1.0}
+    text = gain.table(saved)
+    assert "| stage | greedy: seen | greedy: held-out | mean@2 (T 0.7): seen | mean@2 (T 0.7): held-out |" in text
+    assert "| trained | 1.000 [1.000, 1.000] | 0.500 [" in text
+    assert "| wrong_operation / wrong | seen | held-out |" in text and "| trained | - | 1.000 |" in text
+    results.data["problem_wording"] = ["seen", "heldout"]  # of other problems: left out, not an error
+    results.write(seed=0)
+    assert "wording" not in json.loads((tmp_path / "g.json").read_text())["summary"]

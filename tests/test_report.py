@@ -176,3 +176,26 @@ def test_report_shows_what_the_evaluated_answers_got_wrong(tmp_path):
     assert "| no arithmetic written (`no_expression`) | 25% | 0% |" in lines
     (run_dir / "eval.json").write_text(json.dumps({"metrics": {"strict_accuracy": 0.125}}))  # an older eval.json
     assert not any("outcome" in line for line in eval_lines(run_dir))
+
+
+def test_report_md_shows_each_stage_on_seen_and_heldout_wording(tmp_path):
+    from lowmem_grpo.evaluation.metrics import judge
+    from lowmem_grpo.evaluation.stages import summarize
+    from lowmem_grpo.rundir.report import write_report
+
+    right = judge("<reasoning>\n2+2=4\n</reasoning>\n<answer>\n4\n</answer>", "4")
+    wrong = judge("<reasoning>\n2*3=6\n</reasoning>\n<answer>\n6\n</answer>", "4")
+    groups = ["seen"] * 4 + ["heldout"] * 4
+    summary = summarize({"base": [[wrong]] * 8, "primed": [[wrong]] * 8,
+                         "trained": [[right]] * 4 + [[wrong], [right], [wrong], [wrong]]}, groups=groups)
+    run_dir = write_run(tmp_path / "run", synthetic_metrics(3))
+    (run_dir / "stage_eval.json").write_text(json.dumps({"num_problems": 8, "settings": {"samples": 0}, **summary}))
+    report = write_report(run_dir).read_text()
+    section = report.split("## What each stage bought", 1)[1].split("\n## ", 1)[0]
+    assert "4 told in frames and phrasings training used (seen) and 4 with a frame or a phrasing" in section
+    assert "| stage | greedy: seen | greedy: held-out |" in section
+    assert "| trained | 1.000 [1.000, 1.000] | 0.250 [" in section
+    assert "| base->trained | +1.000 [1.000, 1.000] | +0.250 [" in section  # paired within each group
+    assert "| outcome | base seen | base held-out | primed seen | primed held-out | trained seen | trained held-out |" \
+        in section
+    assert section.index("| outcome | base | primed | trained |") < section.index("By wording")

@@ -8,13 +8,14 @@ import pytest
 
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.evaluation.metrics import judge
-from lowmem_grpo.evaluation.stages import mean_ci, problem_values, sampled_batch, summarize
+from lowmem_grpo.evaluation.stages import mean_ci, problem_values, sampled_batch, summarize, wording_groups
 from lowmem_grpo.recipe_io import load_recipe
 from lowmem_grpo.rundir.report import stage_lines
 from tiny_run import train_tiny
 
 RIGHT = "<reasoning>\n2+2=4\n</reasoning>\n<answer>\n4\n</answer>"
 WRONG = "<reasoning>\n2+2=5\n</reasoning>\n<answer>\n5\n</answer>"
+OPERATION = "<reasoning>\n2*3=6\n</reasoning>\n<answer>\n6\n</answer>"  # right arithmetic, wrong operation
 
 
 def test_mean_ci_brackets_the_mean_and_narrows_with_more_problems():
@@ -177,3 +178,90 @@ def test_a_run_can_skip_stages_measured_before(tiny_model_dir, tmp_path):
     assert list(data["stages"]) == ["trained"] and data["differences"] == {}
     curve = [json.loads(line) for line in (run_dir / "eval_steps.jsonl").read_text().splitlines()]
     assert [c["step"] for c in curve] == [1] and len(curve[0]["mean@2"]) == 3 and len(curve[0]["room@2"]) == 3
+
+
+def _wording_case() -> tuple[dict, dict, list]:
+    """12 problems, alternately seen and held-out wording: training lifts the seen ones and moves the held-out ones
+    from wrong arithmetic to the wrong operation (greedy), while sampling lifts both."""
+    right, arithmetic, operation = judge(RIGHT, "4"), judge(WRONG, "4"), judge(OPERATION, "4")
+    groups = ["seen", "heldout"] * 6
+    greedy = {"primed": [[arithmetic]] * 12,
+              "trained": [[right] if g == "seen" else [operation] for g in groups]}
+    sampled = {"primed": [[right, arithmetic]] * 12,
+               "trained": [[right, right] if g == "seen" else [right, operation] for g in groups]}
+    return greedy, sampled, groups
+
+
+def test_summarize_splits_every_metric_by_wording_with_paired_cis():
+    greedy, sampled, groups = _wording_case()
+    out = summarize(greedy, sampled=sampled, groups=groups)
+    assert {k: v for k, v in out.items() if k != "wording"} == summarize(greedy, sampled=sampled)  # whole unchanged
+    wording = out["wording"]
+    assert wording["num_problems"] == {"seen": 6, "heldout": 6}
+    trained = wording["stages"]["trained"]
+    assert trained["seen"]["strict_accuracy"] == {"mean": 1.0, "low": 1.0, "high": 1.0}
+    assert trained["heldout"]["strict_accuracy"]["mean"] == 0.0 and trained["heldout"]["mean@2"]["mean"] == 0.5
+    assert trained["seen"]["pass@2"]["mean"] == trained["heldout"]["pass@2"]["mean"] == 1.0
+    gain = wording["differences"]["primed->trained"]
+    assert gain["seen"]["strict_accuracy"] == {"diff": 1.0, "low": 1.0, "high": 1.0}  # paired within the group
+    assert gain["heldout"]["strict_accuracy"]["diff"] == 0.0 and gain["heldout"]["mean@2"]["diff"] == 0.0
+    assert gain["seen"]["mean@2"]["diff"] == 0.5
+    # what the wrong answers got wrong, by wording: the held-out ones now choose the wrong operation
+    assert wording["outcomes"]["trained"]["heldout"]["wrong_operation"] == 1.0
+    assert wording["outcomes"]["primed"]["seen"]["wrong_arithmetic"] == 1.0
+    pick = lambda verdicts: {s: v[1::2] for s, v in verdicts.items()}  # noqa: E731 - the held-out problems alone
+    alone = summarize(pick(greedy), sampled=pick(sampled))
+    assert {section: {k: v["heldout"] for k, v in wording[section].items()}
+            for section in ("stages", "differences", "outcomes")} == {s: alone[s] for s in alone}
+    assert "wording" not in summarize(greedy, groups=[None] * 12)  # not generated problems
+    with pytest.raises(ValueError, match="wording groups"):
+        summarize(greedy, groups=groups[:10])
+
+
+def test_wording_groups_read_generated_questions():
+    from lowmem_grpo.data.generated import generate_rows
+
+    rows = generate_rows("test", 30, "1-3", seed=2)
+    assert wording_groups([r["question"] for r in rows]) == [r["wording"] for r in rows] == ["seen", "heldout"] * 15
+    assert wording_groups(["Natalia sold clips to 48 of her friends in April. How many clips?", None]) == [None, None]
+
+
+def test_the_report_puts_seen_and_heldout_wording_side_by_side(tmp_path):
+    greedy, sampled, groups = _wording_case()
+    (tmp_path / "stage_eval.json").write_text(json.dumps({"num_problems": 12, "settings": {"samples": 2,
+                                                          "temperature": 0.7},
+                                                          **summarize(greedy, sampled=sampled, groups=groups)}))
+    lines = stage_lines(tmp_path)
+    assert any(line.startswith("By wording, the same problems split: 6 told in frames") for line in lines)
+    header = "| stage | greedy: seen | greedy: held-out | mean@2 (T 0.7): seen | mean@2 (T 0.7): held-out | " \
+             "pass@2 (T 0.7): seen | pass@2 (T 0.7): held-out |"
+    assert header in lines
+    assert next(line for line in lines if line.startswith("| trained | 1.000")) == (
+        "| trained | 1.000 [1.000, 1.000] | 0.000 [0.000, 0.000] | 1.000 [1.000, 1.000] | 0.500 [0.500, 0.500] | "
+        "1.000 [1.000, 1.000] | 1.000 [1.000, 1.000] |")
+    change = next(line for line in lines if line.startswith("| primed->trained | +1.000"))
+    assert change.startswith("| primed->trained | +1.000 [1.000, 1.000] | 0.000 [0.000, 0.000] | +0.500 [")
+    assert "| outcome | primed seen | primed held-out | trained seen | trained held-out |" in lines
+    assert "| right arithmetic, wrong operation or operands (`wrong_operation`) | 0% | 0% | 0% | 100% |" in lines
+    assert "| outcome | primed | trained |" in lines  # the whole stage's outcomes stay
+
+
+def test_stage_evals_of_generated_problems_write_the_wording(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from lowmem_grpo.evaluation.stages import StageEvals
+
+    path = tmp_path / "stage_eval.json"
+    recipe = load_recipe("recipes/smollm2_135m_arith_cpu.py", ["train.stage_eval=12"])
+    evals = StageEvals(recipe, AutoTokenizer.from_pretrained(tiny_model_dir), path)
+    assert evals.groups == ["seen", "heldout"] * 6  # the default eval split: half seen, half held-out wording
+    greedy, sampled, _ = _wording_case()
+    evals.verdicts, evals.sampled = greedy, sampled
+    evals._write()
+    data = json.loads(path.read_text())
+    assert data["problem_wording"] == evals.groups
+    assert data["wording"]["num_problems"] == {"seen": 6, "heldout": 6}
+    assert data["wording"]["differences"]["primed->trained"]["seen"]["strict_accuracy"]["diff"] == 1.0
+    gsm8k = StageEvals(load_recipe("recipes/smollm2_135m_gsm8k_cpu.py", ["train.stage_eval=3"]),
+                       AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "other.json")
+    assert gsm8k.groups is None

@@ -102,8 +102,8 @@ def check_rows(rows: list[dict[str, Any]], origin: str) -> list[dict[str, str]]:
 def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_config: str = "main",
               generated: Any = None, stories: str = "all") -> list[dict[str, str]]:
     """Rows of one split from `source`: hub, embedded, generated (with `generated`, the recipe's
-    data.generated section; `stories`: "all", or "heldout" for test problems told only in stories the train split
-    never uses), or a file/folder path."""
+    data.generated section; `stories`: the test split's wording, lowmem_grpo.data.generated.WORDINGS), or a
+    file/folder path."""
     if source == "generated":
         from lowmem_grpo.data.generated import generate_rows
 
@@ -113,8 +113,9 @@ def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_confi
             raise DataError(f"generated problems have splits train and test, not {split!r}",
                             fix="use data.train_split=train and data.eval_split=test")
         size = generated.train_size if split == "train" else generated.test_size
-        rows = generate_rows(split, size, generated.levels, generated.seed, generated.task, stories=stories)
-        return check_rows(rows, f"generated {split}" + (f" ({stories} stories)" if stories != "all" else ""))
+        rows = generate_rows(split, size, generated.levels, generated.seed, generated.task, stories=stories,
+                             operations=generated.operations)
+        return check_rows(rows, f"generated {split}" + (f" ({stories} wording)" if stories != "all" else ""))
     if source == "embedded":
         path = embedded_path(split)
         return check_rows(_read_jsonl(path), f"embedded {split}")
@@ -142,7 +143,7 @@ def load_train_rows(data: Any) -> list[dict[str, str]]:
 def load_eval_rows(data: Any, *, source: str | None = None, split: str | None = None,
                    limit: int | None = None) -> list[dict[str, str]]:
     """The first `limit` problems of a split (default: the data section's source and eval_split), in file order;
-    generated problems are told in the stories data.generated.eval_stories names."""
+    generated problems are told in the wording data.generated.eval_stories names."""
     rows = load_rows(source or data.source, split or data.eval_split, data.hub_name, data.hub_config, data.generated,
                      stories=data.generated.eval_stories)
     if limit is not None:

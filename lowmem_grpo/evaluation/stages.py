@@ -11,6 +11,10 @@ policy can already solve by sampling but does not solve greedily.
 results so far; `measure(model, stage)` evaluates the model as it is now (the base model with the adapter switched
 off) and rewrites RUN_DIR/stage_eval.json, so a resumed run keeps the stages it already measured. Each stage's
 `outcomes` there say what its greedy answers got wrong (the operation, the arithmetic, both, or no arithmetic).
+
+Generated problems are also summarized by wording (`wording` in stage_eval.json): the same metrics, paired
+differences and outcomes on the problems whose frame and phrasings the train split uses ("seen") and on those with
+a frame or a phrasing it never saw ("heldout", lowmem_grpo.data.wording), side by side.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 
 STAGES = ("base", "start", "primed", "trained")  # start: the lora.init_adapter a run starts from, when it has one
 METRICS = ("strict_accuracy", "strict_format_rate")
+WORDING_GROUPS = ("seen", "heldout")
+"""The wording groups of generated problems: frame and phrasings seen in training, or a frame or phrasing not."""
 
 
 def mean_ci(values: list[float], *, confidence: float = 0.95, n_resamples: int = BOOTSTRAP_RESAMPLES,
@@ -72,13 +78,53 @@ def problem_values(greedy: Sequence[Sequence[Verdict]], samples: Sequence[Sequen
     return values
 
 
+def wording_groups(questions: Sequence[str | None]) -> list[str | None]:
+    """Per question its WORDING_GROUPS entry (lowmem_grpo.data.wording.wording_of), None for a question that is not
+    a generated one."""
+    from lowmem_grpo.data.wording import wording_of
+
+    found = [wording_of(q) if isinstance(q, str) else None for q in questions]
+    return [w.group if w is not None else None for w in found]
+
+
+def _by_wording(per_stage: dict[str, list[list[Verdict]]], sampled: dict[str, list[list[Verdict]]],
+                groups: Sequence[str | None], seed: int) -> dict[str, Any]:
+    """The summary of each wording group's problems, regrouped: num_problems per group, and per stage (or stage
+    pair) and group the metrics, differences and outcomes."""
+    out: dict[str, Any] = {"num_problems": {}, "stages": {}, "differences": {}, "outcomes": {}}
+    for group in WORDING_GROUPS:
+        keep = [i for i, g in enumerate(groups) if g == group]
+        if not keep:
+            continue
+        pick = lambda verdicts: {s: [v[i] for i in keep] for s, v in verdicts.items()}  # noqa: E731
+        part = _summary(pick(per_stage), seed, pick(sampled))
+        out["num_problems"][group] = len(keep)
+        for section in ("stages", "differences", "outcomes"):
+            for key, value in part[section].items():
+                out[section].setdefault(key, {})[group] = value
+    return out
+
+
 def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
-              sampled: dict[str, list[list[Verdict]]] | None = None) -> dict[str, Any]:
+              sampled: dict[str, list[list[Verdict]]] | None = None,
+              groups: Sequence[str | None] | None = None) -> dict[str, Any]:
     """Per stage each metric's mean and CI; between consecutive measured stages (and base -> trained) the paired
     difference and its CI. `sampled` (stage -> k sample verdicts per problem) adds mean@k, pass@k and room@k.
     `outcomes`: per stage, what the greedy answers got wrong (metrics.outcome_shares; a stage saved before outcomes
-    were judged has none)."""
+    were judged has none). `groups` (per problem a WORDING_GROUPS entry or None, `wording_groups`) adds `wording`:
+    the same on each group's problems (`num_problems`, `stages`, `differences`, `outcomes`, each by group)."""
     sampled = sampled or {}
+    out = _summary(per_stage, seed, sampled)
+    if groups is not None and any(g in WORDING_GROUPS for g in groups):
+        lengths = {len(v) for v in (*per_stage.values(), *sampled.values())}
+        if lengths - {len(groups)}:
+            raise ValueError(f"wording groups name {len(groups)} problems, the verdicts {sorted(lengths)}")
+        out["wording"] = _by_wording(per_stage, sampled, groups, seed)
+    return out
+
+
+def _summary(per_stage: dict[str, list[list[Verdict]]], seed: int, sampled: dict[str, list[list[Verdict]]]
+             ) -> dict[str, Any]:
     stages = [s for s in STAGES if s in per_stage]
     values = {s: problem_values(per_stage[s], sampled.get(s)) for s in stages}
     out: dict[str, Any] = {"stages": {}, "differences": {}, "outcomes": {}}
@@ -121,6 +167,16 @@ def periodic_settings(train: Any, calculator: bool = False) -> tuple[dict[str, A
     return greedy, {**sampled_batch(greedy, k), "num_samples": k, "temperature": train.temperature}
 
 
+def _by_group(verdicts: list[list[Verdict]], groups: Sequence[str | None]) -> str:
+    """"seen 0.600 (50 problems), heldout 0.400 (50 problems)": greedy strict accuracy per wording group."""
+    parts = []
+    for group in WORDING_GROUPS:
+        mine = [problem_value(v, "strict_accuracy") for v, g in zip(verdicts, groups) if g == group]
+        if mine:
+            parts.append(f"{group} {sum(mine) / len(mine):.3f} ({len(mine)} problems)")
+    return ", ".join(parts)
+
+
 def _disabled_adapter(model: Any, stage: str) -> Any:
     """The base model is the adapter model with its adapter switched off (PEFT's disable_adapter)."""
     if stage == "base" and hasattr(model, "disable_adapter"):
@@ -152,6 +208,8 @@ class StageEvals:
         self.wanted = list(t.stage_eval_stages)
         self.merged = t.merged_sampling
         self.examples = load_eval_examples(recipe, tokenizer, limit=t.stage_eval)  # bad data fails before training
+        generated = recipe.data.source == "generated"
+        self.groups = wording_groups([ex.get("question") for ex in self.examples]) if generated else None
         self.verdicts: dict[str, list[list[Verdict]]] = {}
         self.sampled: dict[str, list[list[Verdict]]] = {}
         self.results: dict[str, Any] = {}
@@ -194,12 +252,15 @@ class StageEvals:
         self.results[stage] = m
         log.info("stage eval %s: strict accuracy %.3f, strict format %.3f on %d held-out problems (%.0f s)%s",
                  stage, m["strict_accuracy"], m["strict_format_rate"], m["num_problems"], result.seconds, line)
+        if self.groups is not None and any(self.groups):
+            log.info("stage eval %s by wording: strict accuracy %s", stage, _by_group(result.verdicts, self.groups))
         self._write()
         return m
 
     def _write(self) -> None:
         data = {"num_problems": len(self.examples), "settings": self.settings, "results": self.results,
-                **summarize(self.verdicts, seed=self.settings["seed"], sampled=self.sampled),
+                **summarize(self.verdicts, seed=self.settings["seed"], sampled=self.sampled, groups=self.groups),
+                "problem_wording": self.groups,
                 "verdicts": _dump_verdicts(self.verdicts), "sampled_verdicts": _dump_verdicts(self.sampled)}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -1,8 +1,9 @@
 """Plots and report.md from a run directory: works mid-run and on a run that only has metrics.jsonl.
 
-`write_report(run_dir)` reads metrics.jsonl (and completions.jsonl, eval.json, recipe.yaml when
-present) and writes plots/*.png (matplotlib, Agg: no display needed) and report.md. Files are
-replaced atomically, so reading the report while a run writes it never shows a half-written file.
+`write_report(run_dir)` reads metrics.jsonl (and completions.jsonl, eval.json, stage_eval.json, recipe.yaml when
+present) and writes plots/*.png (matplotlib, Agg: no display needed) and report.md; the tables of what each stage
+bought are rundir/stage_tables.py's. Files are replaced atomically, so reading the report while a run writes it
+never shows a half-written file.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from lowmem_grpo.rundir import health
 from lowmem_grpo.rundir import rss
 from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.rundir.completions import read_completions
+from lowmem_grpo.rundir.stage_tables import outcome_lines, stage_lines
 from lowmem_grpo.errors import BadInputError
-from lowmem_grpo.rewards.calculator import OUTCOME_DESCRIPTIONS, OUTCOMES
 
 log = logging.getLogger(__name__)
 
@@ -330,68 +331,6 @@ def eval_lines(run_dir: Path) -> list[str]:
     by_run = {name: r.get("outcomes") for name, r in runs.items() if isinstance(r, dict)}
     outcomes = outcome_lines(by_run) or outcome_lines({"answers": data.get("outcomes")})
     return lines + (["", *outcomes] if outcomes else [])
-
-
-def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str:
-    value = entry[key]
-    sign = "+" if signed and value > 0 else ""
-    return f"{sign}{value:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
-
-
-def outcome_lines(by_column: dict[str, Any]) -> list[str]:
-    """A markdown table of what the answers got wrong: one row per outcome, one column per stage (or variant), each
-    cell the share of problems; [] when no column has outcomes. A column without them (saved before outcomes were
-    judged) shows "-"."""
-    columns = {name: shares for name, shares in by_column.items() if isinstance(shares, dict)}
-    if not any(columns.values()):
-        return []
-    lines = ["What the answers got wrong (the greedy answer of each problem; its last calculation checked by an exact "
-             "calculator):", "", "| outcome | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for name in OUTCOMES:
-        cells = [f"{100 * shares[name]:.0f}%" if isinstance(shares.get(name), (int, float)) else "-"
-                 for shares in columns.values()]
-        lines.append(f"| {OUTCOME_DESCRIPTIONS[name]} (`{name}`) | " + " | ".join(cells) + " |")
-    return lines
-
-
-def stage_lines(run_dir: Path) -> list[str]:
-    """Markdown tables of stage_eval.json: each stage's greedy accuracy and format rate (and, when sampled, mean@k,
-    pass@k and pass@k - greedy) with 95% CIs, the paired difference between stages, and what each stage's answers
-    got wrong (`outcome_lines`); [] when the run measured none."""
-    path = run_dir / layout.STAGE_EVAL_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return []
-    stages, diffs = data.get("stages") or {}, data.get("differences") or {}
-    if not stages:
-        return []
-    present = {m for ms in stages.values() for m in ms}
-    k = (data.get("settings") or {}).get("samples")
-    sampled = [m for m in (f"mean@{k}", f"pass@{k}", f"room@{k}") if m in present]
-    temperature = (data.get("settings") or {}).get("temperature")
-    names = {"strict_accuracy": "greedy strict accuracy", "strict_format_rate": "greedy strict format"}
-    names.update({m: f"{m} (T {temperature})" if not m.startswith("room@") else f"pass@{m[5:]} - greedy"
-                  for m in sampled})
-    columns = ["strict_accuracy", "strict_format_rate", *sampled]
-    lines = [f"The same {data.get('num_problems')} held-out problems at each stage, greedy"
-             + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", "",
-             "| stage | " + " | ".join(names[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    lines += ["| " + " | ".join([s] + [_ci(m[c]) if c in m else "-" for c in columns]) + " |"
-              for s, m in stages.items()]
-    if sampled:
-        lines += ["", "pass@k - greedy is the room GRPO has on the greedy answer: problems some sample solves and "
-                  "the greedy answer does not."]
-    if diffs:
-        paired = [c for c in columns if not c.startswith("room@")]
-        lines += ["", "| change | " + " | ".join(f"{names[c]} (paired)" for c in paired) + " |",
-                  "|---" * (len(paired) + 1) + "|"]
-        lines += ["| " + " | ".join([k] + [_ci(m[c], 'diff', True) if c in m else "-" for c in paired]) + " |"
-                  for k, m in diffs.items()]
-    outcomes = data.get("outcomes") or {}
-    if isinstance(outcomes, dict) and outcomes:
-        lines += ["", *outcome_lines({s: outcomes.get(s) or {} for s in stages})]
-    return lines
 
 
 def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:

@@ -1,0 +1,120 @@
+"""report.md's tables of what each stage bought (stage_eval.json), what the answers got wrong, and both by wording.
+
+`stage_lines(run_dir)` renders stage_eval.json: each stage's greedy accuracy and format rate (and, when sampled,
+mean@k, pass@k and pass@k - greedy) with 95% CIs, the paired difference between stages, the outcomes of each
+stage's greedy answers, and for generated problems the same side by side on seen and held-out wording
+(`wording_lines`, also printed by benchmarks/calculator_gain.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo.rewards.calculator import OUTCOME_DESCRIPTIONS, OUTCOMES
+from lowmem_grpo.rundir import layout
+
+WORDING_LABELS = {"seen": "seen", "heldout": "held-out"}
+"""Column labels of the wording groups (lowmem_grpo.evaluation.stages.WORDING_GROUPS)."""
+OUTCOMES_TITLE = ("What the answers got wrong (the greedy answer of each problem; its last calculation checked by an "
+                  "exact calculator):")
+
+
+def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str:
+    value = entry[key]
+    sign = "+" if signed and value > 0 else ""
+    return f"{sign}{value:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+
+def outcome_lines(by_column: dict[str, Any], title: str = OUTCOMES_TITLE) -> list[str]:
+    """A markdown table of what the answers got wrong: one row per outcome, one column per stage (or variant), each
+    cell the share of problems; [] when no column has outcomes. A column without them (saved before outcomes were
+    judged) shows "-"."""
+    columns = {name: shares for name, shares in by_column.items() if isinstance(shares, dict)}
+    if not any(columns.values()):
+        return []
+    lines = [title, "", "| outcome | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name in OUTCOMES:
+        cells = [f"{100 * shares[name]:.0f}%" if isinstance(shares.get(name), (int, float)) else "-"
+                 for shares in columns.values()]
+        lines.append(f"| {OUTCOME_DESCRIPTIONS[name]} (`{name}`) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _side_by_side(rows: dict[str, Any], metrics: list[str], groups: list[str], names: dict[str, str], first: str,
+                  key: str = "mean") -> list[str]:
+    """One table: a row per stage (or change), for each metric a column per wording group."""
+    header = [f"{names[m]}: {WORDING_LABELS[g]}" for m in metrics for g in groups]
+    lines = [f"| {first} | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for name, by_group in rows.items():
+        cells = [_ci(by_group[g][m], key, signed=key == "diff") if m in by_group.get(g, {}) else "-"
+                 for m in metrics for g in groups]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def wording_lines(wording: dict[str, Any], k: int | None = None, temperature: Any = None) -> list[str]:
+    """Markdown tables of a `wording` summary (lowmem_grpo.evaluation.stages.summarize): per stage greedy accuracy
+    and (sampled) mean@k and pass@k on seen and on held-out wording side by side with 95% CIs, the paired change
+    between stages in each group, and each group's outcomes; [] when there is none."""
+    counts = (wording or {}).get("num_problems") or {}
+    groups = [g for g in WORDING_LABELS if counts.get(g)]
+    if not groups:
+        return []
+    present = {m for by_group in wording.get("stages", {}).values() for ms in by_group.values() for m in ms}
+    metrics = ["strict_accuracy"] + [m for m in (f"mean@{k}", f"pass@{k}") if k and m in present]
+    names = {"strict_accuracy": "greedy", **{m: f"{m} (T {temperature})" for m in metrics[1:]}}
+    told = {"seen": f"{counts.get('seen', 0)} told in frames and phrasings training used (seen)",
+            "heldout": f"{counts.get('heldout', 0)} with a frame or a phrasing training never saw (held-out)"}
+    lines = ["By wording, the same problems split: " + " and ".join(told[g] for g in groups) + " (95% bootstrap "
+             "CIs; the paired changes pair each group's problems between stages):", ""]
+    lines += _side_by_side(wording.get("stages", {}), metrics, groups, names, "stage")
+    if wording.get("differences"):
+        lines += [""] + _side_by_side(wording["differences"], metrics, groups, names, "change (paired)", key="diff")
+    outcomes = {f"{stage} {WORDING_LABELS[g]}": by_group.get(g) or {}
+                for stage, by_group in (wording.get("outcomes") or {}).items() for g in groups}
+    title = "What the answers got wrong, by wording (the greedy answer's last calculation, as above):"
+    return lines + (["", *outcome_lines(outcomes, title)] if outcomes else [])
+
+
+def stage_lines(run_dir: Path) -> list[str]:
+    """Markdown tables of stage_eval.json: each stage's greedy accuracy and format rate (and, when sampled, mean@k,
+    pass@k and pass@k - greedy) with 95% CIs, the paired difference between stages, what each stage's answers
+    got wrong (`outcome_lines`), and all by wording for generated problems (`wording_lines`); [] when the run
+    measured none."""
+    path = run_dir / layout.STAGE_EVAL_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+    stages, diffs = data.get("stages") or {}, data.get("differences") or {}
+    if not stages:
+        return []
+    present = {m for ms in stages.values() for m in ms}
+    settings = data.get("settings") or {}
+    k, temperature = settings.get("samples"), settings.get("temperature")
+    sampled = [m for m in (f"mean@{k}", f"pass@{k}", f"room@{k}") if m in present]
+    names = {"strict_accuracy": "greedy strict accuracy", "strict_format_rate": "greedy strict format"}
+    names.update({m: f"{m} (T {temperature})" if not m.startswith("room@") else f"pass@{m[5:]} - greedy"
+                  for m in sampled})
+    columns = ["strict_accuracy", "strict_format_rate", *sampled]
+    lines = [f"The same {data.get('num_problems')} held-out problems at each stage, greedy"
+             + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", "",
+             "| stage | " + " | ".join(names[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += ["| " + " | ".join([s] + [_ci(m[c]) if c in m else "-" for c in columns]) + " |"
+              for s, m in stages.items()]
+    if sampled:
+        lines += ["", "pass@k - greedy is the room GRPO has on the greedy answer: problems some sample solves and "
+                  "the greedy answer does not."]
+    if diffs:
+        paired = [c for c in columns if not c.startswith("room@")]
+        lines += ["", "| change | " + " | ".join(f"{names[c]} (paired)" for c in paired) + " |",
+                  "|---" * (len(paired) + 1) + "|"]
+        lines += ["| " + " | ".join([pair] + [_ci(m[c], "diff", True) if c in m else "-" for c in paired]) + " |"
+                  for pair, m in diffs.items()]
+    outcomes = data.get("outcomes") or {}
+    if isinstance(outcomes, dict) and outcomes:
+        lines += ["", *outcome_lines({s: outcomes.get(s) or {} for s in stages})]
+    by_wording = wording_lines(data.get("wording") or {}, k if sampled else None, temperature)
+    return lines + (["", *by_wording] if by_wording else [])
