@@ -177,3 +177,26 @@ def test_a_run_can_skip_stages_measured_before(tiny_model_dir, tmp_path):
     assert list(data["stages"]) == ["trained"] and data["differences"] == {}
     curve = [json.loads(line) for line in (run_dir / "eval_steps.jsonl").read_text().splitlines()]
     assert [c["step"] for c in curve] == [1] and len(curve[0]["mean@2"]) == 3 and len(curve[0]["room@2"]) == 3
+
+
+def test_on_cpu_the_evaluations_keep_128_sequences_and_read_a_planned_batch(tiny_model_dir, tmp_path):
+    """No GPU, no plan: train.eval_batch_size stays unset and every evaluation batches as before (EVAL_BATCH, a
+    sampled one 8 problems' samples at least); a batch the plan wrote (auto-fit on a GPU) is what both read."""
+    from transformers import AutoTokenizer
+
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.evaluation.stages import EVAL_BATCH, StageEvals, periodic_settings
+    from lowmem_grpo.memory.fit import fit_to_device
+
+    overrides = ["train.stage_eval=4", "train.eval_every=5", "train.eval_samples=20"]
+    recipe = load_recipe("recipes/smollm2_135m_arith_cpu.py", overrides)
+    fitted, fit = fit_to_device(recipe, set(), facts=CudaFacts(torch_cuda=None, available=False))
+    assert fit is None and fitted.train.eval_batch_size is None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert StageEvals(fitted, tokenizer, tmp_path / "cpu.json").settings["batch_size"] == EVAL_BATCH == 128
+    greedy, sampled = periodic_settings(fitted.train)
+    assert greedy["batch_size"] == 128 and sampled["batch_size"] == 8 * 20  # 8 problems' 20 samples
+    planned = load_recipe("recipes/smollm2_135m_arith_cpu.py", [*overrides, "train.eval_batch_size=16"])
+    assert StageEvals(planned, tokenizer, tmp_path / "gpu.json").settings["batch_size"] == 16
+    greedy, sampled = periodic_settings(planned.train)
+    assert greedy["batch_size"] == sampled["batch_size"] == 16
