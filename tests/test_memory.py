@@ -780,3 +780,9 @@ def test_plan_shows_the_evaluation_batch_and_its_memory():
     assert data["terms"]["eval_kv_cache"] == data["evaluation"]["kv_bytes"]
     off = _cli("plan", "qwen3_4b_gsm8k")
     assert "evaluation: off in this recipe" in off.stdout
+    from lowmem_grpo.memory.plan import format_plan
+
+    for path in GPU_RECIPES:  # every GPU recipe's plan says what its evaluation batch is and takes
+        recipe = load_recipe(str(path))
+        text = format_plan(plan(recipe, recipe.gpu_memory_gb * GIB))
+        assert re.search(r"  evaluation: .*\d+ sequences at once .* KV cache [\d.]+ (GiB|MiB)", text), path.name
