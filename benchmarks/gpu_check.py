@@ -1,22 +1,32 @@
-"""The first check of the CUDA path on a GPU machine (issue 13), in one call of at most 8 minutes.
+"""The first check of the CUDA path on a GPU machine, in one call of at most 8 minutes, offline.
 
-On a model with random weights built from a shipped recipe's real config (benchmarks/memory_gpu.py: the real
-shapes, so the real memory, without a download), each variant runs 3 GRPO steps through lowmem_grpo's train() in
-its own process, with the recipe's settings:
+Every check runs in its own process, in this order, until --time-budget (what does not fit is listed as skipped;
+a second call runs it with --variants). The models are built on the machine, none is downloaded: the recipe's real
+architecture with random weights (benchmarks/memory_gpu.py: the real shapes, so the real memory), or a small
+scripted model whose greedy rows write `<<7*6=`, end at EOS or run out (benchmarks/scripted_model.py).
 
-  unsloth-4bit        backend unsloth, 4-bit base, generation with transformers (fast_inference off)
-  unsloth-4bit-vllm   the same with vLLM generation (fast_inference on), when vllm imports there
-  hf-4bit             backend hf (transformers + PEFT + bitsandbytes nf4) on the same settings
-  hf-4bit-shared      hf without gradient checkpointing, where the shared-prompt pass can run the loss pass
-                      (train.shared_prompt, the default: each distinct prompt of a micro-batch forwarded once)
-  hf-4bit-unshared    the same with train.shared_prompt=false (every row forwarded whole)
+  unsloth-4bit       GRPO steps through train() on the recipe's architecture, backend unsloth, 4-bit, with the reward
+                     preflight on (train.allow_no_signal: random rewards) and a stage evaluation of the trained
+                     adapter through the engine, on a --card-gib card: auto-fit plans the evaluation batch for it.
+                     Peak allocated memory before, during and after GRPO against the plan's phases, and the
+                     evaluation batch the plan chose, the run's recipe.yaml wrote and the stage evaluation used.
+  engine-logits      lowmem_grpo's sampling engine against Unsloth's own generate (output_logits, the calculator's
+                     tokens forced by a logits processor) on scripted llama and qwen3 models (FastLanguageModel) and
+                     gemma3 (FastModel), loaded as a run loads them: tokens, forced tokens, the largest logit
+                     difference within --logit-tolerance, rows ending early, the calculator firing.
+  unsloth-calc       two GRPO steps with data.calculator on Unsloth, on the scripted llama: every rollout writes
+                     `<<7*6=` and gets `42>>` forced by the engine.
+  gemma3-fastmodel   GRPO steps on Gemma 3's architecture (gemma3_1b_gsm8k), which Unsloth loads through FastModel,
+                     with the preflight and a small stage evaluation before and after; memory against the plan.
+  hf-4bit            backend hf (transformers + PEFT + bitsandbytes nf4), with the preflight and a small evaluation
+  hf-4bit-shared     hf without gradient checkpointing, where the shared-prompt pass can run the loss pass
+  hf-4bit-unshared   the same with train.shared_prompt=false (every row forwarded whole)
+  unsloth-4bit-vllm  vLLM generation (fast_inference), when vllm imports there
 
-and one table: peak torch.cuda.max_memory_allocated against the planner's prediction for that variant (allocated
-bytes; the card's memory as the budget), the device memory in use, generated tokens per second, seconds per step,
-and the per-phase timings (`time/<phase>` in metrics.jsonl) when the trainer logs them. Then the shared-prompt
-pass on vs off (hf-4bit-shared vs hf-4bit-unshared): peak allocated memory measured and predicted (as if the pass
-engaged, and not), the loss forward, backward and step times, and their ratios. Random weights never emit EOS: every completion runs to
-max_completion_length, the planner's worst case.
+Tables: per GRPO variant peak allocated memory against the plan, device memory, tokens per second, seconds per step
+and the per-phase timings; the evaluation batch and the peaks around GRPO against the plan's phases; the engine
+against generate per model family; the calculator's GRPO steps; the shared-prompt pass on vs off. Random weights
+never emit EOS: every GRPO completion runs to max_completion_length, the planner's worst case.
 
 On the lent GPU machine (the wheels from benchmarks/build_gpu_bundle.py; one `run` call, carry [".whl"]):
 
@@ -26,7 +36,7 @@ On the lent GPU machine (the wheels from benchmarks/build_gpu_bundle.py; one `ru
 
 vLLM is not in the bundle (its wheel alone is 321 MB, over the 64 MiB a call carries, and it pins torch 2.13.0
 while that machine has 2.11): its row says so unless vllm imports. CI never runs this script; tests/test_gpu_path.py
-checks its arguments and table on CPU.
+checks its arguments, its bookkeeping and tables, and runs the engine comparison on CPU transformers.
 """
 
 from __future__ import annotations
@@ -38,44 +48,76 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_gpu: the model builder and the random reward
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_gpu, scripted_model: builders and the reward
+from gpu_check_report import (SHARED_PAIR, evaluation_check, phase_times, predicted_phases, report,  # noqa: E402,F401
+                              sharing_table, speed, table)
+
 GIB = 2**30
+RANDOM_REWARD = "rewards={memory_gpu:random_reward: 1.0}"
+PREFLIGHT = ["train.preflight=true", "train.allow_no_signal=true", "train.preflight_prompts=2"]
+# the trained adapter on as many problems as a planned batch holds (64 at --card-gib 5), greedy and 2 samples each
+PLANNED_EVAL = ["train.stage_eval=64", "train.stage_eval_stages=[trained]", "train.stage_eval_samples=2"]
+SMALL_EVAL = ["train.stage_eval=4", "train.stage_eval_stages=[base,trained]", "train.stage_eval_samples=2"]
+UNSLOTH = ["model.backend=unsloth", "model.load_in_4bit=true", "model.fast_inference=false"]
+HF = ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One check: what it runs (kind train, logits or calc), its overrides, and where it differs from the defaults."""
+
+    kind: str
+    overrides: list[str] = field(default_factory=list)
+    recipe: str | None = None  # a shipped recipe other than --recipe
+    steps: int | None = None  # GRPO steps other than --steps
+    card: bool = False  # auto-fit to a --card-gib card instead of this GPU
+
+
 VARIANTS = {
-    "unsloth-4bit": ["model.backend=unsloth", "model.load_in_4bit=true", "model.fast_inference=false"],
-    "unsloth-4bit-vllm": ["model.backend=unsloth", "model.load_in_4bit=true", "model.fast_inference=true"],
-    "hf-4bit": ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false"],
-    "hf-4bit-shared": ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false",
-                       "train.gradient_checkpointing=false", "train.shared_prompt=true"],
-    "hf-4bit-unshared": ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false",
-                         "train.gradient_checkpointing=false", "train.shared_prompt=false"],
+    "unsloth-4bit": Variant("train", [*UNSLOTH, *PREFLIGHT, *PLANNED_EVAL], card=True),
+    "engine-logits": Variant("logits", UNSLOTH),
+    "unsloth-calc": Variant("calc", [*UNSLOTH, "data.calculator=true", "train.completions_every=1"], steps=2),
+    "gemma3-fastmodel": Variant("train", [*UNSLOTH, *PREFLIGHT, *SMALL_EVAL], recipe="gemma3_1b_gsm8k", steps=2,
+                                card=True),
+    "hf-4bit": Variant("train", [*HF, *PREFLIGHT, *SMALL_EVAL]),
+    "hf-4bit-shared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.shared_prompt=true"]),
+    "hf-4bit-unshared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.shared_prompt=false"]),
+    "unsloth-4bit-vllm": Variant("train", ["model.backend=unsloth", "model.load_in_4bit=true",
+                                           "model.fast_inference=true"]),
 }
-SHARED_PAIR = ("hf-4bit-shared", "hf-4bit-unshared")  # the shared-prompt pass on, off
-SHARED_PHASES = ("time/loss_forward", "time/backward")
 NO_VLLM = ("skipped: vllm does not import here (its 321 MB wheel is over the 64 MiB bundle, and vllm 0.31 pins "
            "torch 2.13.0)")
+CALC_MARK = "<<7*6=42>>"  # what a scripted rollout holds when the engine's calculator fired
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="the CUDA path's first check: memory, speed, both backends")
+    parser = argparse.ArgumentParser(description="the CUDA path's first check: memory, the evaluation batch, the "
+                                                 "engine against Unsloth's generate, the calculator, both backends")
     parser.add_argument("--recipe", default="qwen2_5_1_5b_gsm8k", help="shipped GPU recipe (default qwen2_5_1_5b)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps per variant (default 3)")
     parser.add_argument("--max-completion-length", type=int, default=256,
                         help="completion tokens (default 256, to fit the 8-minute call; 0 = the recipe's)")
+    parser.add_argument("--card-gib", type=float, default=5.0,
+                        help="the card auto-fit plans for in unsloth-4bit and gemma3-fastmodel (default 5: the plan "
+                             "cuts qwen2_5_1_5b's evaluation batch to 64 there)")
+    parser.add_argument("--logit-tolerance", type=float, default=0.5, help="largest |engine - generate| logit")
+    parser.add_argument("--families", default="llama,qwen3,gemma3_text", help="scripted models for engine-logits")
     parser.add_argument("--time-budget", type=float, default=420, help="seconds for everything (default 420)")
-    parser.add_argument("--workdir", default="/tmp/lowmem_gpu_check", help="model and runs (default /tmp/...)")
+    parser.add_argument("--workdir", default="/tmp/lowmem_gpu_check", help="models and runs (default /tmp/...)")
     parser.add_argument("--out", help="JSON results (default: $OUT/gpu_check.json when $OUT is set)")
     parser.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}: use {', '.join(VARIANTS)}")
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    if args.steps < 1 or args.card_gib <= 0 or args.logit_tolerance <= 0:
+        parser.error("--steps, --card-gib and --logit-tolerance must be positive")
     return args
 
 
@@ -84,48 +126,229 @@ def planned_rows(variants: list[str], vllm_importable: bool) -> list[tuple[str, 
     return [(v, NO_VLLM if v.endswith("-vllm") and not vllm_importable else None) for v in variants]
 
 
-# --- one variant, in its own process -------------------------------------------------------------
+# --- what a variant runs on -----------------------------------------------------------------------------------
 
 
-def variant_recipe(args: argparse.Namespace, model_dir: Path, rows: Path, run_dir: Path):
-    """The recipe of one variant: the shipped recipe's settings on the random-weight model and prompts."""
+def variant_recipe(args: argparse.Namespace, variant: str, model_dir: Path, rows: Path, run_dir: Path):
+    """The recipe of one variant: the shipped recipe's settings on the built model and prompts."""
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
-    recipe = load_recipe(args.recipe)
+    spec = VARIANTS[variant]
+    recipe = load_recipe(spec.recipe or args.recipe)
+    steps = spec.steps or args.steps
     overrides = [f"model.name={model_dir}", f"data.source={rows}", "data.system_prompt=", "data.prefill=",
-                 "rewards={memory_gpu:random_reward: 1.0}", f"train.max_steps={args.steps}",
-                 "train.save_steps=100000", "train.logging_steps=1", "train.preflight=false",
-                 "train.completions_every=0", "train.eval_every=0", f"output.dir={run_dir}", *VARIANTS[args.worker]]
-    if args.max_completion_length:
-        c = args.max_completion_length
+                 RANDOM_REWARD, f"train.max_steps={steps}", "train.save_steps=100000", "train.logging_steps=1",
+                 "train.preflight=false", "train.completions_every=0", "train.eval_every=0", f"output.dir={run_dir}",
+                 *spec.overrides]
+    c = 24 if spec.kind == "calc" else args.max_completion_length  # a scripted row ends after 11 tokens
+    if c:
         overrides += [f"train.max_completion_length={c}", f"model.max_seq_length={recipe.data.max_prompt_length + c}"]
     return apply_overrides(recipe, overrides)
 
 
-def phase_times(logs: list[dict]) -> dict[str, float]:
-    """Mean of each `time/<phase>` key over the logged steps after the first (which also compiles kernels)."""
-    steps = [log for log in logs if log.get("stage", "grpo") == "grpo" and ("step_time" in log
-                                                                          or any(k.startswith("time/") for k in log))]
-    timed = steps[1:] or steps
-    keys = sorted({k for log in timed for k in log if k.startswith("time/")})
-    return {k: round(sum(log[k] for log in timed if k in log) / sum(1 for log in timed if k in log), 3)
-            for k in keys}
+def card_facts(gib: float):
+    """This GPU's CudaFacts with a `gib` card's total, and its free memory less what is in use here already."""
+    import dataclasses
+
+    from lowmem_grpo.device import cuda_facts
+
+    facts = cuda_facts()
+    used = (facts.total_bytes or 0) - (facts.free_bytes or 0)
+    total = int(gib * GIB)
+    return dataclasses.replace(facts, total_bytes=total, free_bytes=max(total - used, 0))
 
 
-def speed(logs: list[dict], generation_batch: int) -> dict[str, float | None]:
-    """Seconds per step and generated tokens per second: completion tokens of the step over the generation
-    phase's time when it is logged (time/generation), else over the whole step."""
-    steps = [log for log in logs if log.get("stage", "grpo") == "grpo" and "step_time" in log]
-    timed = steps[1:] or steps
-    if not timed:
-        return {"step_s": None, "tokens_per_s": None}
-    rates = []
-    for log in timed:
-        seconds = log.get("time/generation") or log["step_time"]
-        if seconds:
-            rates.append(log.get("completions/mean_length", 0) * generation_batch / seconds)
-    return {"step_s": round(sum(log["step_time"] for log in timed) / len(timed), 2),
-            "tokens_per_s": round(sum(rates) / len(rates), 1) if rates else None}
+class CudaMemory:
+    """torch's peak allocated bytes since the last reset, and the device memory in use."""
+
+    def reset(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int:
+        import torch
+
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+
+    def used(self) -> int:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free)
+
+
+def _ignore(*args, **kwargs) -> None:
+    return None
+
+
+class PhaseProbe:
+    """A trainer callback (TrainerCallback's events by name, so this module needs no transformers) that records the
+    peak allocated memory before GRPO (load, preflight, stage evaluations before it), during GRPO, and after it (the
+    trained adapter's stage evaluation, up to `finish`), the device memory in use at each, and the trainer's logs."""
+
+    def __init__(self, memory=None) -> None:
+        self.memory = memory or CudaMemory()
+        self.peaks: dict[str, int] = {}
+        self.logs: list[dict] = []
+        self.steps = 0
+
+    def start(self) -> None:
+        self.memory.reset()
+
+    def finish(self) -> None:
+        self._close("after_grpo")
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        self._close("before_grpo")
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self._close("grpo")
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.steps += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        self.logs.append(dict(logs or {}))
+
+    def _close(self, phase: str) -> None:
+        self.peaks[phase] = self.memory.peak()
+        self.peaks[f"{phase}_device"] = self.memory.used()
+        self.memory.reset()
+
+    def __getattr__(self, name: str):
+        if name.startswith("on_"):
+            return _ignore
+        raise AttributeError(name)
+
+
+# --- the plan a run fitted to ------------------------------------------------------------------------------
+
+
+def run_facts(run_dir: Path) -> tuple[dict, object, dict]:
+    """The run's saved plan (memory_plan.json), its recipe (recipe.yaml) and its stage_eval.json (or {})."""
+    from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.rundir import layout
+
+    plan_path, stage_path = run_dir / layout.PLAN_FILE, run_dir / layout.STAGE_EVAL_FILE
+    plan_dict = json.loads(plan_path.read_text()) if plan_path.exists() else {}
+    stages = json.loads(stage_path.read_text()) if stage_path.exists() else {}
+    return plan_dict, load_recipe(str(run_dir / layout.RECIPE_FILE)), stages
+
+
+# --- the workers, each in its own process -------------------------------------------------------------------
+
+
+def _backend_first(args: argparse.Namespace) -> str:
+    """Import the variant's backend (Unsloth before trl/transformers/peft) and return it."""
+    from lowmem_grpo.backends import prepare
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+
+    spec = VARIANTS[args.worker]
+    return prepare(apply_overrides(load_recipe(spec.recipe or args.recipe), spec.overrides).model.backend)
+
+
+def train_worker(args: argparse.Namespace) -> dict:
+    """A GRPO variant through train(): peaks per phase against the run's own plan, speed, phase timings."""
+    import torch
+
+    from memory_gpu import build_model_dir, write_rows
+
+    from lowmem_grpo.memory.plan import plan
+    from lowmem_grpo.recipe_io import load_recipe
+
+    spec, work = VARIANTS[args.worker], Path(args.workdir)
+    name = spec.recipe or args.recipe
+    model_dir, rows = work / f"model-{name}", work / f"{name}.jsonl"
+    build_model_dir(name, model_dir)  # once; the next variants reuse it
+    write_rows(rows, load_recipe(name).data.max_prompt_length, count=64)
+    recipe = variant_recipe(args, args.worker, model_dir, rows, work / f"run-{args.worker}-{time.time_ns()}")
+    probe = PhaseProbe()
+    probe.start()
+    from lowmem_grpo.train.pipeline import train
+
+    run_dir = train(recipe, callbacks=[probe], cuda=card_facts(args.card_gib) if spec.card else None)
+    probe.finish()
+    plan_dict, fitted, stages = run_facts(Path(run_dir))
+    budget = plan_dict.get("budget_bytes") or torch.cuda.get_device_properties(0).total_memory
+    predicted = plan(fitted, budget)
+    plan_dict = plan_dict or predicted.to_dict()
+    logs = _metrics(Path(run_dir))
+    phases = predicted_phases(plan_dict)
+    return {**probe.peaks, "max_allocated": probe.peaks.get("grpo"), "device_used": probe.peaks.get("grpo_device"),
+            **speed(logs, fitted.train.generation_batch_size()), "phases": phase_times(logs), "steps": probe.steps,
+            "predicted_allocated": phases["grpo"], "predicted_total": plan_dict["total_bytes"],
+            "predicted_phases": phases, "peak_phase": plan_dict["peak_phase"],
+            "prompt_sharing": predicted.sharing_dict(), **predicted_sharing(predicted),
+            "evaluation": evaluation_check(plan_dict, fitted.train.eval_batch_size,
+                                           stages.get("settings", {}).get("batch_size"), probe.peaks),
+            "card_gib": args.card_gib if spec.card else None, **unsloth_facts()}
+
+
+def logits_worker(args: argparse.Namespace) -> dict:
+    """engine-logits: each scripted family loaded as a run loads it, the engine against its own generate."""
+    from scripted_model import build_scripted_model, compare, write_rows
+
+    from lowmem_grpo.backends import load
+
+    work, families = Path(args.workdir), {}
+    rows = write_rows(work / "scripted.jsonl")
+    for family in args.families.split(","):
+        try:
+            model_dir = build_scripted_model(family, work / f"scripted-{family}")
+            recipe = variant_recipe(args, args.worker, model_dir, rows, work / "unused")
+            loaded = load(recipe, "unsloth", model_path=str(model_dir))
+            base = getattr(loaded.model, "get_base_model", lambda: loaded.model)()
+            families[family] = {"model_class": type(base).__name__, "dtype": loaded.dtype,
+                                **compare(loaded.model, loaded.tokenizer, tolerance=args.logit_tolerance)}
+            del loaded
+        except Exception as exc:  # noqa: BLE001 - reported per family; the next one goes on
+            families[family] = {"error": _error(exc)}
+    return {"families": families}
+
+
+def calc_worker(args: argparse.Namespace) -> dict:
+    """unsloth-calc: GRPO steps with the calculator on the scripted llama; how many rollouts it completed."""
+    from scripted_model import build_scripted_model, write_rows
+
+    work = Path(args.workdir)
+    model_dir = build_scripted_model("llama", work / "scripted-llama")
+    rows = write_rows(work / "scripted.jsonl")
+    recipe = variant_recipe(args, args.worker, model_dir, rows, work / f"run-{args.worker}-{time.time_ns()}")
+    probe = PhaseProbe()
+    probe.start()
+    from lowmem_grpo.train.pipeline import train
+
+    run_dir = Path(train(recipe, callbacks=[probe]))
+    probe.finish()
+    texts = [c["text"] for line in (run_dir / "completions.jsonl").read_text().splitlines()
+             for c in json.loads(line)["completions"]]
+    losses = [log["loss"] for log in probe.logs if "loss" in log]
+    return {"steps": probe.steps, "completions": len(texts), "calculator_fired": sum(CALC_MARK in t for t in texts),
+            "losses": losses, "max_allocated": probe.peaks.get("grpo")}
+
+
+WORKERS = {"train": train_worker, "logits": logits_worker, "calc": calc_worker}
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One variant in this process: prints one `RESULT {json}` line."""
+    result = {"variant": args.worker, "recipe": VARIANTS[args.worker].recipe or args.recipe}
+    started = time.monotonic()
+    try:
+        result["backend"] = _backend_first(args)
+        result.update(WORKERS[VARIANTS[args.worker].kind](args))
+    except Exception as exc:  # reported in the table; the next variant goes on
+        result["error"] = _error(exc)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
 def unsloth_facts() -> dict:
@@ -138,44 +361,6 @@ def unsloth_facts() -> dict:
     if fused is not None:
         facts["logprob_kernel_calls"] = dict(getattr(fused, "CALLS", {}))
     return facts
-
-
-def worker(args: argparse.Namespace) -> int:
-    """One variant in this process: prints one `RESULT {json}` line."""
-    import torch
-
-    from memory_gpu import build_model_dir, probe_callback, write_rows
-
-    work = Path(args.workdir)
-    result = {"variant": args.worker, "recipe": args.recipe}
-    started = time.monotonic()
-    try:
-        model_dir = work / f"model-{args.recipe}"
-        build_model_dir(args.recipe, model_dir)  # once; the next variants reuse it
-        from lowmem_grpo.recipe_io import load_recipe
-
-        rows = work / f"{args.recipe}.jsonl"
-        write_rows(rows, load_recipe(args.recipe).data.max_prompt_length)
-        recipe = variant_recipe(args, model_dir, rows, work / f"run-{args.worker}-{time.time_ns()}")
-        probe = probe_callback()
-        from lowmem_grpo.train.pipeline import train
-
-        run_dir = train(recipe, callbacks=[probe])
-        total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 8 * GIB
-        from lowmem_grpo.memory.plan import plan
-
-        predicted = plan(recipe, total)
-        logs = _metrics(run_dir)  # metrics.jsonl: the trainer's logs plus any time/<phase> keys
-        result.update(probe.peaks, **speed(logs, recipe.train.generation_batch_size()), phases=phase_times(logs),
-                      predicted_allocated=predicted.allocated_bytes, predicted_total=predicted.total_bytes,
-                      peak_phase=predicted.peak_phase, steps=sum(1 for log in probe.logs if "step_time" in log),
-                      prompt_sharing=predicted.sharing_dict(), **predicted_sharing(predicted),
-                      **unsloth_facts())
-    except Exception as exc:  # reported in the table; the next variant goes on
-        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-    result["seconds"] = round(time.monotonic() - started, 1)
-    print("RESULT " + json.dumps(result), flush=True)
-    return 0
 
 
 def predicted_sharing(predicted) -> dict:
@@ -196,82 +381,14 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-# --- the table -----------------------------------------------------------------------------------
-
-
-def _gib(value) -> str:
-    return f"{value / GIB:.2f}" if isinstance(value, (int, float)) else "-"
-
-
-def _err(measured, predicted) -> str:
-    if not measured or predicted is None:
-        return "-"
-    return f"{100 * (predicted - measured) / measured:+.1f}%"
-
-
-def table(results: list[dict]) -> str:
-    """One row per variant; the `time/<phase>` columns that any result has, after the fixed ones."""
-    phases = sorted({k for r in results for k in r.get("phases", {})})
-    head = ["variant", "steps", "pred alloc", "max alloc", "err", "pred total", "device used", "tok/s", "s/step",
-            *phases]
-    rows = [head]
-    for r in results:
-        if "error" in r or "skipped" in r:
-            rows.append([r["variant"], r.get("error") or r.get("skipped")])
-            continue
-        rows.append([r["variant"], str(r.get("steps", "-")), _gib(r.get("predicted_allocated")),
-                     _gib(r.get("max_allocated")), _err(r.get("max_allocated"), r.get("predicted_allocated")),
-                     _gib(r.get("predicted_total")), _gib(r.get("device_used")), str(r.get("tokens_per_s") or "-"),
-                     str(r.get("step_s") or "-"), *[str(r.get("phases", {}).get(p, "-")) for p in phases]])
-    widths = [max(len(row[i]) for row in rows if len(row) == len(head)) for i in range(len(head))]
-    lines = []
-    for row in rows:
-        if len(row) != len(head):  # a skipped or failed variant: its reason on one line
-            lines.append(f"{row[0].ljust(widths[0])}  {row[1]}")
-            continue
-        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)))
-    notes = ("(GiB; err = (predicted - measured) / measured; pred total adds what torch does not count: CUDA "
-             "context, vLLM's pool, allocator slack; tok/s = generated tokens per second of generation time when "
-             "time/generation is logged, else of step time)")
-    return "\n".join(lines) + "\n" + notes + "\n"
-
-
-def _ratio(on, off) -> str:
-    return f"{on / off:.2f}" if isinstance(on, (int, float)) and isinstance(off, (int, float)) and off else "-"
-
-
-def sharing_table(results: list[dict]) -> str:
-    """The shared-prompt pass on vs off (SHARED_PAIR): peak allocated memory, measured and predicted, the loss
-    forward, backward and step seconds, and on/off ratios; empty unless both variants ran."""
-    by = {r["variant"]: r for r in results if "error" not in r and "skipped" not in r}
-    if not all(v in by for v in SHARED_PAIR):
-        return ""
-    on, off = (by[v] for v in SHARED_PAIR)
-    rows = [("", "on", "off", "on/off")]
-    rows.append(("max alloc GiB", _gib(on.get("max_allocated")), _gib(off.get("max_allocated")),
-                 _ratio(on.get("max_allocated"), off.get("max_allocated"))))
-    pred_on, pred_off = on.get("predicted_allocated_shared"), off.get("predicted_allocated_unshared")
-    rows.append(("pred alloc GiB", _gib(pred_on), _gib(pred_off), _ratio(pred_on, pred_off)))
-    for key in SHARED_PHASES:
-        a, b = on.get("phases", {}).get(key), off.get("phases", {}).get(key)
-        rows.append((f"{key} s", str(a if a is not None else "-"), str(b if b is not None else "-"), _ratio(a, b)))
-    rows.append(("s/step", str(on.get("step_s") or "-"), str(off.get("step_s") or "-"),
-                 _ratio(on.get("step_s"), off.get("step_s"))))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [f"shared-prompt pass ({SHARED_PAIR[0]} on, {SHARED_PAIR[1]} off): "
-             f"{(on.get('prompt_sharing') or {}).get('reason', '')}"]
-    lines += ["  " + "  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
-              for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 # --- the orchestrator ----------------------------------------------------------------------------
 
 
 def run_variant(args: argparse.Namespace, variant: str, seconds: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--recipe", args.recipe,
            "--steps", str(args.steps), "--max-completion-length", str(args.max_completion_length),
-           "--workdir", args.workdir]
+           "--card-gib", str(args.card_gib), "--logit-tolerance", str(args.logit_tolerance),
+           "--families", args.families, "--workdir", args.workdir]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds, cwd=args.workdir)
     except subprocess.TimeoutExpired:
@@ -299,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {variant} ({left:.0f} s left)", flush=True)
         results.append(run_variant(args, variant, left))
         print(json.dumps(results[-1]), flush=True)
-    sys.stdout.write(table(results) + sharing_table(results))
+    sys.stdout.write(report(results))
     out = args.out or (os.environ["OUT"] + "/gpu_check.json" if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps(results, indent=2))

@@ -226,6 +226,12 @@ class TrainConfig:
     stage_eval_samples: int = 4
     """With train.stage_eval: also sample this many completions per problem at train.temperature at each stage:
     mean@k and pass@k with paired CIs, and pass@k - greedy, the room GRPO has on the greedy answer (0 = greedy only)."""
+    eval_batch_size: int | None = None
+    """Sequences an evaluation (train.stage_eval, train.eval_every) decodes at once; a k-sample evaluation decodes
+    the k samples of batch / k problems (one problem's at least). None: on a GPU auto-fit sets it from the memory
+    plan, the largest power of two up to 128 whose KV cache fits beside the resident weights, adapter and optimizer
+    state (`lowmem-grpo plan` shows it, and auto-fit cuts a value too large for the GPU); elsewhere 128 (at least
+    the micro-batch; a sampled evaluation takes 8 problems' samples at least)."""
     auto_fit: bool | None = None
     """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory.plan); None = on CUDA, false = never."""
     oom_retries: int = 2
@@ -412,6 +418,9 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
         value = getattr(t, key)
         _require(value == 0 or value >= 2, f"train.{key}", f"is {value}; mean@k and pass@k need k >= 2 samples",
                  f"use 0 (greedy only) or e.g. train.{key}=4")
+    if t.eval_batch_size is not None:
+        _require(t.eval_batch_size >= 1, "train.eval_batch_size", f"is {t.eval_batch_size}",
+                 "use a positive number of sequences, or leave it unset (null) for the memory plan's")
     _require(t.oom_retries >= 0, "train.oom_retries", f"is {t.oom_retries}", "use 0 (stop at the first OOM) or more")
     _require(0 <= t.max_truncated_targets <= 1, "train.max_truncated_targets", f"is {t.max_truncated_targets}",
              "use a share in [0, 1], e.g. 0.02 (1 = never check)")

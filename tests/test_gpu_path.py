@@ -431,11 +431,13 @@ def test_a_lost_adapter_fails_even_within_the_bf16_tolerance():
 
 def _gpu_check():
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # as a script run has it: its dataclass looks its module up
     spec.loader.exec_module(module)
     return module
 
@@ -443,15 +445,15 @@ def _gpu_check():
 def test_gpu_check_arguments_and_the_rows_it_plans():
     gpu_check = _gpu_check()
     args = gpu_check.parse_args([])
-    assert (args.recipe, args.steps, args.time_budget) == ("qwen2_5_1_5b_gsm8k", 3, 420)
-    assert args.variants.split(",") == ["unsloth-4bit", "unsloth-4bit-vllm", "hf-4bit", "hf-4bit-shared",
-                                        "hf-4bit-unshared"]
+    assert (args.recipe, args.steps, args.time_budget, args.card_gib) == ("qwen2_5_1_5b_gsm8k", 3, 420, 5.0)
+    assert args.variants.split(",") == ["unsloth-4bit", "engine-logits", "unsloth-calc", "gemma3-fastmodel",
+                                        "hf-4bit", "hf-4bit-shared", "hf-4bit-unshared", "unsloth-4bit-vllm"]
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--variants", "unsloth-8bit"])
     rows = gpu_check.planned_rows(args.variants.split(","), vllm_importable=False)
-    assert [skip is None for _, skip in rows] == [True, False, True, True, True]
+    assert [skip is None for _, skip in rows] == [True] * 7 + [False]
     # the pair differs in the shared-prompt switch only, without the checkpointing that keeps ours off the loss pass
-    on, off = (gpu_check.VARIANTS[v] for v in gpu_check.SHARED_PAIR)
+    on, off = (gpu_check.VARIANTS[v].overrides for v in gpu_check.SHARED_PAIR)
     assert [o for o in off if o not in on] == ["train.shared_prompt=false"] and len(on) == len(off)
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
@@ -459,6 +461,107 @@ def test_gpu_check_arguments_and_the_rows_it_plans():
     assert shared.shared_prompt and not unshared.shared_prompt
     assert not shared.gradient_checkpointing and not unshared.gradient_checkpointing
     assert all(skip is None for _, skip in gpu_check.planned_rows(args.variants.split(","), vllm_importable=True))
+
+
+def test_gpu_check_answers_help_on_cpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--card-gib" in out.stdout and "engine-logits" in out.stdout, out.stderr
+
+
+def test_gpu_check_variants_are_valid_recipes_that_check_what_they_say(tmp_path):
+    from lowmem_grpo.memory.plan import plan
+    from lowmem_grpo.recipe import validate
+
+    gpu_check = _gpu_check()
+    args = gpu_check.parse_args([])
+    recipes = {}
+    for name, spec in gpu_check.VARIANTS.items():
+        args.worker = name
+        recipes[name] = gpu_check.variant_recipe(args, name, tmp_path / "model", tmp_path / "rows.jsonl",
+                                                 tmp_path / name)
+        validate(recipes[name])
+        assert recipes[name].train.max_steps == (spec.steps or 3)
+    first = recipes["unsloth-4bit"].train  # the preflight on, random rewards allowed, a stage evaluation after GRPO
+    assert first.preflight and first.allow_no_signal and first.stage_eval and first.stage_eval_stages == ["trained"]
+    calc = recipes["unsloth-calc"]
+    assert calc.data.calculator and calc.model.backend == "unsloth" and calc.train.max_completion_length == 24
+    assert calc.train.max_steps == 2 and recipes["gemma3-fastmodel"].model.name == str(tmp_path / "model")
+    assert gpu_check.VARIANTS["gemma3-fastmodel"].recipe == "gemma3_1b_gsm8k"
+    # on the default card the plan cuts the evaluation batch, and the stage evaluation holds one planned batch
+    real = gpu_check.variant_recipe(args, "unsloth-4bit", "Qwen/Qwen2.5-1.5B-Instruct", tmp_path / "rows.jsonl",
+                                    tmp_path / "run")
+    p = plan(real, int(args.card_gib * GIB))
+    assert p.fits and p.eval_batch == real.train.stage_eval == 64 < 128
+
+
+class FakeMemory:
+    """Stands in for torch.cuda's peak statistics (gpu_check.CudaMemory: reset, peak, used)."""
+
+    def __init__(self, peaks):
+        self.peaks, self.resets = list(peaks), 0
+
+    def reset(self):
+        self.resets += 1
+
+    def peak(self):
+        return self.peaks.pop(0)
+
+    def used(self):
+        return 7
+
+
+def test_gpu_check_probe_splits_the_run_around_grpo():
+    gpu_check = _gpu_check()
+    probe = gpu_check.PhaseProbe(FakeMemory([3, 5, 2]))
+    probe.start()
+    for event in ("on_init_end", "on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end"):
+        getattr(probe, event)(None, None, None, logs={"loss": 0.5})  # every TrainerCallback event answers
+    probe.finish()
+    assert probe.peaks == {"before_grpo": 3, "before_grpo_device": 7, "grpo": 5, "grpo_device": 7, "after_grpo": 2,
+                           "after_grpo_device": 7}
+    assert probe.memory.resets == 4 and probe.steps == 1 and probe.logs == [{"loss": 0.5}]
+    with pytest.raises(AttributeError):
+        probe.not_an_event  # noqa: B018
+
+
+def test_gpu_check_compares_the_evaluation_with_the_plan(tmp_path):
+    from lowmem_grpo.memory.plan import plan
+    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+
+    gpu_check = _gpu_check()
+    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), [*gpu_check.UNSLOTH, *gpu_check.PLANNED_EVAL])
+    saved = plan(recipe, 5 * GIB).to_dict()  # what the run's memory_plan.json holds
+    phases = gpu_check.predicted_phases(saved)
+    resident = saved["allocated_bytes"] - saved["phases"][saved["peak_phase"]]
+    assert phases["evaluation"] == resident + saved["phases"]["evaluation"] == saved["allocated_bytes"]
+    assert phases["grpo"] == resident + max(saved["phases"]["generation"], saved["phases"]["training"])
+    check = gpu_check.evaluation_check(saved, 64, 64, {"after_grpo": 3 * GIB})
+    assert check["batch_agrees"] and check["planned_batch"] == 64 and check["measured_eval_allocated"] == 3 * GIB
+    assert not gpu_check.evaluation_check(saved, 64, 128, {})["batch_agrees"]
+    result = {"variant": "unsloth-4bit", "card_gib": 5.0, "evaluation": check, "predicted_phases": phases,
+              "before_grpo": 2 * GIB}
+    text = gpu_check.report([result])
+    line = next(ln for ln in text.splitlines() if ln.startswith("unsloth-4bit") and " 64 " in ln)
+    assert line.split()[1:6] == ["5", "64", "64", "64", "yes"] and "3.00" in line
+
+
+def test_gpu_check_prints_the_engine_and_calculator_results():
+    gpu_check = _gpu_check()
+    family = {"model_class": "LlamaForCausalLM", "dtype": "bfloat16", "tokens_match": True, "forced_match": True,
+              "forced_tokens": 3, "lengths": [3, 24, 1, 11, 3], "max_logit_diff": 0.03, "context_effect": 3.9,
+              "tolerance": 0.5, "ok": True}
+    results = [{"variant": "engine-logits", "families": {"llama": family, "gemma3_text": {"error": "ValueError: x"}}},
+               {"variant": "unsloth-calc", "steps": 2, "completions": 32, "calculator_fired": 32,
+                "losses": [0.0, 0.01], "max_allocated": GIB}]
+    text = gpu_check.report(results)
+    assert "llama" in text and "3/24/1/11/3" in text and " ok" in text and "gemma3_text  ValueError: x" in text
+    assert "2 steps, the calculator completed 32 of 32 recorded rollouts" in text
+    assert "variant" in text.splitlines()[0]  # the GRPO table lists neither: they have no plan to compare
 
 
 def test_gpu_check_table_shows_memory_speed_and_phase_timings():
@@ -504,7 +607,98 @@ def test_gpu_check_compares_the_shared_prompt_pass_on_and_off():
     from lowmem_grpo.memory.plan import plan
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
-    predicted = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), gpu_check.VARIANTS["hf-4bit-shared"]),
+    predicted = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), gpu_check.VARIANTS["hf-4bit-shared"].overrides),
                      80 * GIB)
     both = gpu_check.predicted_sharing(predicted)
     assert both["predicted_allocated_unshared"] == predicted.allocated_bytes > both["predicted_allocated_shared"]
+
+
+# --- the scripted model: the engine against a reference decoder, run here on CPU transformers --------------------
+
+
+def _benchmark(name):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """The scripted llama of benchmarks/scripted_model.py, built and loaded in bfloat16 on CPU, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sm = _benchmark("scripted_model")
+    folder = sm.build_scripted_model("llama", tmp_path_factory.mktemp("scripted") / "llama")
+    return sm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), AutoTokenizer.from_pretrained(folder)
+
+
+class CacheLosing:
+    """The model behind a decode loop that loses its cache: every one-token step sees only its own token (its position
+    kept). generate (the reference) and whole-prompt forwards reach the model as they are."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kwargs):
+        if kwargs.get("past_key_values") is not None and kwargs["input_ids"].shape[1] == 1:
+            kwargs = {"input_ids": kwargs["input_ids"], "position_ids": kwargs["position_ids"]}
+        return self.model(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_the_engine_matches_generate_on_the_scripted_model_and_a_lost_cache_does_not(scripted):
+    """What gpu_check's engine-logits runs on Unsloth, on transformers: rows that end at EOS after 3 and 1 tokens, one
+    that runs out, one where the calculator forces 42>>; the engine's tokens, forced tokens and logits are generate's
+    (with CalculatorForcing), and the context moves the logits by far more than the tolerance."""
+    sm, model, tokenizer = scripted
+    result = sm.compare(model, tokenizer, max_new_tokens=24)
+    assert result["ok"], result
+    assert result["lengths"] == result["reference_lengths"] == [3, 24, 1, 11, 3]
+    assert result["truncated"] == [False, True, False, False, False] and result["forced_tokens"] == 3
+    assert result["texts"][3] == "<<7*6=42>>w2w3" and result["max_logit_diff"] <= 0.5 < result["context_effect"] / 4
+    broken = sm.compare(CacheLosing(model), tokenizer, max_new_tokens=24)
+    assert not broken["ok"] and broken["max_logit_diff"] > 0.5
+
+
+def test_a_chat_prompt_makes_every_scripted_rollout_call_the_calculator(scripted, tmp_path):
+    """unsloth-calc's premise: the training rows, rendered as chat prompts, end in "assistant", after which the script
+    writes <<7*6= and the engine completes it."""
+    import json
+
+    from lowmem_grpo.evaluation.engine import Calculator, sample_rows
+
+    sm, model, tokenizer = scripted
+    rows = [json.loads(line) for line in sm.write_rows(tmp_path / "rows.jsonl", count=3).read_text().splitlines()]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["question"]}], tokenize=True,
+                                             add_generation_prompt=True) for r in rows]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    assert all(tokenizer.convert_ids_to_tokens(p[-1]) == "assistant" and tokenizer.unk_token_id not in p
+               for p in prompts)
+    out = sample_rows(model, prompts, max_new_tokens=24, temperature=0.0, eos_ids={tokenizer.eos_token_id},
+                      pad_id=tokenizer.pad_token_id, calculator=Calculator(tokenizer))
+    texts = [tokenizer.decode(r.ids, skip_special_tokens=True) for r in out]
+    assert texts == ["w1<<7*6=42>>w2w3"] * 3 and all(not r.truncated and sum(r.forced) == 3 for r in out)
+    assert _gpu_check().CALC_MARK in texts[0]
+
+
+def test_engine_calls_map_back_to_their_rows():
+    sm = _benchmark("scripted_model")
+    # 4 rows of 1, 5, 2 and 5 tokens: the engine drops the ended ones once a quarter of the batch has ended
+    assert sm.rows_of_calls([4, 4, 2, 2, 2], [1, 5, 2, 5]) == [[0, 1, 2, 3]] * 2 + [[1, 3]] * 3
+    logits = [torch.full((4, 2), 0.0), torch.full((4, 2), 1.0), torch.tensor([[2.0] * 2, [3.0] * 2])]
+    per_row = sm.engine_logits(logits, [1, 3, 2, 3])
+    assert [len(r) for r in per_row] == [1, 3, 2, 3] and float(per_row[1][2][0]) == 2.0
+    assert float(per_row[3][2][0]) == 3.0 and float(per_row[2][1][0]) == 1.0
+    with pytest.raises(ValueError, match="still writing"):
+        sm.rows_of_calls([4, 3], [1, 1, 5, 5])

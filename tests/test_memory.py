@@ -634,3 +634,155 @@ def test_plan_output_names_the_sharing_and_prints_both_figures():
     off = json.loads(_cli("plan", "qwen2_5_1_5b_gsm8k", *ONE_GROUP, "--json", UNSLOTH_GRPO_PREFIX_GROUPER="0").stdout)
     assert off["prompt_sharing"]["applies"] == "none" and "UNSLOTH_GRPO_PREFIX_GROUPER=0" in off["prompt_sharing"]["reason"]
     assert off["total_bytes"] == off["prompt_sharing"]["peak_without_bytes"]
+
+
+# --- the evaluation batch: its KV cache, the plan's choice, auto-fit --------------------------------------
+
+WITH_STAGE_EVAL = ["train.stage_eval=100"]  # the stage evaluation on (greedy + 4 samples a problem)
+
+
+def test_eval_kv_cache_is_layers_kv_heads_head_dim_two_bytes_rows_tokens(tiny):
+    """Tiny llama: L 2, 2 kv heads x head dim 16, bf16; E = 16 rows of S = 32 + 64 tokens."""
+    s = tiny_settings(eval_batch=16)
+    assert mt.eval_kv_cache(tiny, s) == 2 * 2 * 16 * 2 * 2 * 16 * 96  # DynamicCache: every position of every layer
+    # Unsloth's decode buffers: P + 1 + 512 x ceil(C / 512) positions per layer, plus the prefill's P copied into them
+    unsloth = dataclasses.replace(s, backend="unsloth")
+    assert mt.eval_kv_cache(tiny, unsloth) == 2 * 2 * 16 * 2 * 2 * 16 * (32 + 1 + 512 + 32)
+    assert mt.eval_kv_cache(tiny, dataclasses.replace(unsloth, completion_len=600)) == \
+        2 * 2 * 16 * 2 * 2 * 16 * (32 + 1 + 1024 + 32)
+    gemma2 = architecture_from_config({**TINY, "model_type": "gemma2", "head_dim": 16})  # its own increment: 256
+    assert mt.eval_kv_cache(gemma2, unsloth) == 2 * 2 * 16 * 2 * 2 * 16 * (32 + 1 + 256 + 32)
+    # Gemma 3 loads through Unsloth's FastModel: transformers' cache, sliding layers kept to their window
+    gemma3 = architecture_from_config({**TINY, "model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 16,
+                                       "sliding_window": 64, "sliding_window_pattern": 6})
+    assert mt.eval_kv_cache(gemma3, unsloth) == (5 * 64 + 96) * 2 * 2 * 16 * 2 * 16
+    # the engine decodes it outside vLLM's pool, which holds the rollouts' cache; no evaluation, no term
+    vllm = dataclasses.replace(unsloth, fast_inference=True)
+    assert mt.eval_kv_cache(tiny, vllm) == mt.eval_kv_cache(tiny, unsloth) and mt.kv_cache(tiny, vllm) == 0
+    assert mt.eval_kv_cache(tiny, tiny_settings()) == mt.eval_workspace(tiny, tiny_settings()) == 0
+    # the generation cache is the same formula for the generation batch
+    assert mt.kv_cache(tiny, dataclasses.replace(unsloth, eval_batch=0)) == mt.decode_kv_bytes(tiny, unsloth, 8)
+    assert mt.eval_workspace(tiny, s) == 16 * 32 * (64 * 4 + 2 * 128 * 2) + 64 * 128 * 2 + 16 * 600 * 8
+
+
+def test_unsloth_decode_buffers_match_the_installed_source():
+    """A drift guard, read from the installed Unsloth (not imported): the increments our term copies, the model types
+    that decode through the fast path, and the buffers it allocates and grows (their source pinned by hash)."""
+    import ast
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.find_spec("unsloth")
+    if spec is None:
+        pytest.skip("unsloth is not installed")
+    models = Path(spec.origin).parent / "models"
+    text = {name: (models / f"{name}.py").read_text(encoding="utf-8") for name in mt.UNSLOTH_DECODE_INCREMENTS}
+    for name, increment in mt.UNSLOTH_DECODE_INCREMENTS.items():
+        own = re.findall(r"^KV_CACHE_INCREMENT = (\d+)$", text[name], re.M)
+        assert own == [str(increment)] or (not own and "from .llama import *" in text[name]
+                                           and increment == mt.UNSLOTH_DECODE_INCREMENTS["llama"]), name
+    loader = (models / "loader.py").read_text(encoding="utf-8")
+    assert set(re.findall(r'(?:el)?if model_type == "(\w+)":', loader)) == set(mt.UNSLOTH_DECODE_INCREMENTS)
+    graphs = (models / "_decode_graphs.py").read_text(encoding="utf-8")
+    assert "(increment + seq_len + 1, 2, bsz, n_kv_heads, head_dim)" in graphs  # the eager buffer: P + 1 + inc
+    assert "attn.paged_attention.resize_((rows + increment, 2, bsz, n_kv_heads, head_dim))" in graphs
+    pinned = {"alloc_decode_buffers": "1ef491e03f8cde20", "resize_decode_buffers": "f46f72badc3bf25f"}
+    for node in ast.parse(graphs).body:
+        if isinstance(node, ast.FunctionDef) and node.name in pinned:
+            digest = hashlib.sha256(ast.get_source_segment(graphs, node).encode()).hexdigest()[:16]
+            assert digest == pinned.pop(node.name), f"{node.name} changed: re-read it against terms.decode_kv_bytes"
+    assert not pinned
+    # the prefill-shaped forward frees the buffers a decode left (they do not outlive the next phase)
+    assert "if hasattr(self, \"paged_attention\"):\n        del self.paged_attention_K" in text["llama"]
+
+
+def test_the_rows_an_evaluation_decodes_at_once_follow_generate():
+    from lowmem_grpo.memory.plan import eval_batch_candidates, eval_rows
+
+    source = (REPO / "lowmem_grpo" / "evaluation" / "generate.py").read_text(encoding="utf-8")
+    assert "per_batch = max(1, batch_size // num_samples)" in source  # batch // k problems' k samples
+    for batch, k in [(16, 4), (16, 3), (2, 4), (1, 1), (128, 4)]:
+        assert eval_rows(batch, k) == max(max(1, batch // k) * k, batch)
+    assert eval_rows(0, 4) == 0
+    assert eval_batch_candidates(128) == [128, 64, 32, 16, 8, 4, 2, 1]
+    assert eval_batch_candidates(100) == [100, 64, 32, 16, 8, 4, 2, 1] and eval_batch_candidates(1) == [1]
+
+
+@pytest.mark.parametrize("name,gib", [("llama3_2_3b_gsm8k", 16), ("qwen3_4b_gsm8k", 24)])
+@pytest.mark.parametrize("backend", ["unsloth", "hf"])
+def test_the_plan_cuts_the_evaluation_batch_to_fit(name, gib, backend):
+    """At 128 rows their bf16 KV cache alone is ~14 GiB (Llama-3.2-3B, 1024 tokens) and ~22.5 GiB (Qwen3-4B, 1280
+    tokens): the plan takes the largest power of two whose evaluation fits, and counts it in the peak."""
+    from lowmem_grpo.memory.plan import evaluation_peak
+
+    recipe = apply_overrides(load_recipe(name), [*WITH_STAGE_EVAL, f"model.backend={backend}"])
+    arch = load_architecture(recipe.model.name)
+    full = 128 * arch.num_layers * (recipe.data.max_prompt_length + recipe.train.max_completion_length) * 2 \
+        * arch.kv_dim * 2
+    assert full / GIB == pytest.approx({16: 14.0, 24: 22.5}[gib])
+    p = plan(recipe, gib * GIB)
+    e = p.evaluation
+    assert e["counted"] and e["planned"] and p.eval_batch == e["batch"] < 128 and p.fits
+    assert e["peak_bytes"] <= gib * GIB < evaluation_peak(arch, p.settings, 2 * e["batch"])  # the largest that fits
+    assert p.terms["eval_kv_cache"] == e["kv_bytes"] and p.settings.eval_batch == e["rows"] == e["batch"]
+    phases = p.phases
+    assert p.total_bytes == phases["static"] + max(phases["generation"], phases["training"], phases["evaluation"]) \
+        + p.terms["allocator_slack"]
+    # a batch the recipe sets is taken as it is, and a plan that cannot hold it says so
+    as_set = plan(apply_overrides(recipe, ["train.eval_batch_size=128"]), gib * GIB)
+    assert as_set.eval_batch == 128 and not as_set.evaluation["planned"] and as_set.fits is False
+    assert as_set.peak_phase == "evaluation"
+
+
+def test_a_recipe_without_an_engine_evaluation_keeps_its_peak_and_shows_the_batch():
+    recipe = load_recipe("qwen3_4b_gsm8k")  # no train.stage_eval, no train.eval_every
+    p = plan(recipe, 24 * GIB)
+    assert p.eval_batch is None and p.terms["eval_kv_cache"] == p.phases["evaluation"] == 0
+    assert p.evaluation["batch"] < 128 and p.evaluation["kv_bytes"] > 0  # what turning it on would take
+    assert p.total_bytes == plan(apply_overrides(recipe, ["train.eval_batch_size=128"]), 24 * GIB).total_bytes
+    # vLLM samples the periodic evaluation inside its own pool; the stage evaluation always runs on the engine
+    vllm = ["model.backend=unsloth", "model.fast_inference=true"]
+    assert plan(apply_overrides(recipe, [*vllm, "train.eval_every=10"]), 24 * GIB).eval_batch is None
+    staged = plan(apply_overrides(recipe, [*vllm, *WITH_STAGE_EVAL]), 24 * GIB)
+    assert staged.eval_batch and staged.terms["eval_kv_cache"] > 0 and staged.terms["vllm_reservation"] > 0
+    # without a budget the evaluation stays within the GRPO step's own peak
+    unbudgeted = plan(apply_overrides(recipe, WITH_STAGE_EVAL))
+    assert unbudgeted.peak_phase != "evaluation" and unbudgeted.evaluation["peak_bytes"] <= unbudgeted.total_bytes
+
+
+def test_auto_fit_writes_the_evaluation_batch_and_the_evaluations_read_it():
+    from lowmem_grpo.evaluation.stages import periodic_settings
+
+    recipe = apply_overrides(load_recipe("llama3_2_3b_gsm8k"), [*WITH_STAGE_EVAL, "train.eval_every=10",
+                                                                "train.eval_samples=4"])
+    fitted, p = auto_fit(recipe, 16 * GIB, set())
+    assert p.fits and fitted.train.eval_batch_size == p.eval_batch < 128
+    assert recipe.train.eval_batch_size is None  # the caller's recipe is left as it was
+    greedy, sampled = periodic_settings(fitted.train)
+    assert greedy["batch_size"] == sampled["batch_size"] == p.eval_batch  # the k samples of batch / k problems
+    # a value the recipe sets is cut unless the user gave it; given explicitly, too large a batch is named
+    too_large = apply_overrides(recipe, ["train.eval_batch_size=128"])
+    assert auto_fit(too_large, 16 * GIB, set())[0].train.eval_batch_size == p.eval_batch
+    with pytest.raises(RecipeError, match="train.eval_batch_size=128"):
+        auto_fit(too_large, 16 * GIB, {"train.eval_batch_size"})
+    small = apply_overrides(recipe, ["train.eval_batch_size=8"])
+    assert auto_fit(small, 16 * GIB, set())[0].train.eval_batch_size == 8  # never raised above the recipe's
+
+
+def test_plan_shows_the_evaluation_batch_and_its_memory():
+    text = _cli("plan", "llama3_2_3b_gsm8k", *WITH_STAGE_EVAL)
+    assert text.returncode == 0, text.stderr
+    line = next(ln for ln in text.stdout.splitlines() if ln.strip().startswith("evaluation:"))
+    assert re.search(r"evaluation: (\d+) sequences at once \(train.eval_batch_size, planned: the largest power of "
+                     r"two up to 128 that fits\) x 1024 tokens: KV cache [\d.]+ GiB", line), line
+    data = json.loads(_cli("plan", "llama3_2_3b_gsm8k", *WITH_STAGE_EVAL, "--json").stdout)
+    assert data["evaluation"]["counted"] and data["evaluation"]["batch"] < 128
+    assert data["terms"]["eval_kv_cache"] == data["evaluation"]["kv_bytes"]
+    off = _cli("plan", "qwen3_4b_gsm8k")
+    assert "evaluation: off in this recipe" in off.stdout
+    from lowmem_grpo.memory.plan import format_plan
+
+    for path in GPU_RECIPES:  # every GPU recipe's plan says what its evaluation batch is and takes
+        recipe = load_recipe(str(path))
+        text = format_plan(plan(recipe, recipe.gpu_memory_gb * GIB))
+        assert re.search(r"  evaluation: .*\d+ sequences at once .* KV cache [\d.]+ (GiB|MiB)", text), path.name

@@ -94,6 +94,54 @@ def test_calculator_rendering_of_gsm8k_lines():
     assert clean_reasoning("12+49-4=<<49-4=45>>45\n#### 57", calculator=True) == "12+49-4=<<49-4=45>>45"
 
 
+# answers as the hub's openai/gsm8k writes them: prose arithmetic, often with "x" for "*", in front of each annotation
+HUB_ANSWERS = [
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in "
+     "April and May.\n#### 72",
+     "Natalia sold <<48/2=24>>24 clips in May.\nNatalia sold <<48+24=72>>72 clips altogether in April and May."),
+    ("Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10."
+     "\n#### 10",
+     "Weng earns $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned $<<0.2*50=10>>10."),
+    ("Maila read 12 x 2 = <<12*2=24>>24 pages today.\nShe has 5 x $3 = $<<5*3=15>>15 left.\n#### 15",
+     "Maila read <<12*2=24>>24 pages today.\nShe has $<<5*3=15>>15 left."),
+]
+
+
+@pytest.mark.parametrize("answer,reasoning", HUB_ANSWERS, ids=["plain", "dollars", "times"])
+def test_calculator_priming_renders_hub_gsm8k_answers_as_the_engine_completes_them(answer, reasoning):
+    """Priming on GSM8K with data.calculator: each `<<E=R>>` stays, written as the engine completes `<<E=` (the
+    calculator's R and `>>`, then GSM8K's copy of R), and the prose duplicate of E in front of it goes."""
+    from lowmem_grpo.rewards import expression
+    from lowmem_grpo.rewards.calculator import forced_text
+
+    completion = render_target(answer, "<reasoning>\n", calculator=True)
+    gold = answer.rpartition("#### ")[2]
+    assert completion == f"{reasoning}\n</reasoning>\n<answer>\n{gold}\n</answer>"
+    for expr, end in _calls(completion):
+        assert completion.startswith(forced_text(expr), end)
+    for reward in (strict_format, correctness, expression):
+        kwargs = {"answer": [answer]} if reward is not strict_format else {}
+        assert reward([completion], prefill=["<reasoning>\n"], **kwargs) == [1.0], reward.__name__
+
+
+def test_the_prose_in_front_of_an_annotation_goes_only_when_it_is_the_duplicate():
+    # more arithmetic runs into the duplicate: left as written, the call still the calculator's
+    assert clean_reasoning("3 x 12 x 2 = <<12*2=24>>24\n#### 72", calculator=True) == "3 x 12 x 2 = <<12*2=24>>24"
+    assert clean_reasoning("Total: 2 + 49-4 = <<49-4=45>>45\n#### 47", calculator=True) == \
+        "Total: 2 + 49-4 = <<49-4=45>>45"
+    assert clean_reasoning("In 2 days, 12 x 2 = <<12*2=24>>24\n#### 24", calculator=True) == "In 2 days, <<12*2=24>>24"
+    assert clean_reasoning("It costs 3 \u00d7 4 = <<3*4=12>>12\n#### 12", calculator=True) == "It costs <<3*4=12>>12"
+    # prose that is not the expression stays
+    assert clean_reasoning("So 2 x 3 = <<3*2=6>>6\n#### 6", calculator=True) == "So 2 x 3 = <<3*2=6>>6"
+
+
+def test_the_embedded_gsm8k_sample_keeps_every_annotation_for_the_calculator():
+    for split in ("train", "test"):
+        for row in load_rows("embedded", split):
+            kept = _calls(clean_reasoning(row["answer"], calculator=True))
+            assert len(kept) == row["answer"].count("<<") > 0, row["answer"]
+
+
 def test_the_prefill_is_what_separates_the_target_from_the_full_turn():
     """Rewards score prefill + completion: without the prefill the completion alone is not in format."""
     completion = render_target(TRAIN_ROWS[1]["answer"], "<reasoning>\n")
@@ -297,3 +345,19 @@ def test_the_embedded_default_primes_with_a_compatible_prefill():
     recipe = load_recipe(CPU_RECIPE)
     assert recipe.prime.enabled and recipe.data.prefill == "<reasoning>\n"
     validate(recipe)  # includes the prefill check priming needs
+
+
+def test_the_gpu_calculator_recipe_primes_on_gsm8k_solutions_for_the_calculator():
+    """recipes/qwen2_5_1_5b_gsm8k_calc.py: GSM8K from the hub, backend auto, the calculator in the loop, priming on the
+    worked solutions rendered as the engine completes them, and the expression reward beside the answer's."""
+    from lowmem_grpo.rewards import expression
+
+    recipe = load_recipe("recipes/qwen2_5_1_5b_gsm8k_calc.py")
+    validate(recipe)
+    d = recipe.data
+    assert (d.source, d.calculator, recipe.prime.enabled, recipe.model.backend) == ("hub", True, True, "auto")
+    assert recipe.model.fast_inference is False and recipe.rewards["expression"] > 0 and recipe.train.stage_eval
+    answer, reasoning = HUB_ANSWERS[0]
+    completion = render_target(answer, d.prefill, d.calculator)
+    assert completion.startswith(reasoning) and "48/2 =" not in completion
+    assert expression([completion], prefill=[d.prefill], answer=[answer]) == [1.0]

@@ -265,3 +265,26 @@ def test_stage_evals_of_generated_problems_write_the_wording(tiny_model_dir, tmp
     gsm8k = StageEvals(load_recipe("recipes/smollm2_135m_gsm8k_cpu.py", ["train.stage_eval=3"]),
                        AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "other.json")
     assert gsm8k.groups is None
+
+
+def test_on_cpu_the_evaluations_keep_128_sequences_and_read_a_planned_batch(tiny_model_dir, tmp_path):
+    """No GPU, no plan: train.eval_batch_size stays unset and every evaluation batches as before (EVAL_BATCH, a
+    sampled one 8 problems' samples at least); a batch the plan wrote (auto-fit on a GPU) is what both read."""
+    from transformers import AutoTokenizer
+
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.evaluation.stages import EVAL_BATCH, StageEvals, periodic_settings
+    from lowmem_grpo.memory.fit import fit_to_device
+
+    overrides = ["train.stage_eval=4", "train.eval_every=5", "train.eval_samples=20"]
+    recipe = load_recipe("recipes/smollm2_135m_arith_cpu.py", overrides)
+    fitted, fit = fit_to_device(recipe, set(), facts=CudaFacts(torch_cuda=None, available=False))
+    assert fit is None and fitted.train.eval_batch_size is None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert StageEvals(fitted, tokenizer, tmp_path / "cpu.json").settings["batch_size"] == EVAL_BATCH == 128
+    greedy, sampled = periodic_settings(fitted.train)
+    assert greedy["batch_size"] == 128 and sampled["batch_size"] == 8 * 20  # 8 problems' 20 samples
+    planned = load_recipe("recipes/smollm2_135m_arith_cpu.py", [*overrides, "train.eval_batch_size=16"])
+    assert StageEvals(planned, tokenizer, tmp_path / "gpu.json").settings["batch_size"] == 16
+    greedy, sampled = periodic_settings(planned.train)
+    assert greedy["batch_size"] == sampled["batch_size"] == 16

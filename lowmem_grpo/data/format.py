@@ -26,7 +26,10 @@ expression GSM8K writes in front of it:
     She starts with <<7*7=49>>49 fish.
     She now has <<49-4=45>>45 fish.
 
-(GSM8K's `49-4=<<49-4=45>>45`; `$4*5=$<<4*5=20>>20` becomes `$<<4*5=20>>20`.) The value inside is
+(GSM8K's `49-4=<<49-4=45>>45`; `$4*5=$<<4*5=20>>20` becomes `$<<4*5=20>>20`, and the hub's
+`48/2 = <<48/2=24>>24` and `12 x 2 = <<12*2=24>>24`, whose prose writes "x" for "*", become `<<48/2=24>>24` and
+`<<12*2=24>>24`; a line whose arithmetic runs on in front of the annotation, `3 x 12 x 2 = <<12*2=24>>24`, is
+left as written.) The value inside is
 re-rendered by the calculator (`format_result`), the text the engine forces; an annotation whose
 expression the calculator refuses is removed as without the calculator.
 
@@ -53,8 +56,30 @@ _TAG_RE = re.compile(r"</?(?:reasoning|answer)>")
 _REASONING_OPEN = "<reasoning>\n"
 
 
+_TIMES = frozenset("xX\u00d7")  # how GSM8K's prose writes the "*" of its annotations: "12 x 2 = <<12*2=24>>24"
+_OPERATOR_CHARS = frozenset("+-*/(.$\u00d7") | frozenset("0123456789")
+
+
+def _matches(prose: str, wanted: str) -> bool:
+    return prose == wanted or (wanted == "*" and prose in _TIMES)
+
+
+def _continues_expression(text: str, start: int) -> bool:
+    """Whether more arithmetic runs into text[start:] from the left: an expression character right against it
+    ("12+49-4", "1,200"), or an operator, digit or "x" between numbers across spaces ("2 + 49-4", "3 x 12 x 2")."""
+    if start > 0 and text[start - 1] in _EXPRESSION_CHARS:
+        return True
+    head = text[:start].rstrip()
+    if len(head) == start or not head:
+        return False
+    if head[-1] in _OPERATOR_CHARS:
+        return True
+    return head[-1] in _TIMES and head[:-1].rstrip()[-1:] in tuple("0123456789)")
+
+
 def _drop_duplicate(prefix: str, expr: str) -> str:
-    """`prefix` without the `EXPR=` (GSM8K's `$EXPR=$` too) it ends with, keeping one "$"; unchanged otherwise."""
+    """`prefix` without the `EXPR=` (GSM8K's `$EXPR=$` too, its prose "x" for "*" and "$" inside too) it ends with,
+    keeping one "$"; unchanged otherwise, and when more arithmetic leads into it."""
     rest = prefix.rstrip()
     dollar = rest.endswith("$")
     rest = rest.removesuffix("$").rstrip()
@@ -63,16 +88,17 @@ def _drop_duplicate(prefix: str, expr: str) -> str:
     rest = rest[:-1]
     wanted = [char for char in expr if not char.isspace()]
     end = len(rest)
-    while wanted and end > 0:  # match EXPR backwards, ignoring whitespace
+    while wanted and end > 0:  # match EXPR backwards, ignoring whitespace and the prose's "$" ("5 x $3")
         end -= 1
-        if rest[end].isspace():
+        if rest[end].isspace() or (rest[end] == "$" and wanted[-1] != "$"):
+            dollar = dollar or rest[end] == "$"
             continue
-        if rest[end] != wanted.pop():
+        if not _matches(rest[end], wanted.pop()):
             return prefix
     if wanted:
         return prefix
     start = end - 1 if end > 0 and rest[end - 1] == "$" else end
-    if start > 0 and rest[start - 1] in _EXPRESSION_CHARS:
+    if _continues_expression(rest, start):
         return prefix  # "12+49-4=" ends with more than the duplicate: left as written
     dollar = dollar or start < end
     head = rest[:start]

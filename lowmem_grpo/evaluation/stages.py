@@ -36,6 +36,7 @@ from lowmem_grpo.evaluation.metrics import (
     problem_value,
 )
 from lowmem_grpo.evaluation.progress import ProgressLog
+from lowmem_grpo.memory.plan import EVAL_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +148,17 @@ def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
     return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
 
 
-EVAL_BATCH = 128
-"""Sequences an evaluation decodes at once (at least): on CPU a decode step's matmuls over 128 rows of a small model
-cost little more than over 32 (100 problems greedy + 100 x 4 samples, 64 tokens each: 77 s at 32, 49 s at 128, native
-bf16); the KV cache of 128 rows of SmolLM2-135M is ~0.4 GiB at 150 tokens."""
+def eval_batch_size(train: Any) -> int:
+    """Sequences each stage and periodic evaluation call decodes at once: train.eval_batch_size (on a GPU auto-fit
+    sets it from the memory plan: lowmem_grpo.memory.fit.with_planned_eval_batch), else EVAL_BATCH (at least the
+    micro-batch)."""
+    return train.eval_batch_size or max(EVAL_BATCH, train.per_device_train_batch_size)
+
+
+def sampled_settings(train: Any, settings: dict[str, Any], k: int) -> dict[str, Any]:
+    """The batch of a k-sample evaluation: train.eval_batch_size as it is when set (the plan counted its k samples of
+    batch / k problems), else sampled_batch's 8 prompts' samples at least."""
+    return dict(settings) if train.eval_batch_size else sampled_batch(settings, k)
 
 
 def periodic_settings(train: Any, calculator: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -158,13 +166,12 @@ def periodic_settings(train: Any, calculator: bool = False) -> tuple[dict[str, A
     with train.eval_samples = k its k samples per problem at train.temperature (None when k is 0). One definition,
     so that an evaluation that reproduces a curve point (benchmarks/learning_sweep.py eval-checkpoint) batches and
     seeds its generate calls as the run did: seeded samples depend on the batch they were drawn in."""
-    greedy = {"max_new_tokens": train.max_completion_length,
-              "batch_size": max(EVAL_BATCH, train.per_device_train_batch_size), "seed": train.seed,
+    greedy = {"max_new_tokens": train.max_completion_length, "batch_size": eval_batch_size(train), "seed": train.seed,
               "progress": False, "engine": "auto", "merged": train.merged_sampling, "calculator": calculator}
     k = train.eval_samples
     if not k:
         return greedy, None
-    return greedy, {**sampled_batch(greedy, k), "num_samples": k, "temperature": train.temperature}
+    return greedy, {**sampled_settings(train, greedy, k), "num_samples": k, "temperature": train.temperature}
 
 
 def _by_group(verdicts: list[list[Verdict]], groups: Sequence[str | None]) -> str:
@@ -201,8 +208,8 @@ class StageEvals:
         self.path = Path(path)
         self.peaks = peaks  # a lowmem_grpo.rundir.rss.StagePeaks: each evaluation's peak RSS as "eval <stage>"
         self.tokenizer = tokenizer
-        self.settings = {"max_new_tokens": t.max_completion_length,
-                         "batch_size": max(EVAL_BATCH, t.per_device_train_batch_size), "seed": t.seed,
+        self.train = t
+        self.settings = {"max_new_tokens": t.max_completion_length, "batch_size": eval_batch_size(t), "seed": t.seed,
                          "samples": t.stage_eval_samples, "temperature": t.temperature,
                          "calculator": recipe.data.calculator}
         self.wanted = list(t.stage_eval_stages)
@@ -238,7 +245,7 @@ class StageEvals:
             sampled = (run_eval(model, self.tokenizer, self.examples, num_samples=k,
                                 temperature=self.settings["temperature"],
                                 on_progress=ProgressLog(f"stage eval {stage}: {k} samples", log),
-                                **sampled_batch(common, k)) if k else None)
+                                **sampled_settings(self.train, common, k)) if k else None)
         self.verdicts[stage] = result.verdicts
         m = dict(result.metrics)
         line = ""

@@ -2,7 +2,8 @@
 auto-fit of the settings a user did not set explicitly. Arithmetic on plans from lowmem_grpo.memory.plan.
 
     plan_with_proposal(recipe, budget)    -> Plan with .proposal (what `lowmem-grpo plan` prints)
-    auto_fit(recipe, budget, explicit)    -> (recipe with fitted non-explicit settings, Plan)
+    auto_fit(recipe, budget, explicit)    -> (recipe with fitted non-explicit settings, Plan); it also writes
+                                             the plan's evaluation batch into train.eval_batch_size
     fit_to_device(recipe, explicit)       -> auto_fit to this process's CUDA GPU (imports torch)
 
 A knob is one memory-relevant setting; its options come largest first, each a dict of dotted-key
@@ -33,7 +34,8 @@ MAX_GENERATION_BATCH = 1024
 MEMORY_KEYS = ["model.name", "model.load_in_4bit", "model.gpu_memory_utilization", "lora.r", "lora.target_modules",
                "data.max_prompt_length", "train.per_device_train_batch_size", "train.steps_per_generation",
                "train.generation_batch_size", "train.gradient_accumulation_steps", "train.max_completion_length",
-               "train.num_generations", "train.gradient_checkpointing", "train.optim", "train.beta"]
+               "train.num_generations", "train.gradient_checkpointing", "train.optim", "train.beta",
+               "train.eval_batch_size"]
 
 
 def _apply(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
@@ -201,14 +203,15 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     raised to keep the optimizer batch), generation batch, max_completion_length, num_generations,
     vLLM share; then each is raised back as far as the budget allows, never above the recipe's own
     value (the vLLM share included: it is a share of the memory free at load, `free_bytes`, and a larger one
-    would leave less for training than the recipe planned). Raises RecipeError naming the explicit settings to
-    lower when even that cannot fit.
+    would leave less for training than the recipe planned). Before them the evaluation batch is set
+    (with_planned_eval_batch): lowering the training knobs only shrinks the static terms it fits beside. Raises
+    RecipeError naming the explicit settings to lower when even that cannot fit.
     """
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     explicit = set(explicit)
     validate(recipe)
-    current = recipe
+    current = with_planned_eval_batch(recipe, budget_bytes, explicit, arch=arch, logits=logits, free_bytes=free_bytes)
     result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
     if result.fits and _vllm_ok(arch, result.settings):
         return current, result
@@ -250,6 +253,25 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
         log.info("auto-fit to %s: %s (predicted peak %s)", format_bytes(budget_bytes),
                  ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), format_bytes(result.total_bytes))
     return current, result
+
+
+def with_planned_eval_batch(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture,
+                            logits: str = "chunked", free_bytes: int | None = None) -> Recipe:
+    """The recipe with train.eval_batch_size set to the plan's evaluation batch for `budget_bytes` (the largest
+    power of two up to the recipe's value, or 128, that fits: plan.choose_eval_batch), so the run's evaluations, its
+    recipe.yaml and a resumed run all read the one batch; unchanged when the key is explicit or the recipe does
+    not evaluate through the sampling engine."""
+    if "train.eval_batch_size" in explicit:
+        return recipe
+    result = plan(recipe, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes, fit_eval=True)
+    if result.eval_batch is None or result.eval_batch == recipe.train.eval_batch_size:
+        return recipe
+    e = result.evaluation
+    log.info("evaluation batch: %d sequences at once (train.eval_batch_size; KV cache %s, evaluation peak %s)",
+             e["batch"], format_bytes(e["kv_bytes"]), format_bytes(e["peak_bytes"]))
+    fitted = copy.deepcopy(recipe)
+    fitted.train.eval_batch_size = e["batch"]
+    return fitted
 
 
 def _check_fit(result: Plan, recipe: Recipe, arch: Architecture, budget_bytes: int, explicit: set[str]) -> None:

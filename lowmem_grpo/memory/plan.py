@@ -1,12 +1,14 @@
 """The GRPO memory planner: predicted peak GPU memory of a recipe. Pure arithmetic on a model config.
 
-    plan(recipe, budget_bytes)            -> Plan (terms, phases, total, fits)
+    plan(recipe, budget_bytes)            -> Plan (terms, phases, total, fits, evaluation batch)
 
 The terms and their formulas are in `lowmem_grpo.memory.terms`, architectures in
 `lowmem_grpo.memory.arch`, the proposal and auto-fit in `lowmem_grpo.memory.fit`. The peak is the
-static terms + the larger of the generation phase and the training phase + the allocator's slack on
-that phase. Nothing here imports torch, except `default_budget` (only when the recipe names no GPU
-memory), which asks torch about the GPU.
+static terms + the largest of the generation, training and evaluation phases + the allocator's slack on
+that phase. The evaluation batch (train.eval_batch_size) is the plan's choice when the recipe leaves it
+unset: the largest power of two up to EVAL_BATCH whose evaluation phase fits (choose_eval_batch). Nothing
+here imports torch, except `default_budget` (only when the recipe names no GPU memory), which asks torch
+about the GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from lowmem_grpo.memory.arch import Architecture, load_architecture
 from lowmem_grpo.memory.terms import GIB, MIB, Settings
 from lowmem_grpo.recipe import Recipe
 
+
+EVAL_BATCH = 128
+"""Sequences an evaluation decodes at once where nothing planned train.eval_batch_size (on CPU: a decode step's
+matmuls over 128 rows of a small model cost little more than over 32; 100 problems greedy + 100 x 4 samples, 64
+tokens each: 77 s at 32, 49 s at 128, native bf16; the KV cache of 128 rows of SmolLM2-135M is ~0.4 GiB at 150
+tokens), and the most the plan gives on a GPU."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 10**9, "m": MIB, "mi": MIB, "mib": MIB, "mb": 10**6,
@@ -47,6 +55,15 @@ class Plan:
     proposal: dict[str, Any] | None = field(default=None)
     sharing: ms.Sharing | None = field(default=None)
     sharing_figures: dict[str, int] = field(default_factory=dict)
+    evaluation: dict[str, Any] = field(default_factory=dict)
+    """The engine evaluation's batch and memory (evaluation_info); `counted`: the recipe evaluates, so its phase
+    is in the peak (otherwise the figures say what turning it on would take)."""
+
+    @property
+    def eval_batch(self) -> int | None:
+        """train.eval_batch_size as planned (or as the recipe sets it); None when the recipe does not evaluate
+        through the sampling engine."""
+        return self.evaluation["batch"] if self.evaluation.get("counted") else None
 
     @property
     def fits(self) -> bool | None:
@@ -66,6 +83,7 @@ class Plan:
             "allocated_bytes": self.allocated_bytes,
             "reserved_bytes": self.reserved_bytes,
             "prompt_sharing": self.sharing_dict(),
+            "evaluation": dict(self.evaluation),
             "formulas": {name: _first_line(mt.TERMS[name][0].__doc__) for name in mt.TERMS},
             "settings": dataclasses.asdict(self.settings),
             "architecture": {**dataclasses.asdict(self.architecture),
@@ -162,12 +180,17 @@ def resolve_sharing(recipe: Recipe, arch: Architecture, env: Mapping[str, str] |
     return ms.resolve_sharing(arch, backend, recipe, fast_inference=fast, env=env)
 
 
+STEP_PHASES = ("generation", "training")
+PHASES = ("static", *STEP_PHASES, "evaluation")
+
+
 def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -> Plan:
     """Every term, the phase sums and the peak for one architecture and settings."""
     terms = {name: int(func(arch, s)) for name, (func, _, _) in mt.TERMS.items()}
-    phases = {phase: sum(v for k, v in terms.items() if mt.TERMS[k][1] == phase)
-              for phase in ("static", "generation", "training")}
+    phases = {phase: sum(v for k, v in terms.items() if mt.TERMS[k][1] == phase) for phase in PHASES}
     peak_phase = "generation" if phases["generation"] > phases["training"] else "training"
+    if phases["evaluation"] > phases[peak_phase]:
+        peak_phase = "evaluation"
     terms["allocator_slack"] = int(mt.ALLOCATOR_SLACK * phases[peak_phase])
     allocated = phases[peak_phase] + sum(v for k, v in terms.items()
                                          if k in mt.TERMS and mt.TERMS[k][1] == "static"
@@ -177,25 +200,88 @@ def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -
                 budget_bytes)
 
 
+def engine_evaluates(recipe: Recipe, fast_inference: bool) -> bool:
+    """Whether a CUDA run of the recipe evaluates through the sampling engine: the stage evaluation
+    (train.stage_eval) always does; the periodic one (train.eval_every) unless vLLM generates, which then samples
+    it inside its own reservation (data.calculator keeps it on the engine)."""
+    t = recipe.train
+    return bool(t.stage_eval) or bool(t.eval_every and (not fast_inference or recipe.data.calculator))
+
+
+def evaluation_samples(recipe: Recipe) -> int:
+    """k, the most samples per problem one evaluation call of the recipe draws (1: greedy only)."""
+    t = recipe.train
+    return max(1, t.stage_eval_samples if t.stage_eval else 1, t.eval_samples if t.eval_every else 1)
+
+
+def eval_rows(batch: int, samples: int) -> int:
+    """Sequences one evaluation call decodes at once with train.eval_batch_size `batch` and k `samples` per problem:
+    the k samples of batch // k problems, one problem's at least (evaluation.generate), so max(batch, k)."""
+    return max(batch, samples) if batch > 0 else 0
+
+
+def eval_batch_candidates(upper: int) -> list[int]:
+    """`upper`, then the powers of two below it, largest first."""
+    return [upper] + [1 << i for i in range(max(upper - 1, 1).bit_length() - 1, -1, -1) if 1 << i < upper]
+
+
+def evaluation_peak(arch: Architecture, s: Settings, rows: int) -> int:
+    """Static terms + the evaluation phase of `rows` sequences + its allocator slack."""
+    p = evaluate(arch, dataclasses.replace(s, eval_batch=rows))
+    return p.phases["static"] + int((1 + mt.ALLOCATOR_SLACK) * p.phases["evaluation"])
+
+
+def choose_eval_batch(arch: Architecture, s: Settings, upper: int, samples: int,
+                      budget_bytes: int | None) -> int:
+    """The largest evaluation batch of eval_batch_candidates(upper) whose evaluation peak (static + the evaluation
+    phase + slack) is within `budget_bytes`, or, without a budget, within the GRPO step's own peak; the smallest
+    when none is. The evaluation runs between training phases, so it takes the place of their transient memory."""
+    limit = budget_bytes or evaluate(arch, dataclasses.replace(s, eval_batch=0)).total_bytes
+    candidates = eval_batch_candidates(upper)
+    return next((b for b in candidates if evaluation_peak(arch, s, eval_rows(b, samples)) <= limit), candidates[-1])
+
+
+def evaluation_info(recipe: Recipe, arch: Architecture, s: Settings, budget_bytes: int | None,
+                    fit_eval: bool | None = None) -> dict[str, Any]:
+    """The evaluation batch of a CUDA run and its memory: train.eval_batch_size as the recipe sets it, or (unset, or
+    `fit_eval`) cut to the budget by choose_eval_batch from it (or EVAL_BATCH); `counted` when the recipe evaluates
+    through the engine (engine_evaluates). Bytes are those of `rows` = eval_rows(batch, k) sequences."""
+    t = recipe.train
+    upper = t.eval_batch_size or EVAL_BATCH
+    planned = t.eval_batch_size is None if fit_eval is None else fit_eval
+    samples = evaluation_samples(recipe)
+    batch = choose_eval_batch(arch, s, upper, samples, budget_bytes) if planned else upper
+    rows = eval_rows(batch, samples)
+    sized = dataclasses.replace(s, eval_batch=rows)
+    return {"counted": engine_evaluates(recipe, s.fast_inference), "batch": batch, "rows": rows, "samples": samples,
+            "planned": planned, "upper": upper, "kv_bytes": mt.eval_kv_cache(arch, sized),
+            "workspace_bytes": mt.eval_workspace(arch, sized), "peak_bytes": evaluation_peak(arch, s, rows)}
+
+
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
          allow_hub: bool = True, logits: str = "chunked", free_bytes: int | None = None,
-         env: Mapping[str, str] | None = None) -> Plan:
+         env: Mapping[str, str] | None = None, fit_eval: bool | None = None) -> Plan:
     """Predicted peak GPU memory of a recipe (lowmem_grpo.memory.fit adds the largest settings that fit);
     `free_bytes`: the GPU memory free at load when known (the vLLM share is taken of it), else the budget; `env`:
-    the environment Unsloth's PrefixGrouper switches are read from (None: this process's).
+    the environment Unsloth's PrefixGrouper switches are read from (None: this process's); `fit_eval`: cut the
+    evaluation batch to the budget even when the recipe sets one (None: only when it does not).
 
     The plan counts the shared-prompt pass that applies; `sharing_figures` holds the peak without prompt sharing
     (peak_without_bytes), with the backend's pass engaged (peak_with_bytes, what it would be where it does not
     engage), the difference (saving_bytes) and, on unsloth, the peak with its self-verify off
-    (peak_with_unverified_bytes)."""
+    (peak_with_unverified_bytes). `evaluation` holds the evaluation batch (evaluation_info)."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
     sharing = resolve_sharing(recipe, arch, env)
     settings = resolve_settings(recipe, total_gpu, logits, free_bytes or 0, sharing)
+    info = evaluation_info(recipe, arch, settings, budget_bytes, fit_eval)
+    if info["counted"]:
+        settings = dataclasses.replace(settings, eval_batch=info["rows"])
     result = evaluate(arch, settings, budget_bytes)
     result.sharing = sharing
     result.sharing_figures = sharing_figures(arch, settings, sharing)
+    result.evaluation = info
     return result
 
 
@@ -227,6 +313,7 @@ def format_plan(p: Plan, title: str = "") -> str:
                else "caching-allocator slack on the peak phase")
         lines.append(f"  {name:<22}{phase:<12}{format_bytes(value):>12}  {doc[:70]}")
     lines += _sharing_lines(p)
+    lines += _evaluation_lines(p)
     verdict = "" if p.fits is None else (" -> fits" if p.fits else " -> does NOT fit")
     budget = f" of {format_bytes(p.budget_bytes)}" if p.budget_bytes else ""
     lines.append(f"  peak ({p.peak_phase} phase): {format_bytes(p.total_bytes)}{budget}{verdict}; torch allocated "
@@ -257,3 +344,23 @@ def _sharing_lines(p: Plan) -> list[str]:
         lines.append(f"    with its self-verify off ({ms.PG_VERIFY_ENV}=0): "
                      f"{format_bytes(f['peak_with_unverified_bytes'])}")
     return lines
+
+
+def _evaluation_lines(p: Plan) -> list[str]:
+    """The evaluation batch, where it comes from, and its memory (or what it would take, when the recipe does not
+    evaluate through the engine)."""
+    e, s = p.evaluation, p.settings
+    if not e:
+        return []
+    upper = e["upper"]
+    ladder = (f"power of two up to {upper}" if upper & (upper - 1) == 0
+              else f"of {upper} and the powers of two below it")
+    source = f"planned: the largest {ladder} that fits" if e["planned"] else "as the recipe sets it"
+    size = (f"{e['batch']} sequences at once (train.eval_batch_size, {source})"
+            + (f", {e['rows']} with {e['samples']} samples a problem" if e["rows"] != e["batch"] else "")
+            + f" x {s.seq_len} tokens: KV cache {format_bytes(e['kv_bytes'])} + workspace "
+            f"{format_bytes(e['workspace_bytes'])}, peak {format_bytes(e['peak_bytes'])}")
+    if e["counted"]:
+        return [f"  evaluation: {size}"]
+    return [f"  evaluation: off in this recipe (train.stage_eval=0, and train.eval_every=0 or sampled by vLLM); "
+            f"with it on: {size}"]

@@ -17,7 +17,10 @@ N completion tokens either way.
 
 A GRPO step has two phases that never hold their transient memory at the same time: generation
 (KV cache, prefill workspace) and the training forward/backward (LoRA gradients, activations, the
-log-prob pass). The planner adds the static terms to the larger phase.
+log-prob pass). An evaluation through the sampling engine (train.stage_eval, train.eval_every: E = eval_batch
+sequences at once) is a third: it runs between training phases, when their activations, gradients and caches are
+freed, beside the resident weights, adapter and optimizer state. The planner adds the static terms to the
+largest phase.
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ TOKEN_TILE = 4096  # TRL 1.15 chunked log-prob kernel: tokens per projection til
 VOCAB_TILE = 32768  # TRL 1.15 `_CHUNKED_LOGPROB_CHUNK_SIZE`: vocabulary columns per tile
 CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context, cuBLAS/cuDNN handles and loaded kernels (outside torch's allocator)
 ALLOCATOR_SLACK = 0.10  # reserved-but-unallocated share of the transient phase (caching allocator fragmentation)
-UNSLOTH_KV_INCREMENT = 512  # unsloth KV_CACHE_INCREMENT: decode buffers grow by this many positions
+# Unsloth's fast decode (LlamaAttention_fast_forward_inference and its siblings) keeps its own KV buffers, grown by
+# KV_CACHE_INCREMENT positions at a time: unsloth/models/llama.py (512; mistral, qwen2, qwen3 and gemma import it),
+# gemma2.py (256). Model types Unsloth loads through FastModel instead (Gemma 3) decode with transformers' cache.
+UNSLOTH_DECODE_INCREMENTS = {"llama": 512, "mistral": 512, "qwen2": 512, "qwen3": 512, "gemma": 512, "gemma2": 256}
 VLLM_MIN_OVERHEAD = 1 * GIB  # vLLM's own activations and CUDA graphs inside its reservation
 # Unsloth's log-prob kernel (unsloth_zoo/fused_losses/fused_linear.py, the defaults of its environment knobs),
 # which replaces TRL's under the unsloth backend; tests/test_memory.py reads them back from the installed source
@@ -87,6 +93,7 @@ class Settings:
     prompt_sharing: str = "none"  # the shared-prompt pass of the training forward: none, shared_prompt (hf) or
     # unsloth_prefix_grouper (lowmem_grpo.memory.sharing)
     sharing_verify: bool = False  # Unsloth's self-verify runs the full-row pass beside the shared one at the peak
+    eval_batch: int = 0  # sequences an evaluation decodes at once through the sampling engine (0: none runs there)
 
     @property
     def seq_len(self) -> int:
@@ -230,23 +237,31 @@ def cuda_context(a: Architecture, s: Settings) -> int:
 # --- generation phase ---------------------------------------------------------------------------
 
 
-def kv_cache(a: Architecture, s: Settings) -> int:
-    """Generation KV cache of the generation batch R: tokens x 2 (key and value) x kv x cb, where tokens is
+def decode_kv_bytes(a: Architecture, s: Settings, rows: int) -> int:
+    """The KV cache of `rows` sequences decoded to S = P + C tokens: positions x 2 (key and value) x kv x cb, where
 
-    hf (transformers DynamicCache): R x kv_tokens(S); kv_tokens sums the cached positions over layers,
-        L x S, except that sliding-window layers (Gemma 3) keep at most the window.
-    unsloth (its fast decode buffers, grown 512 positions at a time, plus the prefill's own cache that
-        is copied into them): R x L x (P + 1 + 512 x ceil(C / 512) + P).
-    With vLLM the cache is inside vllm_reservation: 0.
+    hf, and Unsloth's FastModel types (Gemma 3; transformers' cache): rows x kv_tokens(S); kv_tokens sums the
+        cached positions over layers, L x S, except that sliding-window layers keep at most the window.
+    unsloth (its fast decode buffers, grown `inc` positions at a time, inc = UNSLOTH_DECODE_INCREMENTS: 512, Gemma 2
+        256, plus the prefill's own cache, which the first decode step copies into them):
+        rows x L x (P + 1 + inc x ceil(C / inc) + P). The prefill's P is freed after that first step, so for
+        C > inc it is an upper bound.
+    """
+    increment = UNSLOTH_DECODE_INCREMENTS.get(a.model_type) if s.backend == "unsloth" else None
+    if increment:
+        positions = a.num_layers * (2 * s.prompt_len + 1 + increment * math.ceil(s.completion_len / increment))
+    else:
+        positions = a.kv_tokens(s.seq_len)
+    return rows * positions * 2 * a.kv_dim * s.compute_bytes
+
+
+def kv_cache(a: Architecture, s: Settings) -> int:
+    """Generation KV cache of the generation batch R: decode_kv_bytes(R), e.g. on unsloth
+    R x L x (P + 1 + 512 x ceil(C / 512) + P) x 2 x kv x cb. With vLLM the cache is inside vllm_reservation: 0.
     """
     if s.fast_inference:
         return 0
-    if s.backend == "unsloth":
-        positions = a.num_layers * (2 * s.prompt_len + 1 + UNSLOTH_KV_INCREMENT * math.ceil(s.completion_len
-                                                                                         / UNSLOTH_KV_INCREMENT))
-    else:
-        positions = a.kv_tokens(s.seq_len)
-    return s.generation_batch * positions * 2 * a.kv_dim * s.compute_bytes
+    return decode_kv_bytes(a, s, s.generation_batch)
 
 
 def generation_workspace(a: Architecture, s: Settings) -> int:
@@ -255,10 +270,32 @@ def generation_workspace(a: Architecture, s: Settings) -> int:
     logits and probabilities R x V x 4 x 2. With vLLM: 0 (inside its reservation)."""
     if s.fast_inference:
         return 0
-    prefill = s.generation_batch * s.prompt_len * (a.hidden_size * residual_bytes(s)
-                                                   + 2 * a.intermediate_size * s.compute_bytes)
-    sampling = s.generation_batch * a.vocab_size * 4 * 2
+    return decode_workspace(a, s, s.generation_batch)
+
+
+def decode_workspace(a: Architecture, s: Settings, rows: int) -> int:
+    """generation_workspace's formula for `rows` sequences prefilled and sampled at once."""
+    prefill = rows * s.prompt_len * (a.hidden_size * residual_bytes(s) + 2 * a.intermediate_size * s.compute_bytes)
+    sampling = rows * a.vocab_size * 4 * 2
     return prefill + dequant_workspace(a, s) + sampling
+
+
+# --- evaluation phase ---------------------------------------------------------------------------
+
+
+def eval_kv_cache(a: Architecture, s: Settings) -> int:
+    """KV cache of an evaluation through the sampling engine, E = eval_batch sequences at once: decode_kv_bytes(E),
+    e.g. L x kv x 2 x cb x E x S on hf; outside vLLM's reservation even when vLLM generates GRPO's rollouts (the
+    stage evaluation, and any evaluation with data.calculator, decode with the engine). 0 without one. Unsloth's
+    decode buffers outlive the evaluation until the next prefill-shaped forward frees them, layer by layer as that
+    forward reaches each layer: they shrink while its own memory grows, so they do not add to the next phase."""
+    return decode_kv_bytes(a, s, s.eval_batch) if s.eval_batch else 0
+
+
+def eval_workspace(a: Architecture, s: Settings) -> int:
+    """Transient memory of that evaluation: decode_workspace(E), the prefill of one layer E x P x (H x rb + 2I x cb),
+    the dequantized 4-bit weight, the sampled position's fp32 logits and probabilities E x V x 8. 0 without one."""
+    return decode_workspace(a, s, s.eval_batch) if s.eval_batch else 0
 
 
 # --- training phase -----------------------------------------------------------------------------
@@ -450,6 +487,8 @@ TERMS = {
     "cuda_context": (cuda_context, "static", "device"),
     "kv_cache": (kv_cache, "generation", "allocated"),
     "generation_workspace": (generation_workspace, "generation", "allocated"),
+    "eval_kv_cache": (eval_kv_cache, "evaluation", "allocated"),
+    "eval_workspace": (eval_workspace, "evaluation", "allocated"),
     "lora_grads": (lora_grads, "training", "allocated"),
     "activations": (activations, "training", "allocated"),
     "prompt_kv": (prompt_kv, "training", "allocated"),

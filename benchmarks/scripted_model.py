@@ -1,0 +1,350 @@
+"""A model whose greedy continuations follow a script, for checking lowmem_grpo's sampling engine against a reference
+decoder on any backend (benchmarks/gpu_check.py runs it on Unsloth; tests/test_gpu_path.py on CPU transformers).
+
+The model is a small decoder of a real family (llama, qwen3, gemma3_text) with random layers and two planted
+matrices: orthogonal token embeddings much larger than what the layers add, and an lm_head whose row for token s
+points at the embeddings of the tokens SCRIPT continues with s. So the next token is SCRIPT's, by a wide margin,
+while attention over the context (the KV cache) still moves every logit by a measurable amount: a decode loop
+that mishandles the cache changes the logits well beyond bf16 noise, without changing which tokens win. Its word
+tokenizer splits `<<`, `>>`, digits and operators, and its decoder joins tokens without spaces, so the rows write
+`<<7*6=` (the calculator forces `42>>`), end at EOS after different numbers of tokens, or never end.
+
+`compare(model, tokenizer, max_new_tokens)` runs the script's prompts through the engine (engine.sample_rows, with the
+calculator) and through the model's own `generate` (greedy, the calculator's tokens forced by CalculatorForcing,
+output_logits), and reports whether tokens and forced tokens agree, the largest logit difference, and how far the
+logits move without the prompt's context (the size of the effect the check could miss). Torch and transformers
+are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # pad (and unknown), EOS, turn start
+CALC_TOKENS = ["<<", ">>", "=", "+", "-", "*", "/", *"0123456789"]
+VOCAB_SIZE = 512
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+EOS = "<|im_end|>"
+SCRIPT = {
+    # a chat prompt ends in "assistant": every GRPO row writes a calculation, gets 42>> forced, and ends
+    "assistant": "w1", "w1": "<<", "<<": "7", "7": "*", "*": "6", "6": "=", "=": "w60", ">>": "w2", "w2": "w3",
+    "w3": EOS,
+    "w10": "w11", "w11": "w12", "w12": EOS,  # ends after three tokens
+    "w20": "w21", "w21": "w22", "w22": "w21",  # never ends: truncated
+    "w30": "<<",  # the calculation, then w2 w3 EOS
+    "w40": EOS,  # ends at once
+}
+PROMPTS = [["w5", "w6", "w10"], ["w7", "w8", "w9", "w20"], ["w40"], ["w13", "w30"], ["w14", "w15", "w16", "w17", "w10"]]
+"""Raw prompts (no chat template) of different lengths: left padding, rows that end at different steps, the
+calculator firing in one row of the batch."""
+CONTEXT_SHARE = 0.6  # what the layers add to the residual stream, relative to the planted embedding
+LOGIT_MARGIN = 20.0  # the scripted token's logit, roughly; every other token's is near 0
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "qwen3": dict(model_type="qwen3", head_dim=64),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=64, sliding_window=512, query_pre_attn_scalar=64,
+                        layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+def words() -> list[str]:
+    """The vocabulary in id order: specials, calculator tokens, role words, w0, w1, ..."""
+    head = SPECIALS + CALC_TOKENS + ["system", "user", "assistant"]
+    return head + [f"w{i}" for i in range(VOCAB_SIZE - len(head))]
+
+
+def build_tokenizer(target: Path):
+    """The word tokenizer (saved to `target`): whitespace-separated words, `<<`, `>>`, digits and operators split off,
+    decoded without spaces."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(words())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Split(Regex(r"w[0-9]+|<<|>>|[0-9=+*/-]"), behavior="isolated")])
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=SPECIALS[0], unk_token=SPECIALS[0],
+                                   additional_special_tokens=[SPECIALS[2]])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(target)
+    return fast
+
+
+def next_token_table() -> dict[int, int]:
+    """SCRIPT as token ids, completed so every other word continues with the next unused word (a cycle), so no
+    token is the scripted continuation of more than a few others."""
+    ids = {w: i for i, w in enumerate(words())}
+    table = {ids[a]: ids[b] for a, b in SCRIPT.items()}
+    used = set(SCRIPT) | set(SCRIPT.values()) | {w for p in PROMPTS for w in p}
+    free = [ids[w] for w in words() if w not in used]
+    for i, t in enumerate(free):
+        table.setdefault(t, free[(i + 1) % len(free)])
+    for w in words():  # tokens the script reaches only by force (the calculator's digits, ">>") or in prompts
+        table.setdefault(ids[w], free[0])
+    return table
+
+
+def _config(family: str, tokenizer: Any):
+    from transformers import AutoConfig
+
+    spec = dict(FAMILIES[family])
+    model_type = spec.pop("model_type")
+    return AutoConfig.for_model(model_type, vocab_size=VOCAB_SIZE, hidden_size=VOCAB_SIZE, intermediate_size=1024,
+                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                bos_token_id=None, **spec)
+
+
+def _embed_scale(model: Any) -> float:
+    """What the family multiplies its embeddings by (Gemma: sqrt(hidden)): the planted rows are what the layers see."""
+    return float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))
+
+
+def plant(model: Any, context_share: float = CONTEXT_SHARE, seed: int = 0) -> dict[str, float]:
+    """Plant the script into `model` (float32, on CPU): orthogonal embeddings scaled so the layers add
+    `context_share` of their size to the residual stream, and the lm_head of next_token_table. Returns the scale."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    basis, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))
+    units = basis[: model.config.vocab_size]  # orthonormal rows: one direction per token
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(units / _embed_scale(model))
+        added = _layer_contribution(model)  # what the layers add to a unit-norm embedding, on the script's prompts
+        scale = added / context_share
+        model.get_input_embeddings().weight.mul_(scale)
+        head = torch.zeros_like(model.get_output_embeddings().weight)
+        for t, s in next_token_table().items():
+            head[s] += units[t] * (LOGIT_MARGIN / hidden ** 0.5)
+        model.get_output_embeddings().weight.copy_(head)
+    return {"embedding_norm": scale, "layers_added": added}
+
+
+def _layer_contribution(model: Any) -> float:
+    """Mean norm of what the decoder layers add to the residual stream (the final norm's input less the embedding)."""
+    import torch
+
+    seen: list[Any] = []
+    norm = model.get_decoder().norm
+    hook = norm.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    ids = torch.tensor([[i for i in range(3, 43)]])
+    try:
+        model(input_ids=ids)
+    finally:
+        hook.remove()
+    embedded = model.get_input_embeddings()(ids)
+    return float((seen[0] - embedded).norm(dim=-1).mean())
+
+
+def build_scripted_model(family: str, target: Path) -> Path:
+    """The scripted model of `family` and its tokenizer, saved (bfloat16) to `target`; built on CPU once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if (target / ".complete").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(target)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, tokenizer), dtype=torch.float32)
+    plant(model)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(torch.bfloat16).save_pretrained(target)
+    (target / ".complete").write_text(family + "\n")
+    return target
+
+
+def write_rows(path: Path, count: int = 32, length: int = 20) -> Path:
+    """GSM8K-shaped training rows in the scripted vocabulary (words the script does not continue): as chat prompts
+    they end in "assistant", so every rollout writes the script's calculation."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    with path.open("w") as handle:
+        for _ in range(count):
+            question = " ".join(f"w{rng.randrange(100, 400)}" for _ in range(length))
+            handle.write(json.dumps({"question": question, "answer": "w1\n#### 42"}) + "\n")
+    return path
+
+
+def prompt_ids(tokenizer: Any) -> list[list[int]]:
+    """PROMPTS as token ids."""
+    return [tokenizer.convert_tokens_to_ids(p) for p in PROMPTS]
+
+
+# --- the reference: the model's own generate, with the calculator's tokens forced -------------------------------
+
+
+class CalculatorForcing:
+    """A generate() logits processor that writes what lowmem_grpo's engine forces: after a row's generated text ends in
+    an open `<<EXPR=`, the calculator's result and `>>`, one token a step (evaluation.engine.Calculator decides them).
+    `forced[row]` holds the steps at which it forced that row's token."""
+
+    def __init__(self, calculator: Any, prompt_width: int, rows: int) -> None:
+        self.calculator = calculator
+        self.width = prompt_width
+        self.queued: list[list[int]] = [[] for _ in range(rows)]
+        self.forced: list[set[int]] = [set() for _ in range(rows)]
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        scores = scores.clone()  # generate keeps the tensor it passes in as the step's raw logits (output_logits)
+        for row in range(input_ids.shape[0]):
+            written = input_ids[row, self.width:].tolist()
+            if not self.queued[row] and written:
+                self.queued[row] = list(self.calculator.forced_ids(written))
+            if self.queued[row]:
+                token = self.queued[row].pop(0)
+                keep = scores[row, token].clone()
+                scores[row].fill_(float("-inf"))
+                scores[row, token] = keep
+                self.forced[row].add(len(written))
+        return scores
+
+
+class LogitRecorder:
+    """Stands in for the model in engine.sample_rows: forwards every call and keeps the logits of the last position of
+    each call (float32, on CPU), in call order."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.calls: list[Any] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        self.calls.append(out.logits[:, -1, :].float().cpu())
+        return out
+
+    def parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.parameters(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def rows_of_calls(call_sizes: list[int], lengths: list[int]) -> list[list[int]]:
+    """Which row each batch position of each engine call holds, from the calls' batch sizes and each row's completion
+    length: the prefill holds every row; a later call of the same size holds the same rows; a smaller one holds the
+    rows still writing at that step, in order (the engine drops ended rows). ValueError when that does not add up."""
+    members = list(range(len(lengths)))
+    out = []
+    for step, size in enumerate(call_sizes):
+        if size != len(members):
+            members = [r for r in members if lengths[r] > step]
+            if size != len(members):
+                raise ValueError(f"call {step} holds {size} rows, {len(members)} are still writing")
+        out.append(list(members))
+    return out
+
+
+def engine_logits(calls: list[Any], lengths: list[int]) -> list[list[Any]]:
+    """Per row, the engine's logits of each of its generated tokens (the prefill's, then one per decode call)."""
+    members = rows_of_calls([c.shape[0] for c in calls], lengths)
+    per_row: list[list[Any]] = [[] for _ in lengths]
+    for call, rows in zip(calls, members):
+        for position, row in enumerate(rows):
+            if len(per_row[row]) < lengths[row]:
+                per_row[row].append(call[position])
+    return per_row
+
+
+def _left_padded(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """The model's own greedy generate with the calculator's tokens forced: per row its tokens (up to and with EOS),
+    which it forced, and its raw logits per step."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from lowmem_grpo.evaluation.engine import Calculator
+
+    ids, mask = _left_padded(prompts, tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    forcing = CalculatorForcing(Calculator(tokenizer), ids.shape[1], len(prompts))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             do_sample=False, logits_processor=LogitsProcessorList([forcing]), output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+    generated = out.sequences[:, ids.shape[1]:].tolist()
+    tokens, forced, logits = [], [], []
+    for row, seq in enumerate(generated):
+        marks = forcing.forced[row]
+        end = next((j + 1 for j, t in enumerate(seq) if t == tokenizer.eos_token_id and j not in marks), len(seq))
+        tokens.append(seq[:end])
+        forced.append([int(j in marks) for j in range(end)])
+        logits.append([out.logits[j][row].float().cpu() for j in range(end)])
+    return {"tokens": tokens, "forced": forced, "logits": logits}
+
+
+def through_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """The engine's greedy rows with the calculator, as evaluation samples them (inference mode, the model's own
+    weights): tokens, forced marks, and the logits it read for each token."""
+    from lowmem_grpo.evaluation.engine import Calculator, sample_rows
+    from lowmem_grpo.evaluation.generate import fast_sampling, inference_mode
+
+    recorder = LogitRecorder(model)
+    with inference_mode(model), fast_sampling(model, merged=False):
+        rows = sample_rows(recorder, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
+                           eos_ids={tokenizer.eos_token_id}, pad_id=tokenizer.pad_token_id,
+                           calculator=Calculator(tokenizer))
+    lengths = [len(r.ids) for r in rows]
+    return {"tokens": [r.ids for r in rows], "forced": [r.forced for r in rows],
+            "truncated": [r.truncated for r in rows], "logits": engine_logits(recorder.calls, lengths)}
+
+
+def context_effect(model: Any, prompts: list[list[int]]) -> float:
+    """How far the first logits move when each row sees only its last prompt token: the size of what attention over
+    the cache contributes, which a broken cache would get wrong."""
+    import torch
+
+    from lowmem_grpo.evaluation.generate import inference_mode
+
+    device = next(model.parameters()).device
+    with inference_mode(model), torch.inference_mode():
+        full = [model(input_ids=torch.tensor([p], device=device)).logits[0, -1].float().cpu() for p in prompts]
+        last = [model(input_ids=torch.tensor([p[-1:]], device=device)).logits[0, -1].float().cpu() for p in prompts]
+    return max(float((a - b).abs().max()) for a, b in zip(full, last))
+
+
+def compare(model: Any, tokenizer: Any, max_new_tokens: int = 24, tolerance: float = 0.5) -> dict[str, Any]:
+    """The engine against the model's own generate on the script's prompts (module docstring): the numbers, and
+    `ok` when tokens and forced tokens agree, the calculator fired, rows ended early and one ran out, the largest
+    logit difference is within `tolerance`, and the context moves the logits by 4 tolerances at least (so a decode
+    loop that lost the cache would fail it)."""
+    prompts = prompt_ids(tokenizer)
+    ref = reference(model, tokenizer, prompts, max_new_tokens)
+    eng = through_engine(model, tokenizer, prompts, max_new_tokens)
+    diffs = [float((a - b).abs().max()) for ra, rb in zip(eng["logits"], ref["logits"]) for a, b in zip(ra, rb)]
+    effect = context_effect(model, prompts)
+    lengths = [len(t) for t in eng["tokens"]]
+    result = {
+        "tokens_match": eng["tokens"] == ref["tokens"], "forced_match": eng["forced"] == ref["forced"],
+        "forced_tokens": sum(map(sum, eng["forced"])), "lengths": lengths, "reference_lengths":
+        [len(t) for t in ref["tokens"]], "truncated": eng["truncated"],
+        "max_logit_diff": round(max(diffs), 4) if diffs else None, "compared_logits": len(diffs),
+        "context_effect": round(effect, 4), "tolerance": tolerance,
+        "texts": [tokenizer.decode(t, skip_special_tokens=True) for t in eng["tokens"]],
+    }
+    ended_early = any(not t and n < max_new_tokens for t, n in zip(eng["truncated"], lengths))
+    result["ok"] = bool(result["tokens_match"] and result["forced_match"] and result["forced_tokens"] > 0
+                        and ended_early and any(eng["truncated"]) and diffs and max(diffs) <= tolerance
+                        and effect >= 4 * tolerance)
+    return result
