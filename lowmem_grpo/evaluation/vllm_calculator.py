@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lowmem_grpo.evaluation.engine import Sampled
+
 MAX_ROUNDS = 64
 """Rounds of sampling per call at most: after MAX_ROUNDS - 1 stops at a token ending in "=" a row's last round runs
 to its EOS or budget without the calculator. GSM8K solutions hold a handful of calculations."""
@@ -67,20 +69,11 @@ class Piece:
 
 
 @dataclass
-class Completion:
-    """One row's completion: its token ids (the EOS included when it ended), which of them the calculator forced
-    (1) rather than the policy sampled (0), the sampled tokens' log-probs (None for forced ones), and whether it
-    ended without an EOS."""
+class Completion(Sampled):
+    """A row the engine's Sampled describes (ids, forced, truncated), with the sampled tokens' log-probs (None for
+    forced ones), which TRL's importance-sampling correction reads."""
 
-    ids: list[int] = field(default_factory=list)
-    forced: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
-    truncated: bool = True
-
-    @property
-    def policy_mask(self) -> list[int]:
-        """1 for the tokens the policy chose, 0 for forced ones: TRL's `env_mask` / `tool_mask` convention."""
-        return [1 - f for f in self.forced]
 
 
 Sample = Callable[[list[Request], list[int]], list[Piece]]
