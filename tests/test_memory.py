@@ -786,3 +786,20 @@ def test_plan_shows_the_evaluation_batch_and_its_memory():
         recipe = load_recipe(str(path))
         text = format_plan(plan(recipe, recipe.gpu_memory_gb * GIB))
         assert re.search(r"  evaluation: .*\d+ sequences at once .* KV cache [\d.]+ (GiB|MiB)", text), path.name
+
+
+def test_without_auto_fit_the_evaluation_batch_is_still_fitted_to_the_gpu():
+    """train.auto_fit=false, or several processes: the training settings stay the recipe's, and the evaluation batch
+    alone is cut to what the GPU holds (a 16 GB card for Llama-3.2-3B's 128 x 1024-token evaluation KV cache)."""
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.memory.fit import eval_batch_to_device
+
+    recipe = load_recipe("llama3_2_3b_gsm8k", ["train.stage_eval=50", "train.auto_fit=false"])
+    card = CudaFacts(torch_cuda="13.0", available=True, capability=(8, 9), free_bytes=15 * GIB, total_bytes=16 * GIB)
+    fitted = eval_batch_to_device(recipe, set(), facts=card)
+    assert fitted.train.eval_batch_size is not None and fitted.train.eval_batch_size < 128
+    assert (fitted.train.per_device_train_batch_size, fitted.train.max_completion_length) == (
+        recipe.train.per_device_train_batch_size, recipe.train.max_completion_length)
+    assert recipe.train.eval_batch_size is None  # the caller's recipe is not changed
+    assert eval_batch_to_device(recipe, {"train.eval_batch_size"}, facts=card) is recipe  # explicit: kept
+    assert eval_batch_to_device(recipe, set(), facts=CudaFacts(torch_cuda=None, available=False)) is recipe

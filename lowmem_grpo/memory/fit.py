@@ -329,3 +329,19 @@ def fit_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05,
              format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(free),
              format_bytes(total))
     return fitted, result
+
+
+def eval_batch_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05, facts: Any = None) -> Recipe:
+    """Where auto-fit does not run (train.auto_fit=false, several processes: each rank plans its own GPU), the
+    evaluation batch alone fitted to this process's CUDA GPU (with_planned_eval_batch), so an evaluation still
+    decodes no more rows than the GPU holds; the recipe as it is without a CUDA GPU or with the key explicit."""
+    if facts is None:
+        from lowmem_grpo.device import cuda_facts
+
+        facts = cuda_facts()
+    if not facts.available or not facts.total_bytes or "train.eval_batch_size" in explicit:
+        return recipe
+    arch = load_architecture(recipe.model.name, allow_hub=True, trust_remote_code=recipe.model.trust_remote_code)
+    budget = device_budget(facts.free_bytes, facts.total_bytes, headroom)
+    return with_planned_eval_batch(recipe, budget, explicit, arch=arch, free_bytes=facts.free_bytes)
+

@@ -19,7 +19,7 @@ from lowmem_grpo.device import CudaFacts, cpu_auto_dtype, cuda_facts, require_gp
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.export.base_model import name_original_base
-from lowmem_grpo.memory.fit import fit_to_device
+from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
 from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
@@ -124,9 +124,12 @@ class MemoryFit:
 
 def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None, cuda: CudaFacts) -> MemoryFit:
     """Before any model loads: the non-explicit settings fitted to this GPU's free memory (RecipeError names
-    explicit ones that cannot fit); the recipe as it is on CPU, on resume and under several processes."""
-    if recipe.train.auto_fit is False or resume_dir is not None or distributed.world_size() > 1:
+    explicit ones that cannot fit); with auto-fit off or under several processes only the evaluation batch; the
+    recipe as it is on CPU and on resume."""
+    if resume_dir is not None:  # the resumed recipe.yaml holds the batch its first run planned
         return MemoryFit(recipe)
+    if recipe.train.auto_fit is False or distributed.world_size() > 1:
+        return MemoryFit(eval_batch_to_device(recipe, explicit, facts=cuda))
     return MemoryFit(*fit_to_device(recipe, explicit, facts=cuda))
 
 
