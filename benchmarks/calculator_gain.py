@@ -2,6 +2,7 @@
 held-out problems, greedy and sampled, with paired 95% CIs and what the answers got wrong.
 
     python benchmarks/calculator_gain.py RUN_DIR --problems 300 --samples 4 [--stories all|seen|heldout] [--out PATH]
+    python benchmarks/calculator_gain.py RUN_DIR --data lowmem_grpo/resources/checking/arith_checking.jsonl
 
 RUN_DIR is a finished training run (after `make demo`: the newest folder under runs/). Its recipe.yaml decides
 everything else, read the way `lowmem-grpo eval RUN_DIR` reads it (lowmem_grpo.evaluation.command.resolve): the
@@ -18,8 +19,14 @@ generated problems the same side by side on seen wording (frames and phrasings t
 wording (a frame or a phrasing it never used): the recipe's eval split holds both, half each
 (data.generated.eval_stories=all); --stories seen or heldout evaluates only one kind (generated data only).
 
-Writes everything to --out (default RUN_DIR/calculator_gain.json, or calculator_gain-seen/-heldout.json), with the
-command, the CPU's dtype (lowmem_grpo.device.cpu_auto_dtype), the load average before and after and the wall time.
+--data PATH measures the stages on the problems of a JSONL file in GSM8K's format (question, and an answer ending in
+`#### N`) instead of the recipe's eval split, the same way; rows that carry `operation` (add, sub, mul, div: a
+one-step problem's) and `steps` (how many calculations) add the same per stage on each operation's problems and on
+each step count's (`breakdown`), as lowmem_grpo/resources/checking/arith_checking.jsonl does.
+
+Writes everything to --out (default RUN_DIR/calculator_gain.json, calculator_gain-seen/-heldout.json, or with --data
+calculator_gain-STEM.json after the file's name), with the command, the CPU's dtype
+(lowmem_grpo.device.cpu_auto_dtype), the load average before and after and the wall time.
 Each stage's verdicts are written as soon as it is measured; a rerun reuses every stage measured with the same
 settings (same problems, adapter weights, samples, temperature, seed, budget, calculator) and measures the rest.
 """
@@ -48,6 +55,8 @@ log = logging.getLogger("calculator_gain")
 STAGES = ("base", "primed", "trained")
 PAIRS = ("primed->trained", "base->trained")
 TABLE_METRICS = ("strict_accuracy", "mean@{k}", "pass@{k}", "strict_format_rate")
+GROUPINGS = {"operation": "By operation (the one-step problems)", "steps": "By number of steps"}
+"""The per-problem fields of a --data file that the results are broken down by, and each breakdown's title."""
 
 
 def digest(*parts: bytes) -> str:
@@ -108,6 +117,50 @@ def wrong_operation_by_wording(verdicts: list[list[Any]], groups: list[str | Non
             for g in WORDING_GROUPS if g in groups}
 
 
+def file_problems(path: Path, limit: int) -> tuple[list[dict[str, str]], dict[str, list[str | None]]]:
+    """The first `limit` problems of a JSONL file (checked as `lowmem-grpo eval --data` checks them: question, and an
+    answer ending in '#### N') and per GROUPINGS field each problem's label: `operation` when it names one of add,
+    sub, mul, div, `steps` when it is a whole number (None where a row has no such field; a field no row has is
+    left out)."""
+    from lowmem_grpo.data.generated import OPERATIONS
+    from lowmem_grpo.data.sources import load_rows
+
+    rows = load_rows(str(path), "test")[:limit]
+    raw = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()][:limit]
+    labels = {"operation": [r.get("operation") if r.get("operation") in OPERATIONS else None for r in raw],
+              "steps": [str(r["steps"]) if type(r.get("steps")) is int else None for r in raw]}
+    return rows, {g: v for g, v in labels.items() if any(x is not None for x in v)}
+
+
+def groups_of(groups: dict[str, list[str | None]], rows: list[dict[str, str]], questions: list[str]
+              ) -> dict[str, list[str | None]]:
+    """`groups` (per problem of `rows`) for the problems asking `questions` (the examples evaluated: a prompt too
+    long for the recipe is left out)."""
+    index: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        index.setdefault(row["question"], i)
+    return {g: [labels[index[q]] if q in index else None for q in questions] for g, labels in groups.items()}
+
+
+def breakdown(verdicts: dict[str, list[list[Any]]], sampled: dict[str, list[list[Any]]],
+              groups: dict[str, list[str | None]], seed: int) -> dict[str, dict[str, Any]]:
+    """Per grouping and label (in the order the problems first name it): num_problems, the stage summary of those
+    problems (lowmem_grpo.evaluation.stages.summarize: stages, differences, outcomes) and each stage's
+    wrong-operation share."""
+    from lowmem_grpo.evaluation.stages import summarize
+
+    out: dict[str, dict[str, Any]] = {}
+    for grouping, labels in groups.items():
+        out[grouping] = {}
+        for label in dict.fromkeys(x for x in labels if x is not None):
+            keep = [i for i, x in enumerate(labels) if x == label]
+            pick = lambda by_stage: {s: [p[i] for i in keep] for s, p in by_stage.items()}  # noqa: E731
+            part = summarize(pick(verdicts), seed=seed, sampled=pick(sampled))
+            out[grouping][label] = {"num_problems": len(keep), **part, "wrong_operation_share": {
+                s: wrong_operation_share(v) for s, v in pick(verdicts).items()}}
+    return out
+
+
 class Results:
     """The JSON file: per stage its settings key, metrics and verdicts, rewritten after every stage."""
 
@@ -139,6 +192,12 @@ class Results:
         self.data["wrong_operation_share"] = {s: wrong_operation_share(v) for s, v in ordered.items()}
         self.data["wrong_operation_share_by_wording"] = {s: wrong_operation_by_wording(v, groups)
                                                          for s, v in ordered.items()}
+        labels = {g: v for g, v in (self.data.get("problem_groups") or {}).items()
+                  if all(len(p) == len(v) for p in ordered.values())}  # else of other problems than the verdicts
+        if labels:
+            self.data["breakdown"] = breakdown(ordered, self.verdicts("sampled_verdicts"), labels, seed)
+        else:
+            self.data.pop("breakdown", None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1), encoding="utf-8")
@@ -178,6 +237,17 @@ def measure(model: Any, tokenizer: Any, examples: list[dict[str, Any]], stage: s
     return {"metrics": metrics, **entry}
 
 
+def stage_keys(recipe: Any, rows: list[dict[str, str]], adapters: dict[str, Path | None],
+               settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per stage what its measurement depends on (the problems and prompts, the model, the evaluation settings and
+    the adapter's weights): a stage saved under the same key is reused."""
+    d = recipe.data
+    problems = digest(json.dumps(rows, sort_keys=True).encode(), d.system_prompt.encode(), d.prefill.encode())
+    common_key = {"problems": problems, "num_problems": len(rows), "model": recipe.model.name,
+                  "greedy": settings["greedy"], "sampled": settings["sampled"]}
+    return {stage: {**common_key, "adapter": adapter_fingerprint(adapter)} for stage, adapter in adapters.items()}
+
+
 def _ci(entry: dict[str, float], key: str = "mean") -> str:
     spec = "+.3f" if key == "diff" else ".3f"
     return f"{entry[key]:{spec}} [{entry['low']:{spec}}, {entry['high']:{spec}}]"
@@ -190,7 +260,9 @@ def table(data: dict[str, Any]) -> str:
     summary, k = data["summary"], data["settings"]["samples"]
     metrics = [m.format(k=k) for m in TABLE_METRICS if k or "{k}" not in m]
     n = data["settings"]["num_problems"]
-    lines = [f"{data['run_dir']}: {n} held-out problems ({data['settings']['stories']} stories), greedy and {k} "
+    told = (f"problems of {data['settings']['data']}" if data["settings"].get("data") else
+            f"held-out problems ({data['settings']['stories']} stories)")
+    lines = [f"{data['run_dir']}: {n} {told}, greedy and {k} "
              f"samples at T {data['settings']['temperature']}, calculator {data['settings']['calculator']}",
              "", "| stage | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
     for stage, values in summary["stages"].items():
@@ -208,7 +280,31 @@ def table(data: dict[str, Any]) -> str:
     shares = data["wrong_operation_share"]
     lines.append("| wrong_operation / wrong | " + " | ".join("-" if shares.get(s) is None else f"{shares[s]:.3f}"
                                                            for s in stages) + " |")
-    return "\n".join(lines + _wording_table(data))
+    return "\n".join(lines + _wording_table(data) + _breakdown_table(data))
+
+
+def _breakdown_table(data: dict[str, Any]) -> list[str]:
+    """Per grouping of a --data file (GROUPINGS), each label's stages and paired differences and each stage's
+    wrong-operation share; [] without a breakdown."""
+    k = data["settings"]["samples"]
+    metrics = [m.format(k=k) for m in TABLE_METRICS[:3] if k or "{k}" not in m]
+    cell = lambda share: "-" if share is None else f"{share:.3f}"  # noqa: E731
+    lines: list[str] = []
+    for grouping, parts in (data.get("breakdown") or {}).items():
+        lines += ["", f"{GROUPINGS[grouping]} (95% bootstrap CIs; the paired differences pair the same problems):",
+                  "", f"| {grouping} | n | stage | " + " | ".join(metrics) + " | wrong_operation / wrong |",
+                  "|---" * (len(metrics) + 4) + "|"]
+        for label, part in parts.items():
+            head = f"| {label} | {part['num_problems']} | "
+            for stage, values in part["stages"].items():
+                lines.append(head + f"{stage} | " + " | ".join(_ci(values[m]) if m in values else "-" for m in metrics)
+                             + f" | {cell(part['wrong_operation_share'].get(stage))} |")
+            for pair in PAIRS:
+                if pair in part["differences"]:
+                    diffs = part["differences"][pair]
+                    lines.append(head + f"{pair} | " + " | ".join(_ci(diffs[m], "diff") if m in diffs else "-"
+                                                                   for m in metrics) + " | - |")
+    return lines
 
 
 def _wording_table(data: dict[str, Any]) -> list[str]:
@@ -229,7 +325,7 @@ def _wording_table(data: dict[str, Any]) -> list[str]:
               for stage, shares in by_wording.items())]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a training run directory (holds recipe.yaml and adapter/)")
     parser.add_argument("--problems", type=int, default=300, help="first N problems of the eval split (default 300)")
@@ -238,17 +334,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stories", choices=("all", "seen", "heldout"),
                         help="generated problems' wording: half seen, half held-out (all), or only one kind (default: "
                              "the recipe's data.generated.eval_stories)")
-    parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain.json)")
+    parser.add_argument("--data", help="a JSONL file of problems (question, answer ending in '#### N'; optional "
+                        "operation and steps fields) to measure instead of the recipe's eval split, e.g. "
+                        "lowmem_grpo/resources/checking/arith_checking.jsonl")
+    parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain.json; with --data "
+                        "RUN_DIR/calculator_gain-STEM.json)")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help="stages to measure, comma-separated (default base,primed,trained; GRPO's own gain needs "
                              "primed,trained)")
+    return parser
+
+
+def _problems(parser: argparse.ArgumentParser, args: argparse.Namespace, data: Any
+              ) -> tuple[list[dict[str, str]], dict[str, list[str | None]], str]:
+    """The problems measured (the recipe's eval split, or the --data file's), their GROUPINGS labels ({} for the
+    eval split) and the default name of the results file. Bad data is named before the model loads."""
+    from lowmem_grpo.data import load_eval_rows
+    from lowmem_grpo.errors import DataError
+
+    if args.stories in ("seen", "heldout") and data.source != "generated":
+        parser.error(f"--stories {args.stories} needs generated problems, but the run's data.source is "
+                     f"{data.source!r}")
+    if not args.data:
+        stories = data.generated.eval_stories if data.source == "generated" else "all"
+        name = "calculator_gain.json" if stories == "all" else f"calculator_gain-{stories}.json"
+        return load_eval_rows(data, limit=args.problems), {}, name
+    path = Path(args.data).expanduser()
+    if args.stories:
+        parser.error("--stories picks the wording of generated problems; --data measures the file's problems: "
+                     "pass one of them")
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        parser.error(f"--data {args.data}: no such .jsonl file (one JSON object per line: question, answer)")
+    try:
+        rows, groups = file_problems(path, args.problems)
+    except DataError as exc:
+        parser.error(str(exc))
+    return rows, groups, f"calculator_gain-{path.stem}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if args.problems < 1 or args.samples < 0 or args.samples == 1:
         parser.error("--problems must be >= 1 and --samples 0 or >= 2")
     load_before, started = list(os.getloadavg()), time.monotonic()
 
-    from lowmem_grpo.data import load_eval_rows, recipe_examples
+    from lowmem_grpo.data import recipe_examples
     from lowmem_grpo.device import cpu_auto_dtype
     from lowmem_grpo.evaluation.command import EvalOptions, is_run_dir, load_model, resolve
     from lowmem_grpo.evaluation.stages import wording_groups
@@ -260,22 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     opts = EvalOptions(model=str(run_dir), engine="transformers", progress=False, overrides=overrides)
     recipe, _, _ = resolve(opts)
     d = recipe.data
-    if args.stories in ("seen", "heldout") and d.source != "generated":
-        parser.error(f"--stories {args.stories} needs generated problems, but the run's data.source is {d.source!r}")
+    rows, groups, default_name = _problems(parser, args, d)
     stories = d.generated.eval_stories if d.source == "generated" else "all"
-    rows = load_eval_rows(d, limit=args.problems)  # bad data fails before the model loads
+    generated = d.source == "generated" and not args.data  # problems told in the generator's wording
     wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(STAGES))
     if unknown:
         parser.error(f"--stages: unknown {', '.join(unknown)} (known: {', '.join(STAGES)})")
     adapters = {s: a for s, a in stage_adapters(run_dir).items() if s in wanted}
     settings = eval_settings(recipe, args.samples)
-    problems = digest(json.dumps(rows, sort_keys=True).encode(), d.system_prompt.encode(), d.prefill.encode())
-    common_key = {"problems": problems, "num_problems": len(rows), "model": recipe.model.name,
-                  "greedy": settings["greedy"], "sampled": settings["sampled"]}
-    keys = {stage: {**common_key, "adapter": adapter_fingerprint(adapter)} for stage, adapter in adapters.items()}
+    keys = stage_keys(recipe, rows, adapters, settings)
 
-    default_name = "calculator_gain.json" if stories == "all" else f"calculator_gain-{stories}.json"
     results = Results(Path(args.out).expanduser() if args.out else run_dir / default_name)
     results.data["stages"] = {s: e for s, e in results.data["stages"].items()
                               if s in keys and results.cached(s, keys[s])}
@@ -291,10 +418,14 @@ def main(argv: list[str] | None = None) -> int:
                      "sampled": settings["sampled"]},
         "adapters": {s: str(a) if a else None for s, a in adapters.items()},
         "questions": [r["question"] for r in rows],
-        "problem_wording": wording_groups([r["question"] for r in rows]) if d.source == "generated" else None,
+        "problem_wording": wording_groups([r["question"] for r in rows]) if generated else None,
         "cpu": {**dataclasses.asdict(cpu_auto_dtype()), "cpu_count": os.cpu_count()},
         "load_before": load_before, "reused": reused, "measured": pending,
     })
+    results.data.pop("problem_groups", None)  # of an earlier run's --data file
+    if args.data:
+        results.data["settings"].update(data=args.data, source="file", split=None, stories=None)
+        results.data["problem_groups"] = groups
     if pending:
         model, tokenizer, _, info = load_model(recipe, adapters["trained"], opts)
         results.data["cpu"].update({"device": info["device"], "model_dtype": info["dtype"]})
@@ -303,8 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         model.eval()  # no LoRA dropout while sampling (and merged sampling applies)
         examples = recipe_examples(rows, tokenizer, d)
         results.data["settings"]["num_examples"] = len(examples)
-        if d.source == "generated":  # the problems evaluated (long prompts may be filtered out)
+        if generated:  # the problems evaluated (long prompts may be filtered out)
             results.data["problem_wording"] = wording_groups([e["question"] for e in examples])
+        if groups:
+            results.data["problem_groups"] = groups_of(groups, rows, [e["question"] for e in examples])
         for stage in pending:
             t0 = time.monotonic()
             results.data["stages"][stage] = {"key": keys[stage], **measure(model, tokenizer, examples, stage, settings),

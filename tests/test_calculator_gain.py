@@ -150,3 +150,166 @@ def test_the_table_pairs_the_stages_and_counts_wrong_operations(gain, tmp_path):
     results.data["problem_wording"] = ["seen", "heldout"]  # of other problems: left out, not an error
     results.write(seed=0)
     assert "wording" not in json.loads((tmp_path / "g.json").read_text())["summary"]
+
+
+# --- --data: a file of problems (the checking set's format) instead of the recipe's eval split ---------------------
+
+CHECKING = SCRIPT.parents[1] / "lowmem_grpo" / "resources" / "checking" / "arith_checking.jsonl"
+SIGN = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+SWAP = {"+": "-", "-": "+", "*": "+", "/": "*"}  # a wrong operation on the same numbers
+
+
+def answered(row: dict, right: bool) -> dict:
+    """A judged completion of `row` (a checking-set row) whose last calculation is its own (right) or its operands
+    under another operation (wrong operation, right arithmetic)."""
+    from fractions import Fraction
+
+    from lowmem_grpo.evaluation.metrics import judge
+    from lowmem_grpo.rewards.calculator import evaluate
+
+    expr = row["answer"].split("<<")[-1].split("=")[0]
+    if not right:
+        sign = next(c for c in expr if c in SWAP)
+        expr = expr.replace(sign, SWAP[sign])
+    value = evaluate(expr)
+    shown = str(value.numerator) if value == Fraction(value.numerator) else str(float(value))
+    return judge(f"<reasoning>\n{expr}={shown}\n</reasoning>\n<answer>\n{shown}\n</answer>",
+                 row["answer"].rsplit("#### ", 1)[1]).as_dict()
+
+
+def checking_sample(path: Path) -> list[dict]:
+    """Two one-step problems of each operation and two two-step ones of the checking set, written to `path`."""
+    rows = [json.loads(line) for line in CHECKING.read_text(encoding="utf-8").splitlines()]
+    picked = [r for op in (*SIGN, "two") for r in [r for r in rows if r["operation"] == op or
+                                                   (op == "two" and r["steps"] == 2)][:2]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in picked), encoding="utf-8")
+    return picked
+
+
+def saved_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    (run / "recipe.yaml").write_text(dump_yaml(load_recipe(ARITH_RECIPE)))
+    return run
+
+
+def test_a_data_file_gives_its_problems_and_their_operation_and_steps(gain, tmp_path):
+    from lowmem_grpo.errors import DataError
+
+    picked = checking_sample(tmp_path / "sample.jsonl")
+    rows, groups = gain.file_problems(tmp_path / "sample.jsonl", limit=9)
+    assert rows == [{"question": r["question"], "answer": r["answer"]} for r in picked[:9]]
+    assert groups == {"operation": ["add", "add", "sub", "sub", "mul", "mul", "div", "div", None],
+                      "steps": ["1"] * 8 + ["2"]}
+    # a GSM8K file without the fields: no breakdown; a field only some rows have: None for the others
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"question": "Q?", "answer": "#### 3"}) + "\n"
+                     + json.dumps({"question": "R?", "answer": "#### 4", "steps": 1}) + "\n")
+    assert gain.file_problems(plain, 10)[1] == {"steps": [None, "1"]}
+    plain.write_text(json.dumps({"question": "Q?", "answer": "three"}) + "\n")
+    with pytest.raises(DataError, match="row 0"):
+        gain.file_problems(plain, 10)
+    # the examples evaluated (a prompt too long is left out) keep their own labels
+    asked = [rows[2]["question"], rows[8]["question"], "not in the file"]
+    assert gain.groups_of(groups, rows, asked) == {"operation": ["sub", None, None], "steps": ["1", "2", None]}
+
+
+def test_the_breakdown_per_operation_and_steps_and_its_table(gain, tmp_path):
+    picked = checking_sample(tmp_path / "sample.jsonl")
+    results = gain.Results(tmp_path / "g.json")
+    right = [answered(r, True) for r in picked]
+    wrong = [answered(r, False) for r in picked]
+    # base: adding and products right, the rest the wrong operation; trained: all right
+    base = [right[i] if r["operation"] in ("add", "mul") else wrong[i] for i, r in enumerate(picked)]
+    for stage, greedy in (("base", base), ("trained", right)):
+        results.data["stages"][stage] = {"verdicts": [[v] for v in greedy],
+                                         "sampled_verdicts": [[v, w] for v, w in zip(greedy, wrong)]}
+    _, groups = gain.file_problems(tmp_path / "sample.jsonl", 10)
+    results.data.update({"run_dir": "RUN", "problem_groups": groups,
+                         "settings": {"samples": 2, "num_problems": 10, "data": "sample.jsonl", "temperature": 0.7,
+                                      "calculator": True}})
+    results.write(seed=0)
+    saved = json.loads((tmp_path / "g.json").read_text())
+    by_op, by_steps = saved["breakdown"]["operation"], saved["breakdown"]["steps"]
+    assert list(by_op) == ["add", "sub", "mul", "div"] and list(by_steps) == ["1", "2"]
+    assert {k: v["num_problems"] for k, v in by_op.items()} == {"add": 2, "sub": 2, "mul": 2, "div": 2}
+    assert by_steps["2"]["num_problems"] == 2
+    assert by_op["add"]["stages"]["base"]["strict_accuracy"]["mean"] == 1.0
+    assert by_op["sub"]["stages"]["base"]["strict_accuracy"]["mean"] == 0.0
+    assert by_op["sub"]["differences"]["base->trained"]["strict_accuracy"]["diff"] == 1.0
+    assert by_op["sub"]["stages"]["trained"]["mean@2"]["mean"] == 0.5
+    assert by_op["div"]["outcomes"]["base"]["wrong_operation"] == 1.0
+    assert by_op["sub"]["wrong_operation_share"] == {"base": 1.0, "trained": None}
+    assert saved["wrong_operation_share"]["base"] == 1.0  # over all problems, as without --data
+    text = gain.table(saved)
+    assert "RUN: 10 problems of sample.jsonl, greedy and 2 samples" in text
+    assert "By operation (the one-step problems)" in text and "By number of steps" in text
+    assert "| operation | n | stage | strict_accuracy | mean@2 | pass@2 | wrong_operation / wrong |" in text
+    assert "| sub | 2 | base | 0.000 [0.000, 0.000] | 0.000 [" in text and "| 1.000 |" in text
+    assert "| sub | 2 | base->trained | +1.000 [" in text
+    results.data["problem_groups"] = {"operation": ["add"]}  # of other problems than the verdicts: left out
+    results.write(seed=0)
+    assert "breakdown" not in json.loads((tmp_path / "g.json").read_text())
+
+
+def test_main_measures_a_data_file_and_reuses_its_saved_stages(gain, tmp_path, capsys):
+    """With every stage saved under main's own key (stage_keys) nothing is measured and no model loads: main reads
+    the file, breaks the saved verdicts down and writes RUN_DIR/calculator_gain-STEM.json."""
+    run, data = saved_run(tmp_path), tmp_path / "sample.jsonl"
+    picked = checking_sample(data)
+    recipe = resolve(EvalOptions(model=str(run)))[0]
+    rows, _ = gain.file_problems(data, 300)
+    adapters = {s: a for s, a in gain.stage_adapters(run).items() if s in ("base", "trained")}
+    keys = gain.stage_keys(recipe, rows, adapters, gain.eval_settings(recipe, 2))
+    out = run / "calculator_gain-sample.json"
+    greedy = {"base": [answered(r, r["steps"] == 2) for r in picked], "trained": [answered(r, True) for r in picked]}
+    out.write_text(json.dumps({"stages": {s: {"key": keys[s], "verdicts": [[v] for v in greedy[s]],
+                                              "sampled_verdicts": [[v, v] for v in greedy[s]]} for s in keys}}))
+    assert gain.main([str(run), "--data", str(data), "--samples", "2", "--stages", "base,trained"]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["measured"] == [] and saved["reused"] == ["base", "trained"]
+    assert saved["settings"]["data"] == str(data) and saved["settings"]["source"] == "file"
+    assert saved["settings"]["num_problems"] == 10 and saved["questions"] == [r["question"] for r in picked]
+    assert saved["problem_wording"] is None and saved["problem_groups"]["steps"] == ["1"] * 8 + ["2", "2"]
+    assert saved["summary"]["stages"]["base"]["strict_accuracy"]["mean"] == 0.2
+    assert saved["breakdown"]["steps"]["2"]["stages"]["base"]["strict_accuracy"]["mean"] == 1.0
+    assert saved["breakdown"]["operation"]["mul"]["wrong_operation_share"]["base"] == 1.0
+    assert "By operation (the one-step problems)" in capsys.readouterr().out
+
+    # other problems are other settings: a stage saved for the file is not reused for the first 4 of them
+    assert gain.stage_keys(recipe, rows[:4], adapters, gain.eval_settings(recipe, 2))["base"] != keys["base"]
+
+
+def test_without_data_the_eval_split_is_measured_as_before(gain, tmp_path, capsys):
+    run = saved_run(tmp_path)
+    recipe = resolve(EvalOptions(model=str(run)))[0]
+    from lowmem_grpo.data import load_eval_rows
+
+    rows = load_eval_rows(recipe.data, limit=2)
+    adapters = {s: a for s, a in gain.stage_adapters(run).items() if s == "trained"}
+    keys = gain.stage_keys(recipe, rows, adapters, gain.eval_settings(recipe, 0))
+    verdict = answered({"answer": rows[0]["answer"]}, True)
+    out = run / "calculator_gain.json"  # left by a --data run at the same path: its labels are not these problems'
+    out.write_text(json.dumps({"problem_groups": {"steps": ["1", "1"]}, "stages": {
+        "trained": {"key": keys["trained"], "verdicts": [[verdict], [verdict]]}}}))
+    assert gain.main([str(run), "--problems", "2", "--samples", "0", "--stages", "trained"]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["reused"] == ["trained"] and saved["settings"]["source"] == "generated"
+    assert "data" not in saved["settings"] and "problem_groups" not in saved and "breakdown" not in saved
+    assert saved["problem_wording"] == ["seen", "heldout"]
+    assert "By operation" not in capsys.readouterr().out
+
+
+def test_data_is_checked_before_any_model_loads(gain, tmp_path, capsys):
+    run = saved_run(tmp_path)
+    checking_sample(tmp_path / "sample.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "Q?", "answer": "no final line"}) + "\n")
+    for args, says in ((["--data", str(tmp_path / "sample.jsonl"), "--stories", "heldout"], "pass one of them"),
+                       (["--data", str(tmp_path / "missing.jsonl")], "no such .jsonl file"),
+                       (["--data", str(bad)], "row 0")):
+        with pytest.raises(SystemExit) as exit_:
+            gain.main([str(run), *args])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
