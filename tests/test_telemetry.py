@@ -389,23 +389,33 @@ def test_rss_benchmark_arguments_summary_and_table(tmp_path):
     assert "3.25" in lines[5] and "1.5/2.0" in text and "default: lowmem-grpo train x" in text
 
 
+_MMAP_PROBE = """
+import ctypes, sys
+from lowmem_grpo.rundir import rss
+libc = rss._glibc()
+if libc is None or not hasattr(libc, "mallinfo2"):
+    sys.exit(77)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+assert rss.limit_heap_retention() and rss.release_free_memory()
+libc.free(libc.malloc(8 << 20))  # a large free: an unpinned threshold would rise past 3 MiB here
+block = libc.malloc(3 << 20)
+# glibc marks a chunk it mmapped with IS_MMAPPED (0x2) in the size word before the pointer
+print(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 0x2)
+libc.free(block)
+"""
+
+
 def test_pinned_mmap_threshold_gives_freed_blocks_back():
     """glibc: with the threshold pinned, a block of a few MiB (a CPU forward's tensor) is mmapped, so it leaves the
-    process when freed, even after a large free (which, unpinned, moves blocks of that size into the heap)."""
-    import ctypes
+    process when freed, even after a large free (which, unpinned, moves blocks of that size into the heap). In a
+    fresh process: glibc serves a request from a free heap chunk that fits before it considers mmap, and a long
+    test session's heap holds such chunks."""
+    import subprocess
+    import sys
 
-    from lowmem_grpo.rundir import rss
-
-    libc = rss._glibc()
-    if libc is None or not hasattr(libc, "mallinfo2"):
+    done = subprocess.run([sys.executable, "-c", _MMAP_PROBE], capture_output=True, text=True, timeout=120)
+    if done.returncode == 77:
         pytest.skip("not glibc >= 2.33")
-
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    assert rss.limit_heap_retention() and rss.release_free_memory()
-    libc.free(libc.malloc(8 << 20))  # a large free: an unpinned threshold would rise past 3 MiB here
-    block = libc.malloc(3 << 20)
-    # glibc marks a chunk it mmapped with IS_MMAPPED (0x2) in the size word before the pointer: read from the block
-    # itself, since mallinfo2's process-wide totals also move with other threads' allocations in a long test session
-    assert ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 0x2  # mmapped, not heap
-    libc.free(block)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "2"  # mmapped, not heap
