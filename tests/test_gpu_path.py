@@ -1,4 +1,4 @@
-"""The CUDA path, checked on a CPU machine (issue 13): precision from the loaded dtype, the sampling engine, vLLM as
+"""The CUDA path, checked on a CPU machine: precision from the loaded dtype, the sampling engine, vLLM as
 an opt-in, vLLM memory, the eval's mode and RNG, OOM residue, drivers and capabilities.
 
 No GPU is needed and nothing is monkeypatched: each function takes what it would ask the machine (a compute
