@@ -1,7 +1,7 @@
 """Faster sampling on CPU (lowmem_grpo.evaluation.generate): the LoRA adapter merged into the weights
 (merged_adapter, train.merged_sampling) computes the same function and the same greedy text as PEFT's unmerged
 layers with the base weights never written, and a training run with it on equals one with it off; grouped-query
-attention without copying the key/value heads (grouped_attention) is bit-identical. Float32 on the tiny model."""
+attention without copying the key/value heads (cpu_attention in float32) is bit-identical. Float32 on the tiny model."""
 
 from __future__ import annotations
 
@@ -116,11 +116,11 @@ def test_it_stays_off_where_a_merged_weight_would_not_compute_the_same(tiny_mode
         assert result.layers == 0
 
 
-def test_grouped_attention_gives_bit_identical_logits_and_text_and_switches_back(tiny_model_dir):
+def test_cpu_attention_in_float32_gives_bit_identical_logits_and_text_and_switches_back(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowmem_grpo.evaluation.generate import GROUPED_SDPA, grouped_attention
+    from lowmem_grpo.evaluation.attention import CPU_ATTENTION, cpu_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -130,13 +130,13 @@ def test_grouped_attention_gives_bit_identical_logits_and_text_and_switches_back
     with torch.no_grad():
         plain = model(**batch).logits
         plain_text = model.generate(**batch, max_new_tokens=24, do_sample=False)
-        with grouped_attention(model) as switched:
-            assert switched and model.config._attn_implementation == GROUPED_SDPA
+        with cpu_attention(model) as switched:
+            assert switched and model.config._attn_implementation == CPU_ATTENTION
             grouped = model(**batch).logits
             grouped_text = model.generate(**batch, max_new_tokens=24, do_sample=False)
     assert model.config._attn_implementation == "sdpa"
     assert torch.equal(grouped, plain) and torch.equal(grouped_text, plain_text)
-    with grouped_attention(model, enabled=False) as switched:
+    with cpu_attention(model, enabled=False) as switched:
         assert not switched and model.config._attn_implementation == "sdpa"
 
 

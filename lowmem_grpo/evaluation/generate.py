@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowmem_grpo.backends import is_unsloth_model
+from lowmem_grpo.evaluation.attention import cpu_attention
 from lowmem_grpo.errors import BadInputError
 
 
@@ -237,61 +238,11 @@ def _merged_linear(module: Any, torch: Any) -> Any:
     return merged
 
 
-GROUPED_SDPA = "lowmem_grouped_sdpa"
-"""The attention implementation grouped_attention registers: transformers' sdpa with the key/value heads shared."""
-
-
-def grouped_sdpa_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
-                         scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any) -> tuple[Any, None]:
-    """transformers' sdpa attention, with grouped-query heads passed to torch's SDPA as they are (enable_gqa)
-    instead of first copied out to one key/value head per query head (repeat_kv, which transformers does whenever
-    there is a padding mask). Each query head reads the same key/value numbers either way: the output is
-    bit-identical, without copying the whole cache twice per layer per token. Without a mask (transformers then
-    passes the grouped heads itself), without grouped heads, with a position bias or attention weights asked for,
-    it is sdpa's own path."""
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or key.shape[-1] != value.shape[-1]
-            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    # with a mask sdpa_attention_forward never sets is_causal: the mask carries the causal pattern
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, is_causal=False,
-                                                           enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-@contextlib.contextmanager
-def grouped_attention(model: Any, enabled: bool = True) -> Iterator[bool]:
-    """The model's sdpa attention switched to grouped_sdpa_forward while the block runs, then back; yields whether
-    it switched: on CPU, for an sdpa model with grouped key/value heads (not an Unsloth model)."""
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    device = next(iter(model.parameters())).device if enabled and heads else None
-    if (not enabled or getattr(config, "_attn_implementation", None) != "sdpa" or not heads or kv_heads == heads
-            or device.type != "cpu" or is_unsloth_model(model)):
-        yield False
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)  # the very masks sdpa gets
-    config._attn_implementation = GROUPED_SDPA
-    try:
-        yield True
-    finally:
-        config._attn_implementation = "sdpa"
-
-
 @contextlib.contextmanager
 def fast_sampling(model: Any, merged: bool = True, grouped: bool = True) -> Iterator[MergeResult]:
-    """merged_adapter and grouped_attention together: what every transformers sampling path of lowmem_grpo runs
-    inside. Yields merged_adapter's result."""
-    with merged_adapter(model, merged) as result, grouped_attention(model, grouped):
+    """merged_adapter and lowmem_grpo.evaluation.attention.cpu_attention (`grouped`) together: what every
+    transformers sampling path of lowmem_grpo runs inside. Yields merged_adapter's result."""
+    with merged_adapter(model, merged) as result, cpu_attention(model, grouped):
         yield result
 
 

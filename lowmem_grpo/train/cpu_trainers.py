@@ -16,6 +16,7 @@ import torch
 from trl import GRPOTrainer, SFTTrainer
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
+from lowmem_grpo.evaluation.attention import cpu_attention
 from lowmem_grpo.evaluation.generate import fast_sampling
 from lowmem_grpo.train import shared_prompt
 
@@ -30,13 +31,14 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
     logs `shared_prompt/tokens_saved`, the share of token positions the step's log-prob passes did not run.
     Sampling: TRL's generation runs inside lowmem_grpo.evaluation.generate.fast_sampling: with
     `lowmem_merged_sampling` (train.merged_sampling, set by trainer_factory) from a model whose adapted layers are one
-    plain matmul each (merged_adapter; the base weights untouched), and with grouped-query attention that does not
-    copy the key/value heads (grouped_attention; bit-identical). Whether the merge applied, and why not, is logged
-    once."""
+    plain matmul each (merged_adapter; the base weights untouched). Attention, in sampling and in the log-prob passes:
+    lowmem_grpo.evaluation.attention.cpu_attention (grouped key/value heads never copied, bit-identical in float32;
+    in bfloat16 a float32 matmul attention in place of PyTorch's slow flash kernel for CPU). Whether the merge
+    applied, and why not, is logged once."""
 
     lowmem_shared_prompt: bool = True
     lowmem_merged_sampling: bool = True
-    lowmem_grouped_attention: bool = True  # exact either way: a seam for benchmarks/sampling_cpu.py's "before"
+    lowmem_grouped_attention: bool = True  # lowmem_grpo.evaluation.attention; off: benchmarks' "before" and plain
     _lowmem_merge_logged = False
 
     def shared_prompt_status(self) -> tuple[bool, str]:
@@ -76,7 +78,7 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
         all_logps, all_entropies, forwarded = [], [], 0
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), cpu_attention(model, self.lowmem_grouped_attention):
                 # the LM head runs on the completion positions only, not on the prompt: the full
                 # (batch, prompt + completion, vocab) logits were most of this pass's memory
                 out = shared_prompt.completion_logits(model, ids, attention_mask[start:start + batch_size],
