@@ -231,7 +231,8 @@ def test_completion_only_logits_equal_the_full_logits_path(tiny_model_dir, entro
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # a left-padded prompt
     fake = SimpleNamespace(accelerator=SimpleNamespace(autocast=contextlib.nullcontext), temperature=0.7,
-                           _entropy_bonus_enabled=entropy_bonus, lowmem_shared_prompt=False)  # full rows here
+                           _entropy_bonus_enabled=entropy_bonus, lowmem_shared_prompt=False,  # full rows here
+                           model=model, _metrics=defaultdict(lambda: defaultdict(list)))
     results = []
     for run in ("old", "new"):
         model.zero_grad()

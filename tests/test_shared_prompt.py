@@ -1,5 +1,6 @@
 """The shared-prompt log-prob pass equals the full-row pass (log-probs, entropies, LoRA gradients) and really
-forwards each distinct prompt once; a GRPO run with it on equals one with it off step by step."""
+forwards each distinct prompt once; the CPU trainer's passes skip the completion padding exactly and forward fewer
+token positions; a GRPO run with sharing on equals one with it off step by step."""
 
 from __future__ import annotations
 
@@ -35,21 +36,22 @@ def models(tiny_model_dir, tmp_path_factory):
             "qwen2": _peft_model(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2"))}
 
 
-def _batch(prompt_lengths, group_size, vocab, seed):
+def _batch(prompt_lengths, group_size, vocab, seed, longest=None, width=C):
     """Rows as TRL builds them: each prompt left-padded to P, repeated group_size times, each followed by a
-    right-padded completion of its own length; the rows shuffled (a group need not be contiguous)."""
+    completion of its own length (at most longest[i] for prompt i, `width` by default) right-padded to `width`;
+    the rows shuffled (a group need not be contiguous)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     ids, mask = [], []
-    for length in prompt_lengths:
+    for i, length in enumerate(prompt_lengths):
         prompt = torch.randint(3, vocab, (length,), generator=gen)
         for _ in range(group_size):
-            completion = torch.randint(3, vocab, (C,), generator=gen)
-            kept = int(torch.randint(1, C + 1, (1,), generator=gen))
+            completion = torch.randint(3, vocab, (width,), generator=gen)
+            kept = int(torch.randint(1, (longest[i] if longest else width) + 1, (1,), generator=gen))
             ids.append(torch.cat([torch.zeros(P - length, dtype=torch.long), prompt, completion]))
             mask.append(torch.cat([torch.zeros(P - length, dtype=torch.long), torch.ones(length, dtype=torch.long),
-                                   (torch.arange(C) < kept).long()]))
+                                   (torch.arange(width) < kept).long()]))
     order = torch.randperm(len(ids), generator=gen)
     return torch.stack(ids)[order], torch.stack(mask)[order]
 
@@ -85,6 +87,11 @@ def _assert_equal_passes(full, shared_pass, mask):
     for name, grad in full[2].items():
         assert grad.norm() > 0, name
         assert ((grad - shared_pass[2][name]).norm() / grad.norm()).item() <= 1e-4, name
+
+
+def _kept(mask, width=C):
+    """The completion columns up to the last one any row of `mask` attends to."""
+    return int(mask[:, -width:].any(dim=0).nonzero().max()) + 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -191,12 +198,12 @@ def test_trainer_pass_shares_prompts_in_every_chunk(trainer, batch_size):
                           trainer._metrics["train"].get("shared_prompt/tokens_saved"))
     trainer.lowmem_shared_prompt = True
     _assert_equal_passes(results[False], results[True], mask)
-    assert results[False][3] is None  # off: nothing logged
     saved = results[True][3]
     assert saved is not None and 0.0 < saved[0] < 1.0
+    assert results[False][3][0] < saved[0]  # off: only the padding is skipped
     rows = ids.size(0)
     if batch_size is None:  # one chunk of 16 rows, 4 prompts
-        assert saved[0] == pytest.approx(1 - (4 * P + rows * C) / (rows * (P + C)))
+        assert saved[0] == pytest.approx(1 - (4 * P + rows * _kept(mask)) / (rows * (P + C)))
     # the temperature divides the logits (TRL's definition): at T=1 the log-probs differ
     trainer.temperature = 1.0
     try:
@@ -205,6 +212,138 @@ def test_trainer_pass_shares_prompts_in_every_chunk(trainer, batch_size):
     finally:
         trainer.temperature = 0.7
     assert (plain - results[True][0]).abs().max() > 1e-3
+
+
+def _untrimmed(model, ids, mask, temperature, width=C):
+    """Log-probs and entropies of logits / T over every completion column, all rows in one full-row pass."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    from lowmem_grpo.train.shared_prompt import completion_logits
+
+    scaled = completion_logits(model, ids, mask, width, share=False).logits.float() / temperature
+    return selective_log_softmax(scaled, ids[:, -width:]), entropy_from_logits(scaled.detach())
+
+
+def _trainer_pass(trainer, ids, mask, batch_size, share, width=C):
+    """The trainer's pass (with entropies), and the token positions it forwarded (from its logged share)."""
+    trainer.lowmem_shared_prompt = share
+    trainer._metrics["train"].clear()
+    try:
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, width, batch_size=batch_size, compute_entropy=True)
+    finally:
+        trainer.lowmem_shared_prompt = True
+    saved = trainer._metrics["train"]["shared_prompt/tokens_saved"]
+    assert len(saved) == 1
+    return logps, entropies, round(ids.numel() * (1 - saved[0]))
+
+
+def _distinct_prompts(ids, mask):
+    import torch
+
+    return torch.unique(torch.cat([ids[:, :P], mask[:, :P]], dim=1), dim=0).size(0)
+
+
+# completions of prompt i at most LONGEST[i] tokens: every completion column past the longest is padding
+PROMPTS, LONGEST = [14, 6, 10, 12], [3, 6, 5, 7]
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("batch_size", [None, 5])
+def test_loss_pass_skips_padding_columns_exactly(trainer, share, batch_size):
+    import torch
+
+    ids, mask = _batch(PROMPTS, 4, trainer.model.config.vocab_size, seed=21, longest=LONGEST)
+    real = mask[:, -C:].bool()
+    results = []
+    for ours in (False, True):
+        trainer.model.zero_grad()
+        if ours:
+            logps, entropies, forwarded = _trainer_pass(trainer, ids, mask, batch_size, share)
+        else:
+            logps, entropies = _untrimmed(trainer.model, ids, mask, trainer.temperature)
+        (logps * mask[:, -C:]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        results.append((logps.detach(), entropies.detach(), grads))
+    _assert_equal_passes(results[0], results[1], mask)
+    assert results[1][0].shape == results[1][1].shape == (ids.size(0), C)
+    # TRL's micro-batches in order, each forwarded up to its own longest completion
+    expected = 0
+    for rows in torch.arange(ids.size(0)).split(batch_size or ids.size(0)):
+        kept, prompts = _kept(mask[rows]), _distinct_prompts(ids[rows], mask[rows])
+        shared = share and prompts < rows.numel()
+        expected += (prompts * P + rows.numel() * kept) if shared else rows.numel() * (P + kept)
+        # the columns not run hold 0, and every one is padding
+        assert not real[rows, kept:].any() and (results[1][0][rows, kept:] == 0).all()
+        assert (results[1][1][rows, kept:] == 0).all()
+    assert _kept(mask) < C and forwarded == expected
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_pass_without_gradients_groups_rows_to_skip_padding(trainer, share):
+    import torch
+
+    from lowmem_grpo.train.cpu_trainers import row_chunks
+
+    width = 120  # one prompt's completions run up to 120 tokens, the others' up to a few: two forwards pay
+    ids, mask = _batch(PROMPTS, 4, trainer.model.config.vocab_size, seed=22, longest=[3, 120, 5, 7], width=width)
+    with torch.no_grad():
+        full_logps, full_entropies = _untrimmed(trainer.model, ids, mask, trainer.temperature, width)
+        logps, entropies, forwarded = _trainer_pass(trainer, ids, mask, 8, share, width)
+        chunks = row_chunks(ids, mask, width, 8, share)
+    real = mask[:, -width:].bool()
+    assert (logps - full_logps)[real].abs().max().item() <= 1e-5  # in the caller's row order
+    assert (entropies - full_entropies)[real].abs().max().item() <= 1e-5
+    assert len(chunks) > 1 and sorted(torch.cat(chunks).tolist()) == list(range(ids.size(0)))
+    if share:  # the long prompt's rows apart: each prompt forwarded once, each chunk up to its longest
+        group = torch.unique(ids[:, :P], dim=0, return_inverse=True)[1]
+        long = group == group[mask[:, -width:].sum(1).argmax()]
+        expected = len(PROMPTS) * P + 4 * _kept(mask[long], width) + 12 * _kept(mask[~long], width)
+        assert sorted(len(c) for c in chunks) == [4, 12]
+    else:
+        expected = sum(len(c) * (P + _kept(mask[c], width)) for c in chunks)
+    assert forwarded == expected
+    assert forwarded < (len(PROMPTS) * P + ids.size(0) * width if share else ids.numel())  # one forward, as before
+
+
+def _shaped_batch(longest, prompt_width=83, group_size=8, width=64):
+    """Ids and mask of the CPU default's shape (no model): prompt g's tokens all g + 3; its completions of
+    lengths from longest[g] down, right-padded to `width`."""
+    import torch
+
+    rows = [(g, max(1, top - r)) for g, top in enumerate(longest) for r in range(group_size)]
+    ids = torch.stack([torch.full((prompt_width + width,), g + 3) for g, _ in rows])
+    mask = torch.stack([torch.cat([torch.ones(prompt_width, dtype=torch.long),
+                                   (torch.arange(width) < n).long()]) for _, n in rows])
+    return ids, mask
+
+
+def test_row_chunks_group_rows_by_what_they_save():
+    import torch
+
+    from lowmem_grpo.train.cpu_trainers import row_chunks
+
+    ids, mask = _shaped_batch([36, 33, 34, 29])
+    # with gradients: TRL's slices, in order
+    assert [c.tolist() for c in row_chunks(ids, mask, 64, 8, True)] == [list(range(i, i + 8)) for i in (0, 8, 16, 24)]
+    with torch.no_grad():
+        # completions of similar lengths: one forward pays more than the padding it would skip
+        assert [sorted(c.tolist()) for c in row_chunks(ids, mask, 64, 8, True)] == [list(range(32))]
+        # one completion ran to the budget: its prompt's rows apart
+        ids, mask = _shaped_batch([36, 64, 34, 29])
+        chunks = row_chunks(ids, mask, 64, 8, True)
+        assert sorted(sorted(c.tolist()) for c in chunks) == [[*range(8), *range(16, 32)], list(range(8, 16))]
+        # without a fixed cost each chunk holds rows of one length (none is padded)
+        for chunk in row_chunks(ids, mask, 64, 8, False, forward_cost=0):
+            assert mask[chunk, 83:].sum(1).unique().numel() == 1
+
+
+def test_fully_masked_completions_keep_one_column_and_a_graph(trainer):
+    ids, mask = _batch([14, 9], 2, trainer.model.config.vocab_size, seed=5)
+    mask[:, -C:] = 0  # TRL's mask_truncated_completions: truncated rows attend to none of their completion
+    logps, entropies, forwarded = _trainer_pass(trainer, ids, mask, None, True)
+    assert logps.shape == (4, C) and logps.requires_grad and (logps[:, 1:] == 0).all()
+    assert forwarded == 2 * P + 4 * 1
 
 
 def test_trainer_status_names_the_reason(trainer):
@@ -238,6 +377,6 @@ def test_run_with_shared_prompt_equals_run_without(tiny_model_dir, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["kl"] - b["kl"]) <= 1e-5
         assert a["shared_prompt/tokens_saved"] > 0.2  # it really ran: a share of the prompt tokens was not run
-        assert "shared_prompt/tokens_saved" not in b
+        assert b["shared_prompt/tokens_saved"] < a["shared_prompt/tokens_saved"]  # off: only the padding is skipped
     assert any(m.startswith("shared-prompt log-prob pass: on") for m in runs[True][1])
     assert "shared-prompt log-prob pass: off (train.shared_prompt is false)" in runs[False][1]

@@ -3,8 +3,9 @@
 TRL 1.15 (the newest Unsloth allows) computes log-probs with a Triton kernel only, which has no
 CPU driver; TRL 1.16 added a torch fallback. Until the pin can move, this subclass computes the
 same quantities in torch when the model is not on a GPU (logits of the completion positions only, each distinct
-prompt forwarded once: lowmem_grpo.train.shared_prompt), and defers to TRL otherwise. The GRPO trainer also samples
-from the adapter merged into the weights (train.merged_sampling).
+prompt forwarded once: lowmem_grpo.train.shared_prompt; no column that is padding in every row of a forward), and
+defers to TRL otherwise. The GRPO trainer also samples from the adapter merged into the weights
+(train.merged_sampling).
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ log = logging.getLogger(__name__)
 
 class CpuSafeGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that avoids the Triton log-prob kernel on CPU, forwards each distinct prompt of a micro-batch once
-    in its log-prob passes, and samples faster.
+    in its log-prob passes, skips the completion padding, and samples faster.
 
-    Log-probs: lowmem_grpo.train.shared_prompt (`lowmem_shared_prompt`, set from train.shared_prompt, turns it off);
-    logs `shared_prompt/tokens_saved`, the share of token positions the step's log-prob passes did not run.
+    Log-probs: lowmem_grpo.train.shared_prompt (`lowmem_shared_prompt`, set from train.shared_prompt, turns it off).
+    Each forward stops at its rows' longest completion (TRL pads every completion to the generation batch's
+    longest); the passes without gradients group the rows so that the forwards are short (row_chunks). The
+    log-probs and entropies of the columns not run are 0: TRL reads them only under the completion mask. Logs
+    `shared_prompt/tokens_saved`, the share of token positions a log-prob pass did not run (shared prompts and
+    skipped padding).
     Sampling: TRL's generation runs inside lowmem_grpo.evaluation.generate.fast_sampling: with
     `lowmem_merged_sampling` (train.merged_sampling, set by trainer_factory) from a model whose adapted layers are one
     plain matmul each (merged_adapter; the base weights untouched). Attention, in sampling and in the log-prob passes:
@@ -68,33 +73,94 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
-        # without a graph (TRL's reference and old-policy passes) nothing is kept per row after its layer runs: one
-        # pass over all rows costs little memory, and each prompt of the whole batch is forwarded once
-        batch_size = input_ids.size(0) if not torch.is_grad_enabled() else batch_size or input_ids.size(0)
         share = (self.lowmem_shared_prompt and shared_prompt.unsupported(model) is None
                  and not shared_prompt.checkpointing_active(model))
         # the entropy needs a graph only when TRL's entropy bonus puts it into the loss; else it is logged or masks
         entropy_grad = getattr(self, "_entropy_bonus_enabled", True)
+        prompt_width = input_ids.size(1) - logits_to_keep
+        chunks = row_chunks(input_ids, attention_mask, logits_to_keep, batch_size, share)
         all_logps, all_entropies, forwarded = [], [], 0
-        for start in range(0, input_ids.size(0), batch_size):
-            ids = input_ids[start:start + batch_size]
+        for rows in chunks:
+            kept = attended_columns(attention_mask[rows, prompt_width:])
+            ids, mask = input_ids[rows, :prompt_width + kept], attention_mask[rows, :prompt_width + kept]
             with self.accelerator.autocast(), cpu_attention(model, self.lowmem_grouped_attention):
                 # the LM head runs on the completion positions only, not on the prompt: the full
                 # (batch, prompt + completion, vocab) logits were most of this pass's memory
-                out = shared_prompt.completion_logits(model, ids, attention_mask[start:start + batch_size],
-                                                      logits_to_keep, share=share)
+                out = shared_prompt.completion_logits(model, ids, mask, kept, share=share)
             forwarded += out.tokens_forwarded
             # row at a time: the float32 copy of the logits and its gradients were this pass's largest tensors
-            logps, entropies = completion_logps(out.logits, ids[:, -logits_to_keep:], self.temperature,
+            logps, entropies = completion_logps(out.logits, ids[:, -kept:], self.temperature,
                                                 compute_entropy, entropy_grad)
-            all_logps.append(logps)
+            fill = (0, logits_to_keep - kept)  # the trimmed columns are padding: TRL reads them only under the mask
+            all_logps.append(torch.nn.functional.pad(logps, fill))
             if compute_entropy:
-                all_entropies.append(entropies)
-        if self.lowmem_shared_prompt:  # this rank's share (no collective: the passes differ in number per step)
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["shared_prompt/tokens_saved"].append(1.0 - forwarded / input_ids.numel())
-        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        return torch.cat(all_logps, dim=0), entropies, None
+                all_entropies.append(torch.nn.functional.pad(entropies, fill))
+        # this rank's share (no collective: the passes differ in number per step)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["shared_prompt/tokens_saved"].append(1.0 - forwarded / input_ids.numel())
+        restore = torch.argsort(torch.cat(chunks))  # the rows back in the caller's order
+        entropies = torch.cat(all_entropies, dim=0)[restore] if compute_entropy else None
+        return torch.cat(all_logps, dim=0)[restore], entropies, None
+
+
+FORWARD_COST = 32
+"""A forward's fixed cost in token positions: SmolLM2-135M on one CPU core takes ~60 ms for a call and ~2 ms a
+completion position. It only decides how rows are grouped; every grouping computes the same log-probs."""
+
+
+def row_chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None,
+               share: bool, forward_cost: int = FORWARD_COST) -> list[torch.Tensor]:
+    """The rows of each forward of the CPU log-prob pass (indices into `input_ids`); each forward runs its rows'
+    completions only up to their longest (attended_columns).
+
+    With gradients (the loss pass): `batch_size` rows at a time in order, as TRL slices them (a chunk's graph is
+    kept until the backward). Without (TRL's reference and old-policy passes) nothing is kept per row after its
+    layer runs, so the rows are grouped for the fewest token positions, each forward counted as `forward_cost`
+    more: with `share`, whole prompt groups (each prompt is still forwarded once, a chunk is two forwards); else
+    single rows (each forwards its prompt)."""
+    rows = input_ids.size(0)
+    index = torch.arange(rows, device=input_ids.device)
+    if torch.is_grad_enabled():
+        return list(index.split(batch_size or rows))
+    prompt_width = input_ids.size(1) - logits_to_keep
+    columns = torch.arange(1, logits_to_keep + 1, device=input_ids.device)
+    lengths = (attention_mask[:, prompt_width:] * columns).amax(dim=1)  # each row's last attended column, + 1
+    groups = shared_prompt.prompt_groups(input_ids, attention_mask, prompt_width) if share else None
+    if groups is None:
+        return _cheapest_runs(list(index.split(1)), lengths, prompt_width, forward_cost)
+    return _cheapest_runs([index[groups[1] == g] for g in range(groups[0].numel())], lengths, 0, 2 * forward_cost)
+
+
+def _cheapest_runs(units: list[torch.Tensor], lengths: torch.Tensor, per_row: int,
+                   per_chunk: int) -> list[torch.Tensor]:
+    """`units` (row indices that stay together) grouped into the chunks of least total cost, a chunk costing
+    `per_chunk` + rows x (`per_row` + its longest length). With the units sorted by their longest, some cheapest
+    grouping is a cut into consecutive runs (moving a unit into a chunk whose longest is at least its own never
+    costs more), and the cheapest cut is found run by run."""
+    units = sorted(units, key=lambda u: int(lengths[u].max()))
+    longest = [int(lengths[u].max()) for u in units]
+    best, cut = [0] + [None] * len(units), [0] * (len(units) + 1)
+    for end in range(1, len(units) + 1):  # best[end]: the cheapest chunks of units[:end]
+        rows = 0
+        for start in range(end - 1, -1, -1):
+            rows += units[start].numel()
+            cost = best[start] + per_chunk + rows * (per_row + longest[end - 1])
+            if best[end] is None or cost < best[end]:
+                best[end], cut[end] = cost, start
+    chunks, end = [], len(units)
+    while end:
+        chunks.append(torch.cat(units[cut[end]:end]))
+        end = cut[end]
+    return chunks[::-1]
+
+
+def attended_columns(completion_mask: torch.Tensor) -> int:
+    """The completion columns up to the last one any row attends to (at least one, so a loss keeps its graph).
+
+    The columns after it are padding in every row, and causal attention never lets an earlier position see a later
+    one: dropping them leaves the kept positions' logits as they were."""
+    attended = completion_mask.any(dim=0).nonzero()
+    return int(attended[-1]) + 1 if attended.numel() else 1
 
 
 class CpuSafeSFTTrainer(SFTTrainer):

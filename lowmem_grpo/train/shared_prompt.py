@@ -78,7 +78,9 @@ def completion_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch
                       share: bool = True) -> CompletionLogits:
     """The logits scoring the last `logits_to_keep` tokens of each row of `input_ids` (prompt + completion, as
     TRL concatenates them). With `share`, rows with the same prompt part share one prompt forward; without, or
-    when no two rows share a prompt, the full rows run (the LM head on the completion positions only)."""
+    when no two rows share a prompt, the full rows run (the LM head on the completion positions only). Every
+    column of `input_ids` runs: a caller skips completion padding by passing the rows cut after their last
+    attended column (the CPU trainer does), which leaves the logits of the columns kept as they are."""
     prompt_length = input_ids.size(1) - logits_to_keep
     groups = prompt_groups(input_ids, attention_mask, prompt_length) if share else None
     if groups is None:
