@@ -3,6 +3,7 @@ held-out problems, greedy and sampled, with paired 95% CIs and what the answers 
 
     python benchmarks/calculator_gain.py RUN_DIR --problems 300 --samples 4 [--stories all|seen|heldout] [--out PATH]
     python benchmarks/calculator_gain.py RUN_DIR --data lowmem_grpo/resources/checking/arith_checking.jsonl
+    python benchmarks/calculator_gain.py RUN_DIR --levels 2        (two-step generated problems only)
 
 RUN_DIR is a finished training run (after `make demo`: the newest folder under runs/). Its recipe.yaml decides
 everything else, read the way `lowmem-grpo eval RUN_DIR` reads it (lowmem_grpo.evaluation.command.resolve): the
@@ -17,7 +18,8 @@ differences primed->trained (GRPO's own) and base->trained; the greedy answers' 
 ...: lowmem_grpo.rewards.calculator.outcome) and the share of wrong answers that chose the wrong operation. For
 generated problems the same side by side on seen wording (frames and phrasings the train split uses) and held-out
 wording (a frame or a phrasing it never used): the recipe's eval split holds both, half each
-(data.generated.eval_stories=all); --stories seen or heldout evaluates only one kind (generated data only).
+(data.generated.eval_stories=all); --stories seen or heldout evaluates only one kind, --levels other levels than
+the run trained on (generated data only).
 
 --data PATH measures the stages on the problems of a JSONL file in GSM8K's format (question, and an answer ending in
 `#### N`) instead of the recipe's eval split, the same way; rows that carry `operation` (add, sub, mul, div: a
@@ -334,6 +336,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--stories", choices=("all", "seen", "heldout"),
                         help="generated problems' wording: half seen, half held-out (all), or only one kind (default: "
                              "the recipe's data.generated.eval_stories)")
+    parser.add_argument("--levels", help="generated problems' levels to measure instead of the run's "
+                        "data.generated.levels, e.g. 2 for two-step problems only (lowmem_grpo.data.generated.LEVELS)")
     parser.add_argument("--data", help="a JSONL file of problems (question, answer ending in '#### N'; optional "
                         "operation and steps fields) to measure instead of the recipe's eval split, e.g. "
                         "lowmem_grpo/resources/checking/arith_checking.jsonl")
@@ -355,13 +359,23 @@ def _problems(parser: argparse.ArgumentParser, args: argparse.Namespace, data: A
     if args.stories in ("seen", "heldout") and data.source != "generated":
         parser.error(f"--stories {args.stories} needs generated problems, but the run's data.source is "
                      f"{data.source!r}")
+    if args.levels and data.source != "generated":
+        parser.error(f"--levels {args.levels} needs generated problems, but the run's data.source is {data.source!r}")
+    if args.levels:
+        from lowmem_grpo.data.generated import parse_levels
+
+        try:
+            parse_levels(args.levels)
+        except DataError as exc:
+            parser.error(f"--levels: {exc}")
     if not args.data:
         stories = data.generated.eval_stories if data.source == "generated" else "all"
-        name = "calculator_gain.json" if stories == "all" else f"calculator_gain-{stories}.json"
+        name = "calculator_gain" + ("" if stories == "all" else f"-{stories}") \
+            + (f"-levels{args.levels.replace(',', '_')}" if args.levels else "") + ".json"
         return load_eval_rows(data, limit=args.problems), {}, name
     path = Path(args.data).expanduser()
-    if args.stories:
-        parser.error("--stories picks the wording of generated problems; --data measures the file's problems: "
+    if args.stories or args.levels:
+        parser.error("--stories and --levels pick generated problems; --data measures the file's problems: "
                      "pass one of them")
     if path.suffix.lower() != ".jsonl" or not path.is_file():
         parser.error(f"--data {args.data}: no such .jsonl file (one JSON object per line: question, answer)")
@@ -388,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir).expanduser()
     if not is_run_dir(run_dir):
         parser.error(f"{run_dir} holds no {layout.RECIPE_FILE}: not a training run directory")
-    overrides = (f"data.generated.eval_stories={args.stories}",) if args.stories else ()
+    overrides = ((f"data.generated.eval_stories={args.stories}",) if args.stories else ()) \
+        + ((f"data.generated.levels={args.levels}",) if args.levels else ())
     opts = EvalOptions(model=str(run_dir), engine="transformers", progress=False, overrides=overrides)
     recipe, _, _ = resolve(opts)
     d = recipe.data
@@ -413,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                                *(argv if argv is not None else sys.argv[1:])]),
         "run_dir": str(run_dir), "recipe": recipe.name,
         "settings": {"num_problems": len(rows), "samples": args.samples, "stories": stories, "source": d.source,
+                     "levels": d.generated.levels if d.source == "generated" and not args.data else None,
                      "split": d.eval_split, "temperature": recipe.train.temperature,
                      "calculator": d.calculator, "seed": recipe.train.seed, "greedy": settings["greedy"],
                      "sampled": settings["sampled"]},

@@ -313,3 +313,20 @@ def test_data_is_checked_before_any_model_loads(gain, tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             gain.main([str(run), *args])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_levels_measures_other_levels_of_the_generated_eval_split(gain, tmp_path, capsys):
+    from lowmem_grpo.data.generated import level_of
+
+    run = saved_run(tmp_path)
+    parser = gain._parser()
+    args = parser.parse_args([str(run), "--levels", "2", "--problems", "6"])
+    recipe = resolve(EvalOptions(model=str(run), overrides=("data.generated.levels=2",)))[0]
+    rows, groups, name = gain._problems(parser, args, recipe.data)
+    assert name == "calculator_gain-levels2.json" and groups == {} and len(rows) == 6
+    assert {level_of(r["question"], r["answer"]) for r in rows} == {2}
+    for bad, says in ((["--levels", "9"], "levels"), (["--levels", "2", "--data", str(tmp_path / "x.jsonl")],
+                                                        "pass one of them")):
+        with pytest.raises(SystemExit) as exit_:
+            gain.main([str(run), *bad])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
