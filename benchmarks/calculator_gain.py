@@ -95,7 +95,7 @@ def eval_settings(recipe: Any, samples: int) -> dict[str, Any]:
     t = recipe.train
     greedy = {"max_new_tokens": t.max_completion_length, "batch_size": max(EVAL_BATCH, t.per_device_train_batch_size),
               "seed": t.seed, "progress": False, "engine": "transformers", "merged": t.merged_sampling,
-              "calculator": recipe.data.calculator}
+              "calculator": recipe.data.calculator, "attention": t.cpu_attention}
     if not samples:
         return {"greedy": greedy, "sampled": None}
     return {"greedy": greedy, "sampled": {**sampled_batch(greedy, samples), "num_samples": samples,

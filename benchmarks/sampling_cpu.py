@@ -78,7 +78,7 @@ def sample(trainer: Any, prompt_ids: list[list[int]], group: int, merged: bool, 
     with the given configuration."""
     import torch
 
-    trainer.lowmem_merged_sampling, trainer.lowmem_grouped_attention = merged, grouped
+    trainer.lowmem_merged_sampling, trainer.lowmem_cpu_attention = merged, grouped
     torch.manual_seed(seed)
     started, cpu = time.perf_counter(), time.process_time()
     completions, _ = trainer._generate_single_turn(prompt_ids, None, {}, group)

@@ -26,9 +26,10 @@ sampling), so it is what a user writes by hand.
 
 The three sides, each in its own process:
   plain   the plain TRL + PEFT script (the default glibc allocator)
-  before  our train() with the new switches off (--before; default train.sampling_engine=false: TRL's generation;
-          --before train.sampling_engine=false train.merged_sampling=false train.shared_prompt=false turns off
-          all of our CPU sampling and log-prob changes)
+  before  our train() with the newest switch off (--before; default train.cpu_attention=false: transformers' sdpa
+          attention, PyTorch's flash kernel for CPU, in sampling and the log-prob passes; --before
+          train.cpu_attention=false train.sampling_engine=false train.merged_sampling=false train.shared_prompt=false
+          turns off all of our CPU sampling and log-prob changes that have a switch)
   after   our train() as shipped (the recipe's defaults)
 Our train() pins glibc's mmap threshold at lowmem_grpo.rundir.rss.MMAP_THRESHOLD (8 MiB) for the whole process; the
 "plain pinned" run is the plain script with MALLOC_MMAP_THRESHOLD_ at the same value: the allocator taken out.
@@ -83,9 +84,9 @@ from lowmem_grpo.rundir.rss import MMAP_THRESHOLD  # noqa: E402 - standard libra
 RECIPE = str(REPO / "recipes" / "smollm2_135m_arith_cpu.py")  # the CPU default: the spec
 SIDES = ("plain", "before", "after")
 OURS = ("before", "after")
-BEFORE = ["train.sampling_engine=false"]  # the "before" side's switches (--before replaces them)
+BEFORE = ["train.cpu_attention=false"]  # the "before" side's switches (--before replaces them)
 BENCH_OVERRIDES = ["train.preflight=false", "train.stage_eval=0", "train.eval_every=0"]  # no evaluation in a step
-PLAIN_TRAINER = {"lowmem_shared_prompt": False, "lowmem_merged_sampling": False, "lowmem_grouped_attention": False}
+PLAIN_TRAINER = {"lowmem_shared_prompt": False, "lowmem_merged_sampling": False, "lowmem_cpu_attention": False}
 IGNORED = {"output_dir", "logging_dir", "run_name"}  # per-run paths, not settings
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 
@@ -179,7 +180,7 @@ def layer(trainer: Any) -> dict[str, Any]:
     shared = trainer.shared_prompt_status()[0] if hasattr(trainer, "shared_prompt_status") else False
     return {"sampling_engine": getattr(trainer, "rollout_func", None) is not None, "shared_prompt": shared,
             "merged_sampling": bool(getattr(trainer, "lowmem_merged_sampling", False)),
-            "grouped_attention": bool(getattr(trainer, "lowmem_grouped_attention", False))}
+            "cpu_attention": bool(getattr(trainer, "lowmem_cpu_attention", False))}
 
 
 def _process_start() -> float:

@@ -124,3 +124,25 @@ def test_a_bfloat16_model_runs_the_matmul_attention_inside_cpu_attention_and_swi
     real = batch["attention_mask"].bool()
     # the same function up to bfloat16 rounding, at every position a real token holds
     assert (ours - plain)[real].abs().max().item() < 0.05 * plain[real].abs().max().item()
+
+
+def test_train_cpu_attention_false_leaves_transformers_sdpa(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowmem_grpo.evaluation.generate import generate
+    from lowmem_grpo.recipe import TrainConfig
+
+    assert TrainConfig().cpu_attention is True
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    seen = []
+    with cpu_attention(model, enabled=False) as switched:
+        seen.append((switched, model.config._attn_implementation))
+    assert seen == [(False, "sdpa")]
+    from torch.profiler import ProfilerActivity, profile
+
+    for attention, flash in ((False, True), (True, False)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            generate(model, tokenizer, ["a b c", "a"], max_new_tokens=3, batch_size=2, progress=False,
+                     attention=attention)
+        assert any("scaled_dot_product" in e.key for e in prof.key_averages()) == flash

@@ -113,7 +113,7 @@ def test_greedy_rows_equal_transformers_generate(arch, fast, tiny_model_dir, qwe
     prompt_ids = tokenizer(PROMPTS)["input_ids"]
     assert len({len(p) for p in prompt_ids}) > 3  # different lengths: real left padding
     sizes = BatchSizes(model)
-    with fast_sampling(model, grouped=fast, merged=fast):
+    with fast_sampling(model, attention=fast, merged=fast):
         rows = sample_rows(model, prompt_ids, max_new_tokens=max_new, temperature=0.0,
                            eos_ids={tokenizer.eos_token_id}, pad_id=tokenizer.pad_token_id)
     sizes.remove()

@@ -150,7 +150,7 @@ def test_each_documented_command_runs_its_check_only_path(step_cpu, env, args, t
     dtypes = args[args.index("--dtypes") + 1].split(",") if "--dtypes" in args else ["auto"]
     assert done.stdout.count(": like for like") == len(dtypes)
     assert '"sampling_engine": false, "shared_prompt": false' in done.stdout  # plain: TRL + PEFT as they are
-    assert 'after: lowmem_grpo\'s switches live: {"grouped_attention": true, "merged_sampling": true, ' \
+    assert 'after: lowmem_grpo\'s switches live: {"cpu_attention": true, "merged_sampling": true, ' \
            '"sampling_engine": true' in done.stdout
     model = args[args.index("--models") + 1]
     if env.get("LOWMEM_GRPO_CPU_DTYPE") == "float32":  # what model.dtype=auto resolves to, on every side

@@ -67,7 +67,8 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
              reward_weights: dict[str, float] | None = None, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
              engine: str = "auto", lora_request: Any = None, merged: bool = True,
-             on_progress: Callable[[int, int], None] | None = None, calculator: bool = False) -> EvalResult:
+             on_progress: Callable[[int, int], None] | None = None, calculator: bool = False,
+             attention: bool = True) -> EvalResult:
     """Generate for each example (from `build_examples`: prompt, answer, prefill, question) and score it.
 
     Greedy when temperature is 0 (the default); seeded sampling of num_samples completions per
@@ -76,7 +77,8 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     (`reward`) are added to the metrics, scored the way TRL calls rewards. `merged`: transformers samples from
     the LoRA adapter merged into the weights where generate.merged_adapter applies. `on_progress(done, total)`:
     called with the problems generated so far after each batch (generate's). `calculator`: the engine completes
-    `<<EXPR=` with the calculator's result (data.calculator; generate).
+    `<<EXPR=` with the calculator's result (data.calculator; generate). `attention`: lowmem_grpo's CPU attention
+    (train.cpu_attention; generate).
     """
     if not examples:
         raise BadInputError("no problems to evaluate", fix="check the data source, split and --limit")
@@ -85,7 +87,7 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     generations = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                            num_samples=num_samples, temperature=temperature, seed=seed, progress=progress,
                            engine=engine, lora_request=lora_request, merged=merged, on_progress=on_progress,
-                           calculator=calculator)
+                           calculator=calculator, attention=attention)
     per_problem: list[list[Verdict]] = []
     records = []
     reward_sums: dict[str, float] = {}

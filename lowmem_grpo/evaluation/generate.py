@@ -106,7 +106,7 @@ def _required_eos(model: Any, tokenizer: Any) -> set[int]:
 
 def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
                            batch_size: int, num_samples: int, temperature: float, seed: int,
-                           bar: Any, merged: bool, calculator: bool,
+                           bar: Any, merged: bool, calculator: bool, attention: bool = True,
                            on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
     import torch
 
@@ -121,7 +121,7 @@ def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, ma
     # a private RNG stream: the seed makes the samples repeatable without resetting (or consuming) the stream
     # that training's sampling and dropout draw from
     devices = [device.index or 0] if device.type == "cuda" else []
-    with inference_mode(model), fast_sampling(model, merged), torch.random.fork_rng(devices=devices):
+    with inference_mode(model), fast_sampling(model, merged, attention), torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         for start in range(0, len(prompts), per_batch):
             batch = prompts[start:start + per_batch]
@@ -239,10 +239,10 @@ def _merged_linear(module: Any, torch: Any) -> Any:
 
 
 @contextlib.contextmanager
-def fast_sampling(model: Any, merged: bool = True, grouped: bool = True) -> Iterator[MergeResult]:
-    """merged_adapter and lowmem_grpo.evaluation.attention.cpu_attention (`grouped`) together: what every
-    transformers sampling path of lowmem_grpo runs inside. Yields merged_adapter's result."""
-    with merged_adapter(model, merged) as result, cpu_attention(model, grouped):
+def fast_sampling(model: Any, merged: bool = True, attention: bool = True) -> Iterator[MergeResult]:
+    """merged_adapter and lowmem_grpo.evaluation.attention.cpu_attention (`attention`, train.cpu_attention) together:
+    what every transformers sampling path of lowmem_grpo runs inside. Yields merged_adapter's result."""
+    with merged_adapter(model, merged) as result, cpu_attention(model, attention):
         yield result
 
 
@@ -309,15 +309,15 @@ def _generate_vllm_calculator(engine: Any, tokenizer: Any, prompts: list[str], *
 def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 256, batch_size: int = 8,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0, progress: bool = True,
              engine: str = "auto", lora_request: Any = None, desc: str = "eval",
-             merged: bool = True, calculator: bool = False,
+             merged: bool = True, calculator: bool = False, attention: bool = True,
              on_progress: Callable[[int, int], None] | None = None,
              sampling_params_class: Callable[..., Any] | None = None) -> list[list[Generation]]:
     """num_samples completions per prompt (text after the prompt, prefill excluded).
 
     With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
     model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
-    merged into the weights while it samples when `merged` and merged_adapter applies, through
-    lowmem_grpo.evaluation.engine. With `calculator`, each `<<EXPR=` a row writes is completed by the calculator:
+    merged into the weights while it samples when `merged` and merged_adapter applies, with
+    lowmem_grpo.evaluation.attention's CPU attention when `attention`, through lowmem_grpo.evaluation.engine. With `calculator`, each `<<EXPR=` a row writes is completed by the calculator:
     by the engine, or on vLLM by stopping the row after each token ending in "=" and resubmitting it
     (lowmem_grpo.evaluation.vllm_calculator; `sampling_params_class` builds its per-request settings, None:
     vllm.SamplingParams). `on_progress(done, total)`, when given, is called with the problems done after each
@@ -348,4 +348,4 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
         return _generate_transformers(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                       batch_size=batch_size, num_samples=num_samples, temperature=temperature,
                                       seed=seed, bar=bar, merged=merged, calculator=calculator,
-                                      on_progress=on_progress)
+                                      attention=attention, on_progress=on_progress)

@@ -167,7 +167,8 @@ def periodic_settings(train: Any, calculator: bool = False) -> tuple[dict[str, A
     so that an evaluation that reproduces a curve point (benchmarks/learning_sweep.py eval-checkpoint) batches and
     seeds its generate calls as the run did: seeded samples depend on the batch they were drawn in."""
     greedy = {"max_new_tokens": train.max_completion_length, "batch_size": eval_batch_size(train), "seed": train.seed,
-              "progress": False, "engine": "auto", "merged": train.merged_sampling, "calculator": calculator}
+              "progress": False, "engine": "auto", "merged": train.merged_sampling, "calculator": calculator,
+              "attention": train.cpu_attention}
     k = train.eval_samples
     if not k:
         return greedy, None
@@ -213,7 +214,7 @@ class StageEvals:
                          "samples": t.stage_eval_samples, "temperature": t.temperature,
                          "calculator": recipe.data.calculator}
         self.wanted = list(t.stage_eval_stages)
-        self.merged = t.merged_sampling
+        self.merged, self.attention = t.merged_sampling, t.cpu_attention
         self.examples = load_eval_examples(recipe, tokenizer, limit=t.stage_eval)  # bad data fails before training
         generated = recipe.data.source == "generated"
         self.groups = wording_groups([ex.get("question") for ex in self.examples]) if generated else None
@@ -236,7 +237,7 @@ class StageEvals:
         k = self.settings["samples"]
         common = {"max_new_tokens": self.settings["max_new_tokens"], "batch_size": self.settings["batch_size"],
                   "seed": self.settings["seed"], "progress": False, "engine": "transformers", "merged": self.merged,
-                  "calculator": self.settings["calculator"]}
+                  "calculator": self.settings["calculator"], "attention": self.attention}
         watch = self.peaks.stage(f"eval {stage}") if self.peaks is not None else contextlib.nullcontext()
         with watch, _disabled_adapter(model, stage):
             # minutes without a bar: a progress line like training's (problems done, rate, eta) every ~10 s

@@ -43,7 +43,7 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
 
     lowmem_shared_prompt: bool = True
     lowmem_merged_sampling: bool = True
-    lowmem_grouped_attention: bool = True  # lowmem_grpo.evaluation.attention; off: benchmarks' "before" and plain
+    lowmem_cpu_attention: bool = True  # train.cpu_attention (lowmem_grpo.evaluation.attention)
     _lowmem_merge_logged = False
 
     def shared_prompt_status(self) -> tuple[bool, str]:
@@ -59,7 +59,7 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
         return True, "each distinct prompt of a micro-batch is forwarded once, its completions read its KV cache"
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
-        with fast_sampling(self.model, self.lowmem_merged_sampling, self.lowmem_grouped_attention) as merged:
+        with fast_sampling(self.model, self.lowmem_merged_sampling, self.lowmem_cpu_attention) as merged:
             if not self._lowmem_merge_logged:
                 self._lowmem_merge_logged = True
                 log.info(merged.describe())
@@ -83,7 +83,7 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
         for rows in chunks:
             kept = attended_columns(attention_mask[rows, prompt_width:])
             ids, mask = input_ids[rows, :prompt_width + kept], attention_mask[rows, :prompt_width + kept]
-            with self.accelerator.autocast(), cpu_attention(model, self.lowmem_grouped_attention):
+            with self.accelerator.autocast(), cpu_attention(model, self.lowmem_cpu_attention):
                 # the LM head runs on the completion positions only, not on the prompt: the full
                 # (batch, prompt + completion, vocab) logits were most of this pass's memory
                 out = shared_prompt.completion_logits(model, ids, mask, kept, share=share)

@@ -260,7 +260,7 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
     def build(recipe: Recipe) -> Any:
         plan = rollout_plan(recipe, loaded.backend, loaded.device)
         log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
-        rollout = make_rollout(plan, loaded.tokenizer, recipe.train.merged_sampling)
+        rollout = make_rollout(plan, loaded.tokenizer, recipe.train.merged_sampling, recipe.train.cpu_attention)
         trainer_class = grpo_trainer_class(loaded.backend, loaded.device, informative=sampling is not None)
         args = build_grpo_config(recipe, run_dir, loaded.device == "cuda", reward_weights, dtype=loaded.dtype,
                                  backend=loaded.backend)
@@ -272,6 +272,7 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         if isinstance(trainer, CpuSafeGRPOTrainer):
             trainer.lowmem_shared_prompt = recipe.train.shared_prompt
             trainer.lowmem_merged_sampling = recipe.train.merged_sampling
+            trainer.lowmem_cpu_attention = recipe.train.cpu_attention
             on, why = trainer.shared_prompt_status()
         else:
             on, why = False, ("TRL's log-prob pass runs on this backend/device (its fused LM head on a GPU; "

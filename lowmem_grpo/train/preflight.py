@@ -219,7 +219,7 @@ def _sample(recipe: Any, loaded: Any, chosen: list[dict[str, Any]], seed: int
     generations = generate(loaded.model, loaded.tokenizer, [ex["prompt"] for ex in chosen],
                            max_new_tokens=t.max_completion_length, batch_size=max(k, t.per_device_train_batch_size),
                            num_samples=k, temperature=t.temperature, seed=seed, progress=True, desc="preflight",
-                           merged=t.merged_sampling, calculator=recipe.data.calculator)
+                           merged=t.merged_sampling, calculator=recipe.data.calculator, attention=t.cpu_attention)
     texts = [g.text for samples in generations for g in samples]
     columns = {key: [ex.get(key) for ex in chosen for _ in range(k)] for key in chosen[0]}
     columns["prompts"] = columns.pop("prompt")

@@ -34,12 +34,13 @@ log = logging.getLogger(__name__)
 class EngineRollout:
     """TRL's `rollout_func`: completes each prompt (rendered text, already repeated num_generations times by TRL's
     sampler) with one sample from the live policy, with the LoRA adapter merged into the weights while it samples
-    (`merged`, train.merged_sampling), on torch's global RNG (so a resumed run draws what an uninterrupted one
-    would). Returns TRL's keys, plus `env_mask` when the calculator is on."""
+    (`merged`, train.merged_sampling) and lowmem_grpo's CPU attention (`attention`, train.cpu_attention), on
+    torch's global RNG (so a resumed run draws what an uninterrupted one would). Returns TRL's keys, plus `env_mask` when the calculator is on."""
 
-    def __init__(self, tokenizer: Any, calculator: bool, merged: bool = True) -> None:
+    def __init__(self, tokenizer: Any, calculator: bool, merged: bool = True, attention: bool = True) -> None:
         self.calculator = Calculator(tokenizer) if calculator else None
         self.merged = merged
+        self.attention = attention
         self.merge_logged = False
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -48,7 +49,7 @@ class EngineRollout:
         model = trainer.accelerator.unwrap_model(trainer.model)
         eos = set(trainer.eos_token_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-        with inference_mode(model), fast_sampling(model, self.merged) as merge:
+        with inference_mode(model), fast_sampling(model, self.merged, self.attention) as merge:
             if not self.merge_logged:
                 self.merge_logged = True
                 log.info(merge.describe())
@@ -153,11 +154,11 @@ def awake(generation: Any) -> Iterator[None]:
         generation._llm_weights_sleeping = True
 
 
-def make_rollout(plan: RolloutPlan, tokenizer: Any, merged: bool = True) -> Any:
+def make_rollout(plan: RolloutPlan, tokenizer: Any, merged: bool = True, attention: bool = True) -> Any:
     """The rollout_func `plan` names: VllmRollout (vLLM with the calculator), EngineRollout (the engine, merged
     LoRA weights while it samples when `merged`), or None (TRL's own generation)."""
     if plan.vllm:
         return VllmRollout(tokenizer)
     if plan.engine:
-        return EngineRollout(tokenizer, plan.calculator, merged)
+        return EngineRollout(tokenizer, plan.calculator, merged, attention)
     return None
