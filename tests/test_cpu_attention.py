@@ -146,3 +146,28 @@ def test_train_cpu_attention_false_leaves_transformers_sdpa(tiny_model_dir):
             generate(model, tokenizer, ["a b c", "a"], max_new_tokens=3, batch_size=2, progress=False,
                      attention=attention)
         assert any("scaled_dot_product" in e.key for e in prof.key_averages()) == flash
+
+
+def test_a_bfloat16_decode_keeps_its_cache_in_float32_and_writes_the_same_rows(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowmem_grpo.evaluation.attention import cache_dtype
+    from lowmem_grpo.evaluation.engine import DecodeContract, sample_rows
+    from lowmem_grpo.evaluation.kv_cache import PreallocatedLayer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = tokenizer(["a b c d e f", "a b", "c d e"])["input_ids"]
+    assert cache_dtype(model) is None  # transformers' own attention reads the model's dtype
+    rows = {}
+    with torch.inference_mode(), cpu_attention(model):
+        assert cache_dtype(model) == torch.float32
+        for preallocate in (True, False):  # float32 preallocated cache vs transformers' DynamicCache (bfloat16)
+            rows[preallocate] = [r.ids for r in sample_rows(
+                model, prompts, max_new_tokens=12, temperature=0.0, eos_ids={tokenizer.eos_token_id},
+                pad_id=tokenizer.pad_token_id, contract=DecodeContract(preallocate=preallocate))]
+    assert cache_dtype(model) is None
+    assert rows[True] == rows[False]
+    k = torch.randn(2, 1, 3, 4, dtype=torch.bfloat16)
+    keys, _ = PreallocatedLayer(8, torch.float32).update(k, k)
+    assert keys.dtype == torch.float32 and torch.equal(keys, k.float())

@@ -97,6 +97,21 @@ def cpu_attention_forward(module: Any, query: Any, key: Any, value: Any, attenti
     return out.transpose(1, 2).contiguous(), None
 
 
+def cache_dtype(model: Any) -> Any:
+    """The dtype a decode cache of `model` keeps its keys and values in: float32 while the model's attention is
+    cpu_attention_forward and its weights are bfloat16/float16 on CPU (matmul_attention reads float32, so a float32
+    cache is converted one new position at a time instead of whole, per layer, at every step), else None (the
+    model's own). The values are the same either way: bfloat16 and float16 widen to float32 exactly."""
+    import torch
+
+    config = getattr(model, "config", None)
+    parameter = next(iter(model.parameters()), None)
+    if (getattr(config, "_attn_implementation", None) == CPU_ATTENTION and parameter is not None
+            and low_precision_cpu(parameter)):
+        return torch.float32
+    return None
+
+
 @contextlib.contextmanager
 def cpu_attention(model: Any, enabled: bool = True) -> Iterator[bool]:
     """The model's sdpa attention switched to cpu_attention_forward while the block runs, then back; yields whether

@@ -101,7 +101,9 @@ def next_tokens(logits: Any, temperature: float, generator: Any = None) -> Any:
 
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # one float32 copy scaled in place: each fresh (rows, vocab) block is page-faulted in above the allocator's
+    # mmap threshold (rundir.rss), at every decode step
+    probs = torch.softmax(logits.to(torch.float32, copy=True).div_(temperature), dim=-1)
     cdf = probs.cumsum_(dim=-1)
     u = torch.rand((logits.size(0), 1), generator=generator, device=logits.device, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=logits.size(-1) - 1)
@@ -237,14 +239,16 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
 
 def _new_cache(model: Any, contract: DecodeContract, capacity: int) -> Any:
     """The cache the prefill writes: preallocated for `capacity` positions where the contract and the model's
-    layers allow it, else transformers' DynamicCache (without a config its layers are added as they come)."""
+    layers allow it, in the dtype its attention reads (attention.cache_dtype), else transformers' DynamicCache
+    (without a config its layers are added as they come)."""
     from transformers import DynamicCache
 
     config = getattr(model, "config", None)
     if contract.preallocate and config is not None:
+        from lowmem_grpo.evaluation.attention import cache_dtype
         from lowmem_grpo.evaluation.kv_cache import preallocated_cache
 
-        cache = preallocated_cache(config, capacity)
+        cache = preallocated_cache(config, capacity, cache_dtype(model))
         if cache is not None:
             return cache
     return DynamicCache(config=config)

@@ -19,21 +19,25 @@ from transformers import Cache, DynamicLayer
 class PreallocatedLayer(DynamicLayer):
     """A DynamicLayer whose keys/values live in buffers of `capacity` positions, allocated at the first update
     (batch, heads, capacity, head_dim); `keys`/`values` are views of the filled positions. A write past the
-    capacity doubles the buffers (one copy), so a wrong capacity costs time, never correctness."""
+    capacity doubles the buffers (one copy), so a wrong capacity costs time, never correctness. `dtype` keeps them
+    in another dtype than the model writes, each new position converted once (exactly, when wider): float32 for an
+    attention that computes in float32 (lowmem_grpo.evaluation.attention), which would otherwise convert the whole
+    cache of every layer at every step, tens of MiB of fresh memory a step at an evaluation's batch."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.capacity = max(1, int(capacity))
+        self.storage_dtype = dtype
         self.length = 0
         self.key_buffer: Any = None
         self.value_buffer: Any = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = self.storage_dtype or key_states.dtype, key_states.device
         batch, heads, _, dim = key_states.shape
-        self.key_buffer = key_states.new_empty((batch, heads, self.capacity, dim))
+        self.key_buffer = key_states.new_empty((batch, heads, self.capacity, dim), dtype=self.dtype)
         self.value_buffer = value_states.new_empty((batch, value_states.shape[1], self.capacity,
-                                                    value_states.shape[-1]))
+                                                    value_states.shape[-1]), dtype=self.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -83,8 +87,9 @@ class PreallocatedLayer(DynamicLayer):
             self._refresh()
 
 
-def preallocated_cache(config: Any, capacity: int) -> Cache | None:
-    """A Cache of PreallocatedLayers, one per layer of a model with `config`, each for `capacity` positions; None
+def preallocated_cache(config: Any, capacity: int, dtype: torch.dtype | None = None) -> Cache | None:
+    """A Cache of PreallocatedLayers, one per layer of a model with `config`, each for `capacity` positions (kept in
+    `dtype`, default the model's); None
     for a model whose layers are not all full attention (sliding windows, linear attention: their caches keep a
     window or a state, which DynamicCache's own layer types handle)."""
     layers = getattr(config, "num_hidden_layers", None)
@@ -92,4 +97,4 @@ def preallocated_cache(config: Any, capacity: int) -> Cache | None:
     if not layers or getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
             or any(t != "full_attention" for t in types):
         return None
-    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])
+    return Cache(layers=[PreallocatedLayer(capacity, dtype) for _ in range(layers)])
