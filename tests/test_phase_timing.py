@@ -34,6 +34,7 @@ class FakeTrainer:
         self.accelerator = SimpleNamespace(device=SimpleNamespace(type="cpu"), backward=self._spend(0.3))
         self._metrics = {"train": defaultdict(list)}
         self.callback_handler = SimpleNamespace(callbacks=["telemetry"])
+        self.lowmem_cpu_attention = True
 
     def _spend(self, seconds: float, result=None):
         def spend(*args, **kwargs):
@@ -232,6 +233,7 @@ def test_completion_only_logits_equal_the_full_logits_path(tiny_model_dir, entro
     mask[0, :5] = 0  # a left-padded prompt
     fake = SimpleNamespace(accelerator=SimpleNamespace(autocast=contextlib.nullcontext), temperature=0.7,
                            _entropy_bonus_enabled=entropy_bonus, lowmem_shared_prompt=False,  # full rows here
+                           lowmem_cpu_attention=True,
                            model=model, _metrics=defaultdict(lambda: defaultdict(list)))
     results = []
     for run in ("old", "new"):

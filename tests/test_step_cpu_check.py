@@ -105,12 +105,12 @@ def test_the_spec_is_the_cpu_default_recipe_itself(step_cpu, tmp_path):
         assert recipe.data == shipped.data and recipe.lora == shipped.lora and recipe.rewards == shipped.rewards
         assert recipe.model.dtype == shipped.model.dtype == "auto" and recipe.prime.enabled is False
         for name in vars(shipped.train):
-            if name not in changed and name != "sampling_engine":
+            if name not in changed and name != "cpu_attention":
                 assert getattr(recipe.train, name) == getattr(shipped.train, name), name
     assert shipped.data.source == "generated" and shipped.train.max_completion_length == 64
-    assert sides["after"].train.sampling_engine is True and sides["plain"].train.sampling_engine is True
-    assert sides["before"].train.sampling_engine is False  # the switch "before" turns off, and nothing else
-    assert dataclasses.replace(sides["before"].train, sampling_engine=True) == sides["after"].train
+    assert sides["after"].train.cpu_attention is True and sides["plain"].train.cpu_attention is True
+    assert sides["before"].train.cpu_attention is False  # the switch "before" turns off, and nothing else
+    assert dataclasses.replace(sides["before"].train, cpu_attention=True) == sides["after"].train
 
 
 def test_the_plain_side_sets_every_grpo_config_field_ours_sets(step_cpu, tmp_path):

@@ -73,8 +73,8 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
-        share = (self.lowmem_shared_prompt and shared_prompt.unsupported(model) is None
-                 and not shared_prompt.checkpointing_active(model))
+        checkpointed = shared_prompt.checkpointing_active(model)
+        share = self.lowmem_shared_prompt and shared_prompt.unsupported(model) is None and not checkpointed
         # the entropy needs a graph only when TRL's entropy bonus puts it into the loss; else it is logged or masks
         entropy_grad = getattr(self, "_entropy_bonus_enabled", True)
         prompt_width = input_ids.size(1) - logits_to_keep
@@ -83,7 +83,8 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
         for rows in chunks:
             kept = attended_columns(attention_mask[rows, prompt_width:])
             ids, mask = input_ids[rows, :prompt_width + kept], attention_mask[rows, :prompt_width + kept]
-            with self.accelerator.autocast(), cpu_attention(model, self.lowmem_cpu_attention):
+            # a checkpointed layer recomputes in the backward, outside this block: its attention must be the same
+            with self.accelerator.autocast(), cpu_attention(model, self.lowmem_cpu_attention and not checkpointed):
                 # the LM head runs on the completion positions only, not on the prompt: the full
                 # (batch, prompt + completion, vocab) logits were most of this pass's memory
                 out = shared_prompt.completion_logits(model, ids, mask, kept, share=share)
