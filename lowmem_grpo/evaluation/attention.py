@@ -80,21 +80,19 @@ def cpu_attention_forward(module: Any, query: Any, key: Any, value: Any, attenti
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if dropout or kwargs.get("position_bias") is not None or kwargs.get("output_attentions") \
-            or key.shape[-1] != value.shape[-1]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if low_precision_cpu(query):
+    plain = dropout or kwargs.get("position_bias") is not None or kwargs.get("output_attentions") \
+        or key.shape[-1] != value.shape[-1]
+    if not plain and low_precision_cpu(query):
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         out = matmul_attention(query, key, value, attention_mask, scaling, bool(causal))
         return out.transpose(1, 2).contiguous(), None
-    if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    # with a mask sdpa_attention_forward never sets is_causal: the mask carries the causal pattern
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           scale=scaling, is_causal=False, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    if not plain and attention_mask is not None and getattr(module, "num_key_value_groups", 1) > 1:
+        # with a mask sdpa_attention_forward never sets is_causal: the mask carries the causal pattern
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               scale=scaling, is_causal=False, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
 
 
 def cache_dtype(model: Any) -> Any:

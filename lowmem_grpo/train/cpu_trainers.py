@@ -124,8 +124,7 @@ def row_chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_
     if torch.is_grad_enabled():
         return list(index.split(batch_size or rows))
     prompt_width = input_ids.size(1) - logits_to_keep
-    columns = torch.arange(1, logits_to_keep + 1, device=input_ids.device)
-    lengths = (attention_mask[:, prompt_width:] * columns).amax(dim=1)  # each row's last attended column, + 1
+    lengths = completion_lengths(attention_mask[:, prompt_width:])
     groups = shared_prompt.prompt_groups(input_ids, attention_mask, prompt_width) if share else None
     if groups is None:
         return _cheapest_runs(list(index.split(1)), lengths, prompt_width, forward_cost)
@@ -155,13 +154,18 @@ def _cheapest_runs(units: list[torch.Tensor], lengths: torch.Tensor, per_row: in
     return chunks[::-1]
 
 
+def completion_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last attended completion column, + 1 (0 for a row that attends to none)."""
+    columns = torch.arange(1, completion_mask.size(1) + 1, device=completion_mask.device)
+    return (completion_mask * columns).amax(dim=1)
+
+
 def attended_columns(completion_mask: torch.Tensor) -> int:
     """The completion columns up to the last one any row attends to (at least one, so a loss keeps its graph).
 
     The columns after it are padding in every row, and causal attention never lets an earlier position see a later
     one: dropping them leaves the kept positions' logits as they were."""
-    attended = completion_mask.any(dim=0).nonzero()
-    return int(attended[-1]) + 1 if attended.numel() else 1
+    return max(1, int(completion_lengths(completion_mask).max()))
 
 
 class CpuSafeSFTTrainer(SFTTrainer):
