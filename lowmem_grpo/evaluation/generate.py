@@ -318,7 +318,8 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
     model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
     merged into the weights while it samples when `merged` and merged_adapter applies, with
     lowmem_grpo.evaluation.attention's CPU attention when `attention`, through lowmem_grpo.evaluation.engine.
-    With `calculator`, each `<<EXPR=` a row writes is completed by the calculator: by the engine, or on vLLM by stopping the row after each token ending in "=" and resubmitting it
+    With `calculator`, each `<<EXPR=` a row writes is completed by the calculator: by the engine, or on vLLM by
+    stopping the row after each token ending in "=" and resubmitting it
     (lowmem_grpo.evaluation.vllm_calculator; `sampling_params_class` builds its per-request settings, None:
     vllm.SamplingParams). `on_progress(done, total)`, when given, is called with the problems done after each
     batch (vLLM: once, at the end), for callers that log progress instead of showing the bar
