@@ -7,7 +7,7 @@
 `step`: train() of recipes/smollm2_135m_arith_cpu.py (no preflight, no stage evaluation, its priming as shipped),
 profiled over GRPO step --profile-step (a later step: the first pays one-off costs); the table of the operators
 with the most self CPU time goes to stdout and to OUT/step.txt. `eval`: greedy + --samples samples at the training
-temperature on --problems test problems of the same recipe through lowmem_grpo.evaluation.generate (the base
+temperature on --problems test problems of the same recipe through lowmem_grpo.sampling.generate (the base
 model), at the stage evaluation's batch size; OUT/eval.txt. `decode`: the engine's decode loop with transformers'
 DynamicCache and with the preallocated cache, alternating in one process on the same prompts and seeds, with
 whether their rows are identical; OUT/decode.txt. --set KEY=VALUE changes the recipe (another shape).
@@ -69,7 +69,7 @@ def profile_step(args: argparse.Namespace, out: Path) -> None:
 def profile_eval(args: argparse.Namespace, out: Path) -> None:
     import torch
 
-    from lowmem_grpo.evaluation.generate import generate
+    from lowmem_grpo.sampling.generate import generate
     from lowmem_grpo.evaluation.stages import EVAL_BATCH
 
     loaded, prompts, recipe = _eval_setup(args)
@@ -96,8 +96,8 @@ def compare_decode(args: argparse.Namespace, out: Path) -> None:
     seconds of each and whether the rows are identical."""
     import torch
 
-    from lowmem_grpo.evaluation.engine import DecodeContract, sample_rows
-    from lowmem_grpo.evaluation.generate import fast_sampling
+    from lowmem_grpo.sampling.engine import DecodeContract, sample_rows
+    from lowmem_grpo.sampling.generate import fast_sampling
 
     loaded, prompts, recipe = _eval_setup(args)
     ids = loaded.tokenizer(prompts)["input_ids"]

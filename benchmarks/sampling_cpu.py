@@ -110,7 +110,7 @@ def logit_errors(trainer: Any, prompt_ids: list[list[int]]) -> str:
     """Each configuration's logits at every prompt position against the same model in float32, unmerged."""
     import torch
 
-    from lowmem_grpo.evaluation.generate import fast_sampling
+    from lowmem_grpo.sampling.generate import fast_sampling
 
     width = max(len(ids) for ids in prompt_ids)
     pad = trainer.processing_class.pad_token_id

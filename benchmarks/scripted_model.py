@@ -185,7 +185,7 @@ def prompt_ids(tokenizer: Any) -> list[list[int]]:
 
 class CalculatorForcing:
     """A generate() logits processor that writes what lowmem_grpo's engine forces: after a row's generated text ends in
-    an open `<<EXPR=`, the calculator's result and `>>`, one token a step (evaluation.engine.Calculator decides them).
+    an open `<<EXPR=`, the calculator's result and `>>`, one token a step (sampling.engine.Calculator decides them).
     `forced[row]` holds the steps at which it forced that row's token."""
 
     def __init__(self, calculator: Any, prompt_width: int, rows: int) -> None:
@@ -273,7 +273,7 @@ def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_toke
     import torch
     from transformers import LogitsProcessorList
 
-    from lowmem_grpo.evaluation.engine import Calculator
+    from lowmem_grpo.sampling.engine import Calculator
 
     ids, mask = _left_padded(prompts, tokenizer.pad_token_id)
     device = next(model.parameters()).device
@@ -297,8 +297,8 @@ def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_toke
 def through_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
     """The engine's greedy rows with the calculator, as evaluation samples them (inference mode, the model's own
     weights): tokens, forced marks, and the logits it read for each token."""
-    from lowmem_grpo.evaluation.engine import Calculator, sample_rows
-    from lowmem_grpo.evaluation.generate import fast_sampling, inference_mode
+    from lowmem_grpo.sampling.engine import Calculator, sample_rows
+    from lowmem_grpo.sampling.generate import fast_sampling, inference_mode
 
     recorder = LogitRecorder(model)
     with inference_mode(model), fast_sampling(model, merged=False):
@@ -315,7 +315,7 @@ def context_effect(model: Any, prompts: list[list[int]]) -> float:
     the cache contributes, which a broken cache would get wrong."""
     import torch
 
-    from lowmem_grpo.evaluation.generate import inference_mode
+    from lowmem_grpo.sampling.generate import inference_mode
 
     device = next(model.parameters()).device
     with inference_mode(model), torch.inference_mode():

@@ -56,7 +56,7 @@ def custom_sampling(recipe: Recipe) -> list[str]:
 @dataclass(frozen=True)
 class RolloutPlan:
     """Whether GRPO samples through the engine (`engine`), with the calculator (`calculator`), on vLLM through
-    the calculator's rounds (`vllm`: lowmem_grpo.train.rollout.VllmRollout), and why."""
+    the calculator's rounds (`vllm`: lowmem_grpo.sampling.rollout.VllmRollout), and why."""
 
     engine: bool
     calculator: bool

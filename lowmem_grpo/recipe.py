@@ -251,7 +251,7 @@ class TrainConfig:
     faster. Applies to the hf backend on CPU with plain LoRA layers (LoRA dropout active while TRL samples keeps it
     off); false samples through PEFT's unmerged layers."""
     cpu_attention: bool = True
-    """On CPU, sample and compute log-probs with lowmem_grpo's attention (lowmem_grpo.evaluation.attention): grouped
+    """On CPU, sample and compute log-probs with lowmem_grpo's attention (lowmem_grpo.sampling.attention): grouped
     key/value heads never copied, and in bfloat16/float16 a float32 matmul attention in place of PyTorch's
     flash-attention kernel for CPU (several times faster at these shapes, as accurate). Float32 is bit-identical
     either way; false runs transformers' sdpa as it is."""

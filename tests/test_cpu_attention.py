@@ -1,4 +1,4 @@
-"""The CPU attention (lowmem_grpo.evaluation.attention): the float32 matmul attention equals PyTorch's SDPA in float32
+"""The CPU attention (lowmem_grpo.sampling.attention): the float32 matmul attention equals PyTorch's SDPA in float32
 (values and gradients), is as accurate as SDPA's flash kernel for CPU in bfloat16, stays finite on fully masked rows,
 and is what a bfloat16 model on CPU runs inside cpu_attention."""
 
@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from lowmem_grpo.evaluation.attention import (  # noqa: E402
+from lowmem_grpo.sampling.attention import (  # noqa: E402
     CPU_ATTENTION,
     cpu_attention,
     low_precision_cpu,
@@ -129,7 +129,7 @@ def test_a_bfloat16_model_runs_the_matmul_attention_inside_cpu_attention_and_swi
 def test_train_cpu_attention_false_leaves_transformers_sdpa(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowmem_grpo.evaluation.generate import generate
+    from lowmem_grpo.sampling.generate import generate
     from lowmem_grpo.recipe import TrainConfig
 
     assert TrainConfig().cpu_attention is True
@@ -151,9 +151,9 @@ def test_train_cpu_attention_false_leaves_transformers_sdpa(tiny_model_dir):
 def test_a_bfloat16_decode_keeps_its_cache_in_float32_and_writes_the_same_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowmem_grpo.evaluation.attention import cache_dtype
-    from lowmem_grpo.evaluation.engine import DecodeContract, sample_rows
-    from lowmem_grpo.evaluation.kv_cache import PreallocatedLayer
+    from lowmem_grpo.sampling.attention import cache_dtype
+    from lowmem_grpo.sampling.engine import DecodeContract, sample_rows
+    from lowmem_grpo.sampling.kv_cache import PreallocatedLayer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -1,4 +1,4 @@
-"""The sampling engine (lowmem_grpo.evaluation.engine) and GRPO's rollouts through it (lowmem_grpo.train.rollout).
+"""The sampling engine (lowmem_grpo.sampling.engine) and GRPO's rollouts through it (lowmem_grpo.sampling.rollout).
 
 Tiny float32 models from tests/tiny.py for exactness against transformers' generate, and a scripted model (a
 small module that writes a fixed token script per prompt) for the calculator, whose forcing must land on exact
@@ -19,10 +19,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lowmem_grpo.evaluation.engine import COMPACT_SHARE, Calculator, Sampled, next_tokens, sample_rows
-from lowmem_grpo.evaluation.generate import fast_sampling, generate
+from lowmem_grpo.sampling.engine import COMPACT_SHARE, Calculator, Sampled, next_tokens, sample_rows
+from lowmem_grpo.sampling.generate import fast_sampling, generate
 from lowmem_grpo.recipe_io import load_recipe
-from lowmem_grpo.train.rollout import EngineRollout
+from lowmem_grpo.sampling.rollout import EngineRollout
 
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
 PROMPTS = ["Natalia sold clips to 48 of her friends", "How many", "A robe takes 2 bolts",
@@ -441,7 +441,7 @@ def test_stage_evaluation_logs_its_progress(tiny_model_dir, tokenizer, tmp_path,
 # --- preallocated KV cache --------------------------------------------------------------------------------------
 
 def test_preallocated_layer_writes_in_place_grows_and_selects_rows():
-    from lowmem_grpo.evaluation.kv_cache import PreallocatedLayer
+    from lowmem_grpo.sampling.kv_cache import PreallocatedLayer
 
     layer = PreallocatedLayer(capacity=4)
     k, v = torch.randn(3, 2, 3, 5), torch.randn(3, 2, 3, 5)
@@ -463,7 +463,7 @@ def test_preallocated_layer_writes_in_place_grows_and_selects_rows():
 def test_the_preallocated_cache_samples_what_dynamic_cache_samples(temperature, tiny_model_dir, tokenizer):
     """Greedy and seeded rows bit for bit the same with the preallocated cache as with transformers' DynamicCache,
     float32, with rows ending (the batch shrinks) and a row writing to the budget."""
-    from lowmem_grpo.evaluation.engine import DecodeContract
+    from lowmem_grpo.sampling.engine import DecodeContract
 
     model, _ = _ending_model(tiny_model_dir, tokenizer, 16)
     prompt_ids = tokenizer(PROMPTS)["input_ids"]

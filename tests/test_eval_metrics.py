@@ -18,7 +18,7 @@ from lowmem_grpo.evaluation.metrics import (
     problem_value,
     weighted_rewards,
 )
-from lowmem_grpo.evaluation.generate import split_generated
+from lowmem_grpo.sampling.generate import split_generated
 from lowmem_grpo.train.preflight import group_stats
 from lowmem_grpo.rewards import get_reward
 

@@ -83,7 +83,7 @@ class Recorder:
 
 
 def test_fast_generate_alone_is_not_vllm():
-    from lowmem_grpo.evaluation.generate import choose_engine
+    from lowmem_grpo.sampling.generate import choose_engine
 
     unsloth_without_vllm = SimpleNamespace(fast_generate=Recorder())  # Unsloth puts this on every model
     assert choose_engine(unsloth_without_vllm) == "transformers"
@@ -92,7 +92,7 @@ def test_fast_generate_alone_is_not_vllm():
 
 
 def test_a_vllm_engine_samples_the_live_adapter():
-    from lowmem_grpo.evaluation.generate import LIVE_ADAPTER, choose_engine, vllm_target
+    from lowmem_grpo.sampling.generate import LIVE_ADAPTER, choose_engine, vllm_target
 
     engine, request = SimpleNamespace(generate=Recorder()), object()
     model = SimpleNamespace(vllm_engine=engine, peft_config={}, load_lora=Recorder(request),
@@ -143,7 +143,7 @@ def tiny_tokenizer(tiny_model_dir):
 
 
 def test_eval_puts_an_unsloth_model_back_with_its_checkpointing_mode(tiny_tokenizer):
-    from lowmem_grpo.evaluation.generate import generate
+    from lowmem_grpo.sampling.generate import generate
 
     model = UnslothLike(tiny_tokenizer.eos_token_id).train()
     out = generate(model, tiny_tokenizer, ["a", "b"], max_new_tokens=4, progress=False, engine="transformers")
@@ -158,7 +158,7 @@ def test_eval_puts_an_unsloth_model_back_with_its_checkpointing_mode(tiny_tokeni
 def test_eval_neither_reseeds_nor_consumes_trainings_random_stream(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from lowmem_grpo.evaluation.generate import generate
+    from lowmem_grpo.sampling.generate import generate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     torch.manual_seed(123)
@@ -676,7 +676,7 @@ def test_a_chat_prompt_makes_every_scripted_rollout_call_the_calculator(scripted
     writes <<7*6= and the engine completes it."""
     import json
 
-    from lowmem_grpo.evaluation.engine import Calculator, sample_rows
+    from lowmem_grpo.sampling.engine import Calculator, sample_rows
 
     sm, model, tokenizer = scripted
     rows = [json.loads(line) for line in sm.write_rows(tmp_path / "rows.jsonl", count=3).read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Faster sampling on CPU (lowmem_grpo.evaluation.generate): the LoRA adapter merged into the weights
+"""Faster sampling on CPU (lowmem_grpo.sampling.generate): the LoRA adapter merged into the weights
 (merged_adapter, train.merged_sampling) computes the same function and the same greedy text as PEFT's unmerged
 layers with the base weights never written, and a training run with it on equals one with it off; grouped-query
 attention without copying the key/value heads (cpu_attention in float32) is bit-identical. Float32 on the tiny model."""
@@ -52,7 +52,7 @@ def _lora_layers(model):
 def test_merged_model_computes_the_adapter_models_logits_and_puts_every_module_back(tiny_model_dir):
     import torch
 
-    from lowmem_grpo.evaluation.generate import merged_adapter
+    from lowmem_grpo.sampling.generate import merged_adapter
 
     model, tokenizer = _lora_model(tiny_model_dir)
     model.eval()
@@ -78,7 +78,7 @@ def test_merged_model_computes_the_adapter_models_logits_and_puts_every_module_b
 
 
 def test_greedy_text_is_the_same_merged_or_not(tiny_model_dir):
-    from lowmem_grpo.evaluation.generate import generate
+    from lowmem_grpo.sampling.generate import generate
 
     model, tokenizer = _lora_model(tiny_model_dir)
     prompts = _prompts(tokenizer)
@@ -97,7 +97,7 @@ def test_greedy_text_is_the_same_merged_or_not(tiny_model_dir):
 def test_it_stays_off_where_a_merged_weight_would_not_compute_the_same(tiny_model_dir):
     import torch
 
-    from lowmem_grpo.evaluation.generate import merged_adapter
+    from lowmem_grpo.sampling.generate import merged_adapter
 
     model, _ = _lora_model(tiny_model_dir, dropout=0.1)
     model.train()  # TRL samples in training mode: the adapter's dropout is live
@@ -120,7 +120,7 @@ def test_cpu_attention_in_float32_gives_bit_identical_logits_and_text_and_switch
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowmem_grpo.evaluation.attention import CPU_ATTENTION, cpu_attention
+    from lowmem_grpo.sampling.attention import CPU_ATTENTION, cpu_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -159,7 +159,7 @@ def test_too_few_fresh_problems_are_topped_up_from_primed_ones_with_a_warning(ca
 
 
 class FakeEngine:
-    """Stands in for lowmem_grpo.evaluation.generate.generate: the completions of the prompts in `varying` are half
+    """Stands in for lowmem_grpo.sampling.generate.generate: the completions of the prompts in `varying` are half
     right, half wrong; the others all wrong."""
 
     def __init__(self, varying: set[str]) -> None:

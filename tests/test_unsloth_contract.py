@@ -20,7 +20,7 @@ from test_engine import PROMPTS, ScriptedLM, _enc, _ending_model, qwen2_dir, tok
 from unsloth_fake import UNSLOTH_FUNCTIONS, UnslothLikeLM
 
 from lowmem_grpo.backends import is_unsloth_model
-from lowmem_grpo.evaluation.engine import COMPACT_SHARE, Calculator, decode_contract, sample_rows
+from lowmem_grpo.sampling.engine import COMPACT_SHARE, Calculator, decode_contract, sample_rows
 
 PINNED = {
     ("models/llama.py", "_cache_as_legacy_tuple"): "3357ea73fd6644a1",

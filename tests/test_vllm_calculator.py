@@ -1,5 +1,5 @@
-"""The calculator on vLLM (lowmem_grpo.evaluation.vllm_calculator), GRPO's rollouts through it
-(lowmem_grpo.train.rollout.VllmRollout) and generate()'s vLLM branch with the calculator.
+"""The calculator on vLLM (lowmem_grpo.sampling.vllm_calculator), GRPO's rollouts through it
+(lowmem_grpo.sampling.rollout.VllmRollout) and generate()'s vLLM branch with the calculator.
 
 vllm is not installed here (it needs CUDA). The engine is a fake that keeps the contract of `vllm.LLM.generate`
 (vllm/entrypoints/llm.py: TokensPrompt dicts in, one SamplingParams per prompt, a RequestOutput per prompt whose
@@ -26,16 +26,16 @@ import pytest
 
 from lowmem_grpo.combinations import rollout_plan
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.evaluation.engine import Calculator
-from lowmem_grpo.evaluation.generate import LIVE_ADAPTER, generate
-from lowmem_grpo.evaluation.vllm_calculator import (
+from lowmem_grpo.sampling.engine import Calculator
+from lowmem_grpo.sampling.generate import LIVE_ADAPTER, generate
+from lowmem_grpo.sampling.vllm_calculator import (
     ClientRounds,
     EngineRounds,
     calculator_rows,
     row_seed,
 )
 from lowmem_grpo.recipe_io import load_recipe
-from lowmem_grpo.train.rollout import EngineRollout, VllmRollout, make_rollout
+from lowmem_grpo.sampling.rollout import EngineRollout, VllmRollout, make_rollout
 
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
 
@@ -535,7 +535,7 @@ def _installed(package: str) -> Path:
 
 def test_the_trl_code_the_vllm_rollout_follows_is_unchanged():
     """A drift guard read from the installed files (not imported): when one fails, re-read that function against
-    VllmRollout / ClientRounds (lowmem_grpo/train/rollout.py, lowmem_grpo/evaluation/vllm_calculator.py) and
+    VllmRollout / ClientRounds (lowmem_grpo/sampling/rollout.py, lowmem_grpo/sampling/vllm_calculator.py) and
     update its hash."""
     root = _installed("trl")
     for (path, cls, name), digest in PINNED.items():

@@ -24,9 +24,10 @@ FLOORS = {
     "recipe": 4,
     "recipe_io": 5, "memory": 5, "combinations": 5,
     "rundir": 6,
-    "evaluation": 7, "export": 7,
-    "train": 8,
-    "cli": 9,
+    "sampling": 7,
+    "evaluation": 8, "export": 8,
+    "train": 9,
+    "cli": 10,
 }
 
 

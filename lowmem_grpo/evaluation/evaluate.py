@@ -1,7 +1,7 @@
 """GSM8K evaluation: `run_eval` (the shared API: training's periodic eval and `lowmem-grpo eval`).
 
 `run_eval(model, tokenizer, examples)` samples completions for prompts built by
-`lowmem_grpo.data.build_examples` with `lowmem_grpo.evaluation.generate` (greedy by default, seeded
+`lowmem_grpo.data.build_examples` with `lowmem_grpo.sampling.generate` (greedy by default, seeded
 sampling otherwise), scores prefill + generated text with `lowmem_grpo.evaluation.metrics`, and returns an
 EvalResult.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowmem_grpo.errors import BadInputError
-from lowmem_grpo.evaluation.generate import choose_engine, generate
+from lowmem_grpo.sampling.generate import choose_engine, generate
 from lowmem_grpo.evaluation.metrics import Verdict, aggregate, judge, outcome_shares, weighted_rewards
 
 log = logging.getLogger(__name__)

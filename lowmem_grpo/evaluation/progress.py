@@ -3,7 +3,7 @@ problems per minute and the time left, logged like training's console line, e.g.
 
     stage eval base: greedy 40/100 problems | 52/min | eta 1m10s
 
-`ProgressLog(label)` is the `on_progress(done, total)` callback that lowmem_grpo.evaluation.generate.generate and
+`ProgressLog(label)` is the `on_progress(done, total)` callback that lowmem_grpo.sampling.generate.generate and
 run_eval call after each batch; it logs at most every `every` seconds, and once when the last problem is done.
 """
 

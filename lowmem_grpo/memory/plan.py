@@ -216,7 +216,7 @@ def evaluation_samples(recipe: Recipe) -> int:
 
 def eval_rows(batch: int, samples: int) -> int:
     """Sequences one evaluation call decodes at once with train.eval_batch_size `batch` and k `samples` per problem:
-    the k samples of batch // k problems, one problem's at least (evaluation.generate), so max(batch, k)."""
+    the k samples of batch // k problems, one problem's at least (sampling.generate), so max(batch, k)."""
     return max(batch, samples) if batch > 0 else 0
 
 

@@ -130,7 +130,7 @@ class PeriodicEvalCallback(TrainerCallback):
     of data.eval_split with the recipe's prompts and max_completion_length; writes `eval/<metric>` lines
     (stage "eval") into metrics.jsonl. With train.eval_samples = k it also samples k completions per problem at
     train.temperature (eval/mean@k, eval/pass@k), and each problem's values go to eval_steps.jsonl, so a learning
-    curve can pair steps problem by problem. It samples through lowmem_grpo.evaluation.generate, which puts the
+    curve can pair steps problem by problem. It samples through lowmem_grpo.sampling.generate, which puts the
     model back in the mode it was in and seeds a private RNG stream, so training's random state is left as it was."""
 
     def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path) -> None:

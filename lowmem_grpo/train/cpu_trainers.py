@@ -17,8 +17,8 @@ import torch
 from trl import GRPOTrainer, SFTTrainer
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-from lowmem_grpo.evaluation.attention import cpu_attention
-from lowmem_grpo.evaluation.generate import fast_sampling
+from lowmem_grpo.sampling.attention import cpu_attention
+from lowmem_grpo.sampling.generate import fast_sampling
 from lowmem_grpo.train import shared_prompt
 
 log = logging.getLogger(__name__)
@@ -34,16 +34,16 @@ class CpuSafeGRPOTrainer(GRPOTrainer):
     log-probs and entropies of the columns not run are 0: TRL reads them only under the completion mask. Logs
     `shared_prompt/tokens_saved`, the share of token positions a log-prob pass did not run (shared prompts and
     skipped padding).
-    Sampling: TRL's generation runs inside lowmem_grpo.evaluation.generate.fast_sampling: with
+    Sampling: TRL's generation runs inside lowmem_grpo.sampling.generate.fast_sampling: with
     `lowmem_merged_sampling` (train.merged_sampling, set by trainer_factory) from a model whose adapted layers are one
     plain matmul each (merged_adapter; the base weights untouched). Attention, in sampling and in the log-prob passes:
-    lowmem_grpo.evaluation.attention.cpu_attention (grouped key/value heads never copied, bit-identical in float32;
+    lowmem_grpo.sampling.attention.cpu_attention (grouped key/value heads never copied, bit-identical in float32;
     in bfloat16 a float32 matmul attention in place of PyTorch's slow flash kernel for CPU). Whether the merge
     applied, and why not, is logged once."""
 
     lowmem_shared_prompt: bool = True
     lowmem_merged_sampling: bool = True
-    lowmem_cpu_attention: bool = True  # train.cpu_attention (lowmem_grpo.evaluation.attention)
+    lowmem_cpu_attention: bool = True  # train.cpu_attention (lowmem_grpo.sampling.attention)
     _lowmem_merge_logged = False
 
     def shared_prompt_status(self) -> tuple[bool, str]:

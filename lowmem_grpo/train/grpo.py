@@ -31,7 +31,7 @@ from lowmem_grpo.recipe import Recipe, goal_reward_name
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer
 from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
 from lowmem_grpo.train.informative import SamplingState
-from lowmem_grpo.train.rollout import make_rollout
+from lowmem_grpo.sampling.rollout import make_rollout
 
 log = logging.getLogger(__name__)
 

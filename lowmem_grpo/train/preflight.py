@@ -30,7 +30,7 @@ from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.data.format import primed_count
 from lowmem_grpo.data.generated import level_of
 from lowmem_grpo.errors import BadInputError
-from lowmem_grpo.evaluation.generate import generate
+from lowmem_grpo.sampling.generate import generate
 from lowmem_grpo.evaluation.metrics import weighted_rewards
 from lowmem_grpo.recipe import goal_reward, resolved_rewards, validate
 

@@ -1,7 +1,7 @@
-"""The one sampling engine: completions for rendered prompts, used by evaluation, the reward preflight and
+"""The one entry for sampling: completions for rendered prompts, used by evaluation, the reward preflight and
 the periodic eval. It generates with vLLM when the model has a vLLM engine (a vllm.LLM, or Unsloth's
 fast_inference engine, sampling the live adapter; with the calculator through
-lowmem_grpo.evaluation.vllm_calculator), else with batched transformers `generate` (left padding), in
+lowmem_grpo.sampling.vllm_calculator), else with batched transformers `generate` (left padding), in
 inference mode and on a private RNG stream. Imports torch/transformers only inside the functions that sample.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowmem_grpo.backends import is_unsloth_model
-from lowmem_grpo.evaluation.attention import cpu_attention
+from lowmem_grpo.sampling.attention import cpu_attention
 from lowmem_grpo.errors import BadInputError
 
 
@@ -110,7 +110,7 @@ def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, ma
                            on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
     import torch
 
-    from lowmem_grpo.evaluation.engine import Calculator, sample_rows
+    from lowmem_grpo.sampling.engine import Calculator, sample_rows
 
     eos = _required_eos(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
@@ -240,7 +240,7 @@ def _merged_linear(module: Any, torch: Any) -> Any:
 
 @contextlib.contextmanager
 def fast_sampling(model: Any, merged: bool = True, attention: bool = True) -> Iterator[MergeResult]:
-    """merged_adapter and lowmem_grpo.evaluation.attention.cpu_attention (`attention`, train.cpu_attention) together:
+    """merged_adapter and lowmem_grpo.sampling.attention.cpu_attention (`attention`, train.cpu_attention) together:
     what every transformers sampling path of lowmem_grpo runs inside. Yields merged_adapter's result."""
     with merged_adapter(model, merged) as result, cpu_attention(model, attention):
         yield result
@@ -289,10 +289,10 @@ def _generate_vllm_calculator(engine: Any, tokenizer: Any, prompts: list[str], *
                               num_samples: int, temperature: float, seed: int, lora_request: Any, eos: set[int],
                               bar: Any, params_class: Callable[..., Any] | None = None,
                               on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
-    """vLLM generation with the calculator (lowmem_grpo.evaluation.vllm_calculator): the prompts tokenized as the
+    """vLLM generation with the calculator (lowmem_grpo.sampling.vllm_calculator): the prompts tokenized as the
     transformers path tokenizes them, num_samples rows each, every row seeded from `seed`."""
-    from lowmem_grpo.evaluation.engine import Calculator
-    from lowmem_grpo.evaluation.vllm_calculator import EngineRounds, calculator_rows
+    from lowmem_grpo.sampling.engine import Calculator
+    from lowmem_grpo.sampling.vllm_calculator import EngineRounds, calculator_rows
 
     ids = tokenizer(prompts)["input_ids"]
     settings = {"temperature": temperature, "top_p": 1.0, "top_k": -1 if temperature else 1}
@@ -317,10 +317,10 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
     With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
     model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
     merged into the weights while it samples when `merged` and merged_adapter applies, with
-    lowmem_grpo.evaluation.attention's CPU attention when `attention`, through lowmem_grpo.evaluation.engine.
+    lowmem_grpo.sampling.attention's CPU attention when `attention`, through lowmem_grpo.sampling.engine.
     With `calculator`, each `<<EXPR=` a row writes is completed by the calculator: by the engine, or on vLLM by
     stopping the row after each token ending in "=" and resubmitting it
-    (lowmem_grpo.evaluation.vllm_calculator; `sampling_params_class` builds its per-request settings, None:
+    (lowmem_grpo.sampling.vllm_calculator; `sampling_params_class` builds its per-request settings, None:
     vllm.SamplingParams). `on_progress(done, total)`, when given, is called with the problems done after each
     batch (vLLM: once, at the end), for callers that log progress instead of showing the bar
     (evaluation.progress.ProgressLog)."""

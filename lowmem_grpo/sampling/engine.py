@@ -121,7 +121,7 @@ class DecodeContract:
     the batch must keep its rows until the next prefill (ended rows are fed a placeholder). `autocast`: the dtype
     Unsloth's own generate (`unsloth_fast_generate`) runs its forwards under on CUDA, None for none.
     `preallocate`: the loop gives the model a cache allocated once for the prompt plus the budget
-    (lowmem_grpo.evaluation.kv_cache), not transformers' DynamicCache, which copies the whole cache at every step;
+    (lowmem_grpo.sampling.kv_cache), not transformers' DynamicCache, which copies the whole cache at every step;
     for a model that writes the cache it is given (Unsloth's keeps its own buffers)."""
 
     fixed_batch: bool = False
@@ -245,8 +245,8 @@ def _new_cache(model: Any, contract: DecodeContract, capacity: int) -> Any:
 
     config = getattr(model, "config", None)
     if contract.preallocate and config is not None:
-        from lowmem_grpo.evaluation.attention import cache_dtype
-        from lowmem_grpo.evaluation.kv_cache import preallocated_cache
+        from lowmem_grpo.sampling.attention import cache_dtype
+        from lowmem_grpo.sampling.kv_cache import preallocated_cache
 
         cache = preallocated_cache(config, capacity, cache_dtype(model))
         if cache is not None:

@@ -21,7 +21,7 @@ class PreallocatedLayer(DynamicLayer):
     (batch, heads, capacity, head_dim); `keys`/`values` are views of the filled positions. A write past the
     capacity doubles the buffers (one copy), so a wrong capacity costs time, never correctness. `dtype` keeps them
     in another dtype than the model writes, each new position converted once (exactly, when wider): float32 for an
-    attention that computes in float32 (lowmem_grpo.evaluation.attention), which would otherwise convert the whole
+    attention that computes in float32 (lowmem_grpo.sampling.attention), which would otherwise convert the whole
     cache of every layer at every step, tens of MiB of fresh memory a step at an evaluation's batch."""
 
     def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:

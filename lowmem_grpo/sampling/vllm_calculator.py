@@ -2,7 +2,7 @@
 a vLLM engine in rounds.
 
 vLLM samples whole completions, so the calculator cannot write into a row while it decodes, as
-lowmem_grpo.evaluation.engine does. Instead each row is sampled with the calculator's trigger tokens (every token
+lowmem_grpo.sampling.engine does. Instead each row is sampled with the calculator's trigger tokens (every token
 whose text ends in "=") as stop tokens: vLLM stops the row right after one. When the row's text then ends in an
 open `<<EXPR=` whose EXPR evaluates, the calculator's ids are appended (forced: mask 0, no log-prob) and the row is
 resubmitted as token ids (prompt + completion so far, never re-tokenized text) with what is left of its token
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lowmem_grpo.evaluation.engine import Sampled
+from lowmem_grpo.sampling.engine import Sampled
 
 MAX_ROUNDS = 64
 """Rounds of sampling per call at most: after MAX_ROUNDS - 1 stops at a token ending in "=" a row's last round runs
@@ -41,7 +41,7 @@ stop_token_ids are added to the loop's, its seed seeds the per-row seeds)."""
 
 
 class TriggerCalculator(Protocol):
-    """What the loop needs of lowmem_grpo.evaluation.engine.Calculator."""
+    """What the loop needs of lowmem_grpo.sampling.engine.Calculator."""
 
     triggers: frozenset[int]
 

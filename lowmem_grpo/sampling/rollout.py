@@ -1,8 +1,8 @@
-"""GRPO's rollouts through lowmem_grpo's sampling engine (lowmem_grpo.evaluation.engine), by TRL's public seam
+"""GRPO's rollouts through lowmem_grpo's sampling engine (lowmem_grpo.sampling.engine), by TRL's public seam
 `rollout_func(prompts, trainer)`: the same decode loop as evaluation, and with data.calculator the calculator's
 results forced into the rows and returned as TRL's `env_mask` (0 = forced), which TRL multiplies into the loss
 mask, so forced tokens are in neither the policy loss nor the KL. On vLLM (Unsloth's fast_inference engine, or
-TRL's use_vllm in colocate or server mode) the calculator runs through lowmem_grpo.evaluation.vllm_calculator
+TRL's use_vllm in colocate or server mode) the calculator runs through lowmem_grpo.sampling.vllm_calculator
 instead (VllmRollout), with vLLM's per-token log-probs for TRL's importance-sampling correction.
 
 How a run samples, and why, is lowmem_grpo.combinations.rollout_plan (which `check` also reads before any model
@@ -18,9 +18,9 @@ from typing import Any
 
 from lowmem_grpo.combinations import RolloutPlan
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.evaluation.engine import Calculator, sample_rows
-from lowmem_grpo.evaluation.generate import fast_sampling, inference_mode, live_adapter_request
-from lowmem_grpo.evaluation.vllm_calculator import (
+from lowmem_grpo.sampling.engine import Calculator, sample_rows
+from lowmem_grpo.sampling.generate import fast_sampling, inference_mode, live_adapter_request
+from lowmem_grpo.sampling.vllm_calculator import (
     MAX_ROUNDS,
     ClientRounds,
     Completion,
@@ -65,7 +65,7 @@ class EngineRollout:
 
 class VllmRollout:
     """TRL's `rollout_func` for data.calculator on vLLM: the calculator's rounds
-    (lowmem_grpo.evaluation.vllm_calculator.calculator_rows) on the trainer's vLLM, as TRL's own
+    (lowmem_grpo.sampling.vllm_calculator.calculator_rows) on the trainer's vLLM, as TRL's own
     VLLMGeneration.generate samples it (trl/generation/vllm_generation.py): its sampling settings and
     generation_kwargs, one row per prompt (TRL has repeated each num_generations times), and in colocate mode its
     sleep mode around the rounds. TRL calls it after its weight sync, on every rank. Returns prompt_ids,
