@@ -194,7 +194,7 @@ def t_ages_family(r):
     w = Work()
     v1 = w.step(f"{a}+{b}", f"{cap(p)} {rel} is @ years old.")
     v2 = w.step(f"{v1}*{k}", f"{cap(p)} {parent} is @ years old.")
-    w.step(f"{a}+{v1}+{v2}", f"The sum of their ages is @ years.")
+    w.step(f"{a}+{v1}+{v2}", "The sum of their ages is @ years.")
     return q, w
 
 
@@ -250,7 +250,7 @@ def t_recipe_scale(r):
     v1 = w.step(f"{n_food}/{m}", f"{cap(s)} needs to make the recipe @ times.")
     v2 = w.step(f"{f}*{v1}", f"{cap(s)} needs @ cups of flour.")
     v3 = w.step(f"{sug}*{v1}", f"{cap(s)} needs @ cups of sugar.")
-    w.step(f"{v2}+{v3}", f"Combined that is @ cups.")
+    w.step(f"{v2}+{v3}", "Combined that is @ cups.")
     return q, w
 
 
@@ -293,8 +293,8 @@ def t_discount(r):
     q = (f"A {item} normally costs ${price}. During a sale, the store takes {pct}% off the price. "
          f"How much does {n} pay for {k} of them during the sale?")
     w = Work()
-    v1 = w.step(f"{price}*{pct}/100", f"The discount is @ per item.", True)
-    v2 = w.step(f"{price}-{v1}", f"The sale price is @.", True)
+    v1 = w.step(f"{price}*{pct}/100", "The discount is @ per item.", True)
+    v2 = w.step(f"{price}-{v1}", "The sale price is @.", True)
     w.step(f"{v2}*{k}", f"{n} pays @ in total.", True)
     return q, w
 
@@ -313,9 +313,9 @@ def t_tip_split(r):
     q = (f"{people} friends go out for {meal}. The bill comes to ${bill}, and they leave a {tip}% tip. "
          f"If they split the total evenly, how much does each friend pay?")
     w = Work()
-    v1 = w.step(f"{bill}*{tip}/100", f"The tip is @.", True)
-    v2 = w.step(f"{bill}+{v1}", f"The total is @.", True)
-    w.step(f"{v2}/{people}", f"Each friend pays @.", True)
+    v1 = w.step(f"{bill}*{tip}/100", "The tip is @.", True)
+    v2 = w.step(f"{bill}+{v1}", "The total is @.", True)
+    w.step(f"{v2}/{people}", "Each friend pays @.", True)
     return q, w
 
 
@@ -326,10 +326,10 @@ def t_school_clubs(r):
          f"the rest play basketball. The others do not play any sport. "
          f"How many children do not play any sport?")
     w = Work()
-    v1 = w.step(f"{total}*2/5", f"@ children play soccer.")
-    v2 = w.step(f"{total}-{v1}", f"That leaves @ children.")
-    v3 = w.step(f"{v2}/3", f"@ children play basketball.")
-    w.step(f"{v2}-{v3}", f"So @ children do not play any sport.")
+    v1 = w.step(f"{total}*2/5", "@ children play soccer.")
+    v2 = w.step(f"{total}-{v1}", "That leaves @ children.")
+    v3 = w.step(f"{v2}/3", "@ children play basketball.")
+    w.step(f"{v2}-{v3}", "So @ children do not play any sport.")
     return q, w
 
 
@@ -357,7 +357,7 @@ def t_painters_together(r):
          f"Working together, how many days will it take them to finish {rooms} {job[1]}?")
     w = Work()
     v1 = w.step(f"{r1}+{r2}", f"Together they finish @ {job[1]} per day.")
-    w.step(f"{rooms}/{v1}", f"It will take them @ days.")
+    w.step(f"{rooms}/{v1}", "It will take them @ days.")
     return q, w
 
 
@@ -367,8 +367,8 @@ def t_fence_cost(r):
     q = (f"A rectangular {area} is {L} meters long and {W} meters wide. Fencing costs ${c} per meter. "
          f"How much will it cost to put a fence all the way around the {area}?")
     w = Work()
-    v1 = w.step(f"2*({L}+{W})", f"The perimeter is @ meters.")
-    w.step(f"{v1}*{c}", f"The fence will cost @.", True)
+    v1 = w.step(f"2*({L}+{W})", "The perimeter is @ meters.")
+    w.step(f"{v1}*{c}", "The fence will cost @.", True)
     return q, w
 
 
@@ -428,8 +428,8 @@ def t_practice_hours(r):
     w = Work()
     v1 = w.step(f"5*{m}", f"On weekdays {s} practices @ minutes.")
     v2 = w.step(f"2*{e}", f"On the weekend {s} practices @ minutes.")
-    v3 = w.step(f"{v1}+{v2}", f"That is @ minutes in total.")
-    w.step(f"{v3}/60", f"This is @ hours.")
+    v3 = w.step(f"{v1}+{v2}", "That is @ minutes in total.")
+    w.step(f"{v3}/60", "This is @ hours.")
     return q, w
 
 
@@ -456,7 +456,7 @@ def t_fuel_cost(r):
          f"{fmt(r, dist)} miles, and gas costs ${price} per gallon. How much will {s} spend on gas?")
     w = Work()
     v1 = w.step(f"{dist}/{mpg}", f"{cap(s)} needs @ gallons of gas.")
-    w.step(f"{v1}*{price}", f"The gas will cost @.", True)
+    w.step(f"{v1}*{price}", "The gas will cost @.", True)
     return q, w
 
 
@@ -484,10 +484,10 @@ def t_pizza_leftover(r):
     q = (f"{n} orders {pizzas} pizzas for a party. Each pizza is cut into {slices} slices. "
          f"{cap(s)} and {p} {friends} friends each eat {each} slices. How many slices are left over?")
     w = Work()
-    v1 = w.step(f"{pizzas}*{slices}", f"There are @ slices in total.")
-    v2 = w.step(f"{friends}+1", f"There are @ people eating.")
-    v3 = w.step(f"{v2}*{each}", f"They eat @ slices.")
-    w.step(f"{v1}-{v3}", f"There are @ slices left over.")
+    v1 = w.step(f"{pizzas}*{slices}", "There are @ slices in total.")
+    v2 = w.step(f"{friends}+1", "There are @ people eating.")
+    v3 = w.step(f"{v2}*{each}", "They eat @ slices.")
+    w.step(f"{v1}-{v3}", "There are @ slices left over.")
     return q, w
 
 
@@ -516,8 +516,8 @@ def t_overtime(r):
     w = Work()
     v1 = w.step(f"40*{rate}", f"For the first 40 hours {s} earns @.", True)
     v2 = w.step(f"{hours}-40", f"{cap(s)} works @ hours of overtime.")
-    v3 = w.step(f"{rate}*1.5", f"The overtime rate is @ per hour.", True)
-    v4 = w.step(f"{v2}*{v3}", f"Overtime pays @.", True)
+    v3 = w.step(f"{rate}*1.5", "The overtime rate is @ per hour.", True)
+    v4 = w.step(f"{v2}*{v3}", "Overtime pays @.", True)
     w.step(f"{v1}+{v4}", f"In total {s} earns @.", True)
     return q, w
 
@@ -531,7 +531,7 @@ def t_population_growth(r):
     q = (f"The town of {town} had {fmt(r, pop)} residents last year. This year the population grew "
          f"by {pct}%. How many residents does {town} have now?")
     w = Work()
-    v1 = w.step(f"{pop}*{pct}/100", f"The population grew by @ people.")
+    v1 = w.step(f"{pop}*{pct}/100", "The population grew by @ people.")
     w.step(f"{pop}+{v1}", f"{town} now has @ residents.")
     return q, w
 
@@ -574,10 +574,10 @@ def t_fruit_basket(r):
     q = (f"A fruit stand has {total} pieces of fruit. One quarter of them are apples, one third are "
          f"oranges, and the rest are bananas. How many bananas are there?")
     w = Work()
-    v1 = w.step(f"{total}/4", f"There are @ apples.")
-    v2 = w.step(f"{total}/3", f"There are @ oranges.")
-    v3 = w.step(f"{v1}+{v2}", f"Apples and oranges make @ pieces of fruit.")
-    w.step(f"{total}-{v3}", f"There are @ bananas.")
+    v1 = w.step(f"{total}/4", "There are @ apples.")
+    v2 = w.step(f"{total}/3", "There are @ oranges.")
+    v3 = w.step(f"{v1}+{v2}", "Apples and oranges make @ pieces of fruit.")
+    w.step(f"{total}-{v3}", "There are @ bananas.")
     return q, w
 
 
@@ -589,8 +589,8 @@ def t_theater_tickets(r):
          f"the {venue} sold {na} adult tickets and {nc} child tickets. How much money did the "
          f"{venue} make on Saturday?")
     w = Work()
-    v1 = w.step(f"{na}*{adult}", f"Adult tickets brought in @.", True)
-    v2 = w.step(f"{nc}*{child}", f"Child tickets brought in @.", True)
+    v1 = w.step(f"{na}*{adult}", "Adult tickets brought in @.", True)
+    v2 = w.step(f"{nc}*{child}", "Child tickets brought in @.", True)
     w.step(f"{v1}+{v2}", f"The {venue} made @ on Saturday.", True)
     return q, w
 
@@ -647,9 +647,9 @@ def t_poster_cutout(r):
          f"sides of {side} cm is cut out of it. What is the area of the cardboard that is left, "
          f"in square centimeters?")
     w = Work()
-    v1 = w.step(f"{L}*{W}", f"The whole piece has an area of @ square cm.")
-    v2 = w.step(f"{side}*{side}", f"The hole has an area of @ square cm.")
-    w.step(f"{v1}-{v2}", f"The remaining area is @ square cm.")
+    v1 = w.step(f"{L}*{W}", "The whole piece has an area of @ square cm.")
+    v2 = w.step(f"{side}*{side}", "The hole has an area of @ square cm.")
+    w.step(f"{v1}-{v2}", "The remaining area is @ square cm.")
     return q, w
 
 
@@ -674,9 +674,9 @@ def t_opposite_cars(r):
          f"One drives at {a} miles per hour and the other at {b} miles per hour. How far apart are "
          f"they after {h} hours?")
     w = Work()
-    v1 = w.step(f"{a}*{h}", f"The first car drives @ miles.")
-    v2 = w.step(f"{b}*{h}", f"The second car drives @ miles.")
-    w.step(f"{v1}+{v2}", f"They are @ miles apart.")
+    v1 = w.step(f"{a}*{h}", "The first car drives @ miles.")
+    v2 = w.step(f"{b}*{h}", "The second car drives @ miles.")
+    w.step(f"{v1}+{v2}", "They are @ miles apart.")
     return q, w
 
 
@@ -716,7 +716,7 @@ def t_tank_fill(r):
          f"{rate} liters every minute. How many minutes will it take to fill the {tank}?")
     w = Work()
     v1 = w.step(f"{cap_l}-{start}", f"The {tank} needs @ more liters.")
-    w.step(f"{v1}/{rate}", f"It will take @ minutes.")
+    w.step(f"{v1}/{rate}", "It will take @ minutes.")
     return q, w
 
 
@@ -730,9 +730,9 @@ def t_bus_seats(r):
          f"{off} passengers get off and {on} passengers get on. If every passenger takes a seat, "
          f"how many seats are empty now?")
     w = Work()
-    v1 = w.step(f"{a}-{off}", f"After people get off there are @ passengers.")
-    v2 = w.step(f"{v1}+{on}", f"After new passengers get on there are @ passengers.")
-    w.step(f"{cap_s}-{v2}", f"There are @ empty seats.")
+    v1 = w.step(f"{a}-{off}", "After people get off there are @ passengers.")
+    v2 = w.step(f"{v1}+{on}", "After new passengers get on there are @ passengers.")
+    w.step(f"{cap_s}-{v2}", "There are @ empty seats.")
     return q, w
 
 
@@ -741,8 +741,8 @@ def t_library_mysteries(r):
     q = (f"A library has {fmt(r, books)} books. Three eighths of the books are fiction, and one "
          f"third of the fiction books are mysteries. How many mystery books does the library have?")
     w = Work()
-    v1 = w.step(f"{books}*3/8", f"The library has @ fiction books.")
-    w.step(f"{v1}/3", f"It has @ mystery books.")
+    v1 = w.step(f"{books}*3/8", "The library has @ fiction books.")
+    w.step(f"{v1}/3", "It has @ mystery books.")
     return q, w
 
 
@@ -752,9 +752,9 @@ def t_coin_jar(r):
     q = (f"{n} has {qn} quarters, {d} dimes, and {nk} nickels in {p} piggy bank. How many cents "
          f"does {s} have in total?")
     w = Work()
-    v1 = w.step(f"{qn}*25", f"The quarters are worth @ cents.")
-    v2 = w.step(f"{d}*10", f"The dimes are worth @ cents.")
-    v3 = w.step(f"{nk}*5", f"The nickels are worth @ cents.")
+    v1 = w.step(f"{qn}*25", "The quarters are worth @ cents.")
+    v2 = w.step(f"{d}*10", "The dimes are worth @ cents.")
+    v3 = w.step(f"{nk}*5", "The nickels are worth @ cents.")
     w.step(f"{v1}+{v2}+{v3}", f"{cap(s)} has @ cents in total.")
     return q, w
 
@@ -769,7 +769,7 @@ def t_farm_legs(r):
     w = Work()
     v1 = w.step(f"{birds}*2", f"The {bird} have @ legs.")
     v2 = w.step(f"{beasts}*4", f"The {beast} have @ legs.")
-    w.step(f"{v1}+{v2}", f"Altogether the animals have @ legs.")
+    w.step(f"{v1}+{v2}", "Altogether the animals have @ legs.")
     return q, w
 
 
@@ -794,9 +794,9 @@ def t_gym_year(r):
     q = (f"A gym charges a one-time sign-up fee of ${fee} and ${month} per month. {n} and {p} "
          f"{rel} both join the gym. How much do they pay together for the first year?")
     w = Work()
-    v1 = w.step(f"{month}*12", f"Twelve months cost @ for one person.", True)
-    v2 = w.step(f"{v1}+{fee}", f"With the sign-up fee, one person pays @.", True)
-    w.step(f"{v2}*2", f"Together they pay @.", True)
+    v1 = w.step(f"{month}*12", "Twelve months cost @ for one person.", True)
+    v2 = w.step(f"{v1}+{fee}", "With the sign-up fee, one person pays @.", True)
+    w.step(f"{v2}*2", "Together they pay @.", True)
     return q, w
 
 
@@ -842,9 +842,9 @@ def t_rainfall(r):
          f"Monday, and on Wednesday it rained {less} millimeters less than on Tuesday. How many "
          f"millimeters of rain fell over the three days?")
     w = Work()
-    v1 = w.step(f"{a}*2", f"On Tuesday it rained @ millimeters.")
-    v2 = w.step(f"{v1}-{less}", f"On Wednesday it rained @ millimeters.")
-    w.step(f"{a}+{v1}+{v2}", f"In total @ millimeters of rain fell.")
+    v1 = w.step(f"{a}*2", "On Tuesday it rained @ millimeters.")
+    v2 = w.step(f"{v1}-{less}", "On Wednesday it rained @ millimeters.")
+    w.step(f"{a}+{v1}+{v2}", "In total @ millimeters of rain fell.")
     return q, w
 
 
@@ -859,8 +859,8 @@ def t_paint_cans(r):
     q = (f"{n} wants to paint {walls} walls. Each wall is {L} feet wide and {H} feet tall. One can "
          f"of paint covers {cover} square feet. How many cans of paint does {s} need?")
     w = Work()
-    v1 = w.step(f"{L}*{H}", f"Each wall has an area of @ square feet.")
-    v2 = w.step(f"{v1}*{walls}", f"All the walls have an area of @ square feet.")
+    v1 = w.step(f"{L}*{H}", "Each wall has an area of @ square feet.")
+    v2 = w.step(f"{v1}*{walls}", "All the walls have an area of @ square feet.")
     w.step(f"{v2}/{cover}", f"{cap(s)} needs @ cans of paint.")
     return q, w
 
@@ -902,8 +902,8 @@ def t_rent_split(r):
          f"utilities are ${util} per month. If they split everything equally, how much does each "
          f"roommate pay per month?")
     w = Work()
-    v1 = w.step(f"{rent}+{util}", f"The total monthly cost is @.", True)
-    w.step(f"{v1}/{people}", f"Each roommate pays @.", True)
+    v1 = w.step(f"{rent}+{util}", "The total monthly cost is @.", True)
+    w.step(f"{v1}/{people}", "Each roommate pays @.", True)
     return q, w
 
 
@@ -918,9 +918,9 @@ def t_egg_cartons(r):
          f"packs all the eggs into cartons of a dozen and sells each carton for ${price}. "
          f"How much money does {s} make?")
     w = Work()
-    v1 = w.step(f"{hens}*{eggs}", f"The hens lay @ eggs a week.")
+    v1 = w.step(f"{hens}*{eggs}", "The hens lay @ eggs a week.")
     v2 = w.step(f"{v1}*{weeks}", f"In {weeks} weeks they lay @ eggs.")
-    v3 = w.step(f"{v2}/12", f"That fills @ cartons.")
+    v3 = w.step(f"{v2}/12", "That fills @ cartons.")
     w.step(f"{v3}*{price}", f"{cap(s)} makes @.", True)
     return q, w
 
@@ -944,8 +944,8 @@ def t_concert_chairs(r):
     q = (f"A concert hall has {rows} rows of seats with {per} seats in each row. {fmt(r, sold)} "
          f"tickets have been sold so far. How many seats are still available?")
     w = Work()
-    v1 = w.step(f"{rows}*{per}", f"The hall has @ seats.")
-    w.step(f"{v1}-{sold}", f"@ seats are still available.")
+    v1 = w.step(f"{rows}*{per}", "The hall has @ seats.")
+    w.step(f"{v1}-{sold}", "@ seats are still available.")
     return q, w
 
 
@@ -960,7 +960,7 @@ def t_phone_plan(r):
          f"months?")
     w = Work()
     v1 = w.step(f"{used}-{incl}", f"{cap(s)} uses @ extra GB each month.")
-    v2 = w.step(f"{v1}*{extra}", f"The extra data costs @ per month.", True)
+    v2 = w.step(f"{v1}*{extra}", "The extra data costs @ per month.", True)
     v3 = w.step(f"{base}+{v2}", f"Each month {s} pays @.", True)
     w.step(f"{v3}*{months}", f"Over {months} months {s} pays @.", True)
     return q, w
