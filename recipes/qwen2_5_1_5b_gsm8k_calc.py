@@ -17,29 +17,28 @@ Rewards:  correctness 1.0 (the goal), expression 1.0 (the exact value of the rea
           the gold answer: GSM8K's worked solutions end on the calculation of their answer), strict_format 0.1.
 Stages:   train.stage_eval=200: base / primed / trained on the same held-out test problems, greedy and 4 samples
           at the training temperature, in report.md.
-Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step, completions up to 512
-          tokens.
+Settings: 300 steps, completions up to 512 tokens; the rest, lowmem_grpo/presets.py's (recipes/qwen2_5_1_5b_gsm8k.py
+          with the calculator, priming, these rewards and the stage evaluations).
 """
 
-from lowmem_grpo.recipe import DataConfig, LoraConfig, ModelConfig, OutputConfig, PrimeConfig, Recipe, TrainConfig
+from dataclasses import replace
+
+from lowmem_grpo.presets import gsm8k_gpu
+from lowmem_grpo.recipe import PrimeConfig
 
 
-def recipe() -> Recipe:
+def recipe():
     """Qwen2.5-1.5B-Instruct, 8 GB GPU, the calculator in the sampling loop."""
-    return Recipe(
-        name="qwen2.5-1.5b-gsm8k-calc",
+    base = gsm8k_gpu("qwen2.5-1.5b-gsm8k-calc", "Qwen/Qwen2.5-1.5B-Instruct", gpu_memory_gb=8, max_steps=300)
+    return replace(
+        base,
         description="Qwen2.5-1.5B-Instruct on GSM8K (hub) with a calculator in the loop, 4-bit + LoRA, 8 GB GPU",
-        gpu_memory_gb=8,
-        model=ModelConfig(name="Qwen/Qwen2.5-1.5B-Instruct", backend="auto", load_in_4bit=True, max_seq_length=768,
-                          fast_inference=False),
-        lora=LoraConfig(r=16, alpha=32),
-        data=DataConfig(source="hub", max_prompt_length=256, prefill="<reasoning>\n", calculator=True),
+        model=replace(base.model, fast_inference=False),
+        data=replace(base.data, prefill="<reasoning>\n", calculator=True),
         prime=PrimeConfig(enabled=True, max_steps=40, num_examples=320, learning_rate=2e-4,
                           per_device_train_batch_size=8),
         rewards={"correctness": 1.0, "expression": 1.0, "strict_format": 0.1},
-        train=TrainConfig(max_steps=300, num_generations=8, per_device_train_batch_size=16,
-                          max_completion_length=512, learning_rate=5e-6, save_steps=50, stage_eval=200),
-        output=OutputConfig(root="runs"),
+        train=replace(base.train, stage_eval=200),
     )
 
 

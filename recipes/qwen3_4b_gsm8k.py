@@ -2,34 +2,18 @@
 
 Run:      lowmem-grpo train recipes/qwen3_4b_gsm8k.py
           python recipes/qwen3_4b_gsm8k.py train.max_steps=10
-Hardware: tuned for one 24 GB CUDA GPU (`lowmem-grpo plan recipes/qwen3_4b_gsm8k.py` prints the breakdown).
-Planner:  predicted peak 7.13 GiB with Unsloth (backend auto), 16.39 GiB with plain
-          transformers + PEFT + bitsandbytes (model.backend=hf); the rest of the 24 GB is headroom until
-          benchmarks/memory_gpu.py has measured this architecture.
-Settings: 4-bit nf4 base, LoRA r=16 on all projections, 2 prompts x 8 generations per step,
-          completions up to 1024 tokens.
-Option:   the calculator reward, scoring the choice of operation with exact arithmetic:
-          `lowmem-grpo train RECIPE "rewards={correctness: 2.0, expression: 1.0, strict_format: 0.5}"`
-          (docs/rewards.md); the calculator in the sampling loop (data.calculator=true) runs on either backend,
-          with plain sampling at train.temperature. Neither has been run on a GPU yet.
+Hardware: one 24 GB CUDA GPU (`lowmem-grpo plan recipes/qwen3_4b_gsm8k.py` prints the breakdown).
+Planner:  peak 7.13 GiB with Unsloth (backend auto), 16.39 GiB with transformers + PEFT + bitsandbytes
+          (model.backend=hf); not measured on a GPU yet.
+Settings: 250 steps, completions up to 1024 tokens; the rest, and the calculator option, lowmem_grpo/presets.py.
 """
 
-from lowmem_grpo.recipe import DataConfig, LoraConfig, ModelConfig, OutputConfig, Recipe, TrainConfig
+from lowmem_grpo.presets import gsm8k_gpu
 
 
-def recipe() -> Recipe:
+def recipe():
     """Qwen3-4B, 24 GB GPU."""
-    return Recipe(
-        name="qwen3-4b-gsm8k",
-        description="Qwen3-4B on GSM8K (hub), 4-bit + LoRA, 24 GB GPU",
-        gpu_memory_gb=24,
-        model=ModelConfig(name="Qwen/Qwen3-4B", backend="auto", load_in_4bit=True, max_seq_length=1280),
-        lora=LoraConfig(r=16, alpha=32),
-        data=DataConfig(source="hub", max_prompt_length=256),
-        train=TrainConfig(max_steps=250, num_generations=8, per_device_train_batch_size=16,
-                          max_completion_length=1024, learning_rate=5e-6, save_steps=50),
-        output=OutputConfig(root="runs"),
-    )
+    return gsm8k_gpu("qwen3-4b-gsm8k", "Qwen/Qwen3-4B", gpu_memory_gb=24, max_steps=250, max_completion_length=1024)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""benchmarks/step_cpu.py: its spec is the CPU default recipe, it refuses to compare sides whose configurations
+"""benchmarks/cpu_speed.py step: its spec is the CPU default recipe, it refuses to compare sides whose configurations
 differ, and each command its docstring gives runs (--check-only)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_cpu.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_speed.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("step_cpu", SCRIPT)
+    spec = importlib.util.spec_from_file_location("cpu_speed", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # imports nothing heavy: the workers do
     return module
@@ -136,7 +136,7 @@ def test_the_pinned_run_uses_the_packages_threshold(step_cpu):
 
 
 def _check_only(step_cpu, env: dict[str, str], args: list[str], work: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(SCRIPT), *args, "--check-only", "--work", str(work)]
+    command = [sys.executable, str(SCRIPT), "step", *args, "--check-only", "--work", str(work)]
     return subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
 
 

@@ -358,14 +358,14 @@ def test_stage_peaks_are_written_in_order_with_their_seconds(tmp_path):
 def test_rss_benchmark_arguments_summary_and_table(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("rss_cpu", Path(__file__).resolve().parents[1] / "benchmarks"
-                                                  / "rss_cpu.py")
+    spec = importlib.util.spec_from_file_location("cpu_speed", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "cpu_speed.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    args = bench.parse_args(["train.shared_prompt=false"])
+    args = bench.parse_args(["rss", "train.shared_prompt=false"])
     assert args.loads.split(",") == ["default", "4x8x64"] and (args.steps, args.prime_steps, args.stage_eval) == (2, 2, 8)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--loads", "8x8x8"])
+        bench.parse_args(["rss", "--loads", "8x8x8"])
     wide = bench.overrides(args, "4x8x64", tmp_path)
     assert "train.per_device_train_batch_size=32" in wide and "train.max_completion_length=64" in wide
     assert wide[-1] == "train.shared_prompt=false" and f"output.dir={tmp_path}" in wide

@@ -21,7 +21,7 @@ FLOORS = {
     "errors": 1, "device": 1,
     "rewards": 2, "distributed": 2, "doctor": 2,
     "data": 3, "backends": 3,
-    "recipe": 4,
+    "recipe": 4, "presets": 4,
     "recipe_io": 5, "memory": 5, "combinations": 5,
     "rundir": 6,
     "sampling": 7,

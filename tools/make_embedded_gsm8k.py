@@ -97,6 +97,12 @@ class Work:
     def say(self, line: str) -> None:
         self.lines.append(line)
 
+    def step(self, expr: str, line: str, money: bool = False) -> int:
+        """Add `line` with its `@` replaced by the annotated calculation of `expr`; return the value."""
+        text, value = self.c(expr, money)
+        self.say(line.replace("@", text))
+        return value
+
 
 # --------------------------------------------------------------------------
 # vocabulary
@@ -167,17 +173,13 @@ def t_school_supplies(r):
     a, pa = r.randint(2, 6), r.randint(2, 7)
     b, pb = r.randint(2, 8), r.randint(2, 4)
     w = Work()
-    t1, v1 = w.c(f"{a}*{pa}", True)
-    t2, v2 = w.c(f"{b}*{pb}", True)
-    t3, v3 = w.c(f"{v1}+{v2}", True)
+    v1 = w.step(f"{a}*{pa}", f"The {item1} cost @.", True)
+    v2 = w.step(f"{b}*{pb}", f"The {item2} cost @.", True)
+    v3 = w.step(f"{v1}+{v2}", f"Altogether {s} spends @.", True)
     bill = smallest_bill(v3)
     q = (f"{n} buys {a} {item1} that cost ${pa} each and {b} {item2} that cost ${pb} each. "
          f"If {s} pays with a ${bill} bill, how much change does {s} get back?")
-    w.say(f"The {item1} cost {t1}.")
-    w.say(f"The {item2} cost {t2}.")
-    w.say(f"Altogether {s} spends {t3}.")
-    t4, _ = w.c(f"{bill}-{v3}", True)
-    w.say(f"So {s} gets back {t4} in change.")
+    w.step(f"{bill}-{v3}", f"So {s} gets back @ in change.", True)
     return q, w
 
 
@@ -190,12 +192,9 @@ def t_ages_family(r):
          f"{cap(p)} {parent} is {k} times as old as {p} {rel}. "
          f"What is the sum of the ages of {n}, {p} {rel}, and {p} {parent}?")
     w = Work()
-    t1, v1 = w.c(f"{a}+{b}")
-    w.say(f"{cap(p)} {rel} is {t1} years old.")
-    t2, v2 = w.c(f"{v1}*{k}")
-    w.say(f"{cap(p)} {parent} is {t2} years old.")
-    t3, _ = w.c(f"{a}+{v1}+{v2}")
-    w.say(f"The sum of their ages is {t3} years.")
+    v1 = w.step(f"{a}+{b}", f"{cap(p)} {rel} is @ years old.")
+    v2 = w.step(f"{v1}*{k}", f"{cap(p)} {parent} is @ years old.")
+    w.step(f"{a}+{v1}+{v2}", "The sum of their ages is @ years.")
     return q, w
 
 
@@ -206,10 +205,8 @@ def t_ages_future(r):
     q = (f"{n} is {k} times as old as {m}. If {m} is {y} years old now, "
          f"how old will {n} be in {f} years?")
     w = Work()
-    t1, v1 = w.c(f"{y}*{k}")
-    w.say(f"{n} is {t1} years old now.")
-    t2, _ = w.c(f"{v1}+{f}")
-    w.say(f"In {f} years {s} will be {t2} years old.")
+    v1 = w.step(f"{y}*{k}", f"{n} is @ years old now.")
+    w.step(f"{v1}+{f}", f"In {f} years {s} will be @ years old.")
     return q, w
 
 
@@ -222,12 +219,9 @@ def t_train_two_legs(r):
     q = (f"A {vehicle} travels at {s1} {abbr} for {h1} hours and then at {s2} {abbr} "
          f"for another {h2} hours. How many {unit} does the {vehicle} travel in total?")
     w = Work()
-    t1, v1 = w.c(f"{s1}*{h1}")
-    w.say(f"In the first part it travels {t1} {unit}.")
-    t2, v2 = w.c(f"{s2}*{h2}")
-    w.say(f"In the second part it travels {t2} {unit}.")
-    t3, _ = w.c(f"{v1}+{v2}")
-    w.say(f"In total it travels {t3} {unit}.")
+    v1 = w.step(f"{s1}*{h1}", f"In the first part it travels @ {unit}.")
+    v2 = w.step(f"{s2}*{h2}", f"In the second part it travels @ {unit}.")
+    w.step(f"{v1}+{v2}", f"In total it travels @ {unit}.")
     return q, w
 
 
@@ -238,10 +232,8 @@ def t_reading_days(r):
     q = (f"{n} is reading a book with {total} pages. {cap(s)} has already read {done} pages. "
          f"If {s} reads {d} pages every day, how many more days will it take {o} to finish the book?")
     w = Work()
-    t1, v1 = w.c(f"{total}-{done}")
-    w.say(f"{cap(s)} has {t1} pages left to read.")
-    t2, _ = w.c(f"{v1}/{d}")
-    w.say(f"It will take {o} {t2} more days.")
+    v1 = w.step(f"{total}-{done}", f"{cap(s)} has @ pages left to read.")
+    w.step(f"{v1}/{d}", f"It will take {o} @ more days.")
     return q, w
 
 
@@ -255,14 +247,10 @@ def t_recipe_scale(r):
     q = (f"A recipe for {m} {food} uses {f} cups of flour and {sug} cups of sugar. "
          f"{n} wants to make {n_food} {food}. How many cups of flour and sugar combined will {s} need?")
     w = Work()
-    t1, v1 = w.c(f"{n_food}/{m}")
-    w.say(f"{cap(s)} needs to make the recipe {t1} times.")
-    t2, v2 = w.c(f"{f}*{v1}")
-    w.say(f"{cap(s)} needs {t2} cups of flour.")
-    t3, v3 = w.c(f"{sug}*{v1}")
-    w.say(f"{cap(s)} needs {t3} cups of sugar.")
-    t4, _ = w.c(f"{v2}+{v3}")
-    w.say(f"Combined that is {t4} cups.")
+    v1 = w.step(f"{n_food}/{m}", f"{cap(s)} needs to make the recipe @ times.")
+    v2 = w.step(f"{f}*{v1}", f"{cap(s)} needs @ cups of flour.")
+    v3 = w.step(f"{sug}*{v1}", f"{cap(s)} needs @ cups of sugar.")
+    w.step(f"{v2}+{v3}", "Combined that is @ cups.")
     return q, w
 
 
@@ -274,10 +262,8 @@ def t_weekly_savings(r):
     q = (f"{n} saves ${wk} every week. After {k} weeks, {s} spends ${spend} on {thing}. "
          f"How much money does {s} have left?")
     w = Work()
-    t1, v1 = w.c(f"{wk}*{k}", True)
-    w.say(f"After {k} weeks {s} has saved {t1}.")
-    t2, _ = w.c(f"{v1}-{spend}", True)
-    w.say(f"After buying {thing} {s} has {t2} left.")
+    v1 = w.step(f"{wk}*{k}", f"After {k} weeks {s} has saved @.", True)
+    w.step(f"{v1}-{spend}", f"After buying {thing} {s} has @ left.", True)
     return q, w
 
 
@@ -293,10 +279,8 @@ def t_savings_goal(r):
          f"{cap(s)} earns ${e} each week from {job}. How many weeks will {s} need to work "
          f"to have enough money for the {thing}?")
     w = Work()
-    t1, v1 = w.c(f"{cost}-{have}", True)
-    w.say(f"{cap(s)} still needs {t1}.")
-    t2, _ = w.c(f"{v1}/{e}")
-    w.say(f"{cap(s)} needs to work {t2} weeks.")
+    v1 = w.step(f"{cost}-{have}", f"{cap(s)} still needs @.", True)
+    w.step(f"{v1}/{e}", f"{cap(s)} needs to work @ weeks.")
     return q, w
 
 
@@ -309,12 +293,9 @@ def t_discount(r):
     q = (f"A {item} normally costs ${price}. During a sale, the store takes {pct}% off the price. "
          f"How much does {n} pay for {k} of them during the sale?")
     w = Work()
-    t1, v1 = w.c(f"{price}*{pct}/100", True)
-    w.say(f"The discount is {t1} per item.")
-    t2, v2 = w.c(f"{price}-{v1}", True)
-    w.say(f"The sale price is {t2}.")
-    t3, _ = w.c(f"{v2}*{k}", True)
-    w.say(f"{n} pays {t3} in total.")
+    v1 = w.step(f"{price}*{pct}/100", "The discount is @ per item.", True)
+    v2 = w.step(f"{price}-{v1}", "The sale price is @.", True)
+    w.step(f"{v2}*{k}", f"{n} pays @ in total.", True)
     return q, w
 
 
@@ -332,12 +313,9 @@ def t_tip_split(r):
     q = (f"{people} friends go out for {meal}. The bill comes to ${bill}, and they leave a {tip}% tip. "
          f"If they split the total evenly, how much does each friend pay?")
     w = Work()
-    t1, v1 = w.c(f"{bill}*{tip}/100", True)
-    w.say(f"The tip is {t1}.")
-    t2, v2 = w.c(f"{bill}+{v1}", True)
-    w.say(f"The total is {t2}.")
-    t3, _ = w.c(f"{v2}/{people}", True)
-    w.say(f"Each friend pays {t3}.")
+    v1 = w.step(f"{bill}*{tip}/100", "The tip is @.", True)
+    v2 = w.step(f"{bill}+{v1}", "The total is @.", True)
+    w.step(f"{v2}/{people}", "Each friend pays @.", True)
     return q, w
 
 
@@ -348,14 +326,10 @@ def t_school_clubs(r):
          f"the rest play basketball. The others do not play any sport. "
          f"How many children do not play any sport?")
     w = Work()
-    t1, v1 = w.c(f"{total}*2/5")
-    w.say(f"{t1} children play soccer.")
-    t2, v2 = w.c(f"{total}-{v1}")
-    w.say(f"That leaves {t2} children.")
-    t3, v3 = w.c(f"{v2}/3")
-    w.say(f"{t3} children play basketball.")
-    t4, _ = w.c(f"{v2}-{v3}")
-    w.say(f"So {t4} children do not play any sport.")
+    v1 = w.step(f"{total}*2/5", "@ children play soccer.")
+    v2 = w.step(f"{total}-{v1}", "That leaves @ children.")
+    v3 = w.step(f"{v2}/3", "@ children play basketball.")
+    w.step(f"{v2}-{v3}", "So @ children do not play any sport.")
     return q, w
 
 
@@ -365,12 +339,9 @@ def t_factory_machines(r):
     q = (f"A machine makes {rate} {thing} per hour. A factory runs {m} of these machines for "
          f"{h} hours a day. How many {thing} does the factory make in {d} days?")
     w = Work()
-    t1, v1 = w.c(f"{rate}*{m}")
-    w.say(f"The machines make {t1} {thing} per hour together.")
-    t2, v2 = w.c(f"{v1}*{h}")
-    w.say(f"In one day they make {t2} {thing}.")
-    t3, _ = w.c(f"{v2}*{d}")
-    w.say(f"In {d} days they make {t3} {thing}.")
+    v1 = w.step(f"{rate}*{m}", f"The machines make @ {thing} per hour together.")
+    v2 = w.step(f"{v1}*{h}", f"In one day they make @ {thing}.")
+    w.step(f"{v2}*{d}", f"In {d} days they make @ {thing}.")
     return q, w
 
 
@@ -385,10 +356,8 @@ def t_painters_together(r):
     q = (f"{a} {job[0]} {r1} {job[1]} per day and {b} {job[0]} {r2} {job[1]} per day. "
          f"Working together, how many days will it take them to finish {rooms} {job[1]}?")
     w = Work()
-    t1, v1 = w.c(f"{r1}+{r2}")
-    w.say(f"Together they finish {t1} {job[1]} per day.")
-    t2, _ = w.c(f"{rooms}/{v1}")
-    w.say(f"It will take them {t2} days.")
+    v1 = w.step(f"{r1}+{r2}", f"Together they finish @ {job[1]} per day.")
+    w.step(f"{rooms}/{v1}", "It will take them @ days.")
     return q, w
 
 
@@ -398,10 +367,8 @@ def t_fence_cost(r):
     q = (f"A rectangular {area} is {L} meters long and {W} meters wide. Fencing costs ${c} per meter. "
          f"How much will it cost to put a fence all the way around the {area}?")
     w = Work()
-    t1, v1 = w.c(f"2*({L}+{W})")
-    w.say(f"The perimeter is {t1} meters.")
-    t2, _ = w.c(f"{v1}*{c}", True)
-    w.say(f"The fence will cost {t2}.")
+    v1 = w.step(f"2*({L}+{W})", "The perimeter is @ meters.")
+    w.step(f"{v1}*{c}", "The fence will cost @.", True)
     return q, w
 
 
@@ -418,8 +385,7 @@ def t_tile_boxes(r):
     w = Work()
     t1, v1 = w.c(f"{L}*{W}")
     w.say(f"The floor has an area of {t1} square feet, so {s} needs {v1} tiles.")
-    t2, _ = w.c(f"{v1}/{b}")
-    w.say(f"{cap(s)} needs {t2} boxes.")
+    w.step(f"{v1}/{b}", f"{cap(s)} needs @ boxes.")
     return q, w
 
 
@@ -432,12 +398,9 @@ def t_shirt_inventory(r):
          f"Tuesday. On Wednesday a shipment of {c} more {item} arrives. How many {item} does the "
          f"store have now?")
     w = Work()
-    t1, v1 = w.c(f"{start}-{a}")
-    w.say(f"After Monday the store has {t1} {item}.")
-    t2, v2 = w.c(f"{v1}-{b}")
-    w.say(f"After Tuesday it has {t2} {item}.")
-    t3, _ = w.c(f"{v2}+{c}")
-    w.say(f"After the shipment it has {t3} {item}.")
+    v1 = w.step(f"{start}-{a}", f"After Monday the store has @ {item}.")
+    v2 = w.step(f"{v1}-{b}", f"After Tuesday it has @ {item}.")
+    w.step(f"{v2}+{c}", f"After the shipment it has @ {item}.")
     return q, w
 
 
@@ -449,10 +412,8 @@ def t_warehouse_boxes(r):
     q = (f"A warehouse has {boxes} boxes with {per} {item} in each box. A truck takes away "
          f"{fmt(r, out)} {item}. How many {item} are left in the warehouse?")
     w = Work()
-    t1, v1 = w.c(f"{boxes}*{per}")
-    w.say(f"The warehouse starts with {t1} {item}.")
-    t2, _ = w.c(f"{v1}-{out}")
-    w.say(f"After the truck leaves, {t2} {item} are left.")
+    v1 = w.step(f"{boxes}*{per}", f"The warehouse starts with @ {item}.")
+    w.step(f"{v1}-{out}", f"After the truck leaves, @ {item} are left.")
     return q, w
 
 
@@ -465,14 +426,10 @@ def t_practice_hours(r):
     q = (f"{n} practices {act} for {m} minutes each weekday and for {e} minutes on each day of the "
          f"weekend. How many hours does {s} practice {act} in a week?")
     w = Work()
-    t1, v1 = w.c(f"5*{m}")
-    w.say(f"On weekdays {s} practices {t1} minutes.")
-    t2, v2 = w.c(f"2*{e}")
-    w.say(f"On the weekend {s} practices {t2} minutes.")
-    t3, v3 = w.c(f"{v1}+{v2}")
-    w.say(f"That is {t3} minutes in total.")
-    t4, _ = w.c(f"{v3}/60")
-    w.say(f"This is {t4} hours.")
+    v1 = w.step(f"5*{m}", f"On weekdays {s} practices @ minutes.")
+    v2 = w.step(f"2*{e}", f"On the weekend {s} practices @ minutes.")
+    v3 = w.step(f"{v1}+{v2}", "That is @ minutes in total.")
+    w.step(f"{v3}/60", "This is @ hours.")
     return q, w
 
 
@@ -484,12 +441,9 @@ def t_movie_minutes(r):
     q = (f"{n}'s favorite {show} is {h} {hrs} and {m} minutes long. {cap(s)} has watched it "
          f"{k} times. How many minutes has {s} spent watching it?")
     w = Work()
-    t1, v1 = w.c(f"{h}*60")
-    w.say(f"{h} {hrs} is {t1} minutes.")
-    t2, v2 = w.c(f"{v1}+{m}")
-    w.say(f"The {show} is {t2} minutes long.")
-    t3, _ = w.c(f"{v2}*{k}")
-    w.say(f"{cap(s)} has spent {t3} minutes watching it.")
+    v1 = w.step(f"{h}*60", f"{h} {hrs} is @ minutes.")
+    v2 = w.step(f"{v1}+{m}", f"The {show} is @ minutes long.")
+    w.step(f"{v2}*{k}", f"{cap(s)} has spent @ minutes watching it.")
     return q, w
 
 
@@ -501,10 +455,8 @@ def t_fuel_cost(r):
     q = (f"{n}'s car can drive {mpg} miles on one gallon of gas. {cap(s)} is planning a trip of "
          f"{fmt(r, dist)} miles, and gas costs ${price} per gallon. How much will {s} spend on gas?")
     w = Work()
-    t1, v1 = w.c(f"{dist}/{mpg}")
-    w.say(f"{cap(s)} needs {t1} gallons of gas.")
-    t2, _ = w.c(f"{v1}*{price}", True)
-    w.say(f"The gas will cost {t2}.")
+    v1 = w.step(f"{dist}/{mpg}", f"{cap(s)} needs @ gallons of gas.")
+    w.step(f"{v1}*{price}", "The gas will cost @.", True)
     return q, w
 
 
@@ -518,10 +470,8 @@ def t_cookie_bags(r):
     q = (f"{n} bakes {batches} batches of {treat} with {per} {treat} in each batch. {cap(s)} packs "
          f"them into bags of {k}. How many bags can {s} fill?")
     w = Work()
-    t1, v1 = w.c(f"{batches}*{per}")
-    w.say(f"{cap(s)} bakes {t1} {treat}.")
-    t2, _ = w.c(f"{v1}/{k}")
-    w.say(f"{cap(s)} can fill {t2} bags.")
+    v1 = w.step(f"{batches}*{per}", f"{cap(s)} bakes @ {treat}.")
+    w.step(f"{v1}/{k}", f"{cap(s)} can fill @ bags.")
     return q, w
 
 
@@ -534,14 +484,10 @@ def t_pizza_leftover(r):
     q = (f"{n} orders {pizzas} pizzas for a party. Each pizza is cut into {slices} slices. "
          f"{cap(s)} and {p} {friends} friends each eat {each} slices. How many slices are left over?")
     w = Work()
-    t1, v1 = w.c(f"{pizzas}*{slices}")
-    w.say(f"There are {t1} slices in total.")
-    t2, v2 = w.c(f"{friends}+1")
-    w.say(f"There are {t2} people eating.")
-    t3, v3 = w.c(f"{v2}*{each}")
-    w.say(f"They eat {t3} slices.")
-    t4, _ = w.c(f"{v1}-{v3}")
-    w.say(f"There are {t4} slices left over.")
+    v1 = w.step(f"{pizzas}*{slices}", "There are @ slices in total.")
+    v2 = w.step(f"{friends}+1", "There are @ people eating.")
+    v3 = w.step(f"{v2}*{each}", "They eat @ slices.")
+    w.step(f"{v1}-{v3}", "There are @ slices left over.")
     return q, w
 
 
@@ -554,12 +500,9 @@ def t_babysitting_half(r):
     q = (f"{n} earns ${rate} per hour {job}. {cap(s)} works {h} hours every weekend. After "
          f"{wk} weekends, {s} spends half of the money on clothes. How much money does {s} have left?")
     w = Work()
-    t1, v1 = w.c(f"{rate}*{h}", True)
-    w.say(f"Each weekend {s} earns {t1}.")
-    t2, v2 = w.c(f"{v1}*{wk}", True)
-    w.say(f"After {wk} weekends {s} has {t2}.")
-    t3, _ = w.c(f"{v2}/2", True)
-    w.say(f"After spending half, {s} has {t3} left.")
+    v1 = w.step(f"{rate}*{h}", f"Each weekend {s} earns @.", True)
+    v2 = w.step(f"{v1}*{wk}", f"After {wk} weekends {s} has @.", True)
+    w.step(f"{v2}/2", f"After spending half, {s} has @ left.", True)
     return q, w
 
 
@@ -571,16 +514,11 @@ def t_overtime(r):
          f"that rate for every hour after that. How much does {s} earn in a week when {s} works "
          f"{hours} hours?")
     w = Work()
-    t1, v1 = w.c(f"40*{rate}", True)
-    w.say(f"For the first 40 hours {s} earns {t1}.")
-    t2, v2 = w.c(f"{hours}-40")
-    w.say(f"{cap(s)} works {t2} hours of overtime.")
-    t3, v3 = w.c(f"{rate}*1.5", True)
-    w.say(f"The overtime rate is {t3} per hour.")
-    t4, v4 = w.c(f"{v2}*{v3}", True)
-    w.say(f"Overtime pays {t4}.")
-    t5, _ = w.c(f"{v1}+{v4}", True)
-    w.say(f"In total {s} earns {t5}.")
+    v1 = w.step(f"40*{rate}", f"For the first 40 hours {s} earns @.", True)
+    v2 = w.step(f"{hours}-40", f"{cap(s)} works @ hours of overtime.")
+    v3 = w.step(f"{rate}*1.5", "The overtime rate is @ per hour.", True)
+    v4 = w.step(f"{v2}*{v3}", "Overtime pays @.", True)
+    w.step(f"{v1}+{v4}", f"In total {s} earns @.", True)
     return q, w
 
 
@@ -593,10 +531,8 @@ def t_population_growth(r):
     q = (f"The town of {town} had {fmt(r, pop)} residents last year. This year the population grew "
          f"by {pct}%. How many residents does {town} have now?")
     w = Work()
-    t1, v1 = w.c(f"{pop}*{pct}/100")
-    w.say(f"The population grew by {t1} people.")
-    t2, _ = w.c(f"{pop}+{v1}")
-    w.say(f"{town} now has {t2} residents.")
+    v1 = w.step(f"{pop}*{pct}/100", "The population grew by @ people.")
+    w.step(f"{pop}+{v1}", f"{town} now has @ residents.")
     return q, w
 
 
@@ -610,12 +546,9 @@ def t_test_needed(r):
     q = (f"{n} scored {scores[0]}, {scores[1]}, and {scores[2]} on {p} first three math tests. "
          f"What score does {s} need on the fourth test to have an average of {goal}?")
     w = Work()
-    t1, v1 = w.c(f"{goal}*4")
-    w.say(f"To average {goal}, {s} needs {t1} points in total.")
-    t2, v2 = w.c(f"{scores[0]}+{scores[1]}+{scores[2]}")
-    w.say(f"So far {s} has {t2} points.")
-    t3, _ = w.c(f"{v1}-{v2}")
-    w.say(f"{cap(s)} needs a score of {t3} on the fourth test.")
+    v1 = w.step(f"{goal}*4", f"To average {goal}, {s} needs @ points in total.")
+    v2 = w.step(f"{scores[0]}+{scores[1]}+{scores[2]}", f"So far {s} has @ points.")
+    w.step(f"{v1}-{v2}", f"{cap(s)} needs a score of @ on the fourth test.")
     return q, w
 
 
@@ -631,10 +564,8 @@ def t_average_run(r):
     q = (f"{n} runs {days[0]} {unit} on Monday, {days[1]} on Tuesday, {days[2]} on Wednesday, and "
          f"{days[3]} on Thursday. What is the average distance {s} runs per day?")
     w = Work()
-    t1, v1 = w.c("+".join(str(d) for d in days))
-    w.say(f"{cap(s)} runs {t1} {unit} in total.")
-    t2, _ = w.c(f"{v1}/4")
-    w.say(f"The average is {t2} {unit} per day.")
+    v1 = w.step("+".join(str(d) for d in days), f"{cap(s)} runs @ {unit} in total.")
+    w.step(f"{v1}/4", f"The average is @ {unit} per day.")
     return q, w
 
 
@@ -643,14 +574,10 @@ def t_fruit_basket(r):
     q = (f"A fruit stand has {total} pieces of fruit. One quarter of them are apples, one third are "
          f"oranges, and the rest are bananas. How many bananas are there?")
     w = Work()
-    t1, v1 = w.c(f"{total}/4")
-    w.say(f"There are {t1} apples.")
-    t2, v2 = w.c(f"{total}/3")
-    w.say(f"There are {t2} oranges.")
-    t3, v3 = w.c(f"{v1}+{v2}")
-    w.say(f"Apples and oranges make {t3} pieces of fruit.")
-    t4, _ = w.c(f"{total}-{v3}")
-    w.say(f"There are {t4} bananas.")
+    v1 = w.step(f"{total}/4", "There are @ apples.")
+    v2 = w.step(f"{total}/3", "There are @ oranges.")
+    v3 = w.step(f"{v1}+{v2}", "Apples and oranges make @ pieces of fruit.")
+    w.step(f"{total}-{v3}", "There are @ bananas.")
     return q, w
 
 
@@ -662,12 +589,9 @@ def t_theater_tickets(r):
          f"the {venue} sold {na} adult tickets and {nc} child tickets. How much money did the "
          f"{venue} make on Saturday?")
     w = Work()
-    t1, v1 = w.c(f"{na}*{adult}", True)
-    w.say(f"Adult tickets brought in {t1}.")
-    t2, v2 = w.c(f"{nc}*{child}", True)
-    w.say(f"Child tickets brought in {t2}.")
-    t3, _ = w.c(f"{v1}+{v2}", True)
-    w.say(f"The {venue} made {t3} on Saturday.")
+    v1 = w.step(f"{na}*{adult}", "Adult tickets brought in @.", True)
+    v2 = w.step(f"{nc}*{child}", "Child tickets brought in @.", True)
+    w.step(f"{v1}+{v2}", f"The {venue} made @ on Saturday.", True)
     return q, w
 
 
@@ -679,10 +603,8 @@ def t_tomato_rows(r):
     q = (f"{n} plants {rows} rows of {crop[0]} with {per} plants in each row. Each plant produces "
          f"{each} {crop[1]}. How many {crop[1]} does {s} harvest?")
     w = Work()
-    t1, v1 = w.c(f"{rows}*{per}")
-    w.say(f"{cap(s)} has {t1} plants.")
-    t2, _ = w.c(f"{v1}*{each}")
-    w.say(f"{cap(s)} harvests {t2} {crop[1]}.")
+    v1 = w.step(f"{rows}*{per}", f"{cap(s)} has @ plants.")
+    w.step(f"{v1}*{each}", f"{cap(s)} harvests @ {crop[1]}.")
     return q, w
 
 
@@ -699,14 +621,10 @@ def t_stamp_share(r):
     q = (f"{n} has {start} {thing}. Every month {s} adds {m} more to {p} collection. After {k} "
          f"months, {s} gives {frac} of {p} {thing} to {p} {rel}. How many {thing} does {n} have left?")
     w = Work()
-    t1, v1 = w.c(f"{m}*{k}")
-    w.say(f"{cap(s)} adds {t1} {thing}.")
-    t2, v2 = w.c(f"{start}+{v1}")
-    w.say(f"{cap(s)} then has {t2} {thing}.")
-    t3, v3 = w.c(f"{v2}/{x}")
-    w.say(f"{cap(s)} gives away {t3} {thing}.")
-    t4, _ = w.c(f"{v2}-{v3}")
-    w.say(f"{cap(s)} has {t4} {thing} left.")
+    v1 = w.step(f"{m}*{k}", f"{cap(s)} adds @ {thing}.")
+    v2 = w.step(f"{start}+{v1}", f"{cap(s)} then has @ {thing}.")
+    v3 = w.step(f"{v2}/{x}", f"{cap(s)} gives away @ {thing}.")
+    w.step(f"{v2}-{v3}", f"{cap(s)} has @ {thing} left.")
     return q, w
 
 
@@ -717,10 +635,8 @@ def t_square_area(r):
     unit = r.choice(["feet", "meters", "yards"])
     q = (f"A {thing} has a perimeter of {per} {unit}. What is its area in square {unit}?")
     w = Work()
-    t1, v1 = w.c(f"{per}/4")
-    w.say(f"Each side is {t1} {unit} long.")
-    t2, _ = w.c(f"{v1}*{v1}")
-    w.say(f"The area is {t2} square {unit}.")
+    v1 = w.step(f"{per}/4", f"Each side is @ {unit} long.")
+    w.step(f"{v1}*{v1}", f"The area is @ square {unit}.")
     return q, w
 
 
@@ -731,12 +647,9 @@ def t_poster_cutout(r):
          f"sides of {side} cm is cut out of it. What is the area of the cardboard that is left, "
          f"in square centimeters?")
     w = Work()
-    t1, v1 = w.c(f"{L}*{W}")
-    w.say(f"The whole piece has an area of {t1} square cm.")
-    t2, v2 = w.c(f"{side}*{side}")
-    w.say(f"The hole has an area of {t2} square cm.")
-    t3, _ = w.c(f"{v1}-{v2}")
-    w.say(f"The remaining area is {t3} square cm.")
+    v1 = w.step(f"{L}*{W}", "The whole piece has an area of @ square cm.")
+    v2 = w.step(f"{side}*{side}", "The hole has an area of @ square cm.")
+    w.step(f"{v1}-{v2}", "The remaining area is @ square cm.")
     return q, w
 
 
@@ -750,10 +663,8 @@ def t_cyclist_rate(r):
     q = (f"{n} {mode} {dist} kilometers in {h} hours. At the same speed, how many kilometers can "
          f"{s} cover in {h2} hours?")
     w = Work()
-    t1, v1 = w.c(f"{dist}/{h}")
-    w.say(f"{cap(s)} covers {t1} kilometers per hour.")
-    t2, _ = w.c(f"{v1}*{h2}")
-    w.say(f"In {h2} hours {s} covers {t2} kilometers.")
+    v1 = w.step(f"{dist}/{h}", f"{cap(s)} covers @ kilometers per hour.")
+    w.step(f"{v1}*{h2}", f"In {h2} hours {s} covers @ kilometers.")
     return q, w
 
 
@@ -763,12 +674,9 @@ def t_opposite_cars(r):
          f"One drives at {a} miles per hour and the other at {b} miles per hour. How far apart are "
          f"they after {h} hours?")
     w = Work()
-    t1, v1 = w.c(f"{a}*{h}")
-    w.say(f"The first car drives {t1} miles.")
-    t2, v2 = w.c(f"{b}*{h}")
-    w.say(f"The second car drives {t2} miles.")
-    t3, _ = w.c(f"{v1}+{v2}")
-    w.say(f"They are {t3} miles apart.")
+    v1 = w.step(f"{a}*{h}", "The first car drives @ miles.")
+    v2 = w.step(f"{b}*{h}", "The second car drives @ miles.")
+    w.step(f"{v1}+{v2}", "They are @ miles apart.")
     return q, w
 
 
@@ -781,10 +689,8 @@ def t_homework_minutes(r):
          f"spends {times} as long on science as on math. How many minutes does {s} spend on "
          f"homework in total?")
     w = Work()
-    t1, v1 = w.c(f"{math}*{k}")
-    w.say(f"{cap(s)} spends {t1} minutes on science.")
-    t2, _ = w.c(f"{math}+{read}+{v1}")
-    w.say(f"In total {s} spends {t2} minutes on homework.")
+    v1 = w.step(f"{math}*{k}", f"{cap(s)} spends @ minutes on science.")
+    w.step(f"{math}+{read}+{v1}", f"In total {s} spends @ minutes on homework.")
     return q, w
 
 
@@ -794,14 +700,10 @@ def t_sleep_week(r):
     q = (f"{n} sleeps {h} hours each night from Monday to Friday. On Saturday and Sunday {s} sleeps "
          f"{extra} hours more each night. How many hours does {s} sleep in a week?")
     w = Work()
-    t1, v1 = w.c(f"5*{h}")
-    w.say(f"On weeknights {s} sleeps {t1} hours.")
-    t2, v2 = w.c(f"{h}+{extra}")
-    w.say(f"On weekend nights {s} sleeps {t2} hours each.")
-    t3, v3 = w.c(f"2*{v2}")
-    w.say(f"Over the weekend {s} sleeps {t3} hours.")
-    t4, _ = w.c(f"{v1}+{v3}")
-    w.say(f"In a week {s} sleeps {t4} hours.")
+    v1 = w.step(f"5*{h}", f"On weeknights {s} sleeps @ hours.")
+    v2 = w.step(f"{h}+{extra}", f"On weekend nights {s} sleeps @ hours each.")
+    v3 = w.step(f"2*{v2}", f"Over the weekend {s} sleeps @ hours.")
+    w.step(f"{v1}+{v3}", f"In a week {s} sleeps @ hours.")
     return q, w
 
 
@@ -813,10 +715,8 @@ def t_tank_fill(r):
     q = (f"A {tank} holds {fmt(r, cap_l)} liters. It already has {start} liters in it. A hose adds "
          f"{rate} liters every minute. How many minutes will it take to fill the {tank}?")
     w = Work()
-    t1, v1 = w.c(f"{cap_l}-{start}")
-    w.say(f"The {tank} needs {t1} more liters.")
-    t2, _ = w.c(f"{v1}/{rate}")
-    w.say(f"It will take {t2} minutes.")
+    v1 = w.step(f"{cap_l}-{start}", f"The {tank} needs @ more liters.")
+    w.step(f"{v1}/{rate}", "It will take @ minutes.")
     return q, w
 
 
@@ -830,12 +730,9 @@ def t_bus_seats(r):
          f"{off} passengers get off and {on} passengers get on. If every passenger takes a seat, "
          f"how many seats are empty now?")
     w = Work()
-    t1, v1 = w.c(f"{a}-{off}")
-    w.say(f"After people get off there are {t1} passengers.")
-    t2, v2 = w.c(f"{v1}+{on}")
-    w.say(f"After new passengers get on there are {t2} passengers.")
-    t3, _ = w.c(f"{cap_s}-{v2}")
-    w.say(f"There are {t3} empty seats.")
+    v1 = w.step(f"{a}-{off}", "After people get off there are @ passengers.")
+    v2 = w.step(f"{v1}+{on}", "After new passengers get on there are @ passengers.")
+    w.step(f"{cap_s}-{v2}", "There are @ empty seats.")
     return q, w
 
 
@@ -844,10 +741,8 @@ def t_library_mysteries(r):
     q = (f"A library has {fmt(r, books)} books. Three eighths of the books are fiction, and one "
          f"third of the fiction books are mysteries. How many mystery books does the library have?")
     w = Work()
-    t1, v1 = w.c(f"{books}*3/8")
-    w.say(f"The library has {t1} fiction books.")
-    t2, _ = w.c(f"{v1}/3")
-    w.say(f"It has {t2} mystery books.")
+    v1 = w.step(f"{books}*3/8", "The library has @ fiction books.")
+    w.step(f"{v1}/3", "It has @ mystery books.")
     return q, w
 
 
@@ -857,14 +752,10 @@ def t_coin_jar(r):
     q = (f"{n} has {qn} quarters, {d} dimes, and {nk} nickels in {p} piggy bank. How many cents "
          f"does {s} have in total?")
     w = Work()
-    t1, v1 = w.c(f"{qn}*25")
-    w.say(f"The quarters are worth {t1} cents.")
-    t2, v2 = w.c(f"{d}*10")
-    w.say(f"The dimes are worth {t2} cents.")
-    t3, v3 = w.c(f"{nk}*5")
-    w.say(f"The nickels are worth {t3} cents.")
-    t4, _ = w.c(f"{v1}+{v2}+{v3}")
-    w.say(f"{cap(s)} has {t4} cents in total.")
+    v1 = w.step(f"{qn}*25", "The quarters are worth @ cents.")
+    v2 = w.step(f"{d}*10", "The dimes are worth @ cents.")
+    v3 = w.step(f"{nk}*5", "The nickels are worth @ cents.")
+    w.step(f"{v1}+{v2}+{v3}", f"{cap(s)} has @ cents in total.")
     return q, w
 
 
@@ -876,12 +767,9 @@ def t_farm_legs(r):
     q = (f"{n}'s farm has {birds} {bird} and {beasts} {beast}. How many legs do the animals on the "
          f"farm have altogether?")
     w = Work()
-    t1, v1 = w.c(f"{birds}*2")
-    w.say(f"The {bird} have {t1} legs.")
-    t2, v2 = w.c(f"{beasts}*4")
-    w.say(f"The {beast} have {t2} legs.")
-    t3, _ = w.c(f"{v1}+{v2}")
-    w.say(f"Altogether the animals have {t3} legs.")
+    v1 = w.step(f"{birds}*2", f"The {bird} have @ legs.")
+    v2 = w.step(f"{beasts}*4", f"The {beast} have @ legs.")
+    w.step(f"{v1}+{v2}", "Altogether the animals have @ legs.")
     return q, w
 
 
@@ -894,10 +782,8 @@ def t_pack_price(r):
     q = (f"A pack of {k} {item} costs ${price}. {n} needs {need} {item} for a school event. "
          f"How much will {s} spend on {item}?")
     w = Work()
-    t1, v1 = w.c(f"{need}/{k}")
-    w.say(f"{cap(s)} needs {t1} packs.")
-    t2, _ = w.c(f"{v1}*{price}", True)
-    w.say(f"{cap(s)} will spend {t2}.")
+    v1 = w.step(f"{need}/{k}", f"{cap(s)} needs @ packs.")
+    w.step(f"{v1}*{price}", f"{cap(s)} will spend @.", True)
     return q, w
 
 
@@ -908,12 +794,9 @@ def t_gym_year(r):
     q = (f"A gym charges a one-time sign-up fee of ${fee} and ${month} per month. {n} and {p} "
          f"{rel} both join the gym. How much do they pay together for the first year?")
     w = Work()
-    t1, v1 = w.c(f"{month}*12", True)
-    w.say(f"Twelve months cost {t1} for one person.")
-    t2, v2 = w.c(f"{v1}+{fee}", True)
-    w.say(f"With the sign-up fee, one person pays {t2}.")
-    t3, _ = w.c(f"{v2}*2", True)
-    w.say(f"Together they pay {t3}.")
+    v1 = w.step(f"{month}*12", "Twelve months cost @ for one person.", True)
+    v2 = w.step(f"{v1}+{fee}", "With the sign-up fee, one person pays @.", True)
+    w.step(f"{v2}*2", "Together they pay @.", True)
     return q, w
 
 
@@ -930,12 +813,9 @@ def t_marble_share(r):
          f"{thing} together and share them equally among {friends} friends. How many {thing} "
          f"does each friend get?")
     w = Work()
-    t1, v1 = w.c(f"{x}*{k}")
-    w.say(f"{b} has {t1} {thing}.")
-    t2, v2 = w.c(f"{x}+{v1}")
-    w.say(f"Together they have {t2} {thing}.")
-    t3, _ = w.c(f"{v2}/{friends}")
-    w.say(f"Each friend gets {t3} {thing}.")
+    v1 = w.step(f"{x}*{k}", f"{b} has @ {thing}.")
+    v2 = w.step(f"{x}+{v1}", f"Together they have @ {thing}.")
+    w.step(f"{v2}/{friends}", f"Each friend gets @ {thing}.")
     return q, w
 
 
@@ -950,10 +830,8 @@ def t_lemonade_profit(r):
     q = (f"{n} runs {article} {stand} stand. {cap(s)} spends ${cost} on supplies and sells each cup for "
          f"${price}. If {s} sells {cups} cups, how much profit does {s} make?")
     w = Work()
-    t1, v1 = w.c(f"{cups}*{price}", True)
-    w.say(f"{cap(s)} earns {t1} from sales.")
-    t2, _ = w.c(f"{v1}-{cost}", True)
-    w.say(f"{cap(s)} makes a profit of {t2}.")
+    v1 = w.step(f"{cups}*{price}", f"{cap(s)} earns @ from sales.", True)
+    w.step(f"{v1}-{cost}", f"{cap(s)} makes a profit of @.", True)
     return q, w
 
 
@@ -964,12 +842,9 @@ def t_rainfall(r):
          f"Monday, and on Wednesday it rained {less} millimeters less than on Tuesday. How many "
          f"millimeters of rain fell over the three days?")
     w = Work()
-    t1, v1 = w.c(f"{a}*2")
-    w.say(f"On Tuesday it rained {t1} millimeters.")
-    t2, v2 = w.c(f"{v1}-{less}")
-    w.say(f"On Wednesday it rained {t2} millimeters.")
-    t3, _ = w.c(f"{a}+{v1}+{v2}")
-    w.say(f"In total {t3} millimeters of rain fell.")
+    v1 = w.step(f"{a}*2", "On Tuesday it rained @ millimeters.")
+    v2 = w.step(f"{v1}-{less}", "On Wednesday it rained @ millimeters.")
+    w.step(f"{a}+{v1}+{v2}", "In total @ millimeters of rain fell.")
     return q, w
 
 
@@ -984,12 +859,9 @@ def t_paint_cans(r):
     q = (f"{n} wants to paint {walls} walls. Each wall is {L} feet wide and {H} feet tall. One can "
          f"of paint covers {cover} square feet. How many cans of paint does {s} need?")
     w = Work()
-    t1, v1 = w.c(f"{L}*{H}")
-    w.say(f"Each wall has an area of {t1} square feet.")
-    t2, v2 = w.c(f"{v1}*{walls}")
-    w.say(f"All the walls have an area of {t2} square feet.")
-    t3, _ = w.c(f"{v2}/{cover}")
-    w.say(f"{cap(s)} needs {t3} cans of paint.")
+    v1 = w.step(f"{L}*{H}", "Each wall has an area of @ square feet.")
+    v2 = w.step(f"{v1}*{walls}", "All the walls have an area of @ square feet.")
+    w.step(f"{v2}/{cover}", f"{cap(s)} needs @ cans of paint.")
     return q, w
 
 
@@ -1000,10 +872,8 @@ def t_defective_toys(r):
     q = (f"A factory made {fmt(r, made)} {thing} last week. {pct}% of them were defective and had "
          f"to be thrown away. How many {thing} were not defective?")
     w = Work()
-    t1, v1 = w.c(f"{made}*{pct}/100")
-    w.say(f"{t1} {thing} were defective.")
-    t2, _ = w.c(f"{made}-{v1}")
-    w.say(f"{t2} {thing} were not defective.")
+    v1 = w.step(f"{made}*{pct}/100", f"@ {thing} were defective.")
+    w.step(f"{made}-{v1}", f"@ {thing} were not defective.")
     return q, w
 
 
@@ -1016,10 +886,8 @@ def t_commission(r):
          f"commission on {p} sales. Last month {s} sold ${fmt(r, sales)} worth of furniture. How much "
          f"did {s} earn last month?")
     w = Work()
-    t1, v1 = w.c(f"{sales}*{pct}/100", True)
-    w.say(f"{cap(p)} commission was {t1}.")
-    t2, _ = w.c(f"{base}+{v1}", True)
-    w.say(f"{cap(s)} earned {t2} in total.")
+    v1 = w.step(f"{sales}*{pct}/100", f"{cap(p)} commission was @.", True)
+    w.step(f"{base}+{v1}", f"{cap(s)} earned @ in total.", True)
     return q, w
 
 
@@ -1034,10 +902,8 @@ def t_rent_split(r):
          f"utilities are ${util} per month. If they split everything equally, how much does each "
          f"roommate pay per month?")
     w = Work()
-    t1, v1 = w.c(f"{rent}+{util}", True)
-    w.say(f"The total monthly cost is {t1}.")
-    t2, _ = w.c(f"{v1}/{people}", True)
-    w.say(f"Each roommate pays {t2}.")
+    v1 = w.step(f"{rent}+{util}", "The total monthly cost is @.", True)
+    w.step(f"{v1}/{people}", "Each roommate pays @.", True)
     return q, w
 
 
@@ -1052,14 +918,10 @@ def t_egg_cartons(r):
          f"packs all the eggs into cartons of a dozen and sells each carton for ${price}. "
          f"How much money does {s} make?")
     w = Work()
-    t1, v1 = w.c(f"{hens}*{eggs}")
-    w.say(f"The hens lay {t1} eggs a week.")
-    t2, v2 = w.c(f"{v1}*{weeks}")
-    w.say(f"In {weeks} weeks they lay {t2} eggs.")
-    t3, v3 = w.c(f"{v2}/12")
-    w.say(f"That fills {t3} cartons.")
-    t4, _ = w.c(f"{v3}*{price}", True)
-    w.say(f"{cap(s)} makes {t4}.")
+    v1 = w.step(f"{hens}*{eggs}", "The hens lay @ eggs a week.")
+    v2 = w.step(f"{v1}*{weeks}", f"In {weeks} weeks they lay @ eggs.")
+    v3 = w.step(f"{v2}/12", "That fills @ cartons.")
+    w.step(f"{v3}*{price}", f"{cap(s)} makes @.", True)
     return q, w
 
 
@@ -1071,10 +933,8 @@ def t_steps_walk(r):
          f"{fmt(r, goal)} steps. After {days} days, how many more steps does {s} need to reach "
          f"{p} goal?")
     w = Work()
-    t1, v1 = w.c(f"{steps}*{days}")
-    w.say(f"After {days} days {s} has walked {t1} steps.")
-    t2, _ = w.c(f"{goal}-{v1}")
-    w.say(f"{cap(s)} needs {t2} more steps.")
+    v1 = w.step(f"{steps}*{days}", f"After {days} days {s} has walked @ steps.")
+    w.step(f"{goal}-{v1}", f"{cap(s)} needs @ more steps.")
     return q, w
 
 
@@ -1084,10 +944,8 @@ def t_concert_chairs(r):
     q = (f"A concert hall has {rows} rows of seats with {per} seats in each row. {fmt(r, sold)} "
          f"tickets have been sold so far. How many seats are still available?")
     w = Work()
-    t1, v1 = w.c(f"{rows}*{per}")
-    w.say(f"The hall has {t1} seats.")
-    t2, _ = w.c(f"{v1}-{sold}")
-    w.say(f"{t2} seats are still available.")
+    v1 = w.step(f"{rows}*{per}", "The hall has @ seats.")
+    w.step(f"{v1}-{sold}", "@ seats are still available.")
     return q, w
 
 
@@ -1101,14 +959,10 @@ def t_phone_plan(r):
          f"costs ${extra}. If {s} uses {used} GB every month, how much does {s} pay over {months} "
          f"months?")
     w = Work()
-    t1, v1 = w.c(f"{used}-{incl}")
-    w.say(f"{cap(s)} uses {t1} extra GB each month.")
-    t2, v2 = w.c(f"{v1}*{extra}", True)
-    w.say(f"The extra data costs {t2} per month.")
-    t3, v3 = w.c(f"{base}+{v2}", True)
-    w.say(f"Each month {s} pays {t3}.")
-    t4, _ = w.c(f"{v3}*{months}", True)
-    w.say(f"Over {months} months {s} pays {t4}.")
+    v1 = w.step(f"{used}-{incl}", f"{cap(s)} uses @ extra GB each month.")
+    v2 = w.step(f"{v1}*{extra}", "The extra data costs @ per month.", True)
+    v3 = w.step(f"{base}+{v2}", f"Each month {s} pays @.", True)
+    w.step(f"{v3}*{months}", f"Over {months} months {s} pays @.", True)
     return q, w
 
 
@@ -1119,12 +973,9 @@ def t_aquarium_fish(r):
     q = (f"{n} has {tanks} fish tanks with {fish} fish in each tank. {cap(s)} buys {bought} more "
          f"fish and then gives {died} fish to a friend. How many fish does {n} have now?")
     w = Work()
-    t1, v1 = w.c(f"{tanks}*{fish}")
-    w.say(f"{cap(s)} starts with {t1} fish.")
-    t2, v2 = w.c(f"{v1}+{bought}")
-    w.say(f"After buying more, {s} has {t2} fish.")
-    t3, _ = w.c(f"{v2}-{died}")
-    w.say(f"{cap(s)} now has {t3} fish.")
+    v1 = w.step(f"{tanks}*{fish}", f"{cap(s)} starts with @ fish.")
+    v2 = w.step(f"{v1}+{bought}", f"After buying more, {s} has @ fish.")
+    w.step(f"{v2}-{died}", f"{cap(s)} now has @ fish.")
     return q, w
 
 

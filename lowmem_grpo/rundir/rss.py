@@ -167,7 +167,7 @@ class StagePeaks:
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 2 << 20
 """Blocks of 2 MiB and more are mmapped (each freed one leaves the process), smaller ones reuse the heap. At 64 KiB
-a CPU loss pass of 8 rows page-faulted ~1.2 M times and ran 2x slower (benchmarks/allocator_cpu.py); 6 GRPO steps
+a CPU loss pass of 8 rows page-faulted ~1.2 M times and ran 2x slower (benchmarks/cpu_speed.py allocator); 6 GRPO steps
 of the CPU default ran as fast at 2 MiB as at 8 MiB and peaked at 3.41 GB instead of 3.55 GB."""
 
 
