@@ -62,6 +62,7 @@ timer's own cost; the load average. Shared cores: read the CPU columns and the r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -300,7 +301,7 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
     from lowmem_grpo.device import resolve_dtype
     from lowmem_grpo.recipe import resolved_rewards
     from lowmem_grpo.rewards import get_reward
-    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
+    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer
 
     path, lora = recipe.model.name, recipe.lora
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -331,37 +332,39 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
 
 # ---- the phase timer's own cost --------------------------------------------------------------------------------
 
-class _FakeAccelerator:
-    """Stands in for a trainer's accelerator in the timer microbenchmark."""
-
-    device = SimpleNamespace(type="cpu")
-
-    def backward(self, loss: Any) -> None:
-        return None
-
-
 class _FakeTrainer:
-    """A trainer whose timed methods do nothing: what is left is the timer's own cost."""
+    """A trainer whose phases do nothing, timed as lowmem_grpo.train.trainer.LowmemGRPOTrainer times them (with
+    `lowmem_timer` set): what is left is the timer's own cost."""
 
     def __init__(self) -> None:
         from collections import defaultdict
 
-        self.accelerator = _FakeAccelerator()
-        self._metrics = {"train": defaultdict(list)}
+        self.accelerator = SimpleNamespace(device=SimpleNamespace(type="cpu"))
+        self.metrics: dict[str, list[float]] = defaultdict(list)
         self.callback_handler = SimpleNamespace(callbacks=[])
+        self.lowmem_timer: Any = None
 
-    def _generate_and_score_completions(self, batch: Any) -> Any:
-        self._generate(batch)
-        return self._calculate_rewards(batch)
+    def add_step_metrics(self, record: dict[str, float]) -> None:
+        for key, value in record.items():
+            self.metrics[key].append(value)
 
-    def _generate(self, batch: Any) -> Any:
-        return None, batch
+    def _phase(self, phase: str) -> Any:
+        return contextlib.nullcontext() if self.lowmem_timer is None else self.lowmem_timer.span(phase)
 
-    def _calculate_rewards(self, batch: Any) -> None:
-        return None
-
-    def compute_loss(self, batch: Any) -> None:
-        return None
+    def step(self, batch: Any) -> None:
+        """The five timed calls of a step: preparation (generation and rewards in it), loss, backward."""
+        with self._phase("_prepare"):
+            with self._phase("generation"):
+                pass
+            if self.lowmem_timer is not None:
+                self.lowmem_timer.count_tokens(len(batch))
+            with self._phase("rewards"):
+                pass
+        with self._phase("loss_forward"):
+            pass
+        if self.lowmem_timer is not None:
+            self.lowmem_timer.open("backward")
+            self.lowmem_timer.close("backward")
 
 
 class _NoTimer:
@@ -380,13 +383,11 @@ def _fake_steps(trainer: _FakeTrainer, timer: Any, steps: int) -> float:
     started = time.perf_counter()
     for _ in range(steps):
         events.on_step_begin(None, state, None)
-        trainer._generate_and_score_completions(batch)
-        trainer.compute_loss(batch)
-        trainer.accelerator.backward(None)
+        trainer.step(batch)
         events.on_pre_optimizer_step(None, state, None)
         events.on_optimizer_step(None, state, None)
         events.on_step_end(None, state, None)
-        trainer._metrics["train"].clear()  # as GRPOTrainer.log does at each log
+        trainer.metrics.clear()  # as GRPOTrainer.log does at each log
     return (time.perf_counter() - started) / steps
 
 

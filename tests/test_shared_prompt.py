@@ -170,7 +170,7 @@ def trainer(models, tiny_model_dir, tmp_path_factory):
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 
-    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
+    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trainer")), use_cpu=True, bf16=False,
                       per_device_train_batch_size=8, num_generations=4, temperature=0.7, report_to=[],

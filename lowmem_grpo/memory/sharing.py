@@ -135,7 +135,7 @@ def unsloth_prefix_grouper(arch: Architecture, *, fast_inference: bool, num_gene
     return Sharing(UNSLOTH, UNSLOTH, f"Unsloth's PrefixGrouper engages: {how}", verify)
 
 
-# the devices whose trainer runs our shared-prompt pass (lowmem_grpo.train.cpu_trainers.CpuSafeGRPOTrainer)
+# the devices whose trainer runs our shared-prompt pass (lowmem_grpo.train.trainer.CpuSafeGRPOTrainer)
 HF_SHARED_DEVICES = ("cpu",)
 
 
