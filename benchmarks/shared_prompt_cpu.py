@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if loaded.dtype != "float32":  # 16-bit rounding differs between any two kernels: measure both against float32
         from trl.trainer.utils import selective_log_softmax
 
-        from lowmem_grpo.train.shared_prompt import completion_logits
+        from lowmem_grpo.train.cpu_logprobs import completion_logits
 
         from lowmem_grpo import backends
         from lowmem_grpo.recipe_io import load_recipe

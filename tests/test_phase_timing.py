@@ -235,7 +235,7 @@ def test_completion_only_logits_equal_the_full_logits_path(tiny_model_dir, entro
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer
+    from lowmem_grpo.train.cpu_logprobs import logps_and_entropies
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -244,18 +244,15 @@ def test_completion_only_logits_equal_the_full_logits_path(tiny_model_dir, entro
     ids = torch.randint(3, model.config.vocab_size, (4, 20))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # a left-padded prompt
-    fake = SimpleNamespace(accelerator=SimpleNamespace(autocast=contextlib.nullcontext), temperature=0.7,
-                           _entropy_bonus_enabled=entropy_bonus, lowmem_shared_prompt=False,  # full rows here
-                           lowmem_cpu_attention=True,
-                           model=model, _metrics=defaultdict(lambda: defaultdict(list)))
     results = []
     for run in ("old", "new"):
         model.zero_grad()
         if run == "old":
             logps, entropy = _old_logps_and_entropies(model, ids, mask, 7, 0.7)
         else:
-            logps, entropy, _ = CpuSafeGRPOTrainer._get_per_token_logps_and_entropies(
-                fake, model, ids, mask, 7, batch_size=2, compute_entropy=True)
+            logps, entropy, _ = logps_and_entropies(
+                model, ids, mask, 7, 2, temperature=0.7, compute_entropy=True, entropy_grad=entropy_bonus,
+                shared_prompt=False, attention=True, autocast=contextlib.nullcontext)  # full rows here
             assert entropy.requires_grad == entropy_bonus  # no graph kept for a logged-only entropy
         (logps.sum() + (entropy.sum() if entropy_bonus else 0)).backward()  # the loss uses it only with a bonus
         grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]

@@ -28,10 +28,8 @@ from torch.utils.data import Sampler
 from trl import GRPOTrainer, SFTTrainer
 from trl.trainer.utils import nanstd
 
-from lowmem_grpo.sampling.attention import cpu_attention
 from lowmem_grpo.sampling.generate import fast_sampling
-from lowmem_grpo.train import shared_prompt
-from lowmem_grpo.train.cpu_trainers import attended_columns, completion_logps, row_chunks
+from lowmem_grpo.train import cpu_logprobs
 from lowmem_grpo.train.informative import SamplingState
 
 log = logging.getLogger(__name__)
@@ -220,22 +218,12 @@ class LowmemGRPOTrainer(GRPOTrainer):
 
 
 class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
-    """LowmemGRPOTrainer that avoids TRL 1.15's Triton log-prob kernel (no CPU driver; TRL 1.16 added a torch
-    fallback) and forwards each distinct prompt of a micro-batch once in its log-prob passes, skips the completion
-    padding, and samples faster: the hf backend without a GPU.
-
-    Log-probs: lowmem_grpo.train.shared_prompt (`lowmem_shared_prompt`, set from train.shared_prompt, turns it off).
-    Each forward stops at its rows' longest completion (TRL pads every completion to the generation batch's
-    longest); the passes without gradients group the rows so that the forwards are short (row_chunks). The
-    log-probs and entropies of the columns not run are 0: TRL reads them only under the completion mask. Logs
-    `shared_prompt/tokens_saved`, the share of token positions a log-prob pass did not run (shared prompts and
-    skipped padding).
-    Sampling: TRL's generation runs inside lowmem_grpo.sampling.generate.fast_sampling: with
-    `lowmem_merged_sampling` (train.merged_sampling, set by trainer_factory) from a model whose adapted layers are one
-    plain matmul each (merged_adapter; the base weights untouched). Attention, in sampling and in the log-prob passes:
-    lowmem_grpo.sampling.attention.cpu_attention (grouped key/value heads never copied, bit-identical in float32;
-    in bfloat16 a float32 matmul attention in place of PyTorch's slow flash kernel for CPU). Whether the merge
-    applied, and why not, is logged once."""
+    """LowmemGRPOTrainer for the hf backend without a GPU. Log-probs: lowmem_grpo.train.cpu_logprobs (TRL 1.15's
+    log-prob kernel is Triton only; shared prompts unless `lowmem_shared_prompt`, from train.shared_prompt, is off;
+    logs `shared_prompt/tokens_saved`, the share of token positions a log-prob pass did not run). Sampling: TRL's
+    generation runs inside lowmem_grpo.sampling.generate.fast_sampling (`lowmem_merged_sampling`,
+    train.merged_sampling: from the adapter merged into the weights, logged once; `lowmem_cpu_attention`,
+    train.cpu_attention: lowmem_grpo.sampling.attention.cpu_attention, in the log-prob passes too)."""
 
     lowmem_shared_prompt: bool = True
     lowmem_merged_sampling: bool = True
@@ -246,7 +234,7 @@ class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
         """Whether the log-prob passes share prompts, and why (logged once when the trainer starts)."""
         if not self.lowmem_shared_prompt:
             return False, "train.shared_prompt is false"
-        reason = shared_prompt.unsupported(self.model)
+        reason = cpu_logprobs.unsupported(self.model)
         if reason:
             return False, reason
         if self.args.gradient_checkpointing:
@@ -269,35 +257,14 @@ class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
-        checkpointed = shared_prompt.checkpointing_active(model)
-        share = self.lowmem_shared_prompt and shared_prompt.unsupported(model) is None and not checkpointed
-        # the entropy needs a graph only when TRL's entropy bonus puts it into the loss; else it is logged or masks
-        entropy_grad = getattr(self, "_entropy_bonus_enabled", True)
-        prompt_width = input_ids.size(1) - logits_to_keep
-        chunks = row_chunks(input_ids, attention_mask, logits_to_keep, batch_size, share)
-        all_logps, all_entropies, forwarded = [], [], 0
-        for rows in chunks:
-            kept = attended_columns(attention_mask[rows, prompt_width:])
-            ids, mask = input_ids[rows, :prompt_width + kept], attention_mask[rows, :prompt_width + kept]
-            # a checkpointed layer recomputes in the backward, outside this block: its attention must be the same
-            with self.accelerator.autocast(), cpu_attention(model, self.lowmem_cpu_attention and not checkpointed):
-                # the LM head runs on the completion positions only, not on the prompt: the full
-                # (batch, prompt + completion, vocab) logits were most of this pass's memory
-                out = shared_prompt.completion_logits(model, ids, mask, kept, share=share)
-            forwarded += out.tokens_forwarded
-            # row at a time: the float32 copy of the logits and its gradients were this pass's largest tensors
-            logps, entropies = completion_logps(out.logits, ids[:, -kept:], self.temperature,
-                                                compute_entropy, entropy_grad)
-            fill = (0, logits_to_keep - kept)  # the trimmed columns are padding: TRL reads them only under the mask
-            all_logps.append(torch.nn.functional.pad(logps, fill))
-            if compute_entropy:
-                all_entropies.append(torch.nn.functional.pad(entropies, fill))
+        logps, entropies, saved = cpu_logprobs.logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, temperature=self.temperature,
+            compute_entropy=compute_entropy, entropy_grad=getattr(self, "_entropy_bonus_enabled", True),
+            shared_prompt=self.lowmem_shared_prompt, attention=self.lowmem_cpu_attention,
+            autocast=self.accelerator.autocast)
         # this rank's share (no collective: the passes differ in number per step)
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["shared_prompt/tokens_saved"].append(1.0 - forwarded / input_ids.numel())
-        restore = torch.argsort(torch.cat(chunks))  # the rows back in the caller's order
-        entropies = torch.cat(all_entropies, dim=0)[restore] if compute_entropy else None
-        return torch.cat(all_logps, dim=0)[restore], entropies, None
+        self._metrics["train" if self.model.training else "eval"]["shared_prompt/tokens_saved"].append(saved)
+        return logps, entropies, None
 
 
 def grpo_trainer_class(backend: str, device: str) -> type:
@@ -326,7 +293,7 @@ class CpuSafeSFTTrainer(SFTTrainer):
         targets = inputs["labels"][:, 1:]
         mask = targets != -100
         # row at a time, bitwise selective_log_softmax / entropy_from_logits of logits.float() (completion_logps)
-        logps, entropies = completion_logps(logits, targets.masked_fill(~mask, 0), 1.0, compute_entropy=True)
+        logps, entropies = cpu_logprobs.completion_logps(logits, targets.masked_fill(~mask, 0), 1.0, compute_entropy=True)
         per_token = -logps * mask
         if self.args.loss_type == "dft":
             per_token = per_token * logps.exp().detach()
