@@ -1,9 +1,7 @@
 """TRL's GRPO pieces: the GRPOConfig a recipe resolves to and the trainer that trains it (its class:
 lowmem_grpo.train.trainer).
 
-Imports trl at module level: import this module only after `backends.prepare()` (Unsloth first, so that
-`trl.GRPOTrainer` is Unsloth's patched trainer when the unsloth backend runs, and our trainer classes subclass
-that one).
+Imports trl at module level: import this module only after `backends.prepare()` (Unsloth first).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""The trainers lowmem_grpo trains with: the one module that overrides or calls TRL's private methods.
+"""The trainers lowmem_grpo trains with: the one module that overrides or calls TRL's private methods (TRL changes
+them without deprecation; tests/test_trainer_pins.py pins each). Other modules use their public methods and the
+`lowmem_*` attributes. Every override calls super() and copies no TRL body, so Unsloth's rewrites still run.
 
-TRL's experimental methods change without deprecation, so they are reached here only, each pinned by
-tests/test_trainer_pins.py (signature and the source lines relied on). Other modules use the public methods below:
-`add_step_metrics`, `drop_generation_batch`, `shared_prompt_status`, and the callbacks that attach to the
-trainer's `lowmem_timer` / `lowmem_guard` (lowmem_grpo.train.callbacks).
-
-- LowmemGRPOTrainer: GRPOTrainer (Unsloth's patched one when Unsloth was imported first) with the phase timing,
-  the no-signal guard's judgement of each micro-batch, dynamic sampling and the curriculum (their logic:
-  lowmem_grpo.train.informative). Every override calls super() and copies no TRL body, so Unsloth's rewrites of
-  those bodies still run.
-- CpuSafeGRPOTrainer: the same with the CPU log-prob pass and sampling (hf backend without a GPU).
-- CpuSafeSFTTrainer: an SFTTrainer whose completion loss runs in plain torch off-GPU (priming).
-
-Imports torch and trl at module level: import this module only after `backends.prepare()`.
+Imports torch and trl at module level: import this module only after `backends.prepare()` (Unsloth first, so that
+`trl.GRPOTrainer` is Unsloth's patched trainer when the unsloth backend runs, and ours subclass it).
 """
 
 from __future__ import annotations
@@ -94,7 +85,7 @@ def _passes(rewards: torch.Tensor, total: torch.Tensor, names: list[str], group_
 
 
 class LowmemGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with lowmem_grpo's seams (module doc). Attributes, set after construction (Unsloth's generated
+    """GRPOTrainer with lowmem_grpo's seams. Attributes, set after construction (Unsloth's generated
     __init__ rejects unknown keyword arguments): `lowmem_timer` (a PhaseTimer: each phase of a step is timed by
     the override that runs it), `lowmem_guard` (a NoSignalStepGuard: judges each training micro-batch), and for
     dynamic sampling / the curriculum `lowmem_sampling` (the train sampler draws from it; rewards, gathered over
