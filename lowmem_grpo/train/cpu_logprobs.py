@@ -2,16 +2,15 @@
 a Triton kernel only, which has no CPU driver), exactly TRL's values and gradients, in fewer token positions and
 less memory: `logps_and_entropies`.
 
-Shared prompts (train.shared_prompt). A GRPO micro-batch holds G completions of each prompt; TRL's pass runs every row's prompt again. Here the rows
-whose prompt part (ids and attention mask) is identical share one forward of it: the distinct prompts run once,
-with gradients and a KV cache; the cache is indexed out to every row (indexing keeps the graph, so the gradients
-of all G rows flow back into their prompt's one pass); the completions run on that cache with the row's full
-attention mask (prompt mask + completion mask) and positions continuing the prompt's. transformers' causal LMs
-number positions 0..P+C-1 from the cache length whatever the padding, and mask keys by the same 2-D mask, so every
-completion position sees exactly what it sees in the full-row pass: the logits agree to float rounding. The logit
-that scores the first completion token is the prompt pass's last position, as in the full row.
-
-It needs a cache the layers write into (gradient checkpointing in training drops it) of plain full-attention
+Shared prompts (train.shared_prompt). A GRPO micro-batch holds G completions of each prompt; TRL's pass runs every
+row's prompt again. Here the rows whose prompt part (ids and attention mask) is identical share one forward of it:
+the distinct prompts run once, with gradients and a KV cache; the cache is indexed out to every row (indexing keeps
+the graph, so the gradients of all G rows flow back into their prompt's one pass); the completions run on that cache
+with the row's full attention mask (prompt mask + completion mask) and positions continuing the prompt's.
+transformers' causal LMs number positions 0..P+C-1 from the cache length whatever the padding, and mask keys by the
+same 2-D mask, so every completion position sees exactly what it sees in the full-row pass: the logits agree to
+float rounding. The logit that scores the first completion token is the prompt pass's last position, as in the full
+row. It needs a cache the layers write into (gradient checkpointing in training drops it) of plain full-attention
 layers; `unsupported` and `checkpointing_active` say when that is not so, and the full rows run.
 
 Padding. Each forward stops at its rows' longest completion (TRL pads every completion to the generation batch's
@@ -226,9 +225,9 @@ def logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: tor
                         batch_size: int | None, *, temperature: float, compute_entropy: bool, entropy_grad: bool,
                         shared_prompt: bool, attention: bool,
                         autocast: Callable[[], Any]) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """TRL's `_get_per_token_logps_and_entropies` on CPU: (log-probs, entropies or None, the share of token
-    positions not run). `shared_prompt` (train.shared_prompt) shares prompt forwards where the model allows it;
-    `attention` (train.cpu_attention) runs lowmem_grpo.sampling.attention.cpu_attention; `entropy_grad` keeps
+    """The per-token log-probs and entropies TRL's log-prob pass returns, on CPU: (log-probs, entropies or None,
+    the share of token positions not run). `shared_prompt` (train.shared_prompt) shares prompt forwards where the
+    model allows it; `attention` (train.cpu_attention) runs lowmem_grpo.sampling.attention.cpu_attention; `entropy_grad` keeps
     the entropy's graph (TRL's entropy bonus puts it into the loss; else it is logged or masks); `autocast` is the
     accelerator's. The log-probs and entropies of the columns not run are 0: TRL reads them only under the
     completion mask."""

@@ -284,7 +284,8 @@ class CpuSafeSFTTrainer(SFTTrainer):
         targets = inputs["labels"][:, 1:]
         mask = targets != -100
         # row at a time, bitwise selective_log_softmax / entropy_from_logits of logits.float() (completion_logps)
-        logps, entropies = cpu_logprobs.completion_logps(logits, targets.masked_fill(~mask, 0), 1.0, compute_entropy=True)
+        logps, entropies = cpu_logprobs.completion_logps(logits, targets.masked_fill(~mask, 0), 1.0,
+                                                         compute_entropy=True)
         per_token = -logps * mask
         if self.args.loss_type == "dft":
             per_token = per_token * logps.exp().detach()
