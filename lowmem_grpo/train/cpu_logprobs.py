@@ -225,11 +225,11 @@ def logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: tor
                         batch_size: int | None, *, temperature: float, compute_entropy: bool, entropy_grad: bool,
                         shared_prompt: bool, attention: bool,
                         autocast: Callable[[], Any]) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """The per-token log-probs and entropies TRL's log-prob pass returns, on CPU: (log-probs, entropies or None,
-    the share of token positions not run). `shared_prompt` (train.shared_prompt) shares prompt forwards where the
-    model allows it; `attention` (train.cpu_attention) runs lowmem_grpo.sampling.attention.cpu_attention; `entropy_grad` keeps
-    the entropy's graph (TRL's entropy bonus puts it into the loss; else it is logged or masks); `autocast` is the
-    accelerator's. The log-probs and entropies of the columns not run are 0: TRL reads them only under the
+    """The per-token log-probs and entropies TRL's log-prob pass returns, on CPU: (log-probs, entropies or None, the
+    share of token positions not run). `shared_prompt` (train.shared_prompt) shares prompt forwards where the model
+    allows it; `attention` (train.cpu_attention) runs lowmem_grpo.sampling.attention.cpu_attention; `entropy_grad`
+    keeps the entropy's graph (TRL's entropy bonus puts it into the loss; else it is logged or masks); `autocast` is
+    the accelerator's. The log-probs and entropies of the columns not run are 0: TRL reads them only under the
     completion mask."""
     checkpointed = checkpointing_active(model)
     share = shared_prompt and unsupported(model) is None and not checkpointed
