@@ -225,7 +225,7 @@ def _trainer(model_dir: Path, run_dir: Path, *extra: str):
 
 
 @pytest.mark.slow
-def test_neither_option_builds_the_plain_trainer_class(tiny_model_dir, tmp_path):
+def test_the_trainer_draws_through_the_sampling_state_only_with_an_option(tiny_model_dir, tmp_path):
     from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer, LowmemGRPOTrainer, grpo_trainer_class
 
     trainer, _, examples, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=4")

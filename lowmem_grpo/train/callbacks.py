@@ -357,14 +357,12 @@ class PhaseTimer(TrainerCallback):
 
     @contextlib.contextmanager
     def span(self, phase: str) -> Iterator[None]:
-        """Time the `with` block as (part of) `phase`; a block that raises is not counted."""
+        """Time the `with` block as (part of) `phase`."""
         self.open(phase)
         try:
             yield
-        except BaseException:
-            self._drop(phase)
-            raise
-        self.close(phase)
+        finally:
+            self.close(phase)
 
     def _drop(self, phase: str) -> None:
         if phase in self.opened:
