@@ -19,6 +19,7 @@ real model for the first, the tiny one for the others).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -318,7 +319,7 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
     from lowmem_grpo.recipe import resolved_rewards
     from lowmem_grpo.rewards import get_reward
     from lowmem_grpo.train.callbacks import PhaseTimer
-    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
+    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer
 
     path, lora = recipe.model.name, recipe.lora
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -348,27 +349,38 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
 # ---- step: the phase timer's own cost ---------------------------------------------------------------------------
 
 class _BareTrainer:
-    """A trainer whose timed methods do nothing: what is left is the timer's own cost."""
+    """A trainer whose phases do nothing, timed as lowmem_grpo.train.trainer.LowmemGRPOTrainer times them (with
+    `lowmem_timer` set): what is left is the timer's own cost."""
 
     def __init__(self) -> None:
         from collections import defaultdict
 
-        self.accelerator = SimpleNamespace(device=SimpleNamespace(type="cpu"), backward=lambda loss: None)
-        self._metrics = {"train": defaultdict(list)}
+        self.accelerator = SimpleNamespace(device=SimpleNamespace(type="cpu"))
+        self.metrics: dict[str, list[float]] = defaultdict(list)
         self.callback_handler = SimpleNamespace(callbacks=[])
+        self.lowmem_timer: Any = None
 
-    def _generate_and_score_completions(self, batch: Any) -> Any:
-        self._generate(batch)
-        return self._calculate_rewards(batch)
+    def add_step_metrics(self, record: dict[str, float]) -> None:
+        for key, value in record.items():
+            self.metrics[key].append(value)
 
-    def _generate(self, batch: Any) -> Any:
-        return None, batch
+    def _phase(self, phase: str) -> Any:
+        return contextlib.nullcontext() if self.lowmem_timer is None else self.lowmem_timer.span(phase)
 
-    def _calculate_rewards(self, batch: Any) -> None:
-        return None
-
-    def compute_loss(self, batch: Any) -> None:
-        return None
+    def step(self, batch: Any) -> None:
+        """The five timed calls of a step: preparation (generation and rewards in it), loss, backward."""
+        with self._phase("_prepare"):
+            with self._phase("generation"):
+                pass
+            if self.lowmem_timer is not None:
+                self.lowmem_timer.count_tokens(len(batch))
+            with self._phase("rewards"):
+                pass
+        with self._phase("loss_forward"):
+            pass
+        if self.lowmem_timer is not None:
+            self.lowmem_timer.open("backward")
+            self.lowmem_timer.close("backward")
 
 
 def _bare_steps(trainer: _BareTrainer, timer: Any, steps: int) -> float:
@@ -379,12 +391,10 @@ def _bare_steps(trainer: _BareTrainer, timer: Any, steps: int) -> float:
     started = time.perf_counter()
     for _ in range(steps):
         events[0](None, state, None)
-        trainer._generate_and_score_completions(batch)
-        trainer.compute_loss(batch)
-        trainer.accelerator.backward(None)
+        trainer.step(batch)
         for event in events[1:]:
             event(None, state, None)
-        trainer._metrics["train"].clear()  # as GRPOTrainer.log does at each log
+        trainer.metrics.clear()  # as GRPOTrainer.log does at each log
     return (time.perf_counter() - started) / steps
 
 
@@ -984,7 +994,7 @@ def float32_errors(trainer: Any, loaded: Any, ids: Any, mask: Any, width: int, l
 
     from lowmem_grpo import backends
     from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.train.shared_prompt import completion_logits
+    from lowmem_grpo.train.cpu_logprobs import completion_logits
 
     reference = backends.load(load_recipe(RECIPE, ["model.dtype=float32"]), "hf").model.train()
     with torch.no_grad():

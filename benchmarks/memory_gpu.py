@@ -214,7 +214,7 @@ def run_plain(args: argparse.Namespace, model_dir: Path, work: Path):
         gradient_checkpointing=t.gradient_checkpointing, beta=t.beta, bf16=cuda, fp16=False, use_cpu=not cuda,
         logging_steps=1, save_strategy="no", report_to=[], seed=t.seed, disable_tqdm=True)
     probe = probe_callback()
-    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer  # TRL 1.15's log-prob kernel needs a GPU
+    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer  # TRL 1.15's log-prob kernel needs a GPU
 
     trainer_cls = GRPOTrainer if cuda else CpuSafeGRPOTrainer
     trainer = trainer_cls(model=model, reward_funcs=[random_reward], args=config,

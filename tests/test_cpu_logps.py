@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax  # noqa: E402
 
-from lowmem_grpo.train.cpu_trainers import completion_logps  # noqa: E402
+from lowmem_grpo.train.cpu_logprobs import completion_logps  # noqa: E402
 
 
 def _pass(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, temperature: float, ours: bool):

@@ -29,12 +29,18 @@ class LoopTrainer:
         self.optimizer = optimizer
         self.accelerator = accelerator
         self.callbacks: list = []
-        self._metrics = {"train": defaultdict(list)}
+        self.metrics = defaultdict(list)
+        self.lowmem_guard = None
 
     def add_callback(self, callback) -> None:
         self.callbacks.append(callback)
 
-    def compute_loss(self, model, inputs):
+    def add_step_metrics(self, record) -> None:
+        for key, value in record.items():
+            self.metrics[key].append(value)
+
+    def compute_loss(self, model, inputs):  # as LowmemGRPOTrainer's: the guard judges each training micro-batch
+        self.lowmem_guard.judge(inputs)
         out = model(inputs["x"])
         return (inputs["advantages"] * out).sum() + 0.1 * out.pow(2).sum()
 
@@ -69,4 +75,4 @@ def test_skipped_steps_leave_the_fp16_grad_scaler_and_the_weights_alone(clip):
         else:
             assert not moved and scaler.get_scale() == scale, step
     assert guard.skipped == PLAN.count(False)
-    assert trainer._metrics["train"][SKIPPED_STEP_KEY] == [0.0 if s else 1.0 for s in PLAN]
+    assert trainer.metrics[SKIPPED_STEP_KEY] == [0.0 if s else 1.0 for s in PLAN]

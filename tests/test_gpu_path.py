@@ -248,12 +248,15 @@ class OomOnceTrainer:
     def __init__(self, fail: bool):
         self.fail = fail
         self.state = SimpleNamespace(global_step=0, max_steps=1)
-        self._buffered_inputs = [torch.zeros(4)]  # TRL keeps the generation batch here between its steps
+        self.generation_batch = [torch.zeros(4)]  # TRL keeps the generation batch between its steps
         self.accelerator = SimpleNamespace(free_memory=lambda: None)
         self.optimizer = self.lr_scheduler = object()
 
     def add_callback(self, callback):
         pass
+
+    def drop_generation_batch(self):
+        self.generation_batch = None
 
     def train(self, resume_from_checkpoint=None):
         if self.fail:

@@ -100,7 +100,7 @@ def test_weighted_sample_takes_distinct_items_and_fills_a_small_pool_with_repeat
 def test_sampler_layout_equals_repeat_samplers_with_uniform_weights():
     from trl.trainer.utils import RepeatSampler
 
-    from lowmem_grpo.train.grpo import InformativeSampler
+    from lowmem_grpo.train.trainer import InformativeSampler
 
     for rates in (None, PassRates(group_size=2, window=8)):  # no observation yet: every weight is equal
         state = SamplingState([0] * 7, seed=3, rates=rates)
@@ -115,7 +115,7 @@ def test_sampler_layout_equals_repeat_samplers_with_uniform_weights():
 
 
 def test_sampler_is_seeded_deterministic_and_replays_what_it_drew():
-    from lowmem_grpo.train.grpo import InformativeSampler
+    from lowmem_grpo.train.trainer import InformativeSampler
 
     def run(seed: int, state: SamplingState | None = None) -> list[int]:
         state = state or SamplingState([0] * 20, seed=seed, rates=PassRates(4, 16))
@@ -225,19 +225,16 @@ def _trainer(model_dir: Path, run_dir: Path, *extra: str):
 
 
 @pytest.mark.slow
-def test_neither_option_builds_the_plain_trainer_class(tiny_model_dir, tmp_path):
-    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
-    from lowmem_grpo.train.grpo import InformativeCpuSafeGRPOTrainer, InformativeGRPOTrainer, grpo_trainer_class
-
-    from trl import GRPOTrainer
+def test_the_trainer_draws_through_the_sampling_state_only_with_an_option(tiny_model_dir, tmp_path):
+    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer, LowmemGRPOTrainer, grpo_trainer_class
 
     trainer, _, examples, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=4")
     assert type(trainer) is CpuSafeGRPOTrainer and sampling is None
     assert set(examples[0]) == {"prompt", "answer", "question", "solution", "prefill"}  # no extra columns
-    assert grpo_trainer_class("unsloth", "cuda") is GRPOTrainer
-    assert grpo_trainer_class("hf", "cuda", informative=True) is InformativeGRPOTrainer
+    assert trainer.lowmem_sampling is None and not trainer.lowmem_dynamic_sampling
+    assert grpo_trainer_class("unsloth", "cuda") is LowmemGRPOTrainer is grpo_trainer_class("hf", "cuda")
     trainer, _, examples, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=4", "train.dynamic_sampling=true")
-    assert type(trainer) is InformativeCpuSafeGRPOTrainer and trainer.lowmem_sampling is sampling
+    assert type(trainer) is CpuSafeGRPOTrainer and trainer.lowmem_sampling is sampling
     assert [e["problem_id"] for e in examples] == [0, 1, 2, 3] and {e["level"] for e in examples} == {0}
 
 
@@ -420,7 +417,8 @@ class _StubModel:
 
 
 class _StubTrainer:
-    """What NoSignalStepGuard touches of a trainer: compute_loss, add_callback, optimizer, accelerator, _metrics."""
+    """What NoSignalStepGuard touches of a trainer (lowmem_grpo.train.trainer.LowmemGRPOTrainer): add_callback,
+    optimizer, accelerator, add_step_metrics; its compute_loss hands each training micro-batch to the guard."""
 
     def __init__(self, optimizer) -> None:
         from collections import defaultdict
@@ -428,14 +426,20 @@ class _StubTrainer:
         self.optimizer = optimizer
         self.accelerator = _StubAccelerator()
         self.model = _StubModel()
-        self._metrics = {"train": defaultdict(list)}
+        self.metrics = defaultdict(list)
         self.callbacks = []
+        self.lowmem_guard = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.lowmem_guard.judge(inputs)
         return 0.0
 
     def add_callback(self, callback) -> None:
         self.callbacks.append(callback)
+
+    def add_step_metrics(self, record) -> None:
+        for key, value in record.items():
+            self.metrics[key].append(value)
 
 
 def test_the_guard_skips_a_step_without_signal_and_steps_when_it_cannot_judge():
@@ -447,7 +451,7 @@ def test_the_guard_skips_a_step_without_signal_and_steps_when_it_cannot_judge():
     weight.grad = torch.zeros(3)
     trainer = _StubTrainer(torch.optim.AdamW([weight], lr=0.1, weight_decay=0.5))
     guard = NoSignalStepGuard.attach(trainer)
-    assert trainer.callbacks == [guard]
+    assert trainer.callbacks == [guard] and trainer.lowmem_guard is guard
     guard.on_train_begin(None, None, None)
     flat = {"advantages": torch.zeros(4), "completion_mask": torch.ones(4, 5)}
     cut = {"advantages": torch.tensor([0.0, 1.0, -1.0, 0.0]), "completion_mask": torch.tensor([[1] * 5, [0] * 5,
@@ -464,4 +468,4 @@ def test_the_guard_skips_a_step_without_signal_and_steps_when_it_cannot_judge():
     moved = weight.detach().clone()
     trainer.optimizer.step()  # no micro-batch went through compute_loss: nothing judged, the step is taken
     assert not torch.equal(weight.detach(), moved)
-    assert trainer._metrics["train"][SKIPPED_STEP_KEY] == [1.0, 1.0, 0.0, 0.0] and guard.skipped == 2
+    assert trainer.metrics[SKIPPED_STEP_KEY] == [1.0, 1.0, 0.0, 0.0] and guard.skipped == 2

@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lowmem_grpo"
 HEAVY = ("torch", "trl", "transformers", "unsloth", "peft", "datasets", "vllm")
 # the modules allowed to import a heavy library at module level (each imported after backends.prepare())
-HEAVY_AT_IMPORT = {"train/grpo.py", "train/callbacks.py", "train/cpu_trainers.py", "sampling/generate.py",
-                   "sampling/kv_cache.py"}
+HEAVY_AT_IMPORT = {"train/grpo.py", "train/trainer.py", "train/callbacks.py", "train/cpu_logprobs.py",
+                   "sampling/generate.py", "sampling/kv_cache.py"}
 
 
 def _shape() -> dict:

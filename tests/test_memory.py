@@ -513,8 +513,7 @@ def test_shared_prompt_rules_on_the_hf_path():
 def test_shared_prompt_runs_in_the_cpu_trainer_only():
     """The planner's device rule, against the trainer each device gets."""
     from lowmem_grpo.memory import sharing as ms
-    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
-    from lowmem_grpo.train.grpo import grpo_trainer_class
+    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer, grpo_trainer_class
 
     for device in ("cpu", "cuda"):
         runs_ours = issubclass(grpo_trainer_class("hf", device), CpuSafeGRPOTrainer)

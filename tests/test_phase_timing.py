@@ -24,62 +24,59 @@ def timed_record(step: int, seconds: float = 2.0) -> dict:
     return record
 
 
-# ---- the timer on a trainer whose methods do nothing: wrapping and arithmetic -----------------------------------
+# ---- the timer driven as the trainer drives it: the arithmetic -----------------------------------
 
-class FakeTrainer:
-    """The methods PhaseTimer wraps, with a clock the test moves by hand."""
+class Trainer:
+    """What PhaseTimer reads of a trainer (lowmem_grpo.train.trainer.LowmemGRPOTrainer): its accelerator's device,
+    its callbacks, add_step_metrics."""
 
-    def __init__(self, clock: list[float]) -> None:
-        self.clock = clock
-        self.accelerator = SimpleNamespace(device=SimpleNamespace(type="cpu"), backward=self._spend(0.3))
-        self._metrics = {"train": defaultdict(list)}
+    def __init__(self, device: str = "cpu") -> None:
+        self.accelerator = SimpleNamespace(device=SimpleNamespace(type=device))
         self.callback_handler = SimpleNamespace(callbacks=["telemetry"])
-        self.lowmem_cpu_attention = True
+        self.metrics = defaultdict(list)
 
-    def _spend(self, seconds: float, result=None):
-        def spend(*args, **kwargs):
-            self.clock[0] += seconds
-            return result
-        return spend
-
-    def _generate_and_score_completions(self, batch):
-        self.clock[0] += 0.05  # tokenizing, advantages
-        self._generate(batch)
-        return self._calculate_rewards(batch)
-
-    def _generate(self, batch):
-        self.clock[0] += 1.0
-        return None, [[1] * 10, [2] * 30]
-
-    def _calculate_rewards(self, batch):
-        self.clock[0] += 0.1
-
-    def compute_loss(self, batch):
-        self.clock[0] += 0.4
+    def add_step_metrics(self, record: dict) -> None:
+        for key, value in record.items():
+            self.metrics[key].append(value)
 
 
-def test_phase_timer_wraps_the_instance_and_its_phases_sum_to_the_step(monkeypatch):
+def run_phases(timer, clock: list[float]) -> None:
+    """One step's phases as LowmemGRPOTrainer's overrides open and close them, on the test's clock."""
+    with timer.span("_prepare"):
+        clock[0] += 0.05  # tokenizing, advantages
+        with timer.span("generation"):
+            clock[0] += 1.0
+        timer.count_tokens(40)
+        with timer.span("rewards"):
+            clock[0] += 0.1
+    with timer.span("loss_forward"):
+        clock[0] += 0.4
+    timer.open("backward")
+    clock[0] += 0.3
+    timer.close("backward")
+
+
+def test_phase_timer_sums_its_phases_to_the_step(monkeypatch):
     from lowmem_grpo.train import callbacks
 
     clock = [100.0]
     monkeypatch.setattr(callbacks.WallClock, "mark", lambda self: clock[0])
-    trainer = FakeTrainer(clock)
+    trainer = Trainer()
     timer = callbacks.PhaseTimer.attach(trainer)
     assert trainer.callback_handler.callbacks[0] is timer  # first: its step end precedes telemetry and checkpoints
-    assert FakeTrainer.compute_loss.__name__ == "compute_loss" and "compute_loss" in vars(trainer)  # instance only
+    assert trainer.lowmem_timer is timer
     state = SimpleNamespace(global_step=1, max_steps=2)
     for step in (1, 2):
         timer.on_step_begin(None, state, None)
-        trainer._generate_and_score_completions(None)
-        trainer.compute_loss(None)
-        trainer.accelerator.backward(None)
+        run_phases(timer, clock)
+        timer.close("backward")  # nothing open: nothing counted twice
         timer.on_pre_optimizer_step(None, state, None)
         clock[0] += 0.02
         timer.on_optimizer_step(None, state, None)
         clock[0] += 0.01  # clipping, scheduler
         timer.on_step_end(None, state, None)
         clock[0] += 0.5  # the log line and a checkpoint: the next step's checkpoint_telemetry
-    metrics = trainer._metrics["train"]
+    metrics = trainer.metrics
     assert metrics["time/generation"] == pytest.approx([1.0, 1.0])
     assert metrics["time/rewards"] == pytest.approx([0.1, 0.1])
     assert metrics["time/prepare_other"] == pytest.approx([0.05, 0.05])
@@ -91,9 +88,29 @@ def test_phase_timer_wraps_the_instance_and_its_phases_sum_to_the_step(monkeypat
     assert metrics["time/step"] == pytest.approx([1.88, 2.38])
     assert metrics["tokens_per_s"] == pytest.approx([40.0, 40.0])
     assert metrics["time/sampling_share"] == pytest.approx([1.0 / 1.88, 1.0 / 2.38])
+    assert {"rss/generation", "rss/prepare", "rss/backward"} <= set(metrics)
     state.global_step = 2
     timer.on_epoch_end(None, state, SimpleNamespace(should_training_stop=False))
     assert metrics["time/checkpoint_telemetry"][-1] == pytest.approx(0.5)  # the last step's: into the summary line
+
+
+def test_a_phase_left_open_is_not_counted_and_one_that_raises_is_closed(monkeypatch):
+    from lowmem_grpo.train import callbacks
+
+    clock = [0.0]
+    monkeypatch.setattr(callbacks.WallClock, "mark", lambda self: clock[0])
+    timer = callbacks.PhaseTimer.attach(Trainer())
+    with pytest.raises(RuntimeError), timer.span("generation"):
+        clock[0] += 1.0
+        raise RuntimeError("out of memory")
+    timer.open("backward")  # a loss computed outside a training step leaves it open: the next open restarts it
+    clock[0] += 5.0
+    timer.open("backward")
+    clock[0] += 0.3
+    timer.close("backward")
+    spans = [(phase, end - start) for phase, start, end in timer.spans]
+    assert spans == [("generation", 1.0), ("backward", pytest.approx(0.3))]
+    assert not timer.opened  # no RSS watch left running
 
 
 class FakeEvent:
@@ -125,19 +142,16 @@ def test_on_cuda_the_timer_uses_events_and_waits_once_a_step(monkeypatch):
     monkeypatch.setattr(FakeEvent, "clock", clock)
     monkeypatch.setattr(FakeEvent, "synchronized", 0)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    trainer = FakeTrainer(clock)
-    trainer.accelerator.device = SimpleNamespace(type="cuda")
+    trainer = Trainer("cuda")
     timer = callbacks.PhaseTimer.attach(trainer)
     assert isinstance(timer.clock, callbacks.CudaClock)
     state = SimpleNamespace(global_step=1, max_steps=1)
     timer.on_step_begin(None, state, None)
-    trainer._generate_and_score_completions(None)
-    trainer.compute_loss(None)
-    trainer.accelerator.backward(None)
+    run_phases(timer, clock)
     assert FakeEvent.synchronized == 0  # nothing waits for the GPU inside the step
     timer.on_step_end(None, state, None)
     assert FakeEvent.synchronized == 1
-    metrics = trainer._metrics["train"]
+    metrics = trainer.metrics
     assert metrics["time/generation"] == pytest.approx([1.0]) and metrics["time/backward"] == pytest.approx([0.3])
     assert metrics["time/step"] == pytest.approx([1.85])
 
@@ -222,7 +236,7 @@ def test_completion_only_logits_equal_the_full_logits_path(tiny_model_dir, entro
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
+    from lowmem_grpo.train.cpu_logprobs import logps_and_entropies
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -231,18 +245,15 @@ def test_completion_only_logits_equal_the_full_logits_path(tiny_model_dir, entro
     ids = torch.randint(3, model.config.vocab_size, (4, 20))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # a left-padded prompt
-    fake = SimpleNamespace(accelerator=SimpleNamespace(autocast=contextlib.nullcontext), temperature=0.7,
-                           _entropy_bonus_enabled=entropy_bonus, lowmem_shared_prompt=False,  # full rows here
-                           lowmem_cpu_attention=True,
-                           model=model, _metrics=defaultdict(lambda: defaultdict(list)))
     results = []
     for run in ("old", "new"):
         model.zero_grad()
         if run == "old":
             logps, entropy = _old_logps_and_entropies(model, ids, mask, 7, 0.7)
         else:
-            logps, entropy, _ = CpuSafeGRPOTrainer._get_per_token_logps_and_entropies(
-                fake, model, ids, mask, 7, batch_size=2, compute_entropy=True)
+            logps, entropy, _ = logps_and_entropies(
+                model, ids, mask, 7, 2, temperature=0.7, compute_entropy=True, entropy_grad=entropy_bonus,
+                shared_prompt=False, attention=True, autocast=contextlib.nullcontext)  # full rows here
             assert entropy.requires_grad == entropy_bonus  # no graph kept for a logged-only entropy
         (logps.sum() + (entropy.sum() if entropy_bonus else 0)).backward()  # the loss uses it only with a bonus
         grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]

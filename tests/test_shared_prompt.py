@@ -63,7 +63,7 @@ def _pass(model, ids, mask, share, micro_batches=1):
     import torch
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-    from lowmem_grpo.train.shared_prompt import completion_logits
+    from lowmem_grpo.train.cpu_logprobs import completion_logits
 
     model.zero_grad()
     logps, entropies, forwarded, shared = [], [], 0, []
@@ -120,7 +120,7 @@ def test_gradient_accumulation_with_groups_split_across_micro_batches(models, mi
 
 
 def test_no_shared_prompt_runs_the_full_rows(models):
-    from lowmem_grpo.train.shared_prompt import completion_logits, prompt_groups
+    from lowmem_grpo.train.cpu_logprobs import completion_logits, prompt_groups
 
     model = models["llama"]
     ids, mask = _batch([14, 9, 5], 1, model.config.vocab_size, seed=3)
@@ -132,7 +132,7 @@ def test_no_shared_prompt_runs_the_full_rows(models):
 def test_prompt_groups_compare_ids_and_mask_and_number_by_first_appearance():
     import torch
 
-    from lowmem_grpo.train.shared_prompt import prompt_groups
+    from lowmem_grpo.train.cpu_logprobs import prompt_groups
 
     ids = torch.tensor([[0, 5, 6, 1], [0, 5, 6, 2], [7, 5, 6, 3], [0, 5, 6, 4], [7, 5, 6, 5]])
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
@@ -144,7 +144,7 @@ def test_prompt_groups_compare_ids_and_mask_and_number_by_first_appearance():
 def test_where_it_does_not_apply(models):
     from transformers import Qwen2Config
 
-    from lowmem_grpo.train.shared_prompt import checkpointing_active, unsupported
+    from lowmem_grpo.train.cpu_logprobs import checkpointing_active, unsupported
 
     model = models["llama"]
     assert unsupported(model) is None and not checkpointing_active(model)
@@ -170,7 +170,7 @@ def trainer(models, tiny_model_dir, tmp_path_factory):
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 
-    from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
+    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trainer")), use_cpu=True, bf16=False,
                       per_device_train_batch_size=8, num_generations=4, temperature=0.7, report_to=[],
@@ -218,7 +218,7 @@ def _untrimmed(model, ids, mask, temperature, width=C):
     """Log-probs and entropies of logits / T over every completion column, all rows in one full-row pass."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-    from lowmem_grpo.train.shared_prompt import completion_logits
+    from lowmem_grpo.train.cpu_logprobs import completion_logits
 
     scaled = completion_logits(model, ids, mask, width, share=False).logits.float() / temperature
     return selective_log_softmax(scaled, ids[:, -width:]), entropy_from_logits(scaled.detach())
@@ -283,7 +283,7 @@ def test_loss_pass_skips_padding_columns_exactly(trainer, share, batch_size):
 def test_pass_without_gradients_groups_rows_to_skip_padding(trainer, share):
     import torch
 
-    from lowmem_grpo.train.cpu_trainers import row_chunks
+    from lowmem_grpo.train.cpu_logprobs import row_chunks
 
     width = 120  # one prompt's completions run up to 120 tokens, the others' up to a few: two forwards pay
     ids, mask = _batch(PROMPTS, 4, trainer.model.config.vocab_size, seed=22, longest=[3, 120, 5, 7], width=width)
@@ -321,7 +321,7 @@ def _shaped_batch(longest, prompt_width=83, group_size=8, width=64):
 def test_row_chunks_group_rows_by_what_they_save():
     import torch
 
-    from lowmem_grpo.train.cpu_trainers import row_chunks
+    from lowmem_grpo.train.cpu_logprobs import row_chunks
 
     ids, mask = _shaped_batch([36, 33, 34, 29])
     # with gradients: TRL's slices, in order

@@ -19,7 +19,7 @@ unsloth  Unsloth's PrefixGrouper (unsloth/utils/prefix_grouper.py, unsloth_zoo/r
          full-row packed pass runs with gradients and stays in memory while a no-grad shared pass is compared
          with it. A later batch longer than any verified one is verified again, so the longest batch, the peak,
          runs the full-row pass: the verify leaves the peak at the full-row figure (the time is still saved).
-hf       our shared-prompt pass (train.shared_prompt, default on; lowmem_grpo/train/shared_prompt.py): each
+hf       our shared-prompt pass (train.shared_prompt, default on; lowmem_grpo/train/cpu_logprobs.py): each
          distinct prompt of a micro-batch forwarded once with gradients, its KV cache indexed out to the rows that
          share it, the completions run on it. It needs a cache the layers write into, so it runs the loss pass
          only when train.gradient_checkpointing is false (with checkpointing only the no-grad old/reference
@@ -135,7 +135,7 @@ def unsloth_prefix_grouper(arch: Architecture, *, fast_inference: bool, num_gene
     return Sharing(UNSLOTH, UNSLOTH, f"Unsloth's PrefixGrouper engages: {how}", verify)
 
 
-# the devices whose trainer runs our shared-prompt pass (lowmem_grpo.train.cpu_trainers.CpuSafeGRPOTrainer)
+# the devices whose trainer runs our shared-prompt pass (lowmem_grpo.train.trainer.CpuSafeGRPOTrainer)
 HF_SHARED_DEVICES = ("cpu",)
 
 

@@ -6,10 +6,12 @@ Imports transformers at module level: import this module only after `backends.pr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,10 +214,11 @@ class NoSignalStepGuard(TrainerCallback):
     train.beta > 0 the skipped step would only have held the KL pull towards the reference. Logs SKIPPED_STEP_KEY
     every step; a step's decision is the same on every process.
 
-    `NoSignalStepGuard.attach(trainer)` wraps compute_loss (to see each micro-batch's advantages) on the trainer
-    INSTANCE and, when training starts, the prepared optimizer's step; no subclass, so TRL's, the CPU-safe and
-    Unsloth's trainers are guarded alike. Under DeepSpeed the engine steps inside backward: not guarded there. Under
-    fp16 a skip ends the GradScaler's iteration without changing its scale (_end_scaler_iteration)."""
+    `NoSignalStepGuard.attach(trainer)` makes it the trainer's `lowmem_guard` (lowmem_grpo.train.trainer: its
+    compute_loss hands each training micro-batch to `judge`) and, when training starts, wraps the prepared
+    optimizer's step, so TRL's, the CPU-safe and Unsloth's optimizers are guarded alike. Under DeepSpeed the engine
+    steps inside backward: not guarded there. Under fp16 a skip ends the GradScaler's iteration without changing
+    its scale (_end_scaler_iteration)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -225,20 +228,16 @@ class NoSignalStepGuard(TrainerCallback):
 
     @classmethod
     def attach(cls, trainer: Any) -> NoSignalStepGuard:
-        """Wrap the trainer's compute_loss and register the guard; returns it."""
+        """Register the guard with the trainer (as its lowmem_guard and a callback); returns it."""
         guard = cls(trainer)
-        original = trainer.compute_loss
-
-        @functools.wraps(original)
-        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            if trainer.model.training:  # an evaluation pass teaches nothing
-                guard.seen = True
-                guard.informative = guard.informative or carries_signal(inputs)
-            return original(model, inputs, *args, **kwargs)
-
-        trainer.compute_loss = compute_loss
+        trainer.lowmem_guard = guard
         trainer.add_callback(guard)
         return guard
+
+    def judge(self, inputs: Any) -> None:
+        """A training micro-batch of the current optimizer step."""
+        self.seen = True
+        self.informative = self.informative or carries_signal(inputs)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
         self.informative = self.seen = False
@@ -278,14 +277,7 @@ class NoSignalStepGuard(TrainerCallback):
         return bool(accelerator.gather(flag).max().item() > 0)
 
     def _publish(self, value: float) -> None:
-        metrics = getattr(self.trainer, "_metrics", None)  # GRPOTrainer.log averages and clears it at each log
-        if metrics is not None:
-            metrics["train"][SKIPPED_STEP_KEY].append(value)
-
-
-# trainer method -> the phase it times ("_prepare", the whole batch preparation, only yields prepare_other)
-TIMED_METHODS = {"_generate_and_score_completions": "_prepare", "_generate": "generation",
-                 "_calculate_rewards": "rewards", "compute_loss": "loss_forward"}
+        self.trainer.add_step_metrics({SKIPPED_STEP_KEY: value})
 
 
 class WallClock:
@@ -317,20 +309,12 @@ class CudaClock:
         mark.synchronize()
 
 
-def _completion_tokens(generated: Any) -> int:
-    """Tokens sampled in one `_generate` call (its second item holds one id list per completion)."""
-    try:
-        return sum(len(ids) for ids in generated[1])
-    except (TypeError, IndexError, KeyError):
-        return 0
-
-
 class PhaseTimer(TrainerCallback):
     """Per-step phase seconds (telemetry.PHASES as time/<phase>), time/step, time/sampling_share and tokens_per_s,
-    appended to trainer._metrics["train"] so that GRPOTrainer.log averages them into every log line and logger.
+    published through trainer.add_step_metrics, so that GRPOTrainer.log averages them into every log line.
 
-    `PhaseTimer.attach(trainer)` wraps methods on the trainer INSTANCE (and its accelerator's backward): no subclass
-    and nothing global, so it times TRL's GRPOTrainer, the CPU-safe subclass and Unsloth's generated trainer alike.
+    `PhaseTimer.attach(trainer)` makes it the trainer's `lowmem_timer`: the trainer's overrides of the methods that
+    run each phase time it (`span`, or `open` / `close` for the backward; lowmem_grpo.train.trainer).
     A step is the span from the previous step's end to this one's: checkpoint_telemetry is what ran in between (the
     previous step's log line, callbacks, checkpoint, periodic eval), and the last step's lands in the final summary.
     """
@@ -340,6 +324,7 @@ class PhaseTimer(TrainerCallback):
         self.clock = CudaClock() if trainer.accelerator.device.type == "cuda" else WallClock()
         self.spans: list[tuple[str, Any, Any]] = []  # (phase, start mark, end mark) of the current step
         self.rss_peaks: dict[str, int] = {}  # phase -> peak RSS (bytes) of the current step (lowmem_grpo.rundir.rss)
+        self.opened: dict[str, tuple[Any, rss.Watch]] = {}  # phase -> (start mark, its RSS watch), not yet closed
         self.tokens = 0
         self.window_start: Any = None  # the previous step's end mark
         self.begin: Any = None
@@ -347,39 +332,51 @@ class PhaseTimer(TrainerCallback):
 
     @classmethod
     def attach(cls, trainer: Any) -> PhaseTimer:
-        """Wrap the trainer's timed methods and register the timer as its first callback; returns the timer."""
+        """Register the timer as the trainer's lowmem_timer and its first callback; returns the timer."""
         timer = cls(trainer)
-        for name, phase in TIMED_METHODS.items():
-            if hasattr(trainer, name):
-                timer.wrap(trainer, name, phase)
-        timer.wrap(trainer.accelerator, "backward", "backward")
+        trainer.lowmem_timer = timer
         # first, so that its step end comes before telemetry, checkpoints and periodic eval (they are the next gap)
         trainer.callback_handler.callbacks.insert(0, timer)
         return timer
 
-    def wrap(self, owner: Any, name: str, phase: str) -> None:
-        """Replace owner.name by a timed call of the bound method the instance would have called."""
-        original, spans, clock, peaks = getattr(owner, name), self.spans, self.clock, self.rss_peaks
-        counts_tokens = phase == "generation"
+    def open(self, phase: str) -> None:
+        """Start timing `phase` (and watching the RSS peak) until `close(phase)`."""
+        self._drop(phase)  # one left open (a loss computed outside a training step) is not counted
+        watch = rss.Watch()
+        watch.__enter__()
+        self.opened[phase] = (self.clock.mark(), watch)
 
-        @functools.wraps(original)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = clock.mark()
-            with rss.Watch() as watch:
-                result = original(*args, **kwargs)
-            spans.append((phase, start, clock.mark()))
-            peaks[phase] = max(peaks.get(phase, 0), watch.peak_bytes)
-            if counts_tokens:
-                self.tokens += _completion_tokens(result)
-            return result
+    def close(self, phase: str) -> None:
+        """End `phase`'s span opened by `open`; nothing when none is open."""
+        if phase not in self.opened:
+            return
+        start, watch = self.opened.pop(phase)
+        watch.__exit__(None, None, None)
+        self.spans.append((phase, start, self.clock.mark()))
+        self.rss_peaks[phase] = max(self.rss_peaks.get(phase, 0), watch.peak_bytes)
 
-        setattr(owner, name, timed)  # an instance attribute shadows the class's method; nothing else is patched
+    @contextlib.contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        """Time the `with` block as (part of) `phase`."""
+        self.open(phase)
+        try:
+            yield
+        finally:
+            self.close(phase)
+
+    def _drop(self, phase: str) -> None:
+        if phase in self.opened:
+            self.opened.pop(phase)[1].__exit__(None, None, None)
+
+    def count_tokens(self, tokens: int) -> None:
+        """Completion tokens sampled in this step (tokens_per_s)."""
+        self.tokens += tokens
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
         self.begin = self.clock.mark()
         if self.window_start is None:
             self.window_start = self.begin
-        self.spans.clear()  # in place: the wrappers hold this list (and this dict)
+        self.spans.clear()
         self.rss_peaks.clear()
         self.tokens = 0
 
@@ -420,7 +417,4 @@ class PhaseTimer(TrainerCallback):
         return record
 
     def _publish(self, record: dict[str, float]) -> None:
-        metrics = getattr(self.trainer, "_metrics", None)  # GRPOTrainer.log averages and clears it at each log
-        if metrics is not None:
-            for key, value in record.items():
-                metrics["train"][key].append(value)
+        self.trainer.add_step_metrics(record)

@@ -6,7 +6,7 @@ probability 1 - p^G - (1-p)^G: never at p = 0 or 1, most at p = 1/2. Two options
 
 - train.dynamic_sampling: problems are drawn with that probability as their weight (`PassRates.weight`), so
   generation goes to problems the model sometimes solves; groups that still come out flat are kept out of
-  the loss (lowmem_grpo.train.grpo.InformativeTrainerMixin).
+  the loss (lowmem_grpo.train.trainer.LowmemGRPOTrainer).
 - train.curriculum: problems are drawn from the levels up to the current one (`Curriculum`), which moves up one
   level once the recent pass rate on it reaches train.curriculum_promote_at.
 

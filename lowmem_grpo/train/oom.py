@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 MIN_COMPLETION_LENGTH = 16
 PLANNER_CUT = 0.25  # share of the planner's non-static peak to free per retry
 NOTE_PREFIX = "# lowmem-grpo: "
-_GENERATION_FRAMES = {"generate", "_generate", "_sample", "generate_completions", "_generate_single_turn"}
+# generate (transformers', vLLM's), transformers' sampling loop, our trainer's generation step
+_GENERATION_FRAMES = {"generate", "_sample", "generate_completions", "sample_completions"}
 
 
 def _load_time_keys() -> frozenset[str]:

@@ -60,7 +60,7 @@ def build_sft_config(recipe: Any, run_dir: Path, cuda: bool, dtype: str = "float
 def sft_trainer_class(backend: str, cuda: bool) -> type:
     """TRL's SFTTrainer (Unsloth's patched one once Unsloth is imported), or the CPU-safe subclass for hf on CPU."""
     if backend == "hf" and not cuda:
-        from lowmem_grpo.train.cpu_trainers import CpuSafeSFTTrainer
+        from lowmem_grpo.train.trainer import CpuSafeSFTTrainer
 
         return CpuSafeSFTTrainer
     from trl import SFTTrainer

@@ -130,8 +130,9 @@ def release(trainer: Any) -> None:
     """Drop what a failed trainer holds on the GPU: its buffered generation batch (TRL keeps the whole batch of
     completions between generation and the updates), the objects accelerate prepared, the optimizer and scheduler.
     The caller then drops its own reference, so that collecting can free the trainer itself."""
-    if hasattr(trainer, "_buffered_inputs"):
-        trainer._buffered_inputs = None
+    drop = getattr(trainer, "drop_generation_batch", None)  # lowmem_grpo.train.trainer's trainers have it
+    if drop is not None:
+        drop()
     try:
         trainer.accelerator.free_memory()
     except Exception:  # noqa: BLE001 - best effort; the references are dropped anyway
