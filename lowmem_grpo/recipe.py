@@ -45,7 +45,7 @@ class ModelConfig:
     """Longest prompt + completion the model is prepared for."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Compute dtype; auto = bfloat16 on GPUs of compute capability >= 8, float16 on older GPUs; on CPU bfloat16
-    where the CPU computes it natively (avx512_bf16 / AMX), else float32 (lowmem_grpo.device.resolve_dtype)."""
+    where the CPU computes it natively (avx512_bf16 / AMX), else float32 (lowmem_grpo.runtime.auto_dtype)."""
     fast_inference: bool | None = False
     """Generate with vLLM through Unsloth (backend unsloth, CUDA): opt-in, off unless true (None, the old default,
     is off too); needs the `vllm` extra's resolved set: pip install -c constraints-vllm.txt -e '.[vllm]'."""

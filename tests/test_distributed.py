@@ -176,7 +176,8 @@ def run_python(code: str, **extra: str) -> str:
 
 
 def test_auto_backend_is_hf_under_several_processes():
-    code = "from lowmem_grpo.backends import prepare; print(prepare('auto'))"
+    code = ("from lowmem_grpo.backends import start; from lowmem_grpo.distributed import launch; "
+            "from lowmem_grpo.recipe import Recipe; print(start(Recipe(), launch())[0].backend)")
     assert run_python(code, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1") == "hf"
 
 

@@ -271,8 +271,12 @@ def check_target_loss_fell(recipe, run_dir: Path) -> None:
     from lowmem_grpo.data import build_examples
     from lowmem_grpo.data import load_train_rows
 
-    base = load(recipe, "hf", with_lora=False)
-    primed = load(recipe, "hf", with_lora=False, adapter_path=str(run_dir / "primed_adapter"))
+    from lowmem_grpo.recipe_io import apply_overrides
+    from tiny_run import cpu_runtime
+
+    hf = cpu_runtime(apply_overrides(recipe, ["model.backend=hf"]))
+    base = load(recipe, hf, with_lora=False)
+    primed = load(recipe, hf, with_lora=False, adapter_path=str(run_dir / "primed_adapter"))
     d = recipe.data
     examples = build_examples(load_train_rows(recipe.data), base.tokenizer, d.system_prompt, d.prefill, d.max_prompt_length)
     pairs = priming_pairs(examples, recipe.prime.num_examples)  # the rendered targets it was primed on

@@ -158,7 +158,8 @@ def _want_vllm(engine: str) -> bool:
 
 def load_model(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
     """(generator, tokenizer, LoRA request, info): a vLLM engine on CUDA with vllm, else the backend's model."""
-    from lowmem_grpo.backends import load, prepare, resolve_model_path
+    from lowmem_grpo import distributed
+    from lowmem_grpo.backends import load, resolve_model_path, start
 
     if _want_vllm(opts.engine):
         from transformers import AutoTokenizer
@@ -170,8 +171,8 @@ def load_model(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[An
         engine, lora = _vllm_engine(recipe, path, adapter, opts.seed)
         return engine, tokenizer, lora, {"model_path": path, "backend": "vllm", "device": "cuda",
                                          "dtype": recipe.model.dtype}
-    backend = prepare(recipe.model.backend)
-    loaded = load(recipe, backend, with_lora=False, adapter_path=str(adapter) if adapter else None)
+    runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)  # Unsloth before CUDA
+    loaded = load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None)
     return loaded.model, loaded.tokenizer, None, {"model_path": loaded.model_path, "backend": loaded.backend,
                                                   "device": loaded.device, "dtype": loaded.dtype}
 

@@ -36,7 +36,7 @@ from lowmem_grpo.evaluation.metrics import (
     problem_value,
 )
 from lowmem_grpo.evaluation.progress import ProgressLog
-from lowmem_grpo.memory.plan import EVAL_BATCH
+from lowmem_grpo.runtime import EVAL_BATCH, eval_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +146,6 @@ def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
     """`settings` with a batch of at least 8 prompts' k samples: a batch counts sequences, so k samples per prompt
     at the greedy batch size would mean k times the generate calls, and on CPU each call's fixed cost dominates."""
     return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
-
-
-def eval_batch_size(train: Any) -> int:
-    """Sequences each stage and periodic evaluation call decodes at once: train.eval_batch_size (on a GPU auto-fit
-    sets it from the memory plan: lowmem_grpo.memory.fit.with_planned_eval_batch), else EVAL_BATCH (at least the
-    micro-batch)."""
-    return train.eval_batch_size or max(EVAL_BATCH, train.per_device_train_batch_size)
 
 
 def sampled_settings(train: Any, settings: dict[str, Any], k: int) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lowmem_grpo.backends import load, prepare, resolve_model_path
+from lowmem_grpo import distributed
+from lowmem_grpo.backends import load, resolve_model_path, start
 from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.data.format import primed_count
@@ -361,12 +362,12 @@ def check_rewards(recipe: Any, n_prompts: int) -> PreflightResult:
     validate(recipe)
     if n_prompts < 1:
         raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix=f"e.g. --prompts {PREFLIGHT_MIN_PROMPTS}")
-    backend = prepare(recipe.model.backend)
+    runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)  # Unsloth before CUDA
     rows = load_train_rows(recipe.data)  # bad data fails before the model loads
     model_path = resolve_model_path(recipe.model.name)
     # a mismatched adapter stops here (exit 2) before any weights load, as in train
     adapter = check_init_adapter(recipe.lora, recipe.model.name, model_path) if recipe.lora.init_adapter else None
-    loaded = load(recipe, backend, with_lora=False, adapter_path=str(adapter) if adapter else None,
+    loaded = load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None,
                   model_path=model_path)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)  # all of them: the prompts are drawn spread
     # nothing was primed in this command (priming a given adapter is train's job)
