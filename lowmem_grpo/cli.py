@@ -74,13 +74,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from lowmem_grpo import distributed
     from lowmem_grpo.combinations import check
-    from lowmem_grpo.device import cuda_facts
     from lowmem_grpo.recipe_io import dump_yaml, load_recipe
-    from lowmem_grpo.runtime import resolve
+    from lowmem_grpo.runtime import before_cuda, resolve
 
     recipe = load_recipe(args.recipe, args.overrides)
     environ = distributed.launcher_environment(args.accelerate_config) if args.accelerate_config else None
-    target = resolve(recipe, distributed.launch(recipe.train.extra, environ), cuda_facts())
+    target = resolve(recipe, distributed.launch(recipe.train.extra, environ), before_cuda(recipe))
     check(recipe, target)  # what `train` checks before any model loads, on the Runtime it would run with
     from lowmem_grpo.data import source_exists
 
@@ -99,7 +98,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         check_trainer_fields(recipe)
     sys.stdout.write(dump_yaml(recipe) if args.show else
-                     f"{target.block()}ok: {args.recipe} ({recipe.name}; {target.describe()})\n")
+                     f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n{target.block()}")
     return EXIT_OK
 
 

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lowmem_grpo.device import CudaFacts, bf16_supported, cpu_auto_dtype, is_installed
+from lowmem_grpo.device import CudaFacts, bf16_supported, cpu_auto_dtype, cuda_available, is_installed
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.recipe import Recipe, TrainConfig
@@ -158,6 +158,14 @@ def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cu
 
 GPU_PLAN = CudaFacts(torch_cuda="planned", available=True)
 """The machine the memory planner plans for: one CUDA GPU (its capability unknown)."""
+
+
+def before_cuda(recipe: Recipe, training: bool = True) -> CudaFacts:
+    """What `resolve` needs of this machine before CUDA starts: whether torch sees a GPU (asked only for a recipe
+    that is not resolved for CUDA anyway: a GPU recipe's training run, the case `validate` judges without torch)."""
+    if training and recipe.gpu_memory_gb:
+        return GPU_PLAN
+    return CudaFacts(torch_cuda=None, available=cuda_available())
 
 
 def planned(recipe: Recipe) -> Runtime:

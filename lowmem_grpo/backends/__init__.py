@@ -15,11 +15,12 @@ from typing import Any
 from collections.abc import Callable
 
 from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
+from lowmem_grpo.combinations import check
 from lowmem_grpo.device import CudaFacts, cuda_available, cuda_facts, is_installed, model_dtype, require_gpu
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError, LowmemError
 from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.runtime import Runtime, backend_for, resolve
+from lowmem_grpo.runtime import Runtime, before_cuda, resolve
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +54,23 @@ class LoadedModel:
 
 def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFacts] | None = None, *,
           training: bool = True) -> tuple[Runtime, CudaFacts]:
-    """The run's Runtime and this machine's CudaFacts, in the order CUDA needs: the backend from whether torch sees
-    a GPU (which starts no CUDA state), Unsloth imported when it is the backend, and only then the facts that start
-    CUDA (the GPU's capability and free memory): torch reads the allocator configuration Unsloth's import sets
-    when CUDA starts. A GPU recipe without a usable GPU stops (exit 2) before Unsloth is imported. `facts`: known
-    facts (a test's), or the function that reads them (default lowmem_grpo.device.cuda_facts). Without
-    `training` (an evaluation, the preflight) the run is on whatever this machine has (lowmem_grpo.runtime.resolve)."""
+    """The run's Runtime and this machine's CudaFacts, in the order CUDA needs. First the Runtime from what is known
+    before CUDA starts (whether torch sees a GPU: lowmem_grpo.runtime.before_cuda), and for `training` every
+    combination it could not honour refused (lowmem_grpo.combinations.check) and a GPU recipe without a usable GPU
+    stopped (exit 2); then the backend imported (Unsloth sets the allocator configuration torch reads when CUDA
+    starts); only then the facts that start CUDA, and the Runtime again with the GPU's compute capability (the
+    dtype `auto` loads on CUDA). `facts`: known facts (a test's), or the function that reads them (default
+    lowmem_grpo.device.cuda_facts). Without `training` (an evaluation, the preflight) the run is on whatever this
+    machine has."""
     known = facts if isinstance(facts, CudaFacts) else None
-    cuda = known.available if known else cuda_available()
-    gpu_recipe = recipe.gpu_memory_gb if training else None
-    if gpu_recipe and not cuda:
-        require_gpu(gpu_recipe, known or cuda_facts())  # no GPU: reading the facts starts no CUDA
-    prepare(backend_for(recipe.model.backend, cuda=bool(gpu_recipe) or cuda, launch=launch))
+    runtime = resolve(recipe, launch, known or before_cuda(recipe, training), training=training)
+    if training:
+        check(recipe, runtime)  # before anything is imported: what `lowmem-grpo validate` refuses
+        if recipe.gpu_memory_gb and not (known.available if known else cuda_available()):
+            require_gpu(recipe.gpu_memory_gb, known or cuda_facts())  # no GPU: reading the facts starts no CUDA
+    prepare(runtime.backend)
     known = known or (facts or cuda_facts)()
-    require_gpu(gpu_recipe, known)  # not days of float32 on CPU by accident: exit 2, the cause named
+    require_gpu(recipe.gpu_memory_gb if training else None, known)  # e.g. a GPU this torch has no kernels for
     return resolve(recipe, launch, known, training=training), known
 
 

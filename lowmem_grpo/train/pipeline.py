@@ -13,7 +13,6 @@ from typing import Any
 from lowmem_grpo import distributed
 from lowmem_grpo.backends import LoadedModel, load, resolve_model_path, start
 from lowmem_grpo.backends.adapter import check_init_adapter
-from lowmem_grpo.combinations import check
 from lowmem_grpo.data import budget, load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts
 from lowmem_grpo.errors import NoSignalError
@@ -98,14 +97,13 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
 
 
 def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None) -> tuple[Runtime, CudaFacts]:
-    """Validate the recipe, resolve its Runtime with Unsloth imported first when it is the backend (before
-    trl/transformers/peft, and before CUDA starts: backends.start) and a GPU recipe stopped without a usable GPU,
-    refuse every combination a run on this Runtime could not honour (the same check as `lowmem-grpo validate`),
-    join the launcher's process group, check the trainer fields and the logger; returns the Runtime and the facts."""
+    """Validate the recipe, resolve its Runtime (backends.start: every combination it could not honour refused,
+    the same check as `lowmem-grpo validate`, and a GPU recipe stopped without a usable GPU, before Unsloth is
+    imported first when it is the backend, ahead of trl/transformers/peft and of CUDA), join the launcher's process
+    group, check the trainer fields and the logger; returns the Runtime and the facts."""
     launch = distributed.launch(recipe.train.extra)
     validate(recipe, num_processes=launch.num_processes)  # the recipe's own rules, before anything is imported
-    runtime, facts = start(recipe, launch, cuda)
-    check(recipe, runtime)
+    runtime, facts = start(recipe, launch, cuda)  # refuses what the run could not honour, before any import
     distributed.setup(recipe.train.extra)  # nothing for one process
     from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after the backend
 
