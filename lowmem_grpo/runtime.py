@@ -124,8 +124,9 @@ def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[s
     """The Runtime of `recipe` under `launch` on the machine `facts` describe (lowmem_grpo.device.cuda_facts; a
     test builds its own). For `training`, a GPU recipe (gpu_memory_gb set) is resolved for CUDA wherever it is
     checked (without a usable GPU `train` refuses it); otherwise (an evaluation, the preflight) and for a CPU
-    recipe, for CUDA where the machine has it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE. BadInputError (exit 2) for model.backend=unsloth under DeepSpeed ZeRO-3 and for
-    an unknown LOWMEM_GRPO_CPU_DTYPE; lowmem_grpo.combinations.check refuses the rest."""
+    recipe, for CUDA where the machine has it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE.
+    BadInputError (exit 2) for model.backend=unsloth under DeepSpeed ZeRO-3 and for an unknown
+    LOWMEM_GRPO_CPU_DTYPE; lowmem_grpo.combinations.check refuses the rest."""
     cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
     m, t = recipe.model, recipe.train
     backend = backend_for(m.backend, cuda=cuda, launch=launch)

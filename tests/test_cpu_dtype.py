@@ -49,7 +49,7 @@ def test_the_setting_changes_only_what_auto_means_on_a_cpu():
     turing = CudaFacts(torch_cuda="12.6", available=True, capability=(7, 5))
     assert _dtype("auto", env, turing) == "float16"  # GPUs untouched
     assert _dtype("auto", {}) == cpu_auto_dtype({}).dtype  # this CPU's own answer
-    with pytest.raises(BadInputError, match=CPU_DTYPE_ENV):  # a CPU run stops on an unknown value, explicit dtype or not
+    with pytest.raises(BadInputError, match=CPU_DTYPE_ENV):  # a CPU run stops on it, explicit dtype or not
         _dtype("float32", {CPU_DTYPE_ENV: "half"})
 
 

@@ -159,7 +159,8 @@ def test_unsloth_under_zero3_is_refused_before_anything_runs(tiny_model_dir, tmp
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir),
            "model.backend=unsloth", f"output.dir={out}"]
-    zero3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ACCELERATE_DIR / "ds_zero3.json")}
+    zero3 = {"ACCELERATE_USE_DEEPSPEED": "true",
+             "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ACCELERATE_DIR / "ds_zero3.json")}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                             env=env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", **zero3))
     assert result.returncode == 2, result.stderr[-3000:]

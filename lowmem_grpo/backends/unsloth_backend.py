@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowmem_grpo.recipe import Recipe
 
-def load_unsloth(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
+
+def load_unsloth(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: bool,
                  adapter_path: str | None, *, fast_inference: bool = False) -> tuple[Any, Any]:
     """Model and tokenizer through Unsloth (its CPU fallback when there is no GPU); `fast_inference`: Unsloth's
     vLLM engine (Runtime.fast_inference)."""

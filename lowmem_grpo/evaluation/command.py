@@ -17,8 +17,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo.rundir import layout
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def default_out(opts: EvalOptions, run_dir: Path | None, split: str) -> Path:
     return Path("evals") / f"{slug}-{stamp}"
 
 
-def _vllm_engine(recipe: Any, model_path: str, adapter: Path | None, seed: int) -> tuple[Any, Any]:
+def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: int) -> tuple[Any, Any]:
     """A vLLM engine on the base model, with the adapter as a LoRA request (CUDA machines with vllm)."""
     from vllm import LLM
     from vllm.lora.request import LoRARequest
@@ -156,7 +157,7 @@ def _want_vllm(engine: str) -> bool:
     return True
 
 
-def load_model(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
+def load_model(recipe: Recipe, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
     """(generator, tokenizer, LoRA request, info): a vLLM engine on CUDA with vllm, else the backend's model."""
     from lowmem_grpo import distributed
     from lowmem_grpo.backends import load, resolve_model_path, start

@@ -19,6 +19,7 @@ from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
+from lowmem_grpo.memory.plan import Plan
 from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards, validate
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
@@ -73,7 +74,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         # on it stops here (exit 2), before the run directory is written
         loaded = load(recipe, runtime, model_path=model_path, adapter_path=start_adapter)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
-    open_run_dir(run_dir, recipe, loaded.runtime, resume, fit.plan)  # inputs are good: from here on the run dir is written
+    open_run_dir(run_dir, recipe, loaded.runtime, resume, fit.plan)  # inputs are good: the run dir is written now
     if distributed.is_main_process():
         peaks.attach(run_dir / layout.PEAK_RSS_FILE)
     stages = stage_evals(recipe, loaded, run_dir, peaks)  # the same held-out problems after each stage
@@ -117,7 +118,7 @@ class MemoryFit:
     """The recipe with its settings fitted to the GPU, and the plan they fit (None when nothing was fitted)."""
 
     recipe: Recipe
-    plan: Any = None
+    plan: Plan | None = None
 
 
 def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None, cuda: CudaFacts) -> MemoryFit:
@@ -145,7 +146,7 @@ def check_completion_budget(recipe: Recipe, rows: list[dict[str, Any]], model_pa
     return budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
 
 
-def starting_adapter(recipe: Recipe, model_path: str, resume: Any) -> str | None:
+def starting_adapter(recipe: Recipe, model_path: str, resume: checkpoints.ResumePoint | None) -> str | None:
     """The adapter folder GRPO (and priming, when on) starts from: lora.init_adapter, checked against the recipe's
     model, rank, alpha and target modules before any model loads; None for a fresh LoRA. A resumed run with a
     checkpoint needs none: the trainer loads the checkpoint's weights into a fresh LoRA of the same shape."""
@@ -159,7 +160,8 @@ def choose_run_dir(recipe: Recipe) -> Path:
     return layout.choose_run_dir(recipe.output.dir, recipe.output.root, recipe.name)
 
 
-def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: Any, plan: Any) -> Path:
+def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkpoints.ResumePoint | None,
+                 plan: Plan | None) -> Path:
     """Rank 0 creates the run directory with recipe.yaml (and memory_plan.json when auto-fit ran), or rewinds a
     resumed one to its checkpoint; env.json either way."""
     if not distributed.is_main_process():
