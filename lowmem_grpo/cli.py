@@ -177,8 +177,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from lowmem_grpo.memory.fit import plan_with_proposal
     from lowmem_grpo.memory.plan import default_budget, format_plan, parse_size
-    from lowmem_grpo.recipe import validate
     from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.recipe_rules import validate
     from lowmem_grpo.runtime import planned
 
     recipe = load_recipe(args.recipe, args.overrides)

@@ -7,14 +7,15 @@ and `train` both call it on the Runtime `train` would run with, so no combinatio
 from __future__ import annotations
 
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.recipe import Recipe, validate
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.runtime import Runtime, check_precision, custom_sampling
 
 ZERO3_FIX = "or launch with ZeRO-2 or DDP (recipes/accelerate/zero2.yaml, ddp.yaml)"
 
 
 def check(recipe: Recipe, target: Runtime) -> None:
-    """The recipe's own rules (lowmem_grpo.recipe.validate, with the launcher's process count), then every
+    """The recipe's own rules (lowmem_grpo.recipe_rules.validate, with the launcher's process count), then every
     combination a run resolved to `target` could not honour: RecipeError / BadInputError (exit 2) naming the first
     and its fix. Loads nothing."""
     validate(recipe, num_processes=target.processes)

@@ -244,8 +244,8 @@ def test_preflight_as_train_calls_it_on_the_fresh_lora_model(tiny_model_dir):
 
 
 def test_preflight_and_eval_fields_never_reach_grpo_config(tmp_path):
-    from lowmem_grpo.recipe import validate
     from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.recipe_rules import validate
     from lowmem_grpo.train.grpo import build_grpo_config, check_trainer_fields
 
     recipe = load_recipe(CPU_RECIPE, ["train.preflight=false", "train.preflight_prompts=2",

@@ -505,7 +505,7 @@ def test_gpu_check_answers_help_on_cpu():
 
 def test_gpu_check_variants_are_valid_recipes_that_check_what_they_say(tmp_path):
     from lowmem_grpo.memory.plan import plan
-    from lowmem_grpo.recipe import validate
+    from lowmem_grpo.recipe_rules import validate
 
     gpu_check = _gpu_check()
     args = gpu_check.parse_args([])

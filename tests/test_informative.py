@@ -163,8 +163,8 @@ def test_problem_columns_carry_the_generated_level():
 
 def test_a_curriculum_needs_a_correctness_reward():
     from lowmem_grpo.errors import RecipeError
-    from lowmem_grpo.recipe import validate
     from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.recipe_rules import validate
 
     validate(load_recipe(str(CPU_RECIPE), ["data.source=generated", "train.curriculum=true"]))
     with pytest.raises(RecipeError, match="train.curriculum"):

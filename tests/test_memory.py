@@ -19,8 +19,9 @@ from lowmem_grpo.memory.arch import (MOE_KEYS, SSM_KEYS, architecture_from_confi
                                      shipped_configs)
 from lowmem_grpo.memory.fit import auto_fit, plan_with_proposal
 from lowmem_grpo.memory.plan import GIB, MIB, parse_size, plan, settings_for
-from lowmem_grpo.recipe import DEFAULT_TARGET_MODULES, validate
+from lowmem_grpo.recipe import DEFAULT_TARGET_MODULES
 from lowmem_grpo.recipe_io import apply_overrides, explicit_keys, load_recipe, shipped_recipes
+from lowmem_grpo.recipe_rules import validate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

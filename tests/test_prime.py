@@ -13,8 +13,8 @@ import pytest
 from lowmem_grpo.data import load_rows
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.data.format import clean_reasoning, priming_pairs, render_target
-from lowmem_grpo.recipe import validate
 from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.rewards import correctness, integer, soft_format, strict_format, xml_count
 
 REPO = Path(__file__).resolve().parents[1]

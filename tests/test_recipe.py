@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.recipe import Recipe, TrainConfig, resolved_rewards, validate
+from lowmem_grpo.recipe import Recipe, TrainConfig, resolved_rewards
 from lowmem_grpo.recipe_io import (
     apply_overrides,
     dump_yaml,
@@ -14,6 +14,7 @@ from lowmem_grpo.recipe_io import (
     recipe_from_dict,
     shipped_recipes,
 )
+from lowmem_grpo.recipe_rules import validate
 from tiny_run import cpu_runtime
 
 CPU_RECIPE = "recipes/smollm2_135m_gsm8k_cpu.py"

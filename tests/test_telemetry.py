@@ -278,7 +278,8 @@ def test_report_to_without_its_package_is_bad_input(value):
 
 def test_completions_every_is_validated():
     from lowmem_grpo.errors import RecipeError
-    from lowmem_grpo.recipe import Recipe, validate
+    from lowmem_grpo.recipe import Recipe
+    from lowmem_grpo.recipe_rules import validate
 
     recipe = Recipe()
     recipe.train.completions_every = -1

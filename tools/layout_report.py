@@ -21,7 +21,7 @@ FLOORS = {
     "errors": 1, "device": 1,
     "rewards": 2, "distributed": 2,
     "data": 3,
-    "recipe": 4, "runtime": 4,
+    "recipe": 4, "recipe_rules": 4, "runtime": 4,
     "recipe_io": 5, "memory": 5, "combinations": 5, "backends": 5, "doctor": 5,
     "rundir": 6,
     "sampling": 7,

@@ -23,7 +23,8 @@ from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
 from lowmem_grpo.memory.plan import Plan, device_budget, format_bytes, plan, settings_for
 from lowmem_grpo.memory.terms import Settings
-from lowmem_grpo.recipe import Recipe, validate
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.recipe_rules import validate
 
 log = logging.getLogger(__name__)
 

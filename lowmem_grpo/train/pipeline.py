@@ -20,8 +20,9 @@ from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
 from lowmem_grpo.memory.plan import Plan
-from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards, validate
+from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards
 from lowmem_grpo.recipe_io import dump_yaml
+from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
 from lowmem_grpo.runtime import Runtime

@@ -33,7 +33,8 @@ from lowmem_grpo.data.generated import level_of
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.sampling.generate import generate
 from lowmem_grpo.evaluation.metrics import weighted_rewards
-from lowmem_grpo.recipe import Recipe, goal_reward, resolved_rewards, validate
+from lowmem_grpo.recipe import Recipe, goal_reward, resolved_rewards
+from lowmem_grpo.recipe_rules import validate
 
 log = logging.getLogger(__name__)
 
