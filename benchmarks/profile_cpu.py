@@ -136,13 +136,13 @@ def compare_decode(args: argparse.Namespace, out: Path) -> None:
 
 
 def _eval_setup(args: argparse.Namespace):
-    from lowmem_grpo.backends import load, prepare, resolve_model_path
+    from lowmem_grpo.backends import load, resolve_model_path, start
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     recipe = apply_overrides(load_recipe(str(RECIPE)), list(args.set))
-    backend = prepare(recipe.model.backend)
-    loaded = load(recipe, backend, model_path=resolve_model_path(recipe.model.name))
+    loaded = load(recipe, start(recipe, Launch())[0], model_path=resolve_model_path(recipe.model.name))
     rows = load_eval_rows(recipe.data)[:args.problems]
     prompts = [e["prompt"] for e in recipe_examples(rows, loaded.tokenizer, recipe.data)]
     return loaded, prompts, recipe

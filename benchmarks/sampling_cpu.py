@@ -44,15 +44,16 @@ def build(dtype: str, rows: int, tokens: int, group: int, greedy: bool, run_dir:
     import torch
     from datasets import Dataset
 
-    from lowmem_grpo.backends import load, prepare
+    from lowmem_grpo.backends import load, start
     from lowmem_grpo.data import load_train_rows, recipe_examples
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe import resolved_rewards
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.rewards import get_reward
 
     recipe = load_recipe(RECIPE, [f"model.dtype={dtype}", f"output.dir={run_dir}", f"train.num_generations={group}",
                                   f"train.per_device_train_batch_size={rows}", f"train.max_completion_length={tokens}"])
-    loaded = load(recipe, prepare("hf"))
+    loaded = load(recipe, start(recipe, Launch())[0])
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in loaded.model.named_parameters():

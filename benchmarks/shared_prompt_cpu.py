@@ -74,15 +74,16 @@ def make_batch(tokenizer, prompts: int, generations: int, prompt_length: int, co
 def build_trainer(dtype: str, run_dir: Path):
     """The hf CPU trainer lowmem_grpo builds for the CPU default recipe."""
     from lowmem_grpo import backends
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe_io import load_recipe
 
-    backends.prepare("hf")
+    recipe = load_recipe(str(RECIPE), [f"model.dtype={dtype}", f"output.dir={run_dir}"])
+    runtime, _ = backends.start(recipe, Launch())
     from datasets import Dataset
 
     from lowmem_grpo.train.grpo import trainer_factory
 
-    recipe = load_recipe(str(RECIPE), [f"model.dtype={dtype}", f"output.dir={run_dir}"])
-    loaded = backends.load(recipe, "hf")
+    loaded = backends.load(recipe, runtime)
     dataset = Dataset.from_list([{"prompt": "x"}] * 16)
 
     def zero(completions, **_):

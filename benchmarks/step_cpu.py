@@ -297,15 +297,17 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
     from trl import GRPOConfig
 
     from lowmem_grpo.data import load_train_rows, recipe_examples
-    from lowmem_grpo.device import resolve_dtype
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe import resolved_rewards
     from lowmem_grpo.rewards import get_reward
+    from lowmem_grpo.runtime import resolve
     from lowmem_grpo.train.cpu_trainers import CpuSafeGRPOTrainer
 
     path, lora = recipe.model.name, recipe.lora
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, resolve_dtype(recipe.model.dtype,
-                                                                                          cuda=False)))
+    dtype = resolve(recipe, Launch(), CudaFacts(torch_cuda=None, available=False)).dtype  # what train() asks on CPU
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     set_seed(recipe.train.seed)  # LoRA A comes from the global RNG, which torch seeds randomly per process
     if lora.init_adapter:
         model = PeftModel.from_pretrained(model, lora.init_adapter, is_trainable=True)
