@@ -108,13 +108,16 @@ class Runtime:
 
     def loaded(self, dtype: str) -> Runtime:
         """This Runtime with the dtype the model was really loaded in (lowmem_grpo.device.model_dtype), and the
-        flags that follow it. BadInputError (exit 2) for a train.precision the Unsloth CUDA path would refuse on
-        that dtype, before anything is written."""
-        check_precision(self.precision, cuda=self.cuda, backend=self.backend, dtype=dtype)
+        flags that follow it."""
         return dataclasses.replace(self, dtype=dtype, **_precision_flags(self.precision, dtype, cuda=self.cuda))
 
+    def check_precision(self) -> None:
+        """BadInputError (exit 2) for a train.precision the Unsloth CUDA path would refuse on this dtype (the one
+        the model was loaded in, for training: before anything is written)."""
+        check_precision(self.precision, cuda=self.cuda, backend=self.backend, dtype=self.dtype)
+
     def with_batches(self, recipe: Recipe) -> Runtime:
-        """This Runtime with the generation and evaluation batches of `recipe` (lowered by an OOM retry)."""
+        """This Runtime with the generation and evaluation batches of `recipe` (as auto-fit fitted them)."""
         return dataclasses.replace(self, generation_batch=recipe.train.generation_batch_size(self.processes),
                                    eval_batch=eval_batch_size(recipe.train))
 
@@ -138,8 +141,8 @@ def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[s
                    optimizer=t.optim if t.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch"),
                    sampler=rollout_plan(recipe, backend, device), trainer=trainer_kind(backend, device),
                    generation_batch=t.generation_batch_size(launch.num_processes), eval_batch=eval_batch_size(t),
-                   fast_inference=m.fast_inference is True and (backend, device) == ("unsloth", "cuda"), launch=launch,
-                   dtype_reason=reason)
+                   fast_inference=m.fast_inference is True and (backend, device) == ("unsloth", "cuda"),
+                   launch=launch, dtype_reason=reason)
 
 
 def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cuda: bool | None = None

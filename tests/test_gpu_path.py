@@ -80,7 +80,7 @@ def test_flags_follow_the_loaded_dtype_on_cuda():
 
 def test_unsloth_cuda_refuses_what_its_trainer_would_raise_on_or_override():
     with pytest.raises(BadInputError, match="compute capability below 8"):  # Unsloth: "Model is in float16 ..."
-        runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()).loaded("float16")
+        runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()).loaded("float16").check_precision()
     from lowmem_grpo.combinations import check
 
     fp32 = apply_overrides(Recipe(), ["model.backend=unsloth", "train.precision=fp32"])
@@ -88,7 +88,7 @@ def test_unsloth_cuda_refuses_what_its_trainer_would_raise_on_or_override():
         check(fp32, resolve(fp32, Launch(), gpu()))
     assert "model.backend=hf" in info.value.fix
     with pytest.raises(BadInputError, match="autocast"):
-        runtime("model.backend=unsloth", "train.precision=fp32", facts=gpu()).loaded("bfloat16")
+        runtime("model.backend=unsloth", "train.precision=fp32", facts=gpu()).loaded("bfloat16").check_precision()
     assert flags(runtime("model.backend=unsloth", "train.precision=fp16", facts=gpu()), "float16") == (False, True)
 
 

@@ -71,9 +71,8 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     log.info("run directory: %s", run_dir)
 
     with peaks.stage("load"):
-        # the bf16/fp16 flags follow the dtype the model was really loaded in; a precision Unsloth would refuse
-        # on it stops here (exit 2), before the run directory is written
-        loaded = load(recipe, runtime, model_path=model_path, adapter_path=start_adapter)
+        loaded = load(recipe, runtime, model_path=model_path, adapter_path=start_adapter)  # flags follow its dtype
+    loaded.runtime.check_precision()  # a precision Unsloth would refuse on it: exit 2, before the run dir is written
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
     open_run_dir(run_dir, recipe, loaded.runtime, resume, fit.plan)  # inputs are good: the run dir is written now
     if distributed.is_main_process():
