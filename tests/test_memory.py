@@ -705,7 +705,7 @@ def test_unsloth_decode_buffers_match_the_installed_source():
 def test_the_rows_an_evaluation_decodes_at_once_follow_generate():
     from lowmem_grpo.memory.plan import eval_batch_candidates, eval_rows
 
-    source = (REPO / "lowmem_grpo" / "evaluation" / "generate.py").read_text(encoding="utf-8")
+    source = (REPO / "lowmem_grpo" / "sampling" / "generate.py").read_text(encoding="utf-8")
     assert "per_batch = max(1, batch_size // num_samples)" in source  # batch // k problems' k samples
     for batch, k in [(16, 4), (16, 3), (2, 4), (1, 1), (128, 4)]:
         assert eval_rows(batch, k) == max(max(1, batch // k) * k, batch)
