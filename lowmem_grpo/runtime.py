@@ -148,15 +148,15 @@ def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[s
 def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cuda: bool | None = None
                ) -> tuple[str, str]:
     """What model.dtype=auto is on the machine `facts` describe (on CUDA when `cuda`; None: where it has a GPU),
-    and why, when there is more to say: bfloat16 on compute capability >= 8, float16 on older GPUs (and off the
-    GPU, where its capability is unknown); on CPU lowmem_grpo.device.cpu_auto_dtype (LOWMEM_GRPO_CPU_DTYPE in
+    and why, when there is more to say: bfloat16 on compute capability >= 8, float16 on older GPUs (off the GPU,
+    where its capability is unknown, bfloat16: every GPU since Ampere); on CPU lowmem_grpo.device.cpu_auto_dtype (LOWMEM_GRPO_CPU_DTYPE in
     `environ`, else native bf16 or float32; BadInputError for an unknown value). What the model is then really
     loaded in is Runtime.loaded's (Unsloth may change it)."""
     if not (facts.available if cuda is None else cuda):
         cpu = cpu_auto_dtype(environ)
         return cpu.dtype, cpu.reason
-    if facts.capability is None:  # validate/plan off the GPU: Unsloth decides when it loads
-        return "float16", "the GPU is not known here: bfloat16 from compute capability 8 up"
+    if facts.capability is None:  # validate/plan off the GPU: the GPU decides when the model loads
+        return "bfloat16", "the GPU is not known here: float16 below compute capability 8"
     return ("bfloat16" if bf16_supported(facts.capability) else "float16"), ""
 
 

@@ -64,7 +64,7 @@ def test_the_block_names_every_setting_once():
 def test_the_planner_plans_a_one_process_cuda_run():
     run = planned(load_recipe(CPU_RECIPE))
     assert (run.device, run.processes, run.optimizer) == ("cuda", 1, "paged_adamw_8bit")
-    assert "not known here" in run.dtype_reason  # no GPU was asked: the capability decides at load time
+    assert (run.dtype, run.bf16) == ("bfloat16", True) and "not known here" in run.dtype_reason  # GPU not asked
 
 
 def test_every_field_has_a_docstring():
