@@ -128,3 +128,22 @@ def test_a_gpu_recipe_without_a_gpu_stops_before_unsloth_is_imported():
     done = _probe("model.backend=unsloth", recipe=GPU_RECIPE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused: False" in done.stdout and "no usable CUDA" in done.stdout, done.stdout[-2000:]
+
+
+def test_start_refuses_before_it_imports_or_reads_the_gpu():
+    """backends.start: a combination the run could not honour stops before the backend is imported and before the
+    facts that start CUDA are read (the reader here records that it was never called)."""
+    from lowmem_grpo.backends import start
+    from lowmem_grpo.errors import RecipeError
+
+    calls = []
+
+    def read_facts() -> CudaFacts:
+        calls.append("read")
+        return NO_GPU
+
+    with pytest.raises(RecipeError, match="model.fast_inference=true"):
+        start(load_recipe(CPU_RECIPE, ["model.fast_inference=true"]), Launch(), read_facts)
+    assert calls == []
+    runtime, facts = start(load_recipe(CPU_RECIPE, ["model.backend=hf"]), Launch(), read_facts)
+    assert calls == ["read"] and facts is NO_GPU and (runtime.backend, runtime.device) == ("hf", "cpu")
