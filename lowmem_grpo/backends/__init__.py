@@ -7,6 +7,7 @@ which torch reads once, when CUDA starts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,9 @@ def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFa
     prepare(runtime.backend)
     known = known or (facts or cuda_facts)()
     require_gpu(recipe.gpu_memory_gb if training else None, known)  # e.g. a GPU this torch has no kernels for
-    return resolve(recipe, launch, known, training=training), known
+    # the model loads where torch sees a GPU; facts a caller gives (a test's GPU) size the auto-fit only
+    device = dataclasses.replace(known, available=known.available and cuda_available())
+    return resolve(recipe, launch, device, training=training), known
 
 
 def prepare(backend: str) -> str:
