@@ -78,19 +78,20 @@ def cpu_trainer(overrides: list[str], run_dir: Path, moved_lora: bool = False) -
     (trainer_factory, hf backend); `moved_lora`: LoRA B drawn at random (seeded), so that the adapter moves the
     outputs as a primed one does."""
     from lowmem_grpo import backends
+    from lowmem_grpo.distributed import Launch
+    from lowmem_grpo.recipe_io import load_recipe
 
-    backends.prepare("hf")
+    recipe = load_recipe(RECIPE, [*overrides, f"output.dir={run_dir}"])
+    runtime, _ = backends.start(recipe, Launch())
     import torch
     from datasets import Dataset
 
     from lowmem_grpo.data import load_train_rows, recipe_examples
     from lowmem_grpo.recipe import resolved_rewards
-    from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.rewards import get_reward
     from lowmem_grpo.train.grpo import trainer_factory
 
-    recipe = load_recipe(RECIPE, [*overrides, f"output.dir={run_dir}"])
-    loaded = backends.load(recipe, "hf")
+    loaded = backends.load(recipe, runtime)
     if moved_lora:
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -315,15 +316,17 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
     from trl import GRPOConfig
 
     from lowmem_grpo.data import load_train_rows, recipe_examples
-    from lowmem_grpo.device import resolve_dtype
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe import resolved_rewards
+    from lowmem_grpo.runtime import resolve
     from lowmem_grpo.rewards import get_reward
     from lowmem_grpo.train.callbacks import PhaseTimer
     from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer
 
     path, lora = recipe.model.name, recipe.lora
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dtype = getattr(torch, resolve_dtype(recipe.model.dtype, cuda=False))
+    dtype = getattr(torch, resolve(recipe, Launch(), CudaFacts(torch_cuda=None, available=False)).dtype)  # as train() on CPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     set_seed(recipe.train.seed)  # LoRA A comes from the global RNG, which torch seeds randomly per process
     if lora.init_adapter:
@@ -693,12 +696,13 @@ class StepProfiler(Callback):
 
 
 def _eval_setup(args: argparse.Namespace) -> tuple[Any, list[str], Any]:
-    from lowmem_grpo.backends import load, prepare, resolve_model_path
+    from lowmem_grpo.backends import load, resolve_model_path, start
     from lowmem_grpo.data import load_eval_rows, recipe_examples
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(RECIPE, list(args.set))
-    loaded = load(recipe, prepare(recipe.model.backend), model_path=resolve_model_path(recipe.model.name))
+    loaded = load(recipe, start(recipe, Launch())[0], model_path=resolve_model_path(recipe.model.name))
     rows = load_eval_rows(recipe.data)[:args.problems]
     return loaded, [e["prompt"] for e in recipe_examples(rows, loaded.tokenizer, recipe.data)], recipe
 
@@ -996,7 +1000,10 @@ def float32_errors(trainer: Any, loaded: Any, ids: Any, mask: Any, width: int, l
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.train.cpu_logprobs import completion_logits
 
-    reference = backends.load(load_recipe(RECIPE, ["model.dtype=float32"]), "hf").model.train()
+    from lowmem_grpo.distributed import Launch
+
+    reference_recipe = load_recipe(RECIPE, ["model.dtype=float32"])
+    reference = backends.load(reference_recipe, backends.start(reference_recipe, Launch())[0]).model.train()
     with torch.no_grad():
         logits = completion_logits(reference, ids, mask, width, share=False).logits.float() / trainer.temperature
     truth, real = selective_log_softmax(logits, ids[:, -width:]), mask[:, -width:].bool()

@@ -80,19 +80,20 @@ def evaluate_stages(run_dir: Path, limit: int, batch_size: int) -> dict:
     found = measured_in_run(run_dir, limit)
     if found is not None:
         return found
-    from lowmem_grpo.backends import load, prepare
+    from lowmem_grpo.backends import load, start
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
     from lowmem_grpo.evaluation.stages import summarize
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(str(run_dir / "recipe.yaml"))
-    backend = prepare(recipe.model.backend)
+    runtime, _ = start(recipe, Launch(), training=False)
     verdicts, metrics = {}, {}
     for stage, folder in STAGES.items():
         adapter = run_dir / folder if folder else None
         if adapter is not None and not adapter.exists():
             continue
-        loaded = load(recipe, backend, with_lora=False, adapter_path=str(adapter) if adapter else None)
+        loaded = load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None)
         examples = load_eval_examples(recipe, loaded.tokenizer, limit=limit)
         result = run_eval(loaded.model, loaded.tokenizer, examples, max_new_tokens=recipe.train.max_completion_length,
                           batch_size=batch_size, progress=False, engine="transformers")

@@ -243,11 +243,13 @@ def run_facts(run_dir: Path) -> tuple[dict, object, dict]:
 
 def _backend_first(args: argparse.Namespace) -> str:
     """Import the variant's backend (Unsloth before trl/transformers/peft) and return it."""
-    from lowmem_grpo.backends import prepare
+    from lowmem_grpo.backends import start
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     spec = VARIANTS[args.worker]
-    return prepare(apply_overrides(load_recipe(spec.recipe or args.recipe), spec.overrides).model.backend)
+    recipe = apply_overrides(load_recipe(spec.recipe or args.recipe), spec.overrides)
+    return start(recipe, Launch(), training=False)[0].backend
 
 
 def train_worker(args: argparse.Namespace) -> dict:
@@ -291,7 +293,9 @@ def logits_worker(args: argparse.Namespace) -> dict:
     """engine-logits: each scripted family loaded as a run loads it, the engine against its own generate."""
     from scripted_model import build_scripted_model, compare, write_rows
 
-    from lowmem_grpo.backends import load
+    from lowmem_grpo.backends import load, start
+    from lowmem_grpo.distributed import Launch
+    from lowmem_grpo.recipe_io import apply_overrides
 
     work, families = Path(args.workdir), {}
     rows = write_rows(work / "scripted.jsonl")
@@ -299,7 +303,8 @@ def logits_worker(args: argparse.Namespace) -> dict:
         try:
             model_dir = build_scripted_model(family, work / f"scripted-{family}")
             recipe = variant_recipe(args, args.worker, model_dir, rows, work / "unused")
-            loaded = load(recipe, "unsloth", model_path=str(model_dir))
+            unsloth = apply_overrides(recipe, ["model.backend=unsloth"])
+            loaded = load(unsloth, start(unsloth, Launch())[0], model_path=str(model_dir))
             base = getattr(loaded.model, "get_base_model", lambda: loaded.model)()
             families[family] = {"model_class": type(base).__name__, "dtype": loaded.dtype,
                                 **compare(loaded.model, loaded.tokenizer, tolerance=args.logit_tolerance)}

@@ -182,7 +182,7 @@ def run_plain(args: argparse.Namespace, model_dir: Path, work: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from lowmem_grpo.device import resolve_optimizer
+    from lowmem_grpo.runtime import planned
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     recipe = load_recipe(args.recipe)
@@ -210,7 +210,7 @@ def run_plain(args: argparse.Namespace, model_dir: Path, work: Path):
         per_device_train_batch_size=t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps, steps_per_generation=t.steps_per_generation,
         max_completion_length=t.max_completion_length, temperature=t.temperature, learning_rate=t.learning_rate,
-        optim=resolve_optimizer(t.optim, cuda=cuda),
+        optim=planned(recipe).optimizer if cuda else "adamw_torch",
         gradient_checkpointing=t.gradient_checkpointing, beta=t.beta, bf16=cuda, fp16=False, use_cpu=not cuda,
         logging_steps=1, save_strategy="no", report_to=[], seed=t.seed, disable_tqdm=True)
     probe = probe_callback()
@@ -236,9 +236,10 @@ def worker(args: argparse.Namespace) -> int:
         run = run_lowmem if args.path == "lowmem" else run_plain
         recipe, probe = run(args, model_dir, work)
         if args.path == "lowmem":
-            from lowmem_grpo.backends import prepare
+            from lowmem_grpo.backends import start
+            from lowmem_grpo.distributed import Launch
 
-            backend = prepare(recipe.model.backend)  # what train() ran: unsloth on CUDA when installed
+            backend = start(recipe, Launch())[0].backend  # what train() ran: unsloth on CUDA when installed
         else:
             backend = "hf"
         result.update(predicted(recipe, backend), backend=backend, **probe.peaks)

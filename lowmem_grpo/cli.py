@@ -73,13 +73,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from lowmem_grpo import distributed
-    from lowmem_grpo.combinations import check, run_target
+    from lowmem_grpo.combinations import check
     from lowmem_grpo.recipe_io import dump_yaml, load_recipe
+    from lowmem_grpo.runtime import before_cuda, resolve
 
     recipe = load_recipe(args.recipe, args.overrides)
     environ = distributed.launcher_environment(args.accelerate_config) if args.accelerate_config else None
-    target = run_target(recipe, distributed.launch(recipe.train.extra, environ))
-    check(recipe, target)  # what `train` checks before any model loads, on the target it would run on
+    target = resolve(recipe, distributed.launch(recipe.train.extra, environ), before_cuda(recipe))
+    check(recipe, target)  # what `train` checks before any model loads, on the Runtime it would run with
     from lowmem_grpo.data import source_exists
 
     if not source_exists(recipe.data.source):
@@ -92,11 +93,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.trainer_fields and recipe.train.extra:  # only extra train keys need TRL's GRPOConfig (and its imports)
         from lowmem_grpo.backends import prepare
 
-        prepare(recipe.model.backend)  # trl is imported next: Unsloth first when it is the backend
+        prepare(target.backend)  # trl is imported next: Unsloth first when it is the backend
         from lowmem_grpo.train.grpo import check_trainer_fields
 
         check_trainer_fields(recipe)
-    sys.stdout.write(dump_yaml(recipe) if args.show else f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n")
+    sys.stdout.write(dump_yaml(recipe) if args.show else
+                     f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n{target.block()}")
     return EXIT_OK
 
 
@@ -175,14 +177,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from lowmem_grpo.memory.fit import plan_with_proposal
     from lowmem_grpo.memory.plan import default_budget, format_plan, parse_size
-    from lowmem_grpo.recipe import validate
     from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.recipe_rules import validate
+    from lowmem_grpo.runtime import planned
 
     recipe = load_recipe(args.recipe, args.overrides)
     validate(recipe)
     budget = parse_size(args.gpu_memory) if args.gpu_memory else default_budget(recipe)
     result = plan_with_proposal(recipe, budget)
-    sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else format_plan(result, recipe.name))
+    sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else
+                     planned(recipe).block() + format_plan(result, recipe.name))
     return EXIT_OK
 
 

@@ -1,5 +1,5 @@
-"""What this machine has (CUDA, the GPU, package versions: for doctor and env.json), and the ONE place where
-the recipe's "auto" settings are resolved: backend, dtype, bf16/fp16 flags, optimizer, fast_inference.
+"""What this machine has: CUDA, the GPU, the CPU's bfloat16, package versions (for doctor, env.json and
+lowmem_grpo.runtime, which turns the recipe's "auto" settings into values from them).
 
 Imports torch only inside the functions that need it.
 """
@@ -94,7 +94,7 @@ def hub_unreachable(timeout: float = 3.0, environ: Mapping[str, str] | None = No
         return f"the hub ({host}:{port}) cannot be reached from here ({exc})"
 
 
-# --- the one place where "auto" settings are resolved ---------------------------------------------
+# --- the facts the runtime resolves "auto" from ------------------------------------------------------
 
 
 def cuda_capability() -> tuple[int, int] | None:
@@ -111,23 +111,6 @@ def bf16_supported(capability: tuple[int, int] | None = None) -> bool:
     model. `capability` is a seam for tests; None asks this machine (False without CUDA)."""
     capability = capability if capability is not None else cuda_capability()
     return capability is not None and capability[0] >= 8
-
-
-def resolve_backend(requested: str, *, cuda: bool, processes: int = 1) -> str:
-    """auto -> unsloth when CUDA and unsloth are both present and one process runs, else hf. An explicit unsloth
-    under several processes is bad input (exit 2): lowmem_grpo runs Unsloth in one process only."""
-    if requested == "unsloth" and processes > 1:
-        from lowmem_grpo.errors import BadInputError
-
-        raise BadInputError(f"model.backend=unsloth under {processes} processes (WORLD_SIZE={processes}): "
-                            "lowmem_grpo runs Unsloth in a single process only",
-                            fix="set model.backend=hf for accelerate launch / torchrun (DDP or DeepSpeed "
-                                "ZeRO, recipes/accelerate/), or run one process with unsloth")
-    if requested != "auto":
-        return requested
-    if processes > 1:
-        return "hf"
-    return "unsloth" if cuda and is_installed("unsloth") else "hf"
 
 
 def cpu_bf16_supported() -> bool:
@@ -174,18 +157,6 @@ def cpu_auto_dtype(environ: Mapping[str, str] | None = None, *, native_bf16: boo
     return CpuDtype("float32", "this CPU has no native bfloat16 (emulated, ~50x slower than float32)")
 
 
-def resolve_dtype(requested: str, *, cuda: bool, capability: tuple[int, int] | None = None,
-                  environ: Mapping[str, str] | None = None) -> str:
-    """Model dtype to ask for: auto -> bfloat16 on compute capability >= 8, float16 on older GPUs; on CPU
-    `cpu_auto_dtype(environ)` (LOWMEM_GRPO_CPU_DTYPE, else native bf16 or float32). What the model is then really
-    loaded in is `model_dtype(model)` (Unsloth may change it)."""
-    if requested != "auto":
-        return requested
-    if not cuda:
-        return cpu_auto_dtype(environ).dtype
-    return "bfloat16" if bf16_supported(capability) else "float16"
-
-
 def model_dtype(model: Any) -> str:
     """The dtype a loaded model computes in, read as Unsloth's trainer reads it (config.dtype, else
     config.torch_dtype, else the input embeddings' weights: unsloth/models/rl.py, mixed-precision check), as a
@@ -198,63 +169,6 @@ def model_dtype(model: Any) -> str:
     if dtype is None:
         dtype = model.get_input_embeddings().weight.dtype
     return str(dtype).removeprefix("torch.")
-
-
-def training_precision(precision: str, dtype: str, *, cuda: bool, backend: str) -> dict[str, bool]:
-    """GRPOConfig/SFTConfig bf16 and fp16 flags from train.precision and the dtype the model was really loaded in
-    (`model_dtype`). Both flags are always set: TRL resolves bf16=None to True, even on CPU.
-
-    auto: CPU -> none (fp32, or the 16-bit weights as loaded); CUDA -> the loaded dtype's own flag (a float32
-    model trains in float32). Explicit values are honoured, except on the Unsloth CUDA path, whose trainer raises
-    on a flag that disagrees with a 16-bit model and turns fp32 into bf16/fp16 autocast: those stop here
-    (BadInputError, exit 2) instead of failing at trainer construction or training in a precision nobody chose.
-    """
-    if precision == "auto":
-        if not cuda:
-            return {"bf16": False, "fp16": False}
-        return {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
-    check_precision(precision, cuda=cuda, backend=backend, dtype=dtype)
-    return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
-
-
-def check_precision(precision: str, *, cuda: bool, backend: str, dtype: str | None = None) -> None:
-    """BadInputError (exit 2) for a train.precision the Unsloth CUDA path would refuse or override: fp32 always
-    (known before the model loads: `dtype` None), bf16/fp16 against the dtype the model was loaded in."""
-    if not cuda or backend != "unsloth" or precision == "auto":
-        return
-    from lowmem_grpo.errors import BadInputError
-
-    if precision == "fp32":
-        raise BadInputError(
-            f"train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
-            f"autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
-            f"check{f'; this model is {dtype}' if dtype else ''}); only the models it forces to float32 (Gemma 3) "
-            f"stay in float32, and train.precision=auto already gives them that",
-            fix="use model.backend=hf for float32 training, or train.precision=auto")
-    if dtype is None:
-        return
-    wanted = {"bf16": "bfloat16", "fp16": "float16"}[precision]
-    if dtype in ("bfloat16", "float16") and dtype != wanted:
-        why = (" (this GPU has no native bfloat16: compute capability below 8, so Unsloth loaded float16)"
-               if dtype == "float16" else "")
-        raise BadInputError(
-            f"train.precision={precision} but the model was loaded in {dtype}{why}; Unsloth's trainer refuses "
-            f"{precision} on a {dtype} model",
-            fix=f"use train.precision=auto (here {dtype}), or model.dtype={wanted} on a GPU that computes it")
-
-
-def resolve_optimizer(requested: str, *, cuda: bool) -> str:
-    """auto -> paged_adamw_8bit on CUDA (bitsandbytes' 8-bit states), adamw_torch on CPU."""
-    if requested != "auto":
-        return requested
-    return "paged_adamw_8bit" if cuda else "adamw_torch"
-
-
-def resolve_fast_inference(requested: bool | None) -> bool:
-    """Unsloth's vLLM generation is opt-in: only an explicit True turns it on (None, the old default, is off).
-    vLLM needs its own resolved set (`pip install -c constraints-vllm.txt -e '.[vllm]'`), so being importable
-    says nothing about whether it matches this torch."""
-    return requested is True
 
 
 # --- is the CUDA this torch was built for usable here? ------------------------------------------

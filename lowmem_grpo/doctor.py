@@ -16,7 +16,9 @@ from packaging.version import Version
 
 from lowmem_grpo.device import (CPU_DTYPE_ENV, CudaFacts, cpu_auto_dtype, cuda_facts, cuda_problem, describe,
                                 is_installed, package_version)
+from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.runtime import backend_for
 
 # Distributions whose declared requirements must hold among the installed set (vllm pins torch exactly).
 CHECKED = ["unsloth", "unsloth_zoo", "trl", "peft", "accelerate", "bitsandbytes", "torchvision", "vllm"]
@@ -139,8 +141,7 @@ def report(facts: CudaFacts | None = None) -> tuple[str, list[str]]:
     lines.append(cpu_line)
     driver, problems = gpu_lines(facts)
     lines += driver
-    auto = "unsloth" if facts.available and is_installed("unsloth") else "hf"
-    lines.append(f"backend auto  -> {auto}")
+    lines.append(f"backend auto  -> {backend_for('auto', cuda=facts.available, launch=Launch())} (one process)")
     vllm, vllm_problems = vllm_line(facts.available and not problems)
     lines.append(vllm)
     problems += cpu_problems + requirement_conflicts() + vllm_problems

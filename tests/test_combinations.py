@@ -1,5 +1,6 @@
-"""lowmem_grpo.combinations: the target a run is on, how GRPO samples there, and the combinations `check` refuses
-before any model loads (the CLI's side, exit codes and what validate imports, is in tests/test_validate.py)."""
+"""lowmem_grpo.combinations: the combinations `check` refuses before any model loads, on the Runtime a run resolves
+to (lowmem_grpo.runtime: the backend `auto` becomes, how GRPO samples); the CLI's side, exit codes and what
+validate imports, is in tests/test_validate.py."""
 
 from __future__ import annotations
 
@@ -7,25 +8,38 @@ from pathlib import Path
 
 import pytest
 
-from lowmem_grpo.combinations import RunTarget, check, rollout_plan, run_target
+from lowmem_grpo.combinations import check
+from lowmem_grpo.device import CudaFacts
 from lowmem_grpo.distributed import Launch, launch, launcher_environment
 from lowmem_grpo.errors import BadInputError, RecipeError
-from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+from lowmem_grpo.runtime import Runtime, resolve, rollout_plan
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_RECIPE = str(REPO / "recipes" / "smollm2_135m_gsm8k_cpu.py")
 GPU_RECIPE = str(REPO / "recipes" / "qwen2_5_1_5b_gsm8k.py")
 ACCELERATE = REPO / "recipes" / "accelerate"
 ONE, ZERO3, ZERO2 = Launch(), Launch(2, 3), Launch(2, 2)
+GPU = CudaFacts(torch_cuda="12.6", available=True, capability=(8, 6))
+NO_GPU = CudaFacts(torch_cuda=None, available=False)
 
 
 def _recipe(*overrides: str, path: str = CPU_RECIPE):
     return load_recipe(path, list(overrides))
 
 
-def _refused(recipe, target: RunTarget, *named: str) -> str:
+def _target(recipe, backend: str, device: str, launch: Launch = ONE) -> Runtime:
+    """The Runtime of `recipe` on `backend` and `device` (a GPU recipe resolves for CUDA either way)."""
+    return resolve(apply_overrides(recipe, [f"model.backend={backend}"]), launch, GPU if device == "cuda" else NO_GPU)
+
+
+def _check(recipe, where: tuple) -> None:
+    check(recipe, _target(recipe, *where))
+
+
+def _refused(recipe, where: tuple, *named: str) -> str:
     with pytest.raises(BadInputError) as caught:
-        check(recipe, target)
+        check(recipe, _target(recipe, *where))
     text = str(caught.value)
     assert caught.value.exit_code == 2 and caught.value.fix
     for word in named:
@@ -55,17 +69,17 @@ def test_rollout_plan_cases():
                                        ("train.top_p=1.0", "train.top_k=0", "train.repetition_penalty=1.0")])
 def test_the_calculator_is_honoured_on_either_backend_and_with_vllm(overrides):
     recipe = _recipe("data.calculator=true", *overrides)
-    for target in (RunTarget("hf", "cpu", ONE), RunTarget("hf", "cuda", ONE), RunTarget("unsloth", "cuda", ONE)):
-        check(recipe, target)  # no refusal: plain sampling at the temperature, which the calculator's paths do
-    check(_recipe("data.calculator=true", "model.fast_inference=true", *overrides), RunTarget("unsloth", "cuda", ONE))
+    for target in (("hf", "cpu", ONE), ("hf", "cuda", ONE), ("unsloth", "cuda", ONE)):
+        _check(recipe, target)  # no refusal: plain sampling at the temperature, which the calculator's paths do
+    _check(_recipe("data.calculator=true", "model.fast_inference=true", *overrides), ("unsloth", "cuda", ONE))
 
 
 def test_fast_inference_needs_unsloth_on_cuda():
     recipe = _recipe("model.fast_inference=true")
-    check(recipe, RunTarget("unsloth", "cuda", ONE))
-    for target in (RunTarget("hf", "cuda", ONE), RunTarget("hf", "cuda", Launch(2)), RunTarget("unsloth", "cpu", ONE)):
+    _check(recipe, ("unsloth", "cuda", ONE))
+    for target in (("hf", "cuda", ONE), ("hf", "cuda", Launch(2)), ("unsloth", "cpu", ONE)):
         _refused(recipe, target, "model.fast_inference=true", "model.fast_inference=false")
-    check(_recipe("model.fast_inference=null"), RunTarget("hf", "cpu", ONE))  # null is off
+    _check(_recipe("model.fast_inference=null"), ("hf", "cpu", ONE))  # null is off
 
 
 @pytest.mark.parametrize("setting", ["train.top_p=0.9", "train.top_k=20", "train.min_p=0.1",
@@ -73,25 +87,25 @@ def test_fast_inference_needs_unsloth_on_cuda():
 @pytest.mark.parametrize("backend", ["hf", "unsloth"])
 def test_the_calculator_off_vllm_refuses_sampling_settings_beyond_the_temperature(setting, backend):
     key = setting.split("=")[0]
-    text = _refused(_recipe("data.calculator=true", setting), RunTarget(backend, "cuda", ONE), "data.calculator", key,
+    text = _refused(_recipe("data.calculator=true", setting), (backend, "cuda", ONE), "data.calculator", key,
                     "data.calculator=false", f"remove {key}")
     assert "temperature only" in text
-    check(_recipe(setting), RunTarget(backend, "cuda", ONE))  # without the calculator TRL samples with it
+    _check(_recipe(setting), (backend, "cuda", ONE))  # without the calculator TRL samples with it
     # on vLLM the calculator's rounds sample with TRL's own settings
     vllm = ("model.fast_inference=true",) if backend == "unsloth" else ("train.use_vllm=true",)
-    check(_recipe("data.calculator=true", setting, *vllm), RunTarget(backend, "cuda", ONE))
+    _check(_recipe("data.calculator=true", setting, *vllm), (backend, "cuda", ONE))
 
 
 def test_the_calculator_on_vllm_refuses_what_its_rounds_cannot_take():
     on = ("data.calculator=true", "train.use_vllm=true")
-    _refused(_recipe(*on, "train.vllm_structured_outputs_regex=a+"), RunTarget("hf", "cuda", ONE),
+    _refused(_recipe(*on, "train.vllm_structured_outputs_regex=a+"), ("hf", "cuda", ONE),
              "train.vllm_structured_outputs_regex", "remove train.vllm_structured_outputs_regex")
-    _refused(_recipe(*on, "train.vllm_tensor_parallel_size=2"), RunTarget("hf", "cuda", ONE),
+    _refused(_recipe(*on, "train.vllm_tensor_parallel_size=2"), ("hf", "cuda", ONE),
              "train.vllm_tensor_parallel_size=2", "train.vllm_mode=server")
-    check(_recipe(*on, "train.vllm_tensor_parallel_size=2", "train.vllm_mode=server"), RunTarget("hf", "cuda", ONE))
+    _check(_recipe(*on, "train.vllm_tensor_parallel_size=2", "train.vllm_mode=server"), ("hf", "cuda", ONE))
     for setting in ("train.vllm_structured_outputs_regex=a+", "train.vllm_tensor_parallel_size=2"):
-        check(_recipe("train.use_vllm=true", setting), RunTarget("hf", "cuda", ONE))  # TRL's own vLLM takes them
-        check(_recipe("data.calculator=true", setting), RunTarget("hf", "cuda", ONE))  # the engine ignores them
+        _check(_recipe("train.use_vllm=true", setting), ("hf", "cuda", ONE))  # TRL's own vLLM takes them
+        _check(_recipe("data.calculator=true", setting), ("hf", "cuda", ONE))  # the engine ignores them
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -103,49 +117,64 @@ def test_the_calculator_on_vllm_refuses_what_its_rounds_cannot_take():
 def test_zero3_refuses_what_samples_on_rank_0_or_without_gathering(overrides, named):
     base = ("model.backend=hf", "model.load_in_4bit=false", "train.stage_eval=0")
     recipe = _recipe(*base, *overrides)
-    _refused(recipe, RunTarget("hf", "cuda", ZERO3), "ZeRO-3", *named)
-    check(recipe, RunTarget("hf", "cuda", ZERO2))  # ZeRO-2 and DDP keep the whole model on every rank
-    check(recipe, RunTarget("hf", "cuda", Launch(2)))
+    _refused(recipe, ("hf", "cuda", ZERO3), "ZeRO-3", *named)
+    _check(recipe, ("hf", "cuda", ZERO2))  # ZeRO-2 and DDP keep the whole model on every rank
+    _check(recipe, ("hf", "cuda", Launch(2)))
 
 
 def test_zero3_takes_the_calculator_on_vllm():
     """TRL's vLLM gathers the ZeRO-3 shards when it syncs the weights; the calculator's rounds sample on vLLM."""
-    check(_recipe("model.backend=hf", "model.load_in_4bit=false", "data.calculator=true", "train.use_vllm=true"),
-          RunTarget("hf", "cuda", ZERO3))
+    _check(_recipe("model.backend=hf", "model.load_in_4bit=false", "data.calculator=true", "train.use_vllm=true"),
+           ("hf", "cuda", ZERO3))
 
 
 def test_zero3_refuses_the_engine_on_cpu_unless_trl_samples():
     recipe = _recipe("train.stage_eval=0")  # the CPU recipe: hf, where the engine samples GRPO's completions
-    _refused(recipe, RunTarget("hf", "cpu", ZERO3), "train.sampling_engine=true", "train.sampling_engine=false")
-    check(_recipe("train.stage_eval=0", "train.sampling_engine=false"), RunTarget("hf", "cpu", ZERO3))
-    check(recipe, RunTarget("hf", "cuda", ZERO3))  # on CUDA TRL's generation samples (it gathers the shards)
+    _refused(recipe, ("hf", "cpu", ZERO3), "train.sampling_engine=true", "train.sampling_engine=false")
+    _check(_recipe("train.stage_eval=0", "train.sampling_engine=false"), ("hf", "cpu", ZERO3))
+    _check(recipe, ("hf", "cuda", ZERO3))  # on CUDA TRL's generation samples (it gathers the shards)
 
 
-def test_the_target_resolves_auto_as_train_would():
+def test_the_runtime_resolves_auto_as_train_would():
     gpu = _recipe(path=GPU_RECIPE)  # backend auto, gpu_memory_gb=8
     assert gpu.model.backend == "auto" and gpu.gpu_memory_gb
     # a GPU recipe only runs on CUDA (train refuses it elsewhere): judged there, without asking this machine
-    assert run_target(gpu, ONE, cuda=False).device == "cuda"
-    assert run_target(gpu, Launch(2, 3), cuda=False).backend == "hf"  # several processes: hf
+    assert resolve(gpu, ONE, NO_GPU).device == "cuda"
+    assert resolve(gpu, Launch(2, 3), NO_GPU).backend == "hf"  # several processes: hf
+    assert resolve(gpu, Launch(2), GPU).backend == "hf"  # auto picks Unsloth for one process only
     cpu = _recipe("model.backend=auto", "gpu_memory_gb=null", path=GPU_RECIPE)
-    assert run_target(cpu, ONE, cuda=False) == RunTarget("hf", "cpu", ONE)
-    with pytest.raises(BadInputError, match="model.backend=unsloth under 2 processes"):
-        run_target(_recipe("model.backend=unsloth"), Launch(2), cuda=True)
+    on_cpu = resolve(cpu, ONE, NO_GPU)
+    assert (on_cpu.backend, on_cpu.device, on_cpu.trainer, on_cpu.launch) == ("hf", "cpu", "cpu", ONE)
+
+
+def test_unsloth_runs_under_ddp_and_zero2_but_not_zero3():
+    """Unsloth 2026.10.9 loads each rank on its own GPU and averages the LoRA gradients itself (DDP, ZeRO-1/2:
+    every rank holds the whole model); its fused LoRA kernels read each layer's base weight directly, which ZeRO-3
+    gathers only around the layer's own forward (lowmem_grpo.runtime.backend_for cites the source)."""
+    unsloth = _recipe("model.backend=unsloth", path=GPU_RECIPE)
+    for launch_ in (Launch(2), ZERO2, Launch(4, 1)):
+        target = resolve(unsloth, launch_, GPU)
+        assert target.backend == "unsloth" and target.processes == launch_.num_processes
+    for launch_ in (ZERO3, Launch(1, 3)):
+        with pytest.raises(BadInputError, match="model.backend=unsloth under DeepSpeed ZeRO-3") as caught:
+            resolve(unsloth, launch_, GPU)
+        assert caught.value.exit_code == 2 and "model.backend=hf" in caught.value.fix
+    assert resolve(_recipe(path=GPU_RECIPE), Launch(1, 3), GPU).backend == "hf"  # auto under ZeRO-3: hf
 
 
 def test_unsloth_fp32_on_cuda_is_refused_before_the_model_loads():
     recipe = _recipe("train.precision=fp32", "model.backend=unsloth")
-    _refused(recipe, RunTarget("unsloth", "cuda", ONE), "train.precision=fp32", "model.backend=hf")
-    check(recipe, RunTarget("hf", "cuda", ONE))
-    check(_recipe("train.precision=fp32"), RunTarget("hf", "cpu", ONE))
+    _refused(recipe, ("unsloth", "cuda", ONE), "train.precision=fp32", "model.backend=hf")
+    _check(recipe, ("hf", "cuda", ONE))
+    _check(_recipe("train.precision=fp32"), ("hf", "cpu", ONE))
 
 
 def test_the_recipe_rules_count_the_launchers_processes():
     recipe = _recipe("train.per_device_train_batch_size=4", "train.num_generations=8",
                      "train.gradient_accumulation_steps=1")
-    check(recipe, RunTarget("hf", "cuda", Launch(2)))  # 4 x 2 processes = 8 completions: one group
+    _check(recipe, ("hf", "cuda", Launch(2)))  # 4 x 2 processes = 8 completions: one group
     with pytest.raises(RecipeError, match="3 process"):
-        check(recipe, RunTarget("hf", "cuda", Launch(3)))
+        _check(recipe, ("hf", "cuda", Launch(3)))
 
 
 def test_launch_reads_the_launchers_environment_and_train_deepspeed():

@@ -12,9 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from lowmem_grpo.device import CPU_DTYPE_ENV, cpu_auto_dtype, resolve_dtype
+from lowmem_grpo.device import CPU_DTYPE_ENV, CudaFacts, cpu_auto_dtype
+from lowmem_grpo.distributed import Launch
 from lowmem_grpo.doctor import cpu_dtype_line
 from lowmem_grpo.errors import EXIT_BAD_INPUT, BadInputError
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.recipe_io import apply_overrides
+from lowmem_grpo.runtime import auto_dtype, resolve
 from tiny_run import CPU_RECIPE, TINY_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,13 +34,23 @@ def test_auto_follows_the_cpus_native_bf16_unless_the_environment_decides():
     assert "native" in cpu_auto_dtype({}, native_bf16=True).reason
 
 
+NO_GPU = CudaFacts(torch_cuda=None, available=False)
+
+
+def _dtype(dtype: str, environ: dict[str, str], facts: CudaFacts = NO_GPU) -> str:
+    return resolve(apply_overrides(Recipe(), [f"model.dtype={dtype}"]), Launch(), facts, environ).dtype
+
+
 def test_the_setting_changes_only_what_auto_means_on_a_cpu():
     env = {CPU_DTYPE_ENV: "bfloat16"}
-    assert resolve_dtype("auto", cuda=False, environ=env) == "bfloat16"
-    assert resolve_dtype("auto", cuda=False, environ={CPU_DTYPE_ENV: "float32"}) == "float32"
-    assert resolve_dtype("float32", cuda=False, environ=env) == "float32"  # an explicit dtype wins
-    assert resolve_dtype("auto", cuda=True, capability=(7, 5), environ=env) == "float16"  # GPUs untouched
-    assert resolve_dtype("auto", cuda=False, environ={}) == cpu_auto_dtype({}).dtype  # this CPU's own answer
+    assert _dtype("auto", env) == "bfloat16"
+    assert _dtype("auto", {CPU_DTYPE_ENV: "float32"}) == "float32"
+    assert _dtype("float32", env) == "float32"  # an explicit dtype wins
+    turing = CudaFacts(torch_cuda="12.6", available=True, capability=(7, 5))
+    assert _dtype("auto", env, turing) == "float16"  # GPUs untouched
+    assert _dtype("auto", {}) == cpu_auto_dtype({}).dtype  # this CPU's own answer
+    with pytest.raises(BadInputError, match=CPU_DTYPE_ENV):  # a CPU run stops on it, explicit dtype or not
+        _dtype("float32", {CPU_DTYPE_ENV: "half"})
 
 
 def test_an_unknown_value_is_bad_input_naming_the_setting_and_the_values():
@@ -85,8 +99,7 @@ def test_a_run_and_its_exports_under_each_resolution(dtype, tiny_model_dir, tmp_
 
     from lowmem_grpo.export.formats import export  # in-process: the result object carries each check's bound
 
-    merged = export(run, "merged-16bit", tmp_path / "merged", dtype=resolve_dtype("auto", cuda=False,
-                                                                                   environ={CPU_DTYPE_ENV: dtype}))
+    merged = export(run, "merged-16bit", tmp_path / "merged", dtype=auto_dtype(NO_GPU, {CPU_DTYPE_ENV: dtype})[0])
     assert merged.dtype == dtype and merged.checks["prove"] <= merged.tolerances["prove"]
     if dtype == "float32":  # an exact merge: summation order only
         assert merged.checks["prove"] <= 1e-4

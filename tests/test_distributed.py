@@ -155,14 +155,16 @@ def test_deepspeed_configs_train_two_processes_on_cpu(config, stage, tiny_model_
     assert any(float(t.abs().max()) > 0 for name, t in saved.items() if "lora_B" in name)
 
 
-def test_unsloth_under_two_processes_is_refused_before_anything_runs(tiny_model_dir, tmp_path):
+def test_unsloth_under_zero3_is_refused_before_anything_runs(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir),
            "model.backend=unsloth", f"output.dir={out}"]
+    zero3 = {"ACCELERATE_USE_DEEPSPEED": "true",
+             "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ACCELERATE_DIR / "ds_zero3.json")}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env=env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0"))
+                            env=env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", **zero3))
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "model.backend=unsloth under 2 processes" in result.stderr
+    assert "model.backend=unsloth under DeepSpeed ZeRO-3" in result.stderr
     assert "fix: set model.backend=hf" in result.stderr
     assert "Unsloth: " not in result.stdout + result.stderr  # refused before unsloth was imported
     assert not out.exists()
@@ -176,7 +178,8 @@ def run_python(code: str, **extra: str) -> str:
 
 
 def test_auto_backend_is_hf_under_several_processes():
-    code = "from lowmem_grpo.backends import prepare; print(prepare('auto'))"
+    code = ("from lowmem_grpo.backends import start; from lowmem_grpo.distributed import launch; "
+            "from lowmem_grpo.recipe import Recipe; print(start(Recipe(), launch())[0].backend)")
     assert run_python(code, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1") == "hf"
 
 

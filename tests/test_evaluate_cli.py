@@ -13,6 +13,7 @@ import pytest
 
 from lowmem_grpo.cli import main
 from lowmem_grpo.errors import EXIT_BAD_INPUT, EXIT_NO_SIGNAL, EXIT_OK, RecipeError
+from tiny_run import cpu_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_RECIPE = str(REPO / "recipes" / "smollm2_135m_gsm8k_cpu.py")
@@ -219,14 +220,15 @@ def test_periodic_eval_callback_logs_eval_metrics(tiny_model_dir, tmp_path):
 
 def test_preflight_as_train_calls_it_on_the_fresh_lora_model(tiny_model_dir):
     """preflight(recipe, loaded, examples, n) on the LoRA-wrapped model train() builds, left in train mode."""
-    from lowmem_grpo.backends import load
+    from lowmem_grpo.backends import load, start
     from lowmem_grpo.data import build_examples, load_rows
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.train.preflight import preflight
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(CPU_RECIPE, [f"model.name={tiny_model_dir}", "train.max_completion_length=8",
                                       "rewards={correctness: 2.0, lowmem_test_rewards:length_reward: 1.0}"])
-    loaded = load(recipe, "hf")
+    loaded = load(recipe, start(recipe, Launch())[0])
     loaded.model.train()
     d = recipe.data
     examples = build_examples(load_rows("embedded", "train")[:3], loaded.tokenizer, d.system_prompt, d.prefill,
@@ -242,8 +244,8 @@ def test_preflight_as_train_calls_it_on_the_fresh_lora_model(tiny_model_dir):
 
 
 def test_preflight_and_eval_fields_never_reach_grpo_config(tmp_path):
-    from lowmem_grpo.recipe import validate
     from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.recipe_rules import validate
     from lowmem_grpo.train.grpo import build_grpo_config, check_trainer_fields
 
     recipe = load_recipe(CPU_RECIPE, ["train.preflight=false", "train.preflight_prompts=2",
@@ -251,7 +253,7 @@ def test_preflight_and_eval_fields_never_reach_grpo_config(tmp_path):
     validate(recipe)
     check_trainer_fields(recipe)
     assert recipe.train.extra == {}
-    config = build_grpo_config(recipe, tmp_path, False, [1.0])
+    config = build_grpo_config(recipe, tmp_path, cpu_runtime(recipe), [1.0])
     assert not any(hasattr(config, k) for k in ("preflight", "preflight_prompts", "allow_no_signal", "eval_limit"))
     for bad in ("train.preflight_prompts=0", "train.eval_every=-1", "train.eval_limit=0"):
         with pytest.raises(RecipeError):

@@ -239,12 +239,13 @@ def test_merged_4bit_path_on_the_bitsandbytes_cpu_backend(run_dir, tmp_path):
     from lowmem_grpo.export.formats import export
 
     out = tmp_path / "q4"
-    from lowmem_grpo.device import resolve_dtype
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.runtime import auto_dtype
 
     result = export(run_dir, "merged-4bit", out, cpu_4bit=True)
     assert set(result.checks) == {"prove", "prove-4bit"}
     # the run trained, and the export proves, in what model.dtype=auto resolves to on this CPU: judged by that dtype
-    assert result.dtype == resolve_dtype("auto", cuda=False)
+    assert result.dtype == auto_dtype(CudaFacts(torch_cuda=None, available=False))[0]
     assert result.checks["prove"] <= result.tolerances["prove"]
     assert result.checks["prove-4bit"] <= result.tolerances["prove-4bit"]
     if result.dtype == "float32":  # an exact merge: summation order only

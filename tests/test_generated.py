@@ -22,7 +22,8 @@ from lowmem_grpo.data.generated import (HELDOUT_FRAMES, HELDOUT_PHRASINGS, LEVEL
 from lowmem_grpo.data.sources import check_rows, load_eval_rows, load_train_rows
 from lowmem_grpo.data.vocabulary import FRAMES, MONEY, PHRASINGS
 from lowmem_grpo.errors import DataError, RecipeError
-from lowmem_grpo.recipe import DataConfig, GeneratedDataConfig, Recipe, validate
+from lowmem_grpo.recipe import DataConfig, GeneratedDataConfig, Recipe
+from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.rewards import correctness, strict_format
 from lowmem_grpo.rewards.calculator import calculations, evaluate
 from lowmem_grpo.rewards.parsing import gold_number

@@ -13,21 +13,39 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lowmem_grpo.device import model_dtype, resolve_dtype, training_precision
+from lowmem_grpo.device import CudaFacts, model_dtype
+from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.recipe_io import apply_overrides
+from lowmem_grpo.runtime import Runtime, auto_dtype, resolve
+
+
+def gpu(capability=(8, 6)) -> CudaFacts:
+    """A CUDA GPU of this compute capability, as lowmem_grpo.device.cuda_facts would describe it."""
+    return CudaFacts(torch_cuda="12.6", available=True, capability=capability)
+
+
+NO_GPU = CudaFacts(torch_cuda=None, available=False)
+
+
+def runtime(*overrides: str, facts: CudaFacts = NO_GPU) -> Runtime:
+    """The Runtime of the default recipe with `overrides` on the machine `facts` describe."""
+    return resolve(apply_overrides(Recipe(), list(overrides)), Launch(), facts, environ={})
+
 
 # --- 1. precision follows the dtype the model was really loaded in -------------------------------
 
 
 def test_auto_dtype_follows_native_bf16_not_emulation():
     """Turing (sm_75) emulates bf16 and torch.cuda.is_bf16_supported() says True; Unsloth loads float16 there."""
-    assert resolve_dtype("auto", cuda=True, capability=(7, 5)) == "float16"
-    assert resolve_dtype("auto", cuda=True, capability=(8, 6)) == "bfloat16"
+    assert auto_dtype(gpu((7, 5)))[0] == runtime(facts=gpu((7, 5))).dtype == "float16"
+    assert auto_dtype(gpu((8, 6)))[0] == runtime(facts=gpu((8, 6))).dtype == "bfloat16"
     from lowmem_grpo.device import cpu_bf16_supported
 
     # this CPU's own answer when nothing decides it from outside (tests/test_cpu_dtype.py covers the setting)
-    assert resolve_dtype("auto", cuda=False, environ={}) == ("bfloat16" if cpu_bf16_supported() else "float32")
-    assert resolve_dtype("float16", cuda=True, capability=(9, 0)) == "float16"
+    assert runtime().dtype == ("bfloat16" if cpu_bf16_supported() else "float32")
+    assert runtime("model.dtype=float16", facts=gpu((9, 0))).dtype == "float16"
 
 
 def _fake_model(dtype, **extra):
@@ -43,28 +61,41 @@ def test_model_dtype_reads_the_model_as_unsloth_does():
     assert model_dtype(_fake_model(torch.bfloat16, _unsloth_forced_float32=True)) == "float32"  # Gemma 3
 
 
+def flags(run: Runtime, loaded: str) -> tuple[bool, bool]:
+    """(bf16, fp16) once the model was loaded in `loaded`."""
+    after = run.loaded(loaded)
+    assert after.dtype == loaded
+    return after.bf16, after.fp16
+
+
 def test_flags_follow_the_loaded_dtype_on_cuda():
-    assert training_precision("auto", "float16", cuda=True, backend="unsloth") == {"bf16": False, "fp16": True}
-    assert training_precision("auto", "bfloat16", cuda=True, backend="unsloth") == {"bf16": True, "fp16": False}
-    assert training_precision("auto", "float32", cuda=True, backend="hf") == {"bf16": False, "fp16": False}
-    assert training_precision("auto", "bfloat16", cuda=False, backend="hf") == {"bf16": False, "fp16": False}
-    assert training_precision("fp32", "bfloat16", cuda=True, backend="hf") == {"bf16": False, "fp16": False}
+    unsloth = runtime("model.backend=unsloth", facts=gpu())
+    assert (unsloth.bf16, unsloth.fp16) == (True, False)  # what the resolved dtype asks for, before the load
+    assert flags(unsloth, "float16") == (False, True)
+    assert flags(unsloth, "bfloat16") == (True, False)
+    assert flags(runtime("model.backend=hf", facts=gpu()), "float32") == (False, False)
+    assert flags(runtime("model.backend=hf"), "bfloat16") == (False, False)
+    assert flags(runtime("model.backend=hf", "train.precision=fp32", facts=gpu()), "bfloat16") == (False, False)
 
 
 def test_unsloth_cuda_refuses_what_its_trainer_would_raise_on_or_override():
     with pytest.raises(BadInputError, match="compute capability below 8"):  # Unsloth: "Model is in float16 ..."
-        training_precision("bf16", "float16", cuda=True, backend="unsloth")
+        runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()).loaded("float16").check_precision()
+    from lowmem_grpo.combinations import check
+
+    fp32 = apply_overrides(Recipe(), ["model.backend=unsloth", "train.precision=fp32"])
     with pytest.raises(BadInputError, match="autocast") as info:  # Unsloth turns fp32 into bf16/fp16 AMP
-        training_precision("fp32", "bfloat16", cuda=True, backend="unsloth")
+        check(fp32, resolve(fp32, Launch(), gpu()))
     assert "model.backend=hf" in info.value.fix
-    assert training_precision("fp16", "float16", cuda=True, backend="unsloth") == {"bf16": False, "fp16": True}
+    with pytest.raises(BadInputError, match="autocast"):
+        runtime("model.backend=unsloth", "train.precision=fp32", facts=gpu()).loaded("bfloat16").check_precision()
+    assert flags(runtime("model.backend=unsloth", "train.precision=fp16", facts=gpu()), "float16") == (False, True)
 
 
 def test_grpo_config_takes_the_loaded_dtype(tmp_path):
-    from lowmem_grpo.recipe import Recipe
     from lowmem_grpo.train.grpo import build_grpo_config
 
-    config = build_grpo_config(Recipe(), tmp_path, False, [1.0] * 5, dtype="float16", backend="hf")
+    config = build_grpo_config(Recipe(), tmp_path, runtime("model.backend=hf").loaded("float16"), [1.0] * 5)
     assert (config.bf16, config.fp16) == (False, False)  # CPU: no autocast whatever the weights
 
 
@@ -176,17 +207,16 @@ def test_eval_neither_reseeds_nor_consumes_trainings_random_stream(tiny_model_di
 
 
 def test_vllm_is_off_unless_asked_for():
-    from lowmem_grpo.device import resolve_fast_inference
-    from lowmem_grpo.memory.plan import resolve_settings
-    from lowmem_grpo.recipe import Recipe
-    from lowmem_grpo.recipe_io import apply_overrides
+    from lowmem_grpo.memory.plan import settings_for
 
     recipe = apply_overrides(Recipe(), ["model.backend=unsloth"])
     assert recipe.model.fast_inference is False
-    assert resolve_settings(recipe, 8 * 2**30).fast_inference is False  # whether or not vllm is installed
-    assert resolve_fast_inference(None) is False and resolve_fast_inference(True) is True
+    assert settings_for(recipe, 8 * 2**30).fast_inference is False  # whether or not vllm is installed
+    assert not runtime("model.backend=unsloth", "model.fast_inference=null", facts=gpu()).fast_inference
+    assert runtime("model.backend=unsloth", "model.fast_inference=true", facts=gpu()).fast_inference
+    assert not runtime("model.backend=hf", "model.fast_inference=true", facts=gpu()).fast_inference  # check refuses
     on = apply_overrides(recipe, ["model.fast_inference=true"])
-    assert resolve_settings(on, 8 * 2**30).fast_inference is True
+    assert settings_for(on, 8 * 2**30).fast_inference is True
 
 
 # --- 4. vLLM memory and what an OOM retry may change ---------------------------------------------
@@ -478,7 +508,7 @@ def test_gpu_check_answers_help_on_cpu():
 
 def test_gpu_check_variants_are_valid_recipes_that_check_what_they_say(tmp_path):
     from lowmem_grpo.memory.plan import plan
-    from lowmem_grpo.recipe import validate
+    from lowmem_grpo.recipe_rules import validate
 
     gpu_check = _gpu_check()
     args = gpu_check.parse_args([])

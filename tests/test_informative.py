@@ -163,8 +163,8 @@ def test_problem_columns_carry_the_generated_level():
 
 def test_a_curriculum_needs_a_correctness_reward():
     from lowmem_grpo.errors import RecipeError
-    from lowmem_grpo.recipe import validate
     from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.recipe_rules import validate
 
     validate(load_recipe(str(CPU_RECIPE), ["data.source=generated", "train.curriculum=true"]))
     with pytest.raises(RecipeError, match="train.curriculum"):
@@ -206,14 +206,15 @@ def _trainer(model_dir: Path, run_dir: Path, *extra: str):
     """A GRPO trainer built as train() builds it (trainer_factory), on the tiny model."""
     from datasets import Dataset
 
-    from lowmem_grpo.backends import load, prepare
+    from lowmem_grpo.backends import load, start
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.data import load_train_rows, recipe_examples
     from lowmem_grpo.recipe import resolved_rewards
     from lowmem_grpo.rewards import get_reward
     from lowmem_grpo.train.informative import prepare_sampling
 
     recipe = _tiny_recipe(model_dir, run_dir, *extra)
-    loaded = load(recipe, prepare("hf"), model_path=str(model_dir))
+    loaded = load(recipe, start(recipe, Launch())[0], model_path=str(model_dir))
     examples, sampling = prepare_sampling(recipe, recipe_examples(load_train_rows(recipe.data), loaded.tokenizer,
                                                                   recipe.data))
     from lowmem_grpo.train.grpo import trainer_factory
@@ -232,7 +233,15 @@ def test_the_trainer_draws_through_the_sampling_state_only_with_an_option(tiny_m
     assert type(trainer) is CpuSafeGRPOTrainer and sampling is None
     assert set(examples[0]) == {"prompt", "answer", "question", "solution", "prefill"}  # no extra columns
     assert trainer.lowmem_sampling is None and not trainer.lowmem_dynamic_sampling
-    assert grpo_trainer_class("unsloth", "cuda") is LowmemGRPOTrainer is grpo_trainer_class("hf", "cuda")
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.distributed import Launch
+    from lowmem_grpo.recipe import Recipe
+    from lowmem_grpo.recipe_io import apply_overrides
+    from lowmem_grpo.runtime import resolve
+
+    gpu = CudaFacts(torch_cuda="12.6", available=True, capability=(8, 6))
+    on_gpu = {b: resolve(apply_overrides(Recipe(), [f"model.backend={b}"]), Launch(), gpu) for b in ("unsloth", "hf")}
+    assert grpo_trainer_class(on_gpu["unsloth"]) is LowmemGRPOTrainer is grpo_trainer_class(on_gpu["hf"])
     trainer, _, examples, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=4", "train.dynamic_sampling=true")
     assert type(trainer) is CpuSafeGRPOTrainer and trainer.lowmem_sampling is sampling
     assert [e["problem_id"] for e in examples] == [0, 1, 2, 3] and {e["level"] for e in examples} == {0}

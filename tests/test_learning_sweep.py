@@ -14,8 +14,8 @@ import pytest
 
 from lowmem_grpo.evaluation.metrics import judge
 from lowmem_grpo.evaluation.stages import summarize
-from lowmem_grpo.recipe import validate
 from lowmem_grpo.recipe_io import dump_yaml, load_recipe
+from lowmem_grpo.recipe_rules import validate
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_sweep.py"
 RIGHT = "<reasoning>\n2+2=4\n</reasoning>\n<answer>\n4\n</answer>"

@@ -18,9 +18,10 @@ from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import (MOE_KEYS, SSM_KEYS, architecture_from_config, load_architecture, shipped_config_path,
                                      shipped_configs)
 from lowmem_grpo.memory.fit import auto_fit, plan_with_proposal
-from lowmem_grpo.memory.plan import GIB, MIB, parse_size, plan, resolve_settings
-from lowmem_grpo.recipe import DEFAULT_TARGET_MODULES, validate
+from lowmem_grpo.memory.plan import GIB, MIB, parse_size, plan, settings_for
+from lowmem_grpo.recipe import DEFAULT_TARGET_MODULES
 from lowmem_grpo.recipe_io import apply_overrides, explicit_keys, load_recipe, shipped_recipes
+from lowmem_grpo.recipe_rules import validate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -147,7 +148,7 @@ def test_unsloth_logits_term_follows_unsloths_kernel():
     """Qwen2.5-1.5B, 16 completions x 512 tokens (N = 8192), bf16, an 8 GB card: the tiled forward of
     unsloth_zoo's fused_linear: a 4096 x 16384 fp32 tile, its 4096 x H accumulator, N x H x 3 x 2, N x 16."""
     arch = load_architecture("Qwen/Qwen2.5-1.5B-Instruct")
-    s = resolve_settings(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=unsloth"]), 8 * GIB)
+    s = settings_for(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=unsloth"]), 8 * GIB)
     assert s.per_device_batch * s.completion_len == 8192
     flash = 4096 * 16384 * 4 + 4096 * 1536 * 4 + 8192 * 1536 * 6 + 16 * 8192
     assert mt.logits(arch, s) == flash and round(flash / MIB, 3) == 352.125
@@ -296,7 +297,7 @@ def test_every_gpu_recipe_is_predicted_under_its_target(path):
     recipe = load_recipe(path)
     assert recipe.gpu_memory_gb in (8, 12, 16, 24) and recipe.model.load_in_4bit and recipe.data.source == "hub"
     doc = Path(path).read_text().split('"""')[1]
-    stated = re.search(r"predicted peak ([\d.]+) GiB with Unsloth.*?, ([\d.]+) GiB with plain", doc, re.S)
+    stated = re.search(r"peak ([\d.]+) GiB with Unsloth.*?, ([\d.]+) GiB with (?:plain\s+)?transformers", doc, re.S)
     assert stated, "the docstring states the planner's prediction"
     for backend, text in zip(("unsloth", "hf"), stated.groups()):
         total = plan(apply_overrides(recipe, [f"model.backend={backend}"]), recipe.gpu_memory_gb * GIB,).total_bytes
@@ -392,7 +393,7 @@ def test_architecture_sources(tmp_path):
     with pytest.raises(BadInputError, match="no shipped config"):
         load_architecture("Someone/Unknown-Model", allow_hub=False)
     assert load_architecture("embedded:smollm2-135m-instruct").hidden_size == 576
-    s = resolve_settings(load_recipe("smollm2_135m_gsm8k_cpu"))
+    s = settings_for(load_recipe("smollm2_135m_gsm8k_cpu"))
     # the planner sizes a GPU run: model.dtype=auto counts 16-bit weights whatever this CPU would resolve it to
     assert (s.backend, s.load_in_4bit, s.compute_bytes) == ("hf", False, 2)
 
@@ -446,11 +447,11 @@ ONE_GROUP = ["model.backend=unsloth", "train.per_device_train_batch_size=8", "tr
 
 
 def _sharing(recipe_name: str, overrides: list[str], env: dict[str, str] | None = None, config: dict | None = None):
-    from lowmem_grpo.memory.plan import resolve_sharing
+    from lowmem_grpo.memory.plan import sharing_for
 
     recipe = apply_overrides(load_recipe(recipe_name), overrides)
     arch = architecture_from_config(config) if config else load_architecture(recipe.model.name)
-    return resolve_sharing(recipe, arch, env if env is not None else {})
+    return sharing_for(recipe, arch, env if env is not None else {})
 
 
 def test_prefix_grouper_gate():
@@ -514,9 +515,14 @@ def test_shared_prompt_runs_in_the_cpu_trainer_only():
     """The planner's device rule, against the trainer each device gets."""
     from lowmem_grpo.memory import sharing as ms
     from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer, grpo_trainer_class
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.distributed import Launch
+    from lowmem_grpo.runtime import resolve
 
+    recipe = load_recipe("smollm2_135m_gsm8k_cpu", ["model.backend=hf"])
     for device in ("cpu", "cuda"):
-        runs_ours = issubclass(grpo_trainer_class("hf", device), CpuSafeGRPOTrainer)
+        facts = CudaFacts(torch_cuda="12.6", available=device == "cuda", capability=(8, 6))
+        runs_ours = issubclass(grpo_trainer_class(resolve(recipe, Launch(), facts)), CpuSafeGRPOTrainer)
         assert runs_ours == (device in ms.HF_SHARED_DEVICES), device
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from lowmem_grpo.memory.plan import default_budget, plan
 from lowmem_grpo.presets import gsm8k_gpu
-from lowmem_grpo.recipe import validate
+from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.recipe_io import apply_overrides, load_recipe, shipped_recipes
 
 GIB = 1 << 30

@@ -13,8 +13,8 @@ import pytest
 from lowmem_grpo.data import load_rows
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.data.format import clean_reasoning, priming_pairs, render_target
-from lowmem_grpo.recipe import validate
 from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.rewards import correctness, integer, soft_format, strict_format, xml_count
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,8 +271,12 @@ def check_target_loss_fell(recipe, run_dir: Path) -> None:
     from lowmem_grpo.data import build_examples
     from lowmem_grpo.data import load_train_rows
 
-    base = load(recipe, "hf", with_lora=False)
-    primed = load(recipe, "hf", with_lora=False, adapter_path=str(run_dir / "primed_adapter"))
+    from lowmem_grpo.recipe_io import apply_overrides
+    from tiny_run import cpu_runtime
+
+    hf = cpu_runtime(apply_overrides(recipe, ["model.backend=hf"]))
+    base = load(recipe, hf, with_lora=False)
+    primed = load(recipe, hf, with_lora=False, adapter_path=str(run_dir / "primed_adapter"))
     d = recipe.data
     examples = build_examples(load_train_rows(recipe.data), base.tokenizer, d.system_prompt, d.prefill, d.max_prompt_length)
     pairs = priming_pairs(examples, recipe.prime.num_examples)  # the rendered targets it was primed on

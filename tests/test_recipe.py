@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.recipe import Recipe, TrainConfig, resolved_rewards, validate
+from lowmem_grpo.recipe import Recipe, TrainConfig, resolved_rewards
 from lowmem_grpo.recipe_io import (
     apply_overrides,
     dump_yaml,
@@ -14,6 +14,8 @@ from lowmem_grpo.recipe_io import (
     recipe_from_dict,
     shipped_recipes,
 )
+from lowmem_grpo.recipe_rules import validate
+from tiny_run import cpu_runtime
 
 CPU_RECIPE = "recipes/smollm2_135m_gsm8k_cpu.py"
 
@@ -130,7 +132,7 @@ def test_grpo_config_takes_the_recipe(tmp_path):
 
     recipe = load_recipe(CPU_RECIPE, ["train.warmup_ratio=0.1", "train.top_p=0.8", "train.max_steps=20"])
     check_trainer_fields(recipe)
-    config = build_grpo_config(recipe, tmp_path, cuda=False, reward_weights=[2.0, 0.5, 0.5, 0.5, 0.5])
+    config = build_grpo_config(recipe, tmp_path, cpu_runtime(recipe), reward_weights=[2.0, 0.5, 0.5, 0.5, 0.5])
     assert config.warmup_steps == pytest.approx(0.1)  # a ratio of max_steps in TRL 1.x
     assert config.top_p == pytest.approx(0.8)
     assert config.bf16 is False and config.fp16 is False  # TRL would resolve bf16=None to True on CPU

@@ -128,7 +128,7 @@ def test_sampled_evals_generate_at_least_eight_prompts_at_once():
 
 
 def test_stage_eval_samples_and_stages_are_validated():
-    from lowmem_grpo.recipe import validate
+    from lowmem_grpo.recipe_rules import validate
 
     for bad, key in (("train.stage_eval_samples=1", "stage_eval_samples"), ("train.eval_samples=-2", "eval_samples"),
                      ("train.stage_eval_stages=[base,final]", "stage_eval_stages")):

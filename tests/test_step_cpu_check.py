@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tiny_run import cpu_runtime
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_speed.py"
 
 
@@ -122,7 +124,7 @@ def test_the_plain_side_sets_every_grpo_config_field_ours_sets(step_cpu, tmp_pat
 
     recipe = load_recipe(step_cpu.RECIPE, ["train.max_steps=6"])
     weights = list(resolved_rewards(recipe).values())
-    ours = build_grpo_config(recipe, tmp_path, cuda=False, reward_weights=weights, dtype="bfloat16").to_dict()
+    ours = build_grpo_config(recipe, tmp_path, cpu_runtime(recipe).loaded("bfloat16"), reward_weights=weights).to_dict()
     plain = GRPOConfig(output_dir=str(tmp_path), save_strategy="steps", use_cpu=True, disable_tqdm=True,
                        reward_weights=weights, **step_cpu.plain_grpo_values(recipe)).to_dict()
     assert ours["mask_truncated_completions"] is True and ours["scale_rewards"] == "batch" and ours["beta"] == 0.04

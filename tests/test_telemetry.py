@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_run import train_tiny
+from tiny_run import cpu_runtime, train_tiny
 
 REWARD_WEIGHTS = {"correctness": 2.0, "length_reward": 1.0}
 
@@ -255,10 +255,10 @@ def test_report_to_reaches_grpo_config(value, tmp_path):
 
     recipe = Recipe()
     recipe.train.report_to = value
-    config = build_grpo_config(recipe, tmp_path, False, [1.0])
+    config = build_grpo_config(recipe, tmp_path, cpu_runtime(recipe), [1.0])
     assert config.report_to == [value]
     recipe.train.report_to = "none"
-    assert build_grpo_config(recipe, tmp_path, False, [1.0]).report_to == []
+    assert build_grpo_config(recipe, tmp_path, cpu_runtime(recipe), [1.0]).report_to == []
     assert not hasattr(config, "completions_every")
 
 
@@ -278,7 +278,8 @@ def test_report_to_without_its_package_is_bad_input(value):
 
 def test_completions_every_is_validated():
     from lowmem_grpo.errors import RecipeError
-    from lowmem_grpo.recipe import Recipe, validate
+    from lowmem_grpo.recipe import Recipe
+    from lowmem_grpo.recipe_rules import validate
 
     recipe = Recipe()
     recipe.train.completions_every = -1

@@ -103,8 +103,7 @@ REFUSED = [  # (arguments after `validate`, words the refusal names)
     ((GPU_RECIPE, "model.backend=hf", *ZERO3), ("model.load_in_4bit=true under DeepSpeed ZeRO-3",)),
     ((GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", "train.deepspeed=recipes/accelerate/ds_zero3.json"),
      ("train.stage_eval=10", "ZeRO-3")),  # TrainingArguments' own DeepSpeed config, no accelerate launcher
-    ((GPU_RECIPE, "model.backend=unsloth", "--accelerate-config", str(REPO / "recipes" / "accelerate" / "ddp.yaml")),
-     ("model.backend=unsloth under 2 processes",)),
+    ((GPU_RECIPE, "model.backend=unsloth", *ZERO3), ("model.backend=unsloth under DeepSpeed ZeRO-3",)),
     ((GPU_RECIPE, "model.backend=unsloth", "train.precision=fp32"), ("train.precision=fp32", "autocast")),
     ((GPU_RECIPE, "model.fast_inference=true", "--accelerate-config", str(REPO / "recipes" / "accelerate" / "ddp.yaml")),
      ("model.fast_inference=true with the hf backend",)),  # auto under 2 processes is hf: no vLLM
@@ -117,6 +116,8 @@ ALLOWED = [  # (arguments, words the ok line names)
     ((GPU_RECIPE, "data.calculator=true", "model.backend=unsloth", "model.fast_inference=true", "train.top_k=20",
       "--no-trainer-fields"), "backend unsloth"),  # the calculator's vLLM rounds take TRL's sampling settings
     ((GPU_RECIPE, *ZERO3_HF, *ZERO3), "backend hf on cuda, 2 processes, DeepSpeed ZeRO-3"),
+    ((GPU_RECIPE, "model.backend=unsloth", "--accelerate-config", str(REPO / "recipes" / "accelerate" / "ddp.yaml")),
+     "backend unsloth on cuda, 2 processes"),  # Unsloth runs DDP itself (lowmem_grpo.runtime.backend_for)
     ((GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", "data.calculator=true", "--accelerate-config",
       str(REPO / "recipes" / "accelerate" / "zero2.yaml")), "DeepSpeed ZeRO-2"),
 ]
@@ -178,6 +179,7 @@ def test_validate_passes_the_calculator_on_either_backend_and_zero3_without_rank
     for (args, named), result in zip(ALLOWED, results):
         assert result["code"] == 0, (args, result["log"][-2000:])
         assert result["out"].startswith("ok: ") and named in result["out"], result["out"]
+        assert "\nruntime:\n  backend " in result["out"]  # the Runtime `train` would resolve, one setting a line
     assert heavy == []
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from lowmem_grpo.combinations import rollout_plan
+from lowmem_grpo.runtime import rollout_plan
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.sampling.engine import Calculator
 from lowmem_grpo.sampling.generate import LIVE_ADAPTER, generate

@@ -43,3 +43,12 @@ def train_tiny(model_dir: Path, run_dir: Path, *extra: str) -> tuple[Path, Captu
     finally:
         logger.removeHandler(captured)
         logger.setLevel(old_level)
+
+
+def cpu_runtime(recipe):
+    """The Runtime of `recipe` in one process on a machine without a GPU (lowmem_grpo.runtime.resolve)."""
+    from lowmem_grpo.device import CudaFacts
+    from lowmem_grpo.distributed import Launch
+    from lowmem_grpo.runtime import resolve
+
+    return resolve(recipe, Launch(), CudaFacts(torch_cuda=None, available=False))

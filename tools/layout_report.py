@@ -19,10 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lowmem_grpo"
 # the first dotted part below lowmem_grpo (a module or a folder) -> its floor
 FLOORS = {
     "errors": 1, "device": 1,
-    "rewards": 2, "distributed": 2, "doctor": 2,
-    "data": 3, "backends": 3,
-    "recipe": 4, "presets": 4,
-    "recipe_io": 5, "memory": 5, "combinations": 5,
+    "rewards": 2, "distributed": 2,
+    "data": 3,
+    "recipe": 4, "recipe_rules": 4, "runtime": 4, "presets": 4,
+    "recipe_io": 5, "memory": 5, "combinations": 5, "backends": 5, "doctor": 5,
     "rundir": 6,
     "sampling": 7,
     "evaluation": 8, "export": 8,

@@ -1,52 +1,92 @@
-"""The one place that branches on Unsloth vs plain transformers: load model + tokenizer, add LoRA.
+"""The one place that branches on Unsloth vs plain transformers: import it, load model + tokenizer, add LoRA.
 
-Call `prepare(model.backend)` before anything imports trl/transformers/peft: it imports Unsloth first when
-the run will use it, so that Unsloth can patch those libraries.
+`start` resolves a run's Runtime with the backend imported first: Unsloth patches trl/transformers/peft, and its
+import sets the CUDA allocator's configuration (PYTORCH_ALLOC_CONF=expandable_segments:True, unsloth_zoo/__init__.py),
+which torch reads once, when CUDA starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from collections.abc import Callable
+
 from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
-from lowmem_grpo.device import cpu_auto_dtype, is_installed, model_dtype, resolve_backend, resolve_dtype
-from lowmem_grpo.distributed import world_size
+from lowmem_grpo.combinations import check
+from lowmem_grpo.device import CudaFacts, cuda_available, cuda_facts, is_installed, model_dtype, require_gpu
+from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError, LowmemError
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.runtime import Runtime, before_cuda, resolve
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadedModel:
-    """A model with its LoRA adapter attached, and what was chosen to load it."""
+    """A model with its LoRA adapter attached, and the Runtime it was loaded for."""
 
     model: Any
     tokenizer: Any
-    backend: str
-    device: str
-    dtype: str
-    """The dtype the model was really loaded in (lowmem_grpo.device.model_dtype), not the one asked for: Unsloth
-    loads float16 on GPUs without native bfloat16 and float32 for the models it forces to it."""
+    runtime: Runtime
+    """The run's Runtime, with the dtype the model was really loaded in (lowmem_grpo.device.model_dtype), not the
+    one asked for: Unsloth loads float16 on GPUs without native bfloat16 and float32 for the models it forces to it."""
     model_path: str
 
+    @property
+    def backend(self) -> str:
+        """unsloth or hf."""
+        return self.runtime.backend
 
-def prepare(requested: str) -> str:
-    """The backend this run uses (`auto` resolved by lowmem_grpo.device), with Unsloth imported first when it is
-    the one: call this before anything imports trl/transformers/peft."""
-    import torch
+    @property
+    def device(self) -> str:
+        """cuda or cpu."""
+        return self.runtime.device
 
-    backend = resolve_backend(requested, cuda=torch.cuda.is_available(), processes=world_size())
-    if requested == "auto":
-        log.info("backend auto -> %s (cuda=%s, unsloth installed=%s, %d process(es))", backend,
-                 torch.cuda.is_available(), is_installed("unsloth"), world_size())
-    if backend == "unsloth":  # resolve_backend refused it under several processes, before this import
+    @property
+    def dtype(self) -> str:
+        """The dtype the model was really loaded in."""
+        return self.runtime.dtype
+
+
+def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFacts] | None = None, *,
+          training: bool = True) -> tuple[Runtime, CudaFacts]:
+    """The run's Runtime and this machine's CudaFacts, in the order CUDA needs. First the Runtime from what is known
+    before CUDA starts (whether torch sees a GPU: lowmem_grpo.runtime.before_cuda), and for `training` every
+    combination it could not honour refused (lowmem_grpo.combinations.check) and a GPU recipe without a usable GPU
+    stopped (exit 2); then the backend imported (Unsloth sets the allocator configuration torch reads when CUDA
+    starts); only then the facts that start CUDA, and the Runtime again with the GPU's compute capability (the
+    dtype `auto` loads on CUDA). `facts`: known facts (a test's), or the function that reads them (default
+    lowmem_grpo.device.cuda_facts). Without `training` (an evaluation, the preflight) the run is on whatever this
+    machine has."""
+    known = facts if isinstance(facts, CudaFacts) else None
+    runtime = resolve(recipe, launch, known or before_cuda(recipe, training), training=training)
+    if training:
+        check(recipe, runtime)  # before anything is imported: what `lowmem-grpo validate` refuses
+        if recipe.gpu_memory_gb and not (known.available if known else cuda_available()):
+            require_gpu(recipe.gpu_memory_gb, known or cuda_facts())  # no GPU: reading the facts starts no CUDA
+    prepare(runtime.backend)
+    known = known or (facts or cuda_facts)()
+    require_gpu(recipe.gpu_memory_gb if training else None, known)  # e.g. a GPU this torch has no kernels for
+    # the model loads where torch sees a GPU; facts a caller gives (a test's GPU) size the auto-fit only
+    device = dataclasses.replace(known, available=known.available and cuda_available())
+    return resolve(recipe, launch, device, training=training), known
+
+
+def prepare(backend: str) -> str:
+    """Import `backend` (unsloth or hf, as resolved by lowmem_grpo.runtime) for the run: Unsloth first, before
+    anything imports trl/transformers/peft, so that it can patch them. Returns `backend`."""
+    if backend == "unsloth":
         if not is_installed("unsloth"):
             raise BadInputError("model.backend=unsloth but unsloth is not installed",
                                 fix="pip install unsloth, or set model.backend=hf")
         import unsloth  # noqa: F401  (import order matters: it patches transformers/trl/peft)
+    elif backend != "hf":
+        raise BadInputError(f"model.backend {backend!r} is unknown", fix="use auto, unsloth or hf")
     return backend
 
 
@@ -88,31 +128,28 @@ def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
     return present
 
 
-def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str | None = None,
+def load(recipe: Recipe, runtime: Runtime, *, with_lora: bool = True, adapter_path: str | None = None,
          model_path: str | None = None) -> LoadedModel:
-    """Load the recipe's model on `backend` and attach a fresh LoRA adapter, or load `adapter_path`: trainable as
-    the starting LoRA with `with_lora` (lora.init_adapter, checked first by backends.adapter), frozen without.
+    """Load the recipe's model as `runtime` says (backend, device, dtype) and attach a fresh LoRA adapter, or load
+    `adapter_path`: trainable as the starting LoRA with `with_lora` (lora.init_adapter, checked first by
+    backends.adapter), frozen without. The LoadedModel's Runtime has the dtype the model was really loaded in.
 
     `model_path` is the already resolved `resolve_model_path(recipe.model.name)`, when the caller has it.
     """
-    import torch
-
-    cuda = torch.cuda.is_available()
     path = model_path or resolve_model_path(recipe.model.name)
-    dtype = resolve_dtype(recipe.model.dtype, cuda=cuda)
-    if recipe.model.dtype == "auto" and not cuda:
-        log.info("model.dtype=auto -> %s: %s", dtype, cpu_auto_dtype().reason)
+    backend, dtype, cuda = runtime.backend, runtime.dtype, runtime.cuda
+    if runtime.dtype_reason:
+        log.info("model.dtype=auto -> %s: %s", dtype, runtime.dtype_reason)
     try:
         if backend == "unsloth":
             from lowmem_grpo.backends.unsloth_backend import load_unsloth
 
-            model, tokenizer = load_unsloth(recipe, path, dtype, cuda, with_lora, adapter_path)
-        elif backend == "hf":
+            model, tokenizer = load_unsloth(recipe, path, dtype, cuda, with_lora, adapter_path,
+                                            fast_inference=runtime.fast_inference)
+        else:
             from lowmem_grpo.backends.hf_backend import load_hf
 
             model, tokenizer = load_hf(recipe, path, dtype, cuda, with_lora, adapter_path)
-        else:
-            raise BadInputError(f"model.backend {backend!r} is unknown", fix="use auto, unsloth or hf")
     except OSError as exc:
         raise LowmemError(f"could not load model {recipe.model.name!r}: {exc}",
                           fix="check the hub id and network, or point model.name at a local folder") from exc
@@ -121,5 +158,5 @@ def load(recipe: Any, backend: str, *, with_lora: bool = True, adapter_path: str
     loaded = model_dtype(model)  # the bf16/fp16 flags follow what was loaded, not what was asked for
     if loaded != dtype:
         log.info("asked for %s, the model was loaded in %s (%s decides on this GPU)", dtype, loaded, backend)
-    log.info("loaded %s on %s (%s, %s, lora=%s)", path, "cuda" if cuda else "cpu", backend, loaded, with_lora)
-    return LoadedModel(model, tokenizer, backend, "cuda" if cuda else "cpu", loaded, path)
+    log.info("loaded %s on %s (%s, %s, lora=%s)", path, runtime.device, backend, loaded, with_lora)
+    return LoadedModel(model, tokenizer, runtime.loaded(loaded), path)

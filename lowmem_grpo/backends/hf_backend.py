@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowmem_grpo.recipe import Recipe
 
-def load_hf(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
+
+def load_hf(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: bool,
             adapter_path: str | None) -> tuple[Any, Any]:
     """Model and tokenizer with a LoRA adapter, the base quantized to 4-bit on CUDA when asked."""
     import torch
@@ -51,7 +53,7 @@ def load_hf(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
     return get_peft_model(model, config), tokenizer
 
 
-def trainable_config(adapter_path: str, recipe: Any, path: str) -> Any:
+def trainable_config(adapter_path: str, recipe: Recipe, path: str) -> Any:
     """The adapter's own LoraConfig (its shape, already checked against the recipe), with the recipe's dropout (a
     training setting, so that a resumed run, which builds a fresh LoRA from the recipe, trains the same way) and this
     run's base model recorded in the adapters it saves."""

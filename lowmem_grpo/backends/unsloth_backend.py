@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowmem_grpo.device import resolve_fast_inference
+from lowmem_grpo.recipe import Recipe
 
 
-def load_unsloth(recipe: Any, path: str, dtype: str, cuda: bool, with_lora: bool,
-                 adapter_path: str | None) -> tuple[Any, Any]:
-    """Model and tokenizer through Unsloth (its CPU fallback when there is no GPU)."""
+def load_unsloth(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: bool,
+                 adapter_path: str | None, *, fast_inference: bool = False) -> tuple[Any, Any]:
+    """Model and tokenizer through Unsloth (its CPU fallback when there is no GPU); `fast_inference`: Unsloth's
+    vLLM engine (Runtime.fast_inference)."""
     import torch
     from unsloth import FastLanguageModel
 
     m, lora = recipe.model, recipe.lora
-    fast_inference = resolve_fast_inference(m.fast_inference)  # opt-in: vLLM needs its own resolved set
     max_rank = lora.max_lora_rank or lora.r
     model, tokenizer = FastLanguageModel.from_pretrained(
         # evaluation (no with_lora): Unsloth loads the adapter on its base; training: the recipe's model

@@ -17,8 +17,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo.rundir import layout
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def default_out(opts: EvalOptions, run_dir: Path | None, split: str) -> Path:
     return Path("evals") / f"{slug}-{stamp}"
 
 
-def _vllm_engine(recipe: Any, model_path: str, adapter: Path | None, seed: int) -> tuple[Any, Any]:
+def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: int) -> tuple[Any, Any]:
     """A vLLM engine on the base model, with the adapter as a LoRA request (CUDA machines with vllm)."""
     from vllm import LLM
     from vllm.lora.request import LoRARequest
@@ -156,9 +157,10 @@ def _want_vllm(engine: str) -> bool:
     return True
 
 
-def load_model(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
+def load_model(recipe: Recipe, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
     """(generator, tokenizer, LoRA request, info): a vLLM engine on CUDA with vllm, else the backend's model."""
-    from lowmem_grpo.backends import load, prepare, resolve_model_path
+    from lowmem_grpo import distributed
+    from lowmem_grpo.backends import load, resolve_model_path, start
 
     if _want_vllm(opts.engine):
         from transformers import AutoTokenizer
@@ -170,8 +172,8 @@ def load_model(recipe: Any, adapter: Path | None, opts: EvalOptions) -> tuple[An
         engine, lora = _vllm_engine(recipe, path, adapter, opts.seed)
         return engine, tokenizer, lora, {"model_path": path, "backend": "vllm", "device": "cuda",
                                          "dtype": recipe.model.dtype}
-    backend = prepare(recipe.model.backend)
-    loaded = load(recipe, backend, with_lora=False, adapter_path=str(adapter) if adapter else None)
+    runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)  # Unsloth before CUDA
+    loaded = load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None)
     return loaded.model, loaded.tokenizer, None, {"model_path": loaded.model_path, "backend": loaded.backend,
                                                   "device": loaded.device, "dtype": loaded.dtype}
 

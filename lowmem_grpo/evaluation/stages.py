@@ -36,7 +36,8 @@ from lowmem_grpo.evaluation.metrics import (
     problem_value,
 )
 from lowmem_grpo.evaluation.progress import ProgressLog
-from lowmem_grpo.memory.plan import EVAL_BATCH
+from lowmem_grpo.recipe import Recipe, TrainConfig
+from lowmem_grpo.runtime import EVAL_BATCH, eval_batch_size  # noqa: F401  (EVAL_BATCH: for the evaluations' callers)
 
 log = logging.getLogger(__name__)
 
@@ -148,20 +149,13 @@ def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
     return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
 
 
-def eval_batch_size(train: Any) -> int:
-    """Sequences each stage and periodic evaluation call decodes at once: train.eval_batch_size (on a GPU auto-fit
-    sets it from the memory plan: lowmem_grpo.memory.fit.with_planned_eval_batch), else EVAL_BATCH (at least the
-    micro-batch)."""
-    return train.eval_batch_size or max(EVAL_BATCH, train.per_device_train_batch_size)
-
-
-def sampled_settings(train: Any, settings: dict[str, Any], k: int) -> dict[str, Any]:
+def sampled_settings(train: TrainConfig, settings: dict[str, Any], k: int) -> dict[str, Any]:
     """The batch of a k-sample evaluation: train.eval_batch_size as it is when set (the plan counted its k samples of
     batch / k problems), else sampled_batch's 8 prompts' samples at least."""
     return dict(settings) if train.eval_batch_size else sampled_batch(settings, k)
 
 
-def periodic_settings(train: Any, calculator: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def periodic_settings(train: TrainConfig, calculator: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """run_eval's settings of the periodic held-out evaluation (train.eval_every) from the train section: greedy, and
     with train.eval_samples = k its k samples per problem at train.temperature (None when k is 0). One definition,
     so that an evaluation that reproduces a curve point (benchmarks/learning_sweep.py eval-checkpoint) batches and
@@ -204,7 +198,7 @@ class StageEvals:
     """Greedy (and, with train.stage_eval_samples, sampled) evaluation of the same held-out problems after each
     stage; results in `path` (stage_eval.json)."""
 
-    def __init__(self, recipe: Any, tokenizer: Any, path: Path, peaks: Any = None) -> None:
+    def __init__(self, recipe: Recipe, tokenizer: Any, path: Path, peaks: Any = None) -> None:
         t = recipe.train
         self.path = Path(path)
         self.peaks = peaks  # a lowmem_grpo.rundir.rss.StagePeaks: each evaluation's peak RSS as "eval <stage>"

@@ -21,9 +21,10 @@ from typing import Any, Callable
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
-from lowmem_grpo.memory.plan import Plan, device_budget, format_bytes, plan, resolve_settings
+from lowmem_grpo.memory.plan import Plan, device_budget, format_bytes, plan, settings_for
 from lowmem_grpo.memory.terms import Settings
-from lowmem_grpo.recipe import Recipe, validate
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.recipe_rules import validate
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture, logits: s
     """For each knob, the largest value that fits the budget with the other settings as in the recipe:
     {knob: {"value", "total_bytes", "changes"}} or None where no value fits (or, for
     gpu_memory_utilization, where vLLM is not used)."""
-    settings = resolve_settings(recipe, budget_bytes, logits)
+    settings = settings_for(recipe, budget_bytes, logits)
     result: dict[str, Any] = {}
     for knob, (_keys, _current, options) in KNOBS.items():
         if knob == "gpu_memory_utilization" and not settings.fast_inference:

@@ -19,20 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowmem_grpo.device import resolve_backend, resolve_fast_inference, resolve_optimizer
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.memory import sharing as ms
 from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
 from lowmem_grpo.memory.terms import GIB, MIB, Settings
 from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.runtime import EVAL_BATCH, Runtime, planned
 
 
-EVAL_BATCH = 128
-"""Sequences an evaluation decodes at once where nothing planned train.eval_batch_size (on CPU: a decode step's
-matmuls over 128 rows of a small model cost little more than over 32; 100 problems greedy + 100 x 4 samples, 64
-tokens each: 77 s at 32, 49 s at 128, native bf16; the KV cache of 128 rows of SmolLM2-135M is ~0.4 GiB at 150
-tokens), and the most the plan gives on a GPU."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 10**9, "m": MIB, "mi": MIB, "mib": MIB, "mb": 10**6,
@@ -138,31 +133,30 @@ def device_budget(free_bytes: int, total_bytes: int, headroom: float = 0.05) -> 
     return int(free_bytes + mt.CUDA_CONTEXT_BYTES - headroom * total_bytes)
 
 
-def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunked",
-                     gpu_free_bytes: int = 0, sharing: ms.Sharing | None = None) -> Settings:
-    """The recipe's memory-relevant settings as a CUDA run resolves them (auto values included);
+def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunked",
+                 gpu_free_bytes: int = 0, sharing: ms.Sharing | None = None) -> Settings:
+    """The recipe's memory-relevant settings as a one-process CUDA run has them (its Runtime: runtime.planned);
     `gpu_free_bytes` is the memory free when the model loads (what Unsloth's vLLM share is taken of);
-    `sharing` the shared-prompt pass that applies (resolve_sharing; None: none)."""
+    `sharing` the shared-prompt pass that applies (sharing_for; None: none)."""
     m, t = recipe.model, recipe.train
-    backend = resolve_backend(m.backend, cuda=True)
-    fast = resolve_fast_inference(m.fast_inference)
+    runtime = planned(recipe)
     fp32 = m.dtype == "float32" or t.precision == "fp32"
     sharing = sharing or ms.Sharing(ms.NONE, ms.NONE, "")
     return Settings(
-        backend=backend,
+        backend=runtime.backend,
         load_in_4bit=m.load_in_4bit,
         compute_bytes=4 if fp32 else 2,
         lora_r=recipe.lora.r,
         target_modules=tuple(recipe.lora.target_modules),
-        optim=resolve_optimizer(t.optim, cuda=True),
+        optim=runtime.optimizer,
         gradient_checkpointing=t.gradient_checkpointing,
         per_device_batch=t.per_device_train_batch_size,
-        generation_batch=t.generation_batch_size(),
+        generation_batch=runtime.generation_batch,
         num_generations=t.num_generations,
         prompt_len=recipe.data.max_prompt_length,
         completion_len=t.max_completion_length,
         beta=t.beta,
-        fast_inference=bool(fast) and backend == "unsloth",
+        fast_inference=runtime.fast_inference,
         gpu_memory_utilization=m.gpu_memory_utilization,
         gpu_total_bytes=gpu_total_bytes,
         gpu_free_bytes=gpu_free_bytes,
@@ -172,12 +166,12 @@ def resolve_settings(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "ch
     )
 
 
-def resolve_sharing(recipe: Recipe, arch: Architecture, env: Mapping[str, str] | None = None) -> ms.Sharing:
-    """The shared-prompt pass a CUDA run of the recipe gets (lowmem_grpo.memory.sharing), `env` the environment
-    Unsloth reads its switches from (None: this process's)."""
-    backend = resolve_backend(recipe.model.backend, cuda=True)
-    fast = bool(resolve_fast_inference(recipe.model.fast_inference)) and backend == "unsloth"
-    return ms.resolve_sharing(arch, backend, recipe, fast_inference=fast, env=env)
+def sharing_for(recipe: Recipe, arch: Architecture, env: Mapping[str, str] | None = None,
+                runtime: Runtime | None = None) -> ms.Sharing:
+    """The shared-prompt pass a run of the recipe gets (lowmem_grpo.memory.sharing) with `runtime` (None: a
+    one-process CUDA run, runtime.planned), `env` the environment Unsloth reads its switches from (None: this
+    process's)."""
+    return ms.sharing_for(arch, runtime or planned(recipe), recipe, env=env)
 
 
 STEP_PHASES = ("generation", "training")
@@ -273,8 +267,8 @@ def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture 
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
-    sharing = resolve_sharing(recipe, arch, env)
-    settings = resolve_settings(recipe, total_gpu, logits, free_bytes or 0, sharing)
+    sharing = sharing_for(recipe, arch, env)
+    settings = settings_for(recipe, total_gpu, logits, free_bytes or 0, sharing)
     info = evaluation_info(recipe, arch, settings, budget_bytes, fit_eval)
     if info["counted"]:
         settings = dataclasses.replace(settings, eval_batch=info["rows"])

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowmem_grpo.memory.arch import Architecture
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.runtime import Runtime
 
 UNSLOTH = "unsloth_prefix_grouper"
 HF = "shared_prompt"
@@ -161,15 +163,15 @@ def hf_shared_prompt(arch: Architecture, *, shared_prompt: bool, num_generations
                            "micro-batch is forwarded once")
 
 
-def resolve_sharing(arch: Architecture, backend: str, recipe: Any, *, fast_inference: bool,
-                    env: Mapping[str, str] | None = None, device: str = "cuda") -> Sharing:
-    """The shared-prompt pass a recipe's training forward gets on `backend` (unsloth or hf) and `device`."""
+def sharing_for(arch: Architecture, runtime: Runtime, recipe: Recipe,
+                env: Mapping[str, str] | None = None) -> Sharing:
+    """The shared-prompt pass a recipe's training forward gets with `runtime` (its backend and device)."""
     t = recipe.train
-    if backend == "unsloth":
-        return unsloth_prefix_grouper(arch, fast_inference=fast_inference, num_generations=t.num_generations,
+    if runtime.backend == "unsloth":
+        return unsloth_prefix_grouper(arch, fast_inference=runtime.fast_inference, num_generations=t.num_generations,
                                       per_device_batch=t.per_device_train_batch_size,
-                                      generation_batch=t.generation_batch_size(),
+                                      generation_batch=runtime.generation_batch,
                                       prompt_len=recipe.data.max_prompt_length,
                                       completion_len=t.max_completion_length, extra=t.extra, env=env)
     return hf_shared_prompt(arch, shared_prompt=getattr(t, "shared_prompt", True), num_generations=t.num_generations,
-                            gradient_checkpointing=t.gradient_checkpointing, device=device)
+                            gradient_checkpointing=t.gradient_checkpointing, device=runtime.device)

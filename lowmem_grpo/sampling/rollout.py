@@ -5,8 +5,8 @@ mask, so forced tokens are in neither the policy loss nor the KL. On vLLM (Unslo
 TRL's use_vllm in colocate or server mode) the calculator runs through lowmem_grpo.sampling.vllm_calculator
 instead (VllmRollout), with vLLM's per-token log-probs for TRL's importance-sampling correction.
 
-How a run samples, and why, is lowmem_grpo.combinations.rollout_plan (which `check` also reads before any model
-loads, to refuse what a run could not honour); `make_rollout` builds the rollout_func it names.
+How a run samples, and why, is the Runtime's sampler (lowmem_grpo.runtime.rollout_plan; `check` reads it before
+any model loads, to refuse what a run could not honour); `make_rollout` builds the rollout_func it names.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lowmem_grpo.combinations import RolloutPlan
+from lowmem_grpo.runtime import RolloutPlan
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.sampling.engine import Calculator, sample_rows
 from lowmem_grpo.sampling.generate import fast_sampling, inference_mode, live_adapter_request

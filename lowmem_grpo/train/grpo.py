@@ -17,8 +17,7 @@ from typing import Any
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig
 
-from lowmem_grpo.combinations import rollout_plan
-from lowmem_grpo.device import resolve_optimizer, training_precision
+from lowmem_grpo.runtime import Runtime
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe, goal_reward_name
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer
@@ -52,10 +51,9 @@ def check_trainer_fields(recipe: Recipe) -> None:
                               fix=f"give train.{key} a {type(default).__name__}")
 
 
-def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights: list[float], *,
-                      dtype: str = "float32", backend: str = "hf") -> GRPOConfig:
-    """GRPOConfig from the recipe's train section, with the small-GPU defaults resolved; the bf16/fp16 flags follow
-    `dtype`, the dtype the model was really loaded in (LoadedModel.dtype), on `backend`."""
+def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_weights: list[float]) -> GRPOConfig:
+    """GRPOConfig from the recipe's train section, with the Runtime's optimizer, device and bf16/fp16 flags (which
+    follow the dtype the model was really loaded in: LoadedModel.runtime)."""
     t = recipe.train
     return GRPOConfig(
         output_dir=str(run_dir),
@@ -74,7 +72,7 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights:
         warmup_steps=t.warmup_ratio,  # TRL 1.x reads a float below 1 as a ratio of max_steps
         lr_scheduler_type=t.lr_scheduler_type,
         max_grad_norm=t.max_grad_norm,
-        optim=resolve_optimizer(t.optim, cuda=cuda),
+        optim=runtime.optimizer,
         gradient_checkpointing=t.gradient_checkpointing,
         beta=t.beta,
         logging_steps=t.logging_steps,
@@ -84,9 +82,10 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, cuda: bool, reward_weights:
         seed=t.seed,
         report_to=[] if t.report_to == "none" else [t.report_to],
         reward_weights=reward_weights,
-        use_cpu=not cuda,
+        use_cpu=not runtime.cuda,
         disable_tqdm=True,  # the telemetry line per step carries progress and ETA
-        **training_precision(t.precision, dtype, cuda=cuda, backend=backend),
+        bf16=runtime.bf16,
+        fp16=runtime.fp16,
         **t.extra,
     )
 
@@ -100,12 +99,11 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
     overrides only call TRL's."""
 
     def build(recipe: Recipe) -> Any:
-        plan = rollout_plan(recipe, loaded.backend, loaded.device)
+        plan = loaded.runtime.sampler
         log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
         rollout = make_rollout(plan, loaded.tokenizer, recipe.train.merged_sampling, recipe.train.cpu_attention)
-        trainer_class = grpo_trainer_class(loaded.backend, loaded.device)
-        args = build_grpo_config(recipe, run_dir, loaded.device == "cuda", reward_weights, dtype=loaded.dtype,
-                                 backend=loaded.backend)
+        trainer_class = grpo_trainer_class(loaded.runtime)
+        args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights)
         with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use
             warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
             trainer = trainer_class(model=loaded.model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,

@@ -36,7 +36,8 @@ from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.memory.arch import load_architecture
 from lowmem_grpo.memory.fit import auto_fit
 from lowmem_grpo.memory.plan import plan
-from lowmem_grpo.recipe import Recipe, validate
+from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)

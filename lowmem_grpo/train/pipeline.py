@@ -5,25 +5,27 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lowmem_grpo import distributed
-from lowmem_grpo.backends import load, prepare, resolve_model_path
+from lowmem_grpo.backends import LoadedModel, load, resolve_model_path, start
 from lowmem_grpo.backends.adapter import check_init_adapter
-from lowmem_grpo.combinations import check, run_target
 from lowmem_grpo.data import budget, load_train_rows, recipe_examples
-from lowmem_grpo.device import CudaFacts, cpu_auto_dtype, cuda_facts, require_gpu, training_precision
+from lowmem_grpo.device import CudaFacts
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
+from lowmem_grpo.memory.plan import Plan
 from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards
 from lowmem_grpo.recipe_io import dump_yaml
+from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
+from lowmem_grpo.runtime import Runtime
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.completions import CompletionRecorder
 from lowmem_grpo.rundir.report import write_report
@@ -36,23 +38,24 @@ log = logging.getLogger(__name__)
 
 
 def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Path | None = None,
-          explicit: set[str] | None = None, cuda: CudaFacts | None = None) -> Path:
+          explicit: set[str] | None = None, cuda: CudaFacts | Callable[[], CudaFacts] | None = None) -> Path:
     """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
     The adapter starts fresh, or from lora.init_adapter (then priming, when on, continues from it).
 
     `callbacks` are extra transformers TrainerCallbacks for the GRPO trainer (a Python caller's seam: to inspect
     its state, or a test's fault injector). `resume_dir` continues that run (whose recipe.yaml `recipe` is) from
     its last complete checkpoint. `explicit` are the dotted keys the user set on the command line; auto-fit
-    never changes them. `cuda` is what is known about the GPU (lowmem_grpo.device.CudaFacts; None: this machine's):
-    a GPU recipe stops without a usable one, and auto-fit fits its free memory.
+    never changes them. `cuda` is what is known about the GPU (lowmem_grpo.device.CudaFacts), or the function that
+    reads it (None: lowmem_grpo.device.cuda_facts, called after the backend is imported): a GPU recipe stops
+    without a usable one, and auto-fit fits its free memory.
     """
-    cuda = cuda or cuda_facts()
+    runtime, cuda = setup(recipe, cuda)
     if not cuda.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
         rss.limit_heap_retention()
     peaks = rss.StagePeaks(trim=not cuda.available)  # the process's peak RSS in each stage, peak_rss.json, report
-    backend = setup(recipe, cuda)
     fit = fit_memory(recipe, explicit or set(), resume_dir, cuda)
-    recipe = fit.recipe
+    recipe, runtime = fit.recipe, runtime.with_batches(fit.recipe)
+    log.info("%s", runtime.block().rstrip())
     rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
     with peaks.stage("convert"):
         model_path = model_path_once(recipe)  # a missing model folder fails before the run directory exists
@@ -68,12 +71,10 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     log.info("run directory: %s", run_dir)
 
     with peaks.stage("load"):
-        loaded = load(recipe, backend, model_path=model_path, adapter_path=start_adapter)
-    # the bf16/fp16 flags follow the dtype the model was really loaded in; a precision Unsloth would refuse or
-    # override stops here (exit 2), before the run directory is written
-    training_precision(recipe.train.precision, loaded.dtype, cuda=loaded.device == "cuda", backend=backend)
+        loaded = load(recipe, runtime, model_path=model_path, adapter_path=start_adapter)  # flags follow its dtype
+    loaded.runtime.check_precision()  # a precision Unsloth would refuse on it: exit 2, before the run dir is written
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
-    open_run_dir(run_dir, recipe, backend, resume, fit.plan, loaded.dtype)  # inputs are good: from here on the run dir is written
+    open_run_dir(run_dir, recipe, loaded.runtime, resume, fit.plan)  # inputs are good: the run dir is written now
     if distributed.is_main_process():
         peaks.attach(run_dir / layout.PEAK_RSS_FILE)
     stages = stage_evals(recipe, loaded, run_dir, peaks)  # the same held-out problems after each stage
@@ -82,8 +83,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         stages.measure(loaded.model, "start")
     if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
         with peaks.stage("prime"):
-            prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, backend=backend,
-                  cuda=loaded.device == "cuda", dtype=loaded.dtype)
+            prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, loaded.runtime)
         stages.measure(loaded.model, "primed")
     if recipe.train.preflight and resume is None:  # a resumed run already passed it
         with peaks.stage("preflight"):
@@ -97,21 +97,20 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     return save_and_report(trainer, run_dir, recipe.model.name)
 
 
-def setup(recipe: Recipe, cuda: CudaFacts) -> str:
-    """Validate, with every combination a run on this machine and launch could not honour (the same check as
-    `lowmem-grpo validate`), stop a GPU recipe without a usable GPU, import Unsloth first when it is the backend,
-    join the launcher's process group, check the trainer fields and the logger; returns the backend."""
-    check(recipe, run_target(recipe, distributed.launch(recipe.train.extra), cuda=cuda.available))
-    require_gpu(recipe.gpu_memory_gb, cuda)  # not days of float32 on CPU by accident: exit 2, the cause named
-    if not cuda.available:
-        cpu_auto_dtype()  # an unknown LOWMEM_GRPO_CPU_DTYPE stops here (exit 2), before anything is written
-    backend = prepare(recipe.model.backend)  # Unsloth must be imported before trl/transformers/peft
+def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None) -> tuple[Runtime, CudaFacts]:
+    """Validate the recipe, resolve its Runtime (backends.start: every combination it could not honour refused,
+    the same check as `lowmem-grpo validate`, and a GPU recipe stopped without a usable GPU, before Unsloth is
+    imported first when it is the backend, ahead of trl/transformers/peft and of CUDA), join the launcher's process
+    group, check the trainer fields and the logger; returns the Runtime and the facts."""
+    launch = distributed.launch(recipe.train.extra)
+    validate(recipe, num_processes=launch.num_processes)  # the recipe's own rules, before anything is imported
+    runtime, facts = start(recipe, launch, cuda)  # refuses what the run could not honour, before any import
     distributed.setup(recipe.train.extra)  # nothing for one process
-    from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after prepare()
+    from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after the backend
 
     check_trainer_fields(recipe)
     telemetry.check_report_to(recipe.train.report_to)
-    return backend
+    return runtime, facts
 
 
 @dataclass
@@ -119,7 +118,7 @@ class MemoryFit:
     """The recipe with its settings fitted to the GPU, and the plan they fit (None when nothing was fitted)."""
 
     recipe: Recipe
-    plan: Any = None
+    plan: Plan | None = None
 
 
 def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None, cuda: CudaFacts) -> MemoryFit:
@@ -147,7 +146,7 @@ def check_completion_budget(recipe: Recipe, rows: list[dict[str, Any]], model_pa
     return budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
 
 
-def starting_adapter(recipe: Recipe, model_path: str, resume: Any) -> str | None:
+def starting_adapter(recipe: Recipe, model_path: str, resume: checkpoints.ResumePoint | None) -> str | None:
     """The adapter folder GRPO (and priming, when on) starts from: lora.init_adapter, checked against the recipe's
     model, rank, alpha and target modules before any model loads; None for a fresh LoRA. A resumed run with a
     checkpoint needs none: the trainer loads the checkpoint's weights into a fresh LoRA of the same shape."""
@@ -161,7 +160,8 @@ def choose_run_dir(recipe: Recipe) -> Path:
     return layout.choose_run_dir(recipe.output.dir, recipe.output.root, recipe.name)
 
 
-def open_run_dir(run_dir: Path, recipe: Recipe, backend: str, resume: Any, plan: Any, dtype: str) -> Path:
+def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkpoints.ResumePoint | None,
+                 plan: Plan | None) -> Path:
     """Rank 0 creates the run directory with recipe.yaml (and memory_plan.json when auto-fit ran), or rewinds a
     resumed one to its checkpoint; env.json either way."""
     if not distributed.is_main_process():
@@ -172,7 +172,7 @@ def open_run_dir(run_dir: Path, recipe: Recipe, backend: str, resume: Any, plan:
             layout.write_json(run_dir / layout.PLAN_FILE, plan.to_dict())
     else:
         checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
-    telemetry.write_env(run_dir, backend, dtype)
+    telemetry.write_env(run_dir, runtime.backend, runtime.dtype)
     return run_dir
 
 
@@ -183,7 +183,7 @@ class _NoStageEvals:
         return None
 
 
-def stage_evals(recipe: Recipe, loaded: Any, run_dir: Path, peaks: rss.StagePeaks | None = None
+def stage_evals(recipe: Recipe, loaded: LoadedModel, run_dir: Path, peaks: rss.StagePeaks | None = None
                 ) -> StageEvals | _NoStageEvals:
     """The per-stage held-out evaluation (rank 0, train.stage_eval problems), or a stand-in that measures nothing;
     each evaluation's peak RSS goes into `peaks` as stage "eval <stage>"."""
@@ -192,7 +192,7 @@ def stage_evals(recipe: Recipe, loaded: Any, run_dir: Path, peaks: rss.StagePeak
     return StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks)
 
 
-def require_reward_signal(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]]) -> Any:
+def require_reward_signal(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]]) -> Any:
     """The reward preflight: would GRPO get any signal? NoSignalError (exit 3) when the goal reward varies in no
     group or the total in almost none, judged on at least PREFLIGHT_MIN_PROMPTS prompts, unless
     train.allow_no_signal; a thin signal (fewer than half the groups) is a warning and the run goes on."""
@@ -212,7 +212,7 @@ def require_reward_signal(recipe: Recipe, loaded: Any, examples: list[dict[str, 
     return check
 
 
-def train_grpo(recipe: Recipe, loaded: Any, examples: list[dict[str, Any]], run_dir: Path, resume: Any,
+def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]], run_dir: Path, resume: Any,
                callbacks: Sequence[Any]) -> Any:
     """GRPO with guarded, recorded rewards and lowmem_grpo's callbacks, through run_grpo (complete checkpoints,
     signals, OOM retries, a full disk); returns the trainer that finished."""

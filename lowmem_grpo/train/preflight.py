@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lowmem_grpo.backends import load, prepare, resolve_model_path
+from lowmem_grpo import distributed
+from lowmem_grpo.backends import LoadedModel, load, resolve_model_path, start
 from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.data.format import primed_count
@@ -32,7 +33,8 @@ from lowmem_grpo.data.generated import level_of
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.sampling.generate import generate
 from lowmem_grpo.evaluation.metrics import weighted_rewards
-from lowmem_grpo.recipe import goal_reward, resolved_rewards, validate
+from lowmem_grpo.recipe import Recipe, goal_reward, resolved_rewards
+from lowmem_grpo.recipe_rules import validate
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +188,7 @@ def spread_order(levels: Sequence[int], seed: int) -> list[int]:
     return [i for *_, i in sorted(keyed)]
 
 
-def preflight_examples(recipe: Any, examples: list[dict[str, Any]], n_prompts: int,
+def preflight_examples(recipe: Recipe, examples: list[dict[str, Any]], n_prompts: int,
                        primed: bool = True) -> list[dict[str, Any]]:
     """n_prompts examples priming did not train on (it trains on the first prime.num_examples, or all; `primed`:
     whether the model was primed on these examples), in spread_order over all of them, seeded by train.seed and
@@ -211,7 +213,7 @@ def preflight_examples(recipe: Any, examples: list[dict[str, Any]], n_prompts: i
     return chosen
 
 
-def _sample(recipe: Any, loaded: Any, chosen: list[dict[str, Any]], seed: int
+def _sample(recipe: Recipe, loaded: LoadedModel, chosen: list[dict[str, Any]], seed: int
             ) -> tuple[list[str], dict[str, list[Any]]]:
     """num_generations completions for each chosen example (texts, grouped by prompt) and their reward columns."""
     t = recipe.train
@@ -226,7 +228,7 @@ def _sample(recipe: Any, loaded: Any, chosen: list[dict[str, Any]], seed: int
     return texts, columns
 
 
-def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompts: int,
+def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]], n_prompts: int,
               primed: bool = True, refusal_prompts: int = 0) -> PreflightResult:
     """Sample the recipe's GRPO groups for n_prompts examples priming did not train on, spread over the set
     (preflight_examples; `primed`: the model was primed on the recipe's priming examples of `examples`), and
@@ -262,7 +264,7 @@ def preflight(recipe: Any, loaded: Any, examples: list[dict[str, Any]], n_prompt
                            time.monotonic() - started, goal)
 
 
-def goal_fixes(recipe: Any) -> list[str]:
+def goal_fixes(recipe: Recipe) -> list[str]:
     """The likely fixes when only the format varies (the goal reward is flat), most effective first."""
     t, d = recipe.train, recipe.data
     prime = getattr(recipe, "prime", None)
@@ -278,7 +280,7 @@ def goal_fixes(recipe: Any) -> list[str]:
     ]
 
 
-def fixes(recipe: Any, result: PreflightResult | None = None) -> list[str]:
+def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
     """The likely fixes for a reward set without (enough) signal, most effective first, fitted to the recipe (and to
     what the preflight found: when the goal reward varies somewhere, or the total in most groups, the format is in
     reach and the goal is what is short, so `goal_fixes`)."""
@@ -314,7 +316,7 @@ def fixes(recipe: Any, result: PreflightResult | None = None) -> list[str]:
     ]
 
 
-def render(result: PreflightResult, recipe: Any) -> str:
+def render(result: PreflightResult, recipe: Recipe) -> str:
     """The check-rewards report: per-reward table, zero-variance share, two samples, and the verdict."""
     lines = [f"reward preflight: {result.num_prompts} prompts x {result.num_generations} generations "
              f"at temperature {result.temperature} ({result.seconds:.0f} s)",
@@ -354,19 +356,19 @@ def render(result: PreflightResult, recipe: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_rewards(recipe: Any, n_prompts: int) -> PreflightResult:
+def check_rewards(recipe: Recipe, n_prompts: int) -> PreflightResult:
     """Load the model the recipe starts GRPO from (its base model, with lora.init_adapter on it when set) and the
     training prompts, and run the preflight as `train` does (a refusal on at least PREFLIGHT_MIN_PROMPTS prompts);
     never trains, never primes. The report names what was sampled."""
     validate(recipe)
     if n_prompts < 1:
         raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix=f"e.g. --prompts {PREFLIGHT_MIN_PROMPTS}")
-    backend = prepare(recipe.model.backend)
+    runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)  # Unsloth before CUDA
     rows = load_train_rows(recipe.data)  # bad data fails before the model loads
     model_path = resolve_model_path(recipe.model.name)
     # a mismatched adapter stops here (exit 2) before any weights load, as in train
     adapter = check_init_adapter(recipe.lora, recipe.model.name, model_path) if recipe.lora.init_adapter else None
-    loaded = load(recipe, backend, with_lora=False, adapter_path=str(adapter) if adapter else None,
+    loaded = load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None,
                   model_path=model_path)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)  # all of them: the prompts are drawn spread
     # nothing was primed in this command (priming a given adapter is train's job)

@@ -16,18 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.data.format import priming_pairs
-from lowmem_grpo.device import resolve_optimizer, training_precision
 from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.rundir import layout
+from lowmem_grpo.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 STAGE = layout.PRIME_STAGE
 
 
-def build_sft_config(recipe: Any, run_dir: Path, cuda: bool, dtype: str = "float32", backend: str = "hf") -> Any:
-    """SFTConfig for the prime stage: loss on completions only, no checkpoints, and GRPO's bf16/fp16 flags (from
-    train.precision and `dtype`, the dtype the model was really loaded in)."""
+def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime) -> Any:
+    """SFTConfig for the prime stage: loss on completions only, no checkpoints, and GRPO's optimizer and bf16/fp16
+    flags (the Runtime's, from train.precision and the dtype the model was really loaded in)."""
     from trl import SFTConfig
 
     p, t = recipe.prime, recipe.train
@@ -41,7 +42,7 @@ def build_sft_config(recipe: Any, run_dir: Path, cuda: bool, dtype: str = "float
         warmup_steps=p.warmup_ratio,  # a float below 1 is a ratio of max_steps
         weight_decay=0.0,
         max_grad_norm=1.0,
-        optim=resolve_optimizer(t.optim, cuda=cuda),
+        optim=runtime.optimizer,
         max_length=recipe.model.max_seq_length,
         completion_only_loss=True,
         packing=False,
@@ -50,16 +51,17 @@ def build_sft_config(recipe: Any, run_dir: Path, cuda: bool, dtype: str = "float
         save_strategy="no",
         report_to=[],
         seed=t.seed,
-        use_cpu=not cuda,
+        use_cpu=not runtime.cuda,
         disable_tqdm=True,
         dataset_num_proc=None,
-        **training_precision(t.precision, dtype, cuda=cuda, backend=backend),
+        bf16=runtime.bf16,
+        fp16=runtime.fp16,
     )
 
 
-def sft_trainer_class(backend: str, cuda: bool) -> type:
+def sft_trainer_class(runtime: Runtime) -> type:
     """TRL's SFTTrainer (Unsloth's patched one once Unsloth is imported), or the CPU-safe subclass for hf on CPU."""
-    if backend == "hf" and not cuda:
+    if runtime.trainer == "cpu":
         from lowmem_grpo.train.trainer import CpuSafeSFTTrainer
 
         return CpuSafeSFTTrainer
@@ -68,13 +70,12 @@ def sft_trainer_class(backend: str, cuda: bool) -> type:
     return SFTTrainer
 
 
-def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Any, run_dir: Path, *,
-          backend: str = "hf", cuda: bool = False, dtype: str = "float32",
-          callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Recipe, run_dir: Path,
+          runtime: Runtime, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train `model`'s LoRA adapter in place on the rendered targets, save it to RUN_DIR/primed_adapter.
 
-    `dtype` is the dtype the model was loaded in (LoadedModel.dtype): with train.precision it gives the bf16/fp16
-    flags, the same ones the GRPO stage uses. Metrics go to
+    `runtime` is the run's, with the dtype the model was loaded in (LoadedModel.runtime): its optimizer and
+    bf16/fp16 flags are the ones the GRPO stage uses. Metrics go to
     metrics.jsonl with stage "prime"; `callbacks` are extra TrainerCallbacks. Returns a summary:
     steps, examples, seconds, first and last logged loss. Imports trl (Unsloth's patched
     SFTTrainer once Unsloth was imported).
@@ -87,8 +88,8 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     pairs = priming_pairs(examples, recipe.prime.num_examples, recipe.data.calculator)
     if not pairs:
         raise RecipeError("prime: no training examples to prime on", fix="raise prime.num_examples or data.limit")
-    config = build_sft_config(recipe, run_dir, cuda, dtype, backend)
-    trainer = sft_trainer_class(backend, cuda)(
+    config = build_sft_config(recipe, run_dir, runtime)
+    trainer = sft_trainer_class(runtime)(
         model=model,
         args=config,
         train_dataset=Dataset.from_list(pairs),

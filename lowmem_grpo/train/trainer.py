@@ -22,6 +22,7 @@ from trl.trainer.utils import nanstd
 from lowmem_grpo.sampling.generate import fast_sampling
 from lowmem_grpo.train import cpu_logprobs
 from lowmem_grpo.train.informative import SamplingState
+from lowmem_grpo.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -258,9 +259,10 @@ class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
         return logps, entropies, None
 
 
-def grpo_trainer_class(backend: str, device: str) -> type:
-    """CpuSafeGRPOTrainer for the hf backend without a GPU, else LowmemGRPOTrainer."""
-    return CpuSafeGRPOTrainer if (backend, device) == ("hf", "cpu") else LowmemGRPOTrainer
+def grpo_trainer_class(runtime: Runtime) -> type:
+    """CpuSafeGRPOTrainer where the Runtime's trainer is "cpu" (the hf backend without a GPU), else
+    LowmemGRPOTrainer."""
+    return CpuSafeGRPOTrainer if runtime.trainer == "cpu" else LowmemGRPOTrainer
 
 
 class CpuSafeSFTTrainer(SFTTrainer):
