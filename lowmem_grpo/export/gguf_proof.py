@@ -106,14 +106,13 @@ def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, e
         return None if worse is None else (
             f"its accuracy is significantly below the merged model's: {worse['diff']:+.3f} "
             f"[{worse['low']:+.3f}, {worse['high']:+.3f}] (paired 95% CI)")
-    if figures["same_greedy_texts"] == n:
-        return None
     logits = figures["logits"]
-    relative = tolerance is None
     bound = tolerance if tolerance is not None else proof.tolerance_for("gguf", GGUF_DTYPES[gguf_type],
                                                                         logits.get("logit_scale", 0.0))
     figures["tolerance"] = bound
-    failure = proof.judge(logits["max_abs_diff"], bound, effect, relative=relative)
+    if figures["same_greedy_texts"] == n:
+        return None
+    failure = proof.judge(logits["max_abs_diff"], bound, effect, relative=tolerance is None)
     return None if failure is None else f"{n - figures['same_greedy_texts']} of {n} greedy answers differ and " \
                                         f"its logits {failure}"
 
