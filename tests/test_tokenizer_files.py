@@ -76,16 +76,19 @@ def test_a_bpe_with_byte_tokens_keeps_its_byte_fallback():
     assert not needs_repair(data)  # not byte-level
 
 
+@pytest.mark.gguf
 def test_converter_pin_llama_hf_vocab_takes_the_saved_tokenizer_and_not_the_repaired(saved_embedded_tokenizer, tmp_path):
     """The rule tokenizer_files works around, read from the converter `make install-gguf` keeps (gguf-py/gguf/vocab.py
     LlamaHfVocab): it accepts the tokenizer as transformers saves it and refuses the repaired one."""
     import subprocess
     import sys
 
-    from lowmem_grpo.export.gguf_export import converter_home
+    from lowmem_grpo.errors import BadInputError
+    from lowmem_grpo.export.gguf_export import find_converter
 
-    gguf_py = converter_home() / "gguf-py"
-    if not (gguf_py / "gguf" / "vocab.py").is_file():
+    try:
+        gguf_py = find_converter().parent / "gguf-py"
+    except BadInputError:
         pytest.skip("needs the gguf extra's converter (make install-gguf)")
     fixed = _copy(saved_embedded_tokenizer, tmp_path / "fixed")
     repair_byte_level_bpe(fixed)

@@ -135,6 +135,7 @@ def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, r
     answers = generated["generations"]
     figures = _compare(examples, reference, answers, tokenizer)
     figures["llama_cpp_seconds"] = generated["seconds"]
+    figures["calculator_results"] = sum(1 for g in answers if g["forced_tokens"])  # answers the calculator wrote into
     figures["chat_template_same"] = generated.get("chat_template") == getattr(tokenizer, "chat_template", None)
     figures["merged_accuracy"] = reference.metrics["strict_accuracy"]
     sequences = [g["prompt_ids"] + g["ids"] for g in answers[:LOGIT_SEQUENCES]]
