@@ -55,7 +55,8 @@ def first_divergence(tokenizer: Any, ours: str, theirs: str) -> dict[str, Any]:
     a, b = tokenizer.encode(ours, add_special_tokens=False), tokenizer.encode(theirs, add_special_tokens=False)
     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     piece = lambda ids: tokenizer.decode(ids[j:j + 1]) if j < len(ids) else "<end>"  # noqa: E731
-    return {"token": j, "transformers": piece(a), "llama.cpp": piece(b), "before": tokenizer.decode(a[max(0, j - 12):j])}
+    return {"token": j, "transformers": piece(a), "llama.cpp": piece(b),
+            "before": tokenizer.decode(a[max(0, j - 12):j])}
 
 
 def _logit_figures(target: Path, merged: Any, sequences: list[list[int]], n_ctx: int) -> dict[str, float]:
@@ -94,8 +95,14 @@ def _compare(examples: list[dict[str, Any]], reference: Any, answers: list[dict[
     return out
 
 
+def coarser(a: str, b: str) -> str:
+    """The less precise of two dtypes (float32 < float16 < bfloat16): what a comparison between them is judged by."""
+    order = ("float32", "float16", "bfloat16")
+    return max(a, b, key=order.index)
+
+
 def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, effect: float,
-             reference: Any, export: list[list[Any]]) -> str | None:
+             reference: Any, export: list[list[Any]], dtype: str) -> str | None:
     """Why the file fails its proof, or None."""
     n = figures["problems"]
     if figures["same_prompt_tokens"] != n:
@@ -107,8 +114,8 @@ def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, e
             f"its accuracy is significantly below the merged model's: {worse['diff']:+.3f} "
             f"[{worse['low']:+.3f}, {worse['high']:+.3f}] (paired 95% CI)")
     logits = figures["logits"]
-    bound = tolerance if tolerance is not None else proof.tolerance_for("gguf", GGUF_DTYPES[gguf_type],
-                                                                        logits.get("logit_scale", 0.0))
+    judged_as = coarser(GGUF_DTYPES[gguf_type], dtype)  # the merged model in transformers is in the export's dtype
+    bound = tolerance if tolerance is not None else proof.tolerance_for("gguf", judged_as, logits.get("logit_scale", 0.0))
     figures["tolerance"] = bound
     if figures["same_greedy_texts"] == n:
         return None
@@ -148,7 +155,7 @@ def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, r
              figures["same_prompt_tokens"], figures["problems"], figures["same_greedy_texts"], figures["problems"],
              figures["logits"]["max_abs_diff"], figures["logits"]["argmax_agreement"], figures["accuracy"],
              figures["merged_accuracy"])
-    failure = _verdict(figures, gguf_type, tolerance, adapter_effect, reference, export)
+    failure = _verdict(figures, gguf_type, tolerance, adapter_effect, reference, export, dtype)
     if failure:
         raise LowmemError(f"prove-gguf: the {gguf_type} file fails its proof in llama.cpp: {failure}; nothing was "
                           "written", fix="see the figures above; export f16 or q8_0, or check the converter")
