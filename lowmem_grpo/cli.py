@@ -158,10 +158,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     result = export(args.run_dir, args.format, args.out, checkpoint=args.checkpoint, overwrite=args.overwrite,
                     dtype=args.dtype, tolerance=args.tolerance, llama_cpp=args.llama_cpp, base=args.base,
-                    cpu_4bit=args.cpu_4bit)
+                    cpu_4bit=args.cpu_4bit, gguf_type=args.gguf_type, score=not args.no_score)
     proof = "" if result.max_abs_diff is None else (
         f", max |logit diff| {result.max_abs_diff:.3g} <= {result.tolerance:.3g} ({result.dtype})")
     sys.stdout.write(f"exported {result.format} to {result.out} in {result.seconds:.1f} s{proof}\n")
+    g = result.gguf_proof
+    if g:
+        sys.stdout.write(f"{result.file}: {g['bytes'] / 2**20:.0f} MiB, tokenizer {g['tokenizer_model']} / "
+                         f"{g['tokenizer_pre']}; in llama.cpp {g['same_greedy_texts']} of {g['problems']} greedy "
+                         f"answers as in transformers, max |logit diff| {g['logits']['max_abs_diff']:.3g}\n")
+    if result.score:
+        from lowmem_grpo.export.score import line
+
+        sys.stdout.write(f"accuracy: {line(result.score)}\n")
     return EXIT_OK
 
 
@@ -250,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, help="prompt groups to sample (default: train.preflight_prompts, 16)")
     p.set_defaults(func=cmd_check_rewards)
 
-    p = sub.add_parser("export", help="export a run's adapter: lora, merged-16bit, merged-4bit or gguf (logit-proven)")
+    p = sub.add_parser("export", help="export a run's adapter: lora, merged-16bit, merged-4bit or gguf (proven, "
+                       "and scored on the run's held-out problems)")
     p.add_argument("run_dir", help="the run directory `train` wrote")
     p.add_argument("--format", required=True, choices=["lora", "merged-16bit", "merged-4bit", "gguf"])
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
@@ -262,8 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max |logit diff| allowed, judged alone (default: max(floor, share x max |logit|) per "
                         "dtype: float32 1e-4 / 1e-5, float16 1e-2 / 2e-2, bfloat16 5e-2 / 0.1, 4-bit 0.1 / 0.15, "
                         "and at most a quarter of the adapter's own effect on the logits)")
-    p.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp folder holding convert_hf_to_gguf.py "
-                   "(default: $LLAMA_CPP_DIR); needed by --format gguf")
+    p.add_argument("--gguf-type", default="f16", choices=["f16", "bf16", "q8_0", "q4_k_m"],
+                   help="--format gguf: f16 or bf16 (proven by greedy texts / logits), q8_0 or q4_k_m (llama.cpp's "
+                        "quantization, proven by accuracy); default f16")
+    p.add_argument("--llama-cpp", metavar="DIR", help="--format gguf: a llama.cpp folder whose convert_hf_to_gguf.py "
+                   "to use (default: $LLAMA_CPP_DIR, else the one `make install-gguf` keeps)")
+    p.add_argument("--no-score", action="store_true",
+                   help="skip answering the run's held-out problems with a merged export (a gguf export answers "
+                        "them for its proof)")
     p.add_argument("--base", help="base model to merge into (default: the recipe's model.name)")
     p.add_argument("--cpu-4bit", action="store_true",
                    help="let merged-4bit run on bitsandbytes' CPU backend when no GPU is visible (slow)")

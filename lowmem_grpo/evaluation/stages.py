@@ -169,6 +169,15 @@ def periodic_settings(train: TrainConfig, calculator: bool = False) -> tuple[dic
     return greedy, {**sampled_settings(train, greedy, k), "num_samples": k, "temperature": train.temperature}
 
 
+def greedy_settings(train: Any, calculator: bool) -> dict[str, Any]:
+    """run_eval's settings of a stage's greedy evaluation (and of an export's score on the same problems:
+    lowmem_grpo.export.score): the completion budget, batch and seed of the train section, the transformers engine,
+    the calculator when the recipe uses it (data.calculator)."""
+    return {"max_new_tokens": train.max_completion_length, "batch_size": eval_batch_size(train), "seed": train.seed,
+            "progress": False, "engine": "transformers", "merged": train.merged_sampling, "calculator": calculator,
+            "attention": train.cpu_attention}
+
+
 def _by_group(verdicts: list[list[Verdict]], groups: Sequence[str | None]) -> str:
     """"seen 0.600 (50 problems), heldout 0.400 (50 problems)": greedy strict accuracy per wording group."""
     parts = []
@@ -208,7 +217,6 @@ class StageEvals:
                          "samples": t.stage_eval_samples, "temperature": t.temperature,
                          "calculator": recipe.data.calculator}
         self.wanted = list(t.stage_eval_stages)
-        self.merged, self.attention = t.merged_sampling, t.cpu_attention
         self.examples = load_eval_examples(recipe, tokenizer, limit=t.stage_eval)  # bad data fails before training
         generated = recipe.data.source == "generated"
         self.groups = wording_groups([ex.get("question") for ex in self.examples]) if generated else None
@@ -229,9 +237,7 @@ class StageEvals:
         if stage in self.results:
             return self.results[stage]
         k = self.settings["samples"]
-        common = {"max_new_tokens": self.settings["max_new_tokens"], "batch_size": self.settings["batch_size"],
-                  "seed": self.settings["seed"], "progress": False, "engine": "transformers", "merged": self.merged,
-                  "calculator": self.settings["calculator"], "attention": self.attention}
+        common = greedy_settings(self.train, self.settings["calculator"])
         watch = self.peaks.stage(f"eval {stage}") if self.peaks is not None else contextlib.nullcontext()
         with watch, _disabled_adapter(model, stage):
             # minutes without a bar: a progress line like training's (problems done, rate, eta) every ~10 s

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
 from lowmem_grpo import __version__
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.recipe_io import dump_yaml
-from lowmem_grpo.rundir import health, layout, telemetry
+from lowmem_grpo.rundir import export_scores, health, layout, telemetry
 from lowmem_grpo.rundir.report import eval_lines, format_value
 
 CARD_FILE = "README.md"
@@ -24,11 +25,47 @@ def final_metrics(run_dir: Path, step: int | None) -> tuple[dict[str, Any] | Non
     return (steps[-1] if steps else None), summary
 
 
+NOT_SCORED = ("Not scored: the run has no stage evaluation (train.stage_eval) to pair with, the export is of a "
+              "checkpoint, or --no-score was given.")
+
+
+def _gguf_lines(result: Any) -> list[str]:
+    """The llama.cpp proof's figures (gguf_proof.prove_gguf); [] for other formats."""
+    g = result.gguf_proof
+    if not g:
+        return []
+    logits = g.get("logits") or {}
+    lines = ["", "## Proof in llama.cpp", "",
+             f"`{result.file}` ({g.get('bytes', 0) / 2**20:.0f} MiB) reads its tokenizer as "
+             f"`{g.get('tokenizer_model')}` / pre `{g.get('tokenizer_pre')}`. It answered the {g.get('problems')} "
+             "held-out problems greedily in llama.cpp (llama-cpp-python), and the merged model answered them in "
+             "transformers:", "",
+             f"- prompts tokenized the same by llama.cpp: {g.get('same_prompt_tokens')} of {g.get('problems')}",
+             f"- the same greedy answer text: {g.get('same_greedy_texts')} of {g.get('problems')}",
+             f"- logits on {logits.get('positions')} positions (teacher-forced): max |difference| "
+             f"{logits.get('max_abs_diff', float('nan')):.3g}, same argmax {logits.get('argmax_agreement', 0):.1%}",
+             f"- accuracy: llama.cpp {g.get('accuracy', float('nan')):.3f}, transformers "
+             f"{g.get('merged_accuracy', float('nan')):.3f}",
+             f"- the file's chat template is the tokenizer's: {'yes' if g.get('chat_template_same') else 'no'}"]
+    if "tolerance" in g:
+        lines.append(f"- logit tolerance: {g['tolerance']:.3g}")
+    if "first_divergence" in g:
+        d = g["first_divergence"]
+        lines.append(f"- first diverging answer: problem {d['problem']}, token {d['token']}: transformers "
+                     f"{d['transformers']!r}, llama.cpp {d['llama.cpp']!r} after {d['before']!r}")
+    return lines
+
+
 def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_prompt: str, prefill: str) -> list[str]:
     here = str(out)
     if fmt == "gguf":
         gguf = next((f for f in files if f.endswith(".gguf")), "model.gguf")
-        return ["```bash", f"llama-cli -m {here}/{gguf} -cnv        # or: llama-server -m {here}/{gguf}", "```"]
+        return ["```bash", f"llama-cli -m {here}/{gguf} -cnv -sys {shlex.quote(system_prompt)}",
+                f"llama-server -m {here}/{gguf}", "```", "",
+                "Ollama: a `Modelfile` with these lines, then `ollama create my-model -f Modelfile`:", "",
+                "```", f"FROM {here}/{gguf}", f'SYSTEM """{system_prompt}"""', "```", "",
+                f"The model was trained to answer after the prefill {prefill!r} (the card's recipe, data.prefill); "
+                "the file carries the chat template it was trained with."]
     lines = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
     if fmt == "lora":
         lines += ["from peft import PeftModel", "",
@@ -82,6 +119,10 @@ def model_card(run_dir: Path, recipe: Any, result: Any, base_name: str, base_pat
         lines += [f"- tolerance: {result.tolerance:.3g} (per dtype: the larger of a floor and a share of the largest "
                   "|logit|; lowmem_grpo.export.proof.TOLERANCES)",
                   f"- the adapter itself moves the base model's logits by up to {format_value(result.adapter_effect)}"]
+    lines += _gguf_lines(result)
+    lines += ["", "## Accuracy on the task", ""]
+    lines += export_scores.table_lines([{"out": str(result.out), "format": result.format, "file": result.file,
+                                         "score": result.score}]) or [NOT_SCORED]
     lines += ["", "## How to load", ""]
     lines += _how_to_load(result.format, result.out, base_name, files, recipe.data.system_prompt, recipe.data.prefill)
     lines += ["", "## Files", ""] + [f"- `{f}`" for f in files]

@@ -8,8 +8,12 @@ Formats:
   Unsloth's save_pretrained_merged needs the trained model in memory and, over a 4-bit base, merges
   into dequantized nf4 weights instead of the 16-bit original.
 - merged-4bit: the merged 16-bit model quantized with bitsandbytes nf4 and serialized (needs CUDA).
-- gguf: the merged model converted by llama.cpp's convert_hf_to_gguf.py, found through --llama-cpp
-  or $LLAMA_CPP_DIR; nothing is downloaded or compiled.
+- gguf: the merged model converted by llama.cpp's converter (the `gguf` extra, `make install-gguf`; or
+  --llama-cpp DIR) at --gguf-type f16 or bf16, or quantized by llama.cpp to q8_0 or q4_k_m, and proven in
+  llama.cpp itself (lowmem_grpo.export.gguf_export, gguf_proof).
+The tokenizer files of every export are written as llama.cpp's converter must read them (tokenizer_files).
+Score: merged and GGUF exports answer the run's held-out problems (lowmem_grpo.export.score); the accuracy, beside
+the adapter's with a paired 95% CI, goes into the card and the run's export_scores.json and report.md.
 Proof: every merged export is reloaded with plain transformers and its logits on fixed prompts are
 compared with the adapter model in the same precision; above the tolerance (--tolerance, or per
 dtype the larger of a floor and a share of the largest |logit|: proof.TOLERANCES) the export fails, and with
@@ -26,8 +30,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,6 +40,7 @@ from typing import Any
 from lowmem_grpo.rundir import layout
 from lowmem_grpo.export import proof
 from lowmem_grpo.export.base_model import name_original_base
+from lowmem_grpo.export.tokenizer_files import repair_byte_level_bpe
 from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.errors import BadInputError, LowmemError
 
@@ -45,14 +48,11 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("lora", "merged-16bit", "merged-4bit", "gguf")
 DTYPES = ("float32", "bfloat16", "float16")
-GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-CONVERTER = "convert_hf_to_gguf.py"
-LLAMA_CPP_ENV = "LLAMA_CPP_DIR"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 PHASES = {
     "lora": ["load", "copy", "verify", "card"],
-    "merged-16bit": ["load", "merge", "save", "prove", "card"],
-    "merged-4bit": ["load", "merge", "save", "prove", "quantize", "prove-4bit", "card"],
+    "merged-16bit": ["load", "merge", "save", "prove", "score", "card"],
+    "merged-4bit": ["load", "merge", "save", "prove", "quantize", "prove-4bit", "score", "card"],
     "gguf": ["load", "merge", "save", "prove", "convert", "prove-gguf", "card"],
 }
 
@@ -75,6 +75,14 @@ class ExportResult:
     """Each proof's max |logit difference| (prove, prove-4bit, prove-gguf)."""
     tolerances: dict[str, float] = field(default_factory=dict)
     """The bound each proof was judged against (`tolerance` is the last one's)."""
+    gguf_type: str | None = None
+    gguf_proof: dict[str, Any] = field(default_factory=dict)
+    """The llama.cpp proof's figures (gguf_proof.prove_gguf), and the file's tokenizer as llama.cpp reads it."""
+    score: dict[str, Any] | None = None
+    """The export's accuracy on the held-out problems beside the adapter's (score.summarize); None: not scored."""
+    file: str | None = None
+    """The exported model file a user loads (the .gguf), None for folder formats."""
+    size_bytes: int = 0
     seconds: float = 0.0
 
 
@@ -100,22 +108,6 @@ def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None
     steps = [r["step"] for r in telemetry.read_metrics(run_dir)
              if isinstance(r.get("step"), int) and r.get("stage", "grpo") == "grpo"]  # not the prime stage's steps
     return src, max(steps) if steps else None
-
-
-def find_converter(llama_cpp: str | Path | None = None) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py from --llama-cpp or $LLAMA_CPP_DIR (a folder or the script)."""
-    given = llama_cpp or os.environ.get(LLAMA_CPP_ENV)
-    how = (f"clone llama.cpp yourself (git clone https://github.com/ggml-org/llama.cpp), install its converter's "
-           f"requirements (pip install -r requirements/requirements-convert_hf_to_gguf.txt), then pass "
-           f"--llama-cpp DIR or set {LLAMA_CPP_ENV}=DIR; lowmem-grpo downloads nothing")
-    if not given:
-        raise BadInputError(f"--format gguf needs llama.cpp's {CONVERTER}, and neither --llama-cpp nor "
-                            f"{LLAMA_CPP_ENV} names one", fix=how)
-    path = Path(given).expanduser()
-    script = path if path.is_file() else path / CONVERTER
-    if not script.is_file():
-        raise BadInputError(f"no {CONVERTER} at {script}", fix=how)
-    return script
 
 
 def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
@@ -179,6 +171,7 @@ def _export_lora(src: Path, tmp: Path, tokenizer: Any, result: ExportResult, pha
     for name in copied:
         shutil.copy2(src / name, tmp / name)
     tokenizer.save_pretrained(str(tmp))
+    repair_byte_level_bpe(tmp)
     phases.done("copy")
     for name in copied:
         if _sha256(src / name) != _sha256(tmp / name):
@@ -209,6 +202,7 @@ def _merge(base_path: str, src: Path, target: Path, tokenizer: Any, inputs: list
     phases.done("merge")
     merged.save_pretrained(str(target))
     tokenizer.save_pretrained(str(target))
+    repair_byte_level_bpe(target)
     if not (target / "generation_config.json").exists():
         from transformers import GenerationConfig
 
@@ -256,17 +250,6 @@ def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: lis
     return diff
 
 
-def _convert_gguf(script: Path, merged: Path, target: Path, outtype: str) -> None:
-    cmd = [sys.executable, str(script), str(merged), "--outfile", str(target), "--outtype", outtype]
-    log.info("converting to GGUF: %s", " ".join(cmd))
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0 or not target.is_file():
-        tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-15:])
-        raise LowmemError(f"{script.name} failed (exit {done.returncode}):\n{tail}",
-                          fix="install the converter's requirements from the llama.cpp folder, or use a llama.cpp "
-                              "version that supports this architecture")
-
-
 def _check_request(run_dir: Path, fmt: str, dtype: str | None) -> None:
     """BadInputError for an unknown format or dtype, or a folder that is no run directory."""
     if fmt not in FORMATS:
@@ -288,23 +271,54 @@ def _check_4bit(device_ok: bool) -> None:
         raise BadInputError("--format merged-4bit needs bitsandbytes", fix="pip install bitsandbytes")
 
 
+@dataclass
+class _Job:
+    """What every phase of one export reads."""
+
+    run_dir: Path
+    recipe: Any
+    base_path: str
+    src: Path
+    tokenizer: Any
+    dtype: str
+    device: str
+    trust: bool
+    tolerance: float | None
+    score: bool
+    gguf_type: str = "f16"
+    script: Path | None = None
+
+
+def _check_gguf(fmt: str, gguf_type: str, llama_cpp: str | Path | None) -> Path | None:
+    """The converter for --format gguf, after checking the type and that the extra is installed (exit 2 otherwise:
+    before any model loads)."""
+    if fmt != "gguf":
+        return None
+    from lowmem_grpo.export import gguf_export
+
+    gguf_export.check_type(gguf_type)
+    gguf_export.check_runtime()
+    return gguf_export.find_converter(llama_cpp)
+
+
 def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | None = None,
            overwrite: bool = False, dtype: str | None = None, tolerance: float | None = None,
            llama_cpp: str | Path | None = None, base: str | None = None, cpu_4bit: bool = False,
-           on_phase: Callable[[str], None] | None = None,
+           gguf_type: str = "f16", score: bool = True, on_phase: Callable[[str], None] | None = None,
            merge: Callable[[Any], Any] = merge_adapter) -> ExportResult:
     """Export a run's adapter in `fmt` to `out`; see the module docstring. `cpu_4bit` lets merged-4bit run on
-    bitsandbytes' CPU backend when no GPU is visible (slow); `on_phase(name)` is called after each phase
-    (load, merge, save, prove, card: a progress hook; whatever it raises aborts the export, leaving nothing);
-    `merge(peft_model) -> model` merges the adapter (PEFT's merge_and_unload; a caller's own merge, or a
-    broken one to check that the proof catches it)."""
+    bitsandbytes' CPU backend when no GPU is visible (slow); `gguf_type`: f16, bf16, q8_0 or q4_k_m; `score`: answer
+    the run's held-out problems with a merged export (a GGUF export always does: its proof needs the answers);
+    `on_phase(name)` is called after each phase (load, merge, save, prove, card: a progress hook; whatever it raises
+    aborts the export, leaving nothing); `merge(peft_model) -> model` merges the adapter (PEFT's merge_and_unload; a
+    caller's own merge, or a broken one to check that the proof catches it)."""
     started = time.monotonic()
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
     _check_request(run_dir, fmt, dtype)
     src, step = find_source(run_dir, checkpoint)
     check_out_dir(out, overwrite, [run_dir / layout.ADAPTER_DIR, run_dir / layout.RECIPE_FILE,
                                    *run_dir.glob(f"{layout.CHECKPOINT_PREFIX}*")])
-    script = find_converter(llama_cpp) if fmt == "gguf" else None
+    script = _check_gguf(fmt, gguf_type, llama_cpp)
     import torch
 
     cuda = torch.cuda.is_available()
@@ -319,29 +333,26 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
     base_path = resolve_model_path(base or recipe.model.name)
     trust = recipe.model.trust_remote_code
     dtype = dtype or auto_dtype(cuda_facts())[0]
-    result = ExportResult(out=out, format=fmt, source=src, step=step)
+    result = ExportResult(out=out, format=fmt, source=src, step=step, gguf_type=gguf_type if script else None)
     if fmt != "lora":
         proof.check_base_unquantized(base_path, trust)
         result.dtype = dtype
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the published folder gets normal permissions
+    tmp = _partial_dir(out)
     phases = _Phases(fmt, on_phase)
     try:
         tokenizer = _load_tokenizer(src, base_path, trust)
+        job = _Job(run_dir, recipe, base_path, src, tokenizer, dtype, "cuda" if cuda else "cpu", trust, tolerance,
+                   score, gguf_type, script)
         if fmt == "lora":
             phases.done("load")
             _export_lora(src, tmp, tokenizer, result, phases, base or recipe.model.name)
         else:
-            _export_merged(fmt, base_path, src, tmp, tokenizer, recipe, result, dtype, tolerance, cuda, trust,
-                           script, phases, merge)
+            _export_merged(fmt, job, tmp, result, phases, merge)
         from lowmem_grpo.export.card import write_card
 
         write_card(tmp, run_dir, recipe, result, base or recipe.model.name, base_path)
         phases.done("card")
+        result.size_bytes = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -349,54 +360,70 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
     finally:
         phases.close()
     result.seconds = time.monotonic() - started
+    from lowmem_grpo.export.score import record
+
+    record(run_dir, result)
     log.info("exported %s (%s) to %s in %.1f s", src, fmt, out, result.seconds)
     return result
 
 
-def _export_merged(fmt: str, base_path: str, src: Path, tmp: Path, tokenizer: Any, recipe: Any,
-                   result: ExportResult, dtype: str, tolerance: float | None, cuda: bool, trust: bool,
-                   script: Path | None, phases: _Phases, merge: Callable[[Any], Any] = merge_adapter) -> None:
-    device = "cuda" if cuda else "cpu"
-    inputs = proof.proof_inputs(tokenizer, recipe.data.system_prompt, recipe.data.prefill)
+def _partial_dir(out: Path) -> Path:
+    """The hidden folder beside `out` the export is written to, renamed into place only at the end."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the published folder gets normal permissions
+    return tmp
+
+
+def _export_merged(fmt: str, job: _Job, tmp: Path, result: ExportResult, phases: _Phases,
+                   merge: Callable[[Any], Any] = merge_adapter) -> None:
+    inputs = proof.proof_inputs(job.tokenizer, job.recipe.data.system_prompt, job.recipe.data.prefill)
     result.proof_tokens = sum(len(ids) for ids in inputs)
     work = tmp / ".merged-16bit" if fmt != "merged-16bit" else tmp
     work.mkdir(exist_ok=True)
-    reference, result.adapter_effect = _merge(base_path, src, work, tokenizer, inputs, dtype, device, trust, phases,
-                                              merge)
+    reference, result.adapter_effect = _merge(job.base_path, job.src, work, job.tokenizer, inputs, job.dtype,
+                                              job.device, job.trust, phases, merge)
     log.info("the adapter moves the base model's logits by up to %.3g", result.adapter_effect)
     if result.adapter_effect == 0:
         log.warning("the adapter does not change the model's logits (an untrained adapter?)")
-    result.max_abs_diff = _prove("prove", lambda: proof.load_causal_lm(work, dtype, device, trust), reference,
-                                 inputs, None if fmt == "merged-4bit" else tolerance, "merged-16bit", result, phases)
+    result.max_abs_diff = _prove("prove", lambda: proof.load_causal_lm(work, job.dtype, job.device, job.trust),
+                                 reference, inputs, None if fmt == "merged-4bit" else job.tolerance, "merged-16bit",
+                                 result, phases)
     if fmt == "merged-4bit":
-        quantized = proof.load_causal_lm(work, dtype, device, trust, quantize_4bit=True)
-        quantized.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        del quantized
-        _free()
-        phases.done("quantize")
-        from peft import PeftModel
+        _quantize_4bit(job, work, tmp, inputs, result, phases)
+    if fmt == "gguf":
+        from lowmem_grpo.export.gguf_proof import export_gguf
 
-        adapter4 = PeftModel.from_pretrained(proof.load_causal_lm(base_path, dtype, device, trust, True), str(src))
-        reference4 = proof.logits_on(adapter4.eval(), inputs)  # QLoRA: the adapter over the nf4 base
-        del adapter4
-        _free()
-        result.max_abs_diff = _prove("prove-4bit", lambda: proof.load_causal_lm(tmp, dtype, device, trust),
-                                     reference4, inputs, tolerance, fmt, result, phases)
-    elif fmt == "gguf":
-        outtype = GGUF_OUTTYPES[dtype]
-        target = tmp / f"{recipe.name}-{outtype}.gguf"
-        _convert_gguf(script, work, target, outtype)  # type: ignore[arg-type]
-        phases.done("convert")
-        from transformers import AutoModelForCausalLM
+        export_gguf(job, work, tmp, result, phases.done)
+    else:
+        from lowmem_grpo.export.score import score_folder
 
-        def load_gguf() -> Any:
-            return AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=target.name,
-                                                        dtype=proof.torch_dtype(dtype)).eval().to(device)
-
-        result.max_abs_diff = _prove("prove-gguf", load_gguf, reference, inputs, tolerance, fmt, result, phases)
+        score_folder(job, tmp, result)
+        phases.done("score")
     if work != tmp:
         shutil.rmtree(work)
+
+
+def _quantize_4bit(job: _Job, work: Path, tmp: Path, inputs: list[list[int]], result: ExportResult,
+                   phases: _Phases) -> None:
+    quantized = proof.load_causal_lm(work, job.dtype, job.device, job.trust, quantize_4bit=True)
+    quantized.save_pretrained(str(tmp))
+    job.tokenizer.save_pretrained(str(tmp))
+    repair_byte_level_bpe(tmp)
+    del quantized
+    _free()
+    phases.done("quantize")
+    from peft import PeftModel
+
+    adapter4 = PeftModel.from_pretrained(proof.load_causal_lm(job.base_path, job.dtype, job.device, job.trust, True),
+                                         str(job.src))
+    reference4 = proof.logits_on(adapter4.eval(), inputs)  # QLoRA: the adapter over the nf4 base
+    del adapter4
+    _free()
+    result.max_abs_diff = _prove("prove-4bit", lambda: proof.load_causal_lm(tmp, job.dtype, job.device, job.trust),
+                                 reference4, inputs, job.tolerance, "merged-4bit", result, phases)
 
 
 def _publish(tmp: Path, out: Path) -> None:

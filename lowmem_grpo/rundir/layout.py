@@ -14,6 +14,7 @@
       adapter/               the final adapter
       eval.json, eval/       evaluation results (`lowmem-grpo eval`)
       stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.stage_eval)
+      export_scores.json     each export's accuracy on those problems beside the adapter's (`lowmem-grpo export`)
       peak_rss.json          the process's peak resident memory in each stage (load, evals, priming, GRPO, save)
       eval_steps.jsonl       per-problem greedy (and sampled) values of each periodic evaluation (train.eval_every)
       plots/, report.md      the report
@@ -45,6 +46,7 @@ SAMPLING_STATE_FILE = "lowmem_sampling.json"  # inside checkpoint-N/: pass rates
 ADAPTER_DIR = "adapter"
 EVAL_FILE = "eval.json"
 STAGE_EVAL_FILE = "stage_eval.json"
+EXPORT_SCORES_FILE = "export_scores.json"
 PEAK_RSS_FILE = "peak_rss.json"
 EVAL_STEPS_FILE = "eval_steps.jsonl"
 EVAL_DIR = "eval"

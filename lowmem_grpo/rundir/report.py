@@ -20,7 +20,7 @@ from typing import Any
 
 from lowmem_grpo.rundir import layout
 from lowmem_grpo.rundir import health
-from lowmem_grpo.rundir import rss
+from lowmem_grpo.rundir import export_scores, rss
 from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.rundir.completions import read_completions
 from lowmem_grpo.rundir.stage_tables import outcome_lines, stage_lines
@@ -424,6 +424,8 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     evaluation = eval_lines(run_dir)
     if evaluation:
         lines += ["", "## Evaluation", ""] + evaluation
+    exported = export_scores.report_lines(run_dir)
+    lines += ["", *exported] if exported else []
     memory = memory_lines(run_dir, records)
     if memory:
         lines += ["", "## Memory", ""] + memory

@@ -1,0 +1,189 @@
+"""The proof that a GGUF file is the merged model: run in llama.cpp itself, beside the merged model in transformers.
+
+Both answer the same held-out problems greedily (lowmem_grpo.export.score.held_out: the stage evaluation's, with the
+calculator forced in where the recipe uses it); llama.cpp tokenizes the prompts (rendered with the recipe's chat
+template) with its own tokenizer. The proof records:
+- prompt tokens: llama.cpp's ids of each prompt against the transformers tokenizer's; any difference fails the proof
+  (the file would read a different text than the model was trained on);
+- greedy texts: how many answers are the same text, and the first diverging token of the first that is not;
+- logits: llama.cpp's logits (teacher forcing over the first LOGIT_SEQUENCES of its own answers, prompt included)
+  against transformers' on the same ids: max |difference| and the share of positions with the same argmax;
+- the chat template the file carries (what llama-cli / Ollama apply) against the tokenizer's.
+A 16-bit file (f16, bf16) passes with every greedy text the same, or with its logits within the tolerance of its
+precision (proof.tolerance_for and, by default, at most proof.ADAPTER_SHARE of the adapter's own effect). A quantized
+file (q8_0, q4_k_m) changes logits by design: it passes unless its accuracy on the problems is significantly below the
+merged model's (the paired 95% CI of the difference wholly below zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo.errors import LowmemError
+from lowmem_grpo.export import proof, score
+from lowmem_grpo.export import gguf_export
+from lowmem_grpo.export.gguf_export import QUANTIZED, run_child
+from lowmem_grpo.rundir import layout
+
+log = logging.getLogger(__name__)
+
+LOGIT_SEQUENCES = 3
+GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16"}
+CONTEXT_MARGIN = 16
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end an answer: the model's generation_config eos ids and the tokenizer's (as generate's)."""
+    ids = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if configured is not None:
+        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def first_divergence(tokenizer: Any, ours: str, theirs: str) -> dict[str, Any]:
+    """Where two answers part: the token index (transformers' tokenization of both), both tokens, and the text
+    before them."""
+    a, b = tokenizer.encode(ours, add_special_tokens=False), tokenizer.encode(theirs, add_special_tokens=False)
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    piece = lambda ids: tokenizer.decode(ids[j:j + 1]) if j < len(ids) else "<end>"  # noqa: E731
+    return {"token": j, "transformers": piece(a), "llama.cpp": piece(b),
+            "before": tokenizer.decode(a[max(0, j - 12):j])}
+
+
+def _logit_figures(target: Path, merged: Any, sequences: list[list[int]], n_ctx: int) -> dict[str, float]:
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="lowmem-logits-") as tmp:
+        file = Path(tmp) / "logits.npz"
+        run_child({"job": "logits", "model": str(target), "sequences": sequences, "n_ctx": n_ctx,
+                   "logits_file": str(file)}, "the llama.cpp logit proof")
+        with np.load(file) as saved:
+            ours = [saved[f"seq{i}"] for i in range(len(sequences))]
+    theirs = [t.numpy() for t in proof.logits_on(merged, sequences)]
+    worst, same, total = 0.0, 0, 0
+    for a, b in zip(ours, theirs, strict=True):
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            return {"max_abs_diff": math.inf, "argmax_agreement": 0.0, "positions": len(a)}
+        worst = max(worst, float(np.abs(a - b).max()))
+        same += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(a)
+    return {"max_abs_diff": worst, "argmax_agreement": same / total, "positions": total,
+            "logit_scale": max(float(np.abs(b).max()) for b in theirs)}
+
+
+def _compare(examples: list[dict[str, Any]], reference: Any, answers: list[dict[str, Any]], tokenizer: Any
+             ) -> dict[str, Any]:
+    """Prompt tokens and greedy texts of llama.cpp's answers against transformers'."""
+    same_prompts = sum(tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"] == g["prompt_ids"]
+                       for ex, g in zip(examples, answers))
+    texts = [(r["completion"], (ex.get("prefill") or "") + g["text"])
+             for ex, r, g in zip(examples, reference.records, answers)]
+    differ = [i for i, (a, b) in enumerate(texts) if a != b]
+    out: dict[str, Any] = {"problems": len(examples), "same_prompt_tokens": same_prompts,
+                           "same_greedy_texts": len(texts) - len(differ)}
+    if differ:
+        out["first_divergence"] = {"problem": differ[0], **first_divergence(tokenizer, *texts[differ[0]])}
+    return out
+
+
+def coarser(a: str, b: str) -> str:
+    """The less precise of two dtypes (float32 < float16 < bfloat16): what a comparison between them is judged by."""
+    order = ("float32", "float16", "bfloat16")
+    return max(a, b, key=order.index)
+
+
+def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, effect: float,
+             reference: Any, export: list[list[Any]], dtype: str) -> str | None:
+    """Why the file fails its proof, or None."""
+    n = figures["problems"]
+    if figures["same_prompt_tokens"] != n:
+        return (f"llama.cpp tokenizes {n - figures['same_prompt_tokens']} of {n} prompts differently from the "
+                "model's tokenizer")
+    if gguf_type in QUANTIZED:
+        worse = score.significantly_worse(reference.verdicts, export)
+        return None if worse is None else (
+            f"its accuracy is significantly below the merged model's: {worse['diff']:+.3f} "
+            f"[{worse['low']:+.3f}, {worse['high']:+.3f}] (paired 95% CI)")
+    logits = figures["logits"]
+    judged_as = coarser(GGUF_DTYPES[gguf_type], dtype)  # the merged model in transformers is in the export's dtype
+    bound = tolerance if tolerance is not None else proof.tolerance_for("gguf", judged_as, logits.get("logit_scale", 0.0))
+    figures["tolerance"] = bound
+    if figures["same_greedy_texts"] == n:
+        return None
+    failure = proof.judge(logits["max_abs_diff"], bound, effect, relative=tolerance is None)
+    return None if failure is None else f"{n - figures['same_greedy_texts']} of {n} greedy answers differ and " \
+                                        f"its logits {failure}"
+
+
+def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, recipe: Any, dtype: str,
+               device: str, trust: bool, adapter_effect: float, tolerance: float | None
+               ) -> tuple[dict[str, Any], list[list[Any]]]:
+    """Run the proof; returns its figures and llama.cpp's verdicts on the held-out problems (for the score).
+    LowmemError when the file fails it or llama.cpp crashes."""
+    examples = score.held_out(recipe, tokenizer)
+    merged = proof.load_causal_lm(merged_dir, dtype, device, trust)
+    reference = score.answer_transformers(merged, tokenizer, examples, recipe)
+    budget = int(score.settings(recipe)["max_new_tokens"])
+    longest = max(len(tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]) for ex in examples)
+    n_ctx = longest + budget + CONTEXT_MARGIN
+    generated = run_child({"job": "generate", "model": str(target), "prompts": [ex["prompt"] for ex in examples],
+                           "max_new_tokens": budget, "eos_ids": eos_ids(merged, tokenizer),
+                           "calculator": bool(recipe.data.calculator), "n_ctx": n_ctx},
+                          "the llama.cpp proof")
+    answers = generated["generations"]
+    figures = _compare(examples, reference, answers, tokenizer)
+    figures["llama_cpp_seconds"] = generated["seconds"]
+    figures["calculator_results"] = sum(1 for g in answers if g["forced_tokens"])  # answers the calculator wrote into
+    figures["chat_template_same"] = generated.get("chat_template") == getattr(tokenizer, "chat_template", None)
+    figures["merged_accuracy"] = reference.metrics["strict_accuracy"]
+    sequences = [g["prompt_ids"] + g["ids"] for g in answers[:LOGIT_SEQUENCES]]
+    figures["logits"] = _logit_figures(target, merged, sequences, n_ctx)
+    del merged
+    export = score.judged(examples, answers)
+    figures["accuracy"] = sum(score.values(export)) / len(export)
+    log.info("llama.cpp proof (%s): %d/%d prompts tokenized the same, %d/%d greedy answers the same text, max |logit "
+             "diff| %.3g, argmax agreement %.3f; accuracy %.3f (transformers, merged %.3f)", gguf_type,
+             figures["same_prompt_tokens"], figures["problems"], figures["same_greedy_texts"], figures["problems"],
+             figures["logits"]["max_abs_diff"], figures["logits"]["argmax_agreement"], figures["accuracy"],
+             figures["merged_accuracy"])
+    failure = _verdict(figures, gguf_type, tolerance, adapter_effect, reference, export, dtype)
+    if failure:
+        raise LowmemError(f"prove-gguf: the {gguf_type} file fails its proof in llama.cpp: {failure}; nothing was "
+                          "written", fix="see the figures above; export f16 or q8_0, or check the converter")
+    return figures, export
+
+
+def export_gguf(job: Any, work: Path, tmp: Path, result: Any, done: Callable[[str], None]) -> None:
+    """Convert the merged model in `work` (and quantize it) into `tmp`, prove the file in llama.cpp, and score it
+    beside the adapter; `done(phase)` after convert and prove-gguf."""
+    kind = job.gguf_type
+    sixteen = "bf16" if kind == "bf16" or (kind in QUANTIZED and job.dtype == "bfloat16") else "f16"
+    target = tmp / gguf_export.file_name(job.recipe.name, kind)
+    converted = target if kind not in QUANTIZED else work / gguf_export.file_name(job.recipe.name, sixteen)
+    clock = time.monotonic()
+    gguf_export.convert(job.script, work, converted, sixteen)
+    result.gguf_proof["convert_seconds"] = time.monotonic() - clock
+    if kind in QUANTIZED:
+        result.gguf_proof["quantize_seconds"] = gguf_export.quantize(converted, target, kind)
+        converted.unlink()
+    model, pre = gguf_export.tokenizer_kind(target)
+    result.gguf_proof.update({"tokenizer_model": model, "tokenizer_pre": pre, "bytes": target.stat().st_size})
+    result.file = target.name
+    done("convert")
+    figures, verdicts = prove_gguf(target, kind, work, job.tokenizer, job.recipe, job.dtype, job.device, job.trust,
+                                   result.adapter_effect or 0.0, job.tolerance)
+    result.gguf_proof.update(figures)
+    if job.recipe.train.stage_eval:
+        reference = score.stage_reference(job.run_dir, len(verdicts), job.src.name == layout.ADAPTER_DIR)
+        result.score = score.summarize(verdicts, reference, seed=job.recipe.train.seed)
+        log.info("gguf %s: %s", kind, score.line(result.score))
+    done("prove-gguf")

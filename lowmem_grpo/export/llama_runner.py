@@ -1,0 +1,125 @@
+"""The child process that runs a GGUF file in llama.cpp (llama-cpp-python, the `gguf` extra).
+
+`python -m lowmem_grpo.export.llama_runner REQUEST.json` reads one job and writes its answer to the request's
+`result` path; llama.cpp aborts the process on some broken files (std::out_of_range, GGML_ASSERT), so the caller
+(lowmem_grpo.export.llama) runs it apart and reads a crash as a failed proof. Jobs:
+
+- generate: greedy continuations of prompt texts, tokenized by llama.cpp's own tokenizer (special tokens parsed, no
+  BOS added: the chat template writes its own). With `calculator`, decoding stops after a token whose text ends in
+  "=" when the completion ends in an open `<<EXPR=`, the project's calculator (lowmem_grpo.rewards.calculator,
+  never eval) computes `RESULT>>`, whose tokens are appended, and decoding goes on: what the sampling engine does.
+- logits: every position's logits of given token-id sequences (teacher forcing), saved as one .npz.
+- quantize: llama.cpp's llama_model_quantize from a 16-bit GGUF to Q8_0 or Q4_K_M.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+
+
+def _load(model: str, n_ctx: int, logits_all: bool = False) -> Any:
+    from llama_cpp import Llama
+
+    threads = max(1, os.cpu_count() or 1)  # llama-cpp-python's default is half the cores
+    return Llama(model_path=model, n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=logits_all, verbose=False,
+                 seed=0, n_threads=threads, n_threads_batch=threads)
+
+
+def _piece(llm: Any, token: int) -> str:
+    return llm.detokenize([token]).decode("utf-8", errors="ignore")
+
+
+def _forced(llm: Any, completion: list[int], token: int, calculator: bool) -> list[int]:
+    """The calculator's tokens to append after `token` (none unless it closes an open `<<EXPR=`)."""
+    if not calculator or not _piece(llm, token).endswith("="):
+        return []
+    from lowmem_grpo.rewards.calculator import forced_text, pending_expression
+
+    expr = pending_expression(llm.detokenize(completion).decode("utf-8", errors="ignore"))
+    text = forced_text(expr) if expr is not None else None
+    return llm.tokenize(text.encode("utf-8"), add_bos=False, special=False) if text else []
+
+
+def greedy(llm: Any, prompt: list[int], max_new_tokens: int, eos: set[int], calculator: bool) -> dict[str, Any]:
+    """One greedy continuation of `prompt`, the calculator's results forced in."""
+    completion: list[int] = []
+    forced = 0
+    ended = False
+    while not ended and len(completion) < max_new_tokens:
+        restart = False
+        for token in llm.generate(prompt + completion, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            if token in eos:
+                ended = True
+                break
+            completion.append(token)
+            extra = _forced(llm, completion, token, calculator)
+            if extra or len(completion) >= max_new_tokens:
+                take = extra[:max_new_tokens - len(completion)]
+                completion += take
+                forced += len(take)
+                restart = bool(extra)
+                break
+        if not restart:
+            break
+    text = llm.detokenize(completion).decode("utf-8", errors="replace")
+    return {"ids": completion, "text": text, "tokens": len(completion) + int(ended),
+            "truncated": not ended and len(completion) >= max_new_tokens, "forced_tokens": forced}
+
+
+def run_generate(job: dict[str, Any]) -> dict[str, Any]:
+    llm = _load(job["model"], int(job["n_ctx"]))
+    eos = set(job.get("eos_ids") or []) | {llm.token_eos()}
+    out = []
+    started = time.monotonic()
+    for text in job["prompts"]:
+        prompt = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        row = greedy(llm, prompt, int(job["max_new_tokens"]), eos, bool(job.get("calculator")))
+        out.append({"prompt_ids": prompt, **row})
+    return {"generations": out, "seconds": time.monotonic() - started,
+            "chat_template": llm.metadata.get("tokenizer.chat_template")}
+
+
+def run_logits(job: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    llm = _load(job["model"], int(job["n_ctx"]), logits_all=True)
+    arrays = {}
+    for i, ids in enumerate(job["sequences"]):
+        llm.reset()
+        llm.eval(ids)
+        arrays[f"seq{i}"] = np.array(llm.scores[:len(ids)], dtype=np.float32)
+    np.savez(job["logits_file"], **arrays)
+    return {"sequences": len(arrays)}
+
+
+def run_quantize(job: dict[str, Any]) -> dict[str, Any]:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, FTYPES[job["type"]])
+    started = time.monotonic()
+    code = llama_cpp.llama_model_quantize(job["src"].encode(), job["dst"].encode(), params)
+    if code != 0:
+        raise RuntimeError(f"llama_model_quantize returned {code}")
+    return {"seconds": time.monotonic() - started}
+
+
+JOBS = {"generate": run_generate, "logits": run_logits, "quantize": run_quantize}
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    answer = JOBS[job["job"]](job)
+    Path(job["result"]).write_text(json.dumps(answer), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""An export's accuracy on the run's held-out problems, beside the adapter's.
+
+The problems are the stage evaluation's (the first train.stage_eval of data.eval_split, rendered with the recipe's
+chat template, system prompt and prefill), answered greedily with the calculator's results forced in where the
+recipe uses it (data.calculator): a transformers-loaded export through run_eval with the stage evaluation's own
+settings (lowmem_grpo.evaluation.stages.greedy_settings), a GGUF file through llama.cpp
+(lowmem_grpo.export.llama_runner). The adapter's answers are the stage evaluation's `trained` verdicts in
+stage_eval.json, so the two are paired per problem (metrics.paired_bootstrap); an export of a checkpoint, or of a
+run without a stage evaluation, has no adapter answers to pair with and gets its accuracy alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from lowmem_grpo.evaluation.metrics import Verdict, judge, paired_bootstrap, problem_value
+from lowmem_grpo.evaluation.stages import greedy_settings, mean_ci
+from lowmem_grpo.rundir import layout
+
+log = logging.getLogger(__name__)
+
+PROOF_PROBLEMS = 8
+"""Held-out problems a GGUF proof answers when the run has no stage evaluation (train.stage_eval = 0)."""
+METRIC = "strict_accuracy"
+
+
+def held_out(recipe: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """The stage evaluation's problems, or the first PROOF_PROBLEMS of the eval split when it had none."""
+    from lowmem_grpo.evaluation.evaluate import load_eval_examples
+
+    return load_eval_examples(recipe, tokenizer, limit=recipe.train.stage_eval or PROOF_PROBLEMS)
+
+
+def settings(recipe: Any) -> dict[str, Any]:
+    return greedy_settings(recipe.train, recipe.data.calculator)
+
+
+def answer_transformers(model: Any, tokenizer: Any, examples: list[dict[str, Any]], recipe: Any) -> Any:
+    """run_eval with the stage evaluation's greedy settings: an EvalResult (verdicts, records with the texts)."""
+    from lowmem_grpo.evaluation.evaluate import run_eval
+
+    return run_eval(model, tokenizer, examples, **settings(recipe))
+
+
+def judged(examples: list[dict[str, Any]], generations: list[dict[str, Any]]) -> list[list[Verdict]]:
+    """Verdicts of llama.cpp's answers (llama_runner's generate: text, tokens, truncated), as run_eval judges."""
+    return [[judge((ex.get("prefill") or "") + g["text"], ex["answer"], truncated=g["truncated"],
+                   completion_tokens=g["tokens"])] for ex, g in zip(examples, generations, strict=True)]
+
+
+def stage_reference(run_dir: Path, problems: int, final: bool) -> dict[str, list[list[Verdict]]]:
+    """The stage evaluation's greedy verdicts of the adapter (`trained`) and the base model (`base`) on the same
+    `problems`; {} for a checkpoint export (`final` False) or when stage_eval.json has none of that size."""
+    path = Path(run_dir) / layout.STAGE_EVAL_FILE
+    if not final or not path.is_file():
+        return {}
+    saved = json.loads(path.read_text(encoding="utf-8")).get("verdicts") or {}
+    out = {}
+    for stage in ("trained", "base"):
+        rows = saved.get(stage)
+        if rows and len(rows) == problems:
+            out[stage] = [[Verdict(**v) for v in p] for p in rows]
+    return out if "trained" in out else {}
+
+
+def values(verdicts: list[list[Verdict]]) -> list[float]:
+    return [problem_value(v, METRIC) for v in verdicts]
+
+
+def summarize(export: list[list[Verdict]], reference: dict[str, list[list[Verdict]]], seed: int = 0
+              ) -> dict[str, Any]:
+    """The export's accuracy (mean and bootstrap CI), and with the stage evaluation's verdicts the adapter's and the
+    paired differences export - adapter, export - base and adapter - base."""
+    mine = values(export)
+    out: dict[str, Any] = {"problems": len(mine), "metric": METRIC, "export": mean_ci(mine, seed=seed)}
+    adapter = reference.get("trained")
+    if adapter:
+        theirs = values(adapter)
+        out["adapter"] = mean_ci(theirs, seed=seed)
+        out["adapter_from"] = layout.STAGE_EVAL_FILE
+        out["minus_adapter"] = paired_bootstrap(theirs, mine, seed=seed)
+        if reference.get("base"):
+            base = values(reference["base"])
+            out["minus_base"] = paired_bootstrap(base, mine, seed=seed)
+            out["adapter_minus_base"] = paired_bootstrap(base, theirs, seed=seed)
+    return out
+
+
+def significantly_worse(reference: list[list[Verdict]], export: list[list[Verdict]], seed: int = 0
+                        ) -> dict[str, float] | None:
+    """The paired difference export - reference when its 95% CI lies wholly below zero, else None."""
+    diff = paired_bootstrap(values(reference), values(export), seed=seed)
+    return diff if diff["high"] < 0 else None
+
+
+def line(score: dict[str, Any]) -> str:
+    """One log line: the export's accuracy, and beside the adapter's when paired."""
+    e = score["export"]
+    text = f"{METRIC} {e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}] on {score['problems']} held-out problems"
+    if "minus_adapter" in score:
+        d = score["minus_adapter"]
+        text += (f"; the adapter {score['adapter']['mean']:.3f}, export - adapter {d['diff']:+.3f} "
+                 f"[{d['low']:+.3f}, {d['high']:+.3f}]")
+    return text
+
+
+def score_folder(job: Any, folder: Path, result: Any) -> None:
+    """A transformers-loaded export (`folder`) answers the held-out problems into result.score; skipped when not
+    asked (job.score) or without a stage evaluation (train.stage_eval = 0) to pair with."""
+    from lowmem_grpo.export import proof
+
+    if not (job.score and job.recipe.train.stage_eval):
+        return
+    reference = stage_reference(job.run_dir, job.recipe.train.stage_eval, job.src.name == layout.ADAPTER_DIR)
+    model = proof.load_causal_lm(folder, job.dtype, job.device, job.trust)
+    answers = answer_transformers(model, job.tokenizer, held_out(job.recipe, job.tokenizer), job.recipe)
+    del model
+    gc.collect()
+    result.score = summarize(answers.verdicts, reference, seed=job.recipe.train.seed)
+    log.info("%s: %s", result.format, line(result.score))
+
+
+def record(run_dir: Path, result: Any) -> None:
+    """A published export's score into the run's export_scores.json, and report.md rewritten with it."""
+    if not result.score:
+        return
+    from lowmem_grpo.errors import LowmemError
+    from lowmem_grpo.rundir import export_scores
+    from lowmem_grpo.rundir.report import write_report
+
+    name = result.format + (f" {result.gguf_type}" if result.gguf_type else "")
+    export_scores.record(run_dir, {"out": str(Path(result.out).resolve()), "format": name, "file": result.file,
+                                   "step": result.step, "score": result.score, "size_bytes": result.size_bytes})
+    try:
+        write_report(run_dir)
+    except LowmemError as exc:  # a run without metrics has no report to extend; the scores file has the entry
+        log.warning("report.md not rewritten: %s", exc)
