@@ -29,6 +29,9 @@ def test_chain_outcome_names_the_step_where_the_chain_broke():
     # every step's result is there, the answer block is not
     assert chain_outcome(_said("<<16-9=7>>7", "<<7-6=1>>1", answer="7"), SOLUTION, False) == "other"
     assert chain_outcome(_said("Isabel has few marbles.", answer="3"), SOLUTION, False) == "no_expression"
+    # the chain done, then one more calculation whose result became the answer
+    went_on = _said("<<16-9=7>>7", "<<7-6=1>>1", "<<1+6=7>>7", answer="7")
+    assert chain_outcome(went_on, SOLUTION, False) == "went_on"
     # the answer block's number is not a calculation of the reasoning
     assert chain_outcome("<reasoning>\n</reasoning>\n<answer>\n7-6=1\n</answer>", SOLUTION, False) == "no_expression"
 

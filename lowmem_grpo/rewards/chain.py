@@ -8,6 +8,8 @@ are the gold chain (`gold_chain`). `chain_outcome` compares a completion's calcu
 - ``stopped_early``: every calculation it wrote is a step of the gold chain, in order, and it wrote fewer of them
   than the chain has (on a two-step problem: one calculation, then an answer);
 - ``wrong_later_step``: it has the first step's result but misses a later one (another operation or operand);
+- ``went_on``: every step's result is there, then more calculations than the chain has, the answer one of
+  theirs (on a one-step problem: a second calculation nobody asked for);
 - ``other``: every step's result is there, the answer is still wrong (copied wrongly, or never given);
 - ``no_expression``: no calculation at all; ``correct`` when the answer is right.
 
@@ -25,7 +27,7 @@ from .calculator import calculations, evaluate, reasoning_text
 __all__ = ["CHAIN_OUTCOMES", "CHAIN_DESCRIPTIONS", "chain_outcome", "gold_chain", "steps_of"]
 
 CHAIN_OUTCOMES: tuple[str, ...] = (
-    "correct", "wrong_first_step", "stopped_early", "wrong_later_step", "no_expression", "other",
+    "correct", "wrong_first_step", "stopped_early", "wrong_later_step", "went_on", "no_expression", "other",
 )
 """Every `chain_outcome`, in the order reports list them."""
 
@@ -34,6 +36,7 @@ CHAIN_DESCRIPTIONS: dict[str, str] = {
     "wrong_first_step": "wrong first step (its result never computed)",
     "stopped_early": "right steps, stopped before the last (answered mid-chain)",
     "wrong_later_step": "right first step, a later step wrong",
+    "went_on": "every step right, then calculations past the last (answered one of those)",
     "no_expression": "no arithmetic written",
     "other": "every step right, wrong answer (e.g. copied wrongly)",
 }
@@ -67,7 +70,7 @@ def chain_outcome(completion_text: str, solution: str, answer_correct: bool) -> 
         return "no_expression"
     reached = [step in written for step in chain]
     if all(reached):
-        return "other"
+        return "went_on" if len(written) > len(chain) and written[-1] != chain[-1] else "other"
     if not reached[0]:
         return "wrong_first_step"
     if len(written) < len(chain) and written == chain[:len(written)]:
