@@ -19,7 +19,9 @@ differences primed->trained (GRPO's own) and base->trained; the greedy answers' 
 generated problems the same side by side on seen wording (frames and phrasings the train split uses) and held-out
 wording (a frame or a phrasing it never used): the recipe's eval split holds both, half each
 (data.generated.eval_stories=all); --stories seen or heldout evaluates only one kind, --levels other levels than
-the run trained on (generated data only).
+the run trained on (generated data only). Problems of several step counts (--levels 1,2; a --data file's worked
+solutions) are also shown side by side by number of calculations, each also by wording, with where the greedy
+answers' chains broke (lowmem_grpo.rundir.stage_tables.steps_lines).
 
 --data PATH measures the stages on the problems of a JSONL file in GSM8K's format (question, and an answer ending in
 `#### N`) instead of the recipe's eval split, the same way; rows that carry `operation` (add, sub, mul, div: a
@@ -190,7 +192,11 @@ class Results:
         groups = self.data.get("problem_wording")
         if groups and any(len(v) != len(groups) for v in ordered.values()):
             groups = None  # the verdicts are of other problems than the groups (a file of an earlier setting)
-        self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"), groups=groups)
+        steps = self.data.get("problem_steps")
+        if steps and any(len(v) != len(steps) for v in ordered.values()):
+            steps = None
+        self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"), groups=groups,
+                                         steps=steps)
         self.data["wrong_operation_share"] = {s: wrong_operation_share(v) for s, v in ordered.items()}
         self.data["wrong_operation_share_by_wording"] = {s: wrong_operation_by_wording(v, groups)
                                                          for s, v in ordered.items()}
@@ -282,7 +288,10 @@ def table(data: dict[str, Any]) -> str:
     shares = data["wrong_operation_share"]
     lines.append("| wrong_operation / wrong | " + " | ".join("-" if shares.get(s) is None else f"{shares[s]:.3f}"
                                                            for s in stages) + " |")
-    return "\n".join(lines + _wording_table(data) + _breakdown_table(data))
+    from lowmem_grpo.rundir.stage_tables import steps_lines
+
+    by_steps = steps_lines(summary)
+    return "\n".join(lines + _wording_table(data) + (["", *by_steps] if by_steps else []) + _breakdown_table(data))
 
 
 def _breakdown_table(data: dict[str, Any]) -> list[str]:
@@ -397,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     from lowmem_grpo.data import recipe_examples
     from lowmem_grpo.device import cpu_auto_dtype
     from lowmem_grpo.evaluation.command import EvalOptions, is_run_dir, load_model, resolve
-    from lowmem_grpo.evaluation.stages import wording_groups
+    from lowmem_grpo.evaluation.stages import step_groups, wording_groups
 
     run_dir = Path(args.run_dir).expanduser()
     if not is_run_dir(run_dir):
@@ -435,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         "adapters": {s: str(a) if a else None for s, a in adapters.items()},
         "questions": [r["question"] for r in rows],
         "problem_wording": wording_groups([r["question"] for r in rows]) if generated else None,
+        "problem_steps": step_groups([r["answer"] for r in rows]),
         "cpu": {**dataclasses.asdict(cpu_auto_dtype()), "cpu_count": os.cpu_count()},
         "load_before": load_before, "reused": reused, "measured": pending,
     })
@@ -452,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         results.data["settings"]["num_examples"] = len(examples)
         if generated:  # the problems evaluated (long prompts may be filtered out)
             results.data["problem_wording"] = wording_groups([e["question"] for e in examples])
+        results.data["problem_steps"] = step_groups([e["solution"] for e in examples])
         if groups:
             results.data["problem_groups"] = groups_of(groups, rows, [e["question"] for e in examples])
         for stage in pending:

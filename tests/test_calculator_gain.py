@@ -330,3 +330,27 @@ def test_levels_measures_other_levels_of_the_generated_eval_split(gain, tmp_path
         with pytest.raises(SystemExit) as exit_:
             gain.main([str(run), *bad])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_table_shows_one_and_two_step_problems_side_by_side_and_where_chains_broke(gain, tmp_path):
+    from lowmem_grpo.evaluation.metrics import judge
+
+    one, two = "<<2+2=4>>4\n#### 4", "<<2+3=5>>5\n<<5*2=10>>10\n#### 10"
+    right = judge("<reasoning>\n<<2+2=4>>4\n</reasoning>\n<answer>\n4\n</answer>", "4", solution=one).as_dict()
+    stopped = judge("<reasoning>\n<<2+3=5>>5\n</reasoning>\n<answer>\n5\n</answer>", "10", solution=two).as_dict()
+    results = gain.Results(tmp_path / "g.json")
+    for stage in ("primed", "trained"):
+        results.data["stages"][stage] = {"verdicts": [[right], [stopped]] * 2}
+    results.data.update({"run_dir": "RUN", "settings": {"samples": 0, "num_problems": 4, "stories": "all",
+                                                        "temperature": 0.7, "calculator": True},
+                         "problem_wording": ["seen", "seen", "heldout", "heldout"], "problem_steps": ["1", "2"] * 2})
+    results.write(seed=0)
+    saved = json.loads((tmp_path / "g.json").read_text())
+    assert saved["summary"]["steps"]["chains"]["trained"]["2"]["stopped_early"] == 1.0
+    text = gain.table(saved)
+    assert "| stage | 1 step | 2 steps | 1 step: seen | 1 step: held-out | 2 steps: seen | 2 steps: held-out |" in text
+    assert "| trained | 1.000 [1.000, 1.000] | 0.000 [0.000, 0.000] | 1.000 [1.000, 1.000] |" in text
+    assert "| outcome | primed 1 step | primed 2 steps | trained 1 step | trained 2 steps |" in text
+    results.data["problem_steps"] = ["1", "2"]  # of other problems: left out, not an error
+    results.write(seed=0)
+    assert "steps" not in json.loads((tmp_path / "g.json").read_text())["summary"]

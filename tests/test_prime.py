@@ -365,3 +365,22 @@ def test_the_gpu_calculator_recipe_primes_on_gsm8k_solutions_for_the_calculator(
     completion = render_target(answer, d.prefill, d.calculator)
     assert completion.startswith(reasoning) and "48/2 =" not in completion
     assert expression([completion], prefill=[d.prefill], answer=[answer]) == [1.0]
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_priming_shows_every_calculation_of_a_generated_chain_as_the_calculator_completes_it(level):
+    """A worked chain is rendered one line per calculation, each `<<a op b=c>>c` (GSM8K's annotations without the
+    duplicate expression in front), so priming shows the model how to call the calculator again after its result."""
+    from lowmem_grpo.data.generated import generate_rows
+    from lowmem_grpo.rewards.calculator import forced_text
+    from lowmem_grpo.rewards.chain import gold_chain
+
+    for row in generate_rows("train", 20, level, 3):
+        completion = render_target(row["answer"], "<reasoning>\n", calculator=True)
+        lines = completion.split("\n</reasoning>")[0].split("\n")
+        assert len(lines) == level == len(gold_chain(row["answer"]))
+        for line, step in zip(lines, row["answer"].split("\n")):
+            expr, value = step.split("<<")[1].split(">>")[0].split("=")
+            call = f"<<{expr}={forced_text(expr)}"
+            assert call in line and line.split(call)[1].startswith(value) and f"{expr}=<<" not in line
+        assert correctness(["<reasoning>\n" + completion], answer=[row["answer"]]) == [1.0]

@@ -212,7 +212,7 @@ def test_summarize_splits_every_metric_by_wording_with_paired_cis():
     pick = lambda verdicts: {s: v[1::2] for s, v in verdicts.items()}  # noqa: E731 - the held-out problems alone
     alone = summarize(pick(greedy), sampled=pick(sampled))
     assert {section: {k: v["heldout"] for k, v in wording[section].items()}
-            for section in ("stages", "differences", "outcomes")} == {s: alone[s] for s in alone}
+            for section in ("stages", "differences", "outcomes", "chains")} == {s: alone[s] for s in alone}
     assert "wording" not in summarize(greedy, groups=[None] * 12)  # not generated problems
     with pytest.raises(ValueError, match="wording groups"):
         summarize(greedy, groups=groups[:10])
@@ -288,3 +288,57 @@ def test_on_cpu_the_evaluations_keep_128_sequences_and_read_a_planned_batch(tiny
     assert StageEvals(planned, tokenizer, tmp_path / "gpu.json").settings["batch_size"] == 16
     greedy, sampled = periodic_settings(planned.train)
     assert greedy["batch_size"] == sampled["batch_size"] == 16
+
+
+ONE_STEP = "She has <<2+2=4>>4.\n#### 4"
+TWO_STEPS = "She has <<2+3=5>>5.\nShe now has <<5*2=10>>10.\n#### 10"
+
+
+def _steps_case() -> tuple[dict, list, list]:
+    """8 problems, one-step and two-step alternately, seen and held-out wording in pairs: training solves the
+    one-step problems; on the two-step ones the primed answers stop after the first step, the trained ones go on to a
+    wrong second step."""
+    solutions = [ONE_STEP, TWO_STEPS] * 4
+    wording = ["seen", "seen", "heldout", "heldout"] * 2
+    stopped = "<reasoning>\nShe has <<2+3=5>>5.\n</reasoning>\n<answer>\n5\n</answer>"
+    later = "<reasoning>\n<<2+3=5>>5\n<<5+2=7>>7\n</reasoning>\n<answer>\n7\n</answer>"
+    primed = [[judge(WRONG, "4", solution=s)] if s == ONE_STEP else [judge(stopped, "10", solution=s)]
+              for s in solutions]
+    trained = [[judge(RIGHT, "4", solution=s)] if s == ONE_STEP else [judge(later, "10", solution=s)]
+               for s in solutions]
+    return {"primed": primed, "trained": trained}, solutions, wording
+
+
+def test_summarize_splits_by_number_of_calculations_and_says_where_chains_broke():
+    from lowmem_grpo.evaluation.stages import step_groups
+
+    greedy, solutions, wording = _steps_case()
+    steps = step_groups(solutions)
+    assert steps == ["1", "2"] * 4 and step_groups(["#### 4", None]) == [None, None]
+    out = summarize(greedy, groups=wording, steps=steps)
+    assert out["steps"]["num_problems"] == {"1": 4, "2": 4}
+    assert out["steps"]["stages"]["trained"]["1"]["strict_accuracy"]["mean"] == 1.0
+    assert out["steps"]["differences"]["primed->trained"]["2"]["strict_accuracy"]["diff"] == 0.0
+    assert out["steps"]["chains"]["primed"]["2"]["stopped_early"] == 1.0
+    assert out["steps"]["chains"]["trained"]["2"]["wrong_later_step"] == 1.0
+    assert out["chains"]["trained"]["correct"] == 0.5
+    assert out["steps_wording"]["num_problems"] == {"1 seen": 2, "1 heldout": 2, "2 seen": 2, "2 heldout": 2}
+    assert "steps" not in summarize(greedy, steps=["1"] * 8)  # one step count: nothing to split
+    with pytest.raises(ValueError, match="steps groups"):
+        summarize(greedy, steps=steps[:6])
+
+
+def test_the_report_puts_one_and_two_step_problems_side_by_side(tmp_path):
+    greedy, solutions, wording = _steps_case()
+    from lowmem_grpo.evaluation.stages import step_groups
+
+    data = {"num_problems": 8, "settings": {}, **summarize(greedy, groups=wording, steps=step_groups(solutions))}
+    (tmp_path / "stage_eval.json").write_text(json.dumps(data))
+    lines = stage_lines(tmp_path)
+    assert "| stage | 1 step | 2 steps | 1 step: seen | 1 step: held-out | 2 steps: seen | 2 steps: held-out |" in lines
+    assert next(line for line in lines if line.startswith("| trained | 1.000")).startswith(
+        "| trained | 1.000 [1.000, 1.000] | 0.000 [0.000, 0.000] | 1.000")
+    assert "| outcome | primed 1 step | primed 2 steps | trained 1 step | trained 2 steps |" in lines
+    assert ("| right steps, stopped before the last (answered mid-chain) (`stopped_early`) | 0% | 100% | 0% | 0% |"
+            in lines)
+    assert "| right first step, a later step wrong (`wrong_later_step`) | 0% | 0% | 0% | 100% |" in lines

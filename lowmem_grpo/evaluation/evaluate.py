@@ -93,7 +93,8 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     reward_sums: dict[str, float] = {}
     for index, (example, samples) in enumerate(zip(examples, generations)):
         prefill = example.get("prefill") or ""
-        verdicts = [judge(prefill + g.text, example["answer"], truncated=g.truncated, completion_tokens=g.tokens)
+        verdicts = [judge(prefill + g.text, example["answer"], truncated=g.truncated, completion_tokens=g.tokens,
+                          solution=example.get("solution"))
                     for g in samples]
         rewards = None
         if reward_weights:

@@ -9,7 +9,9 @@ No torch here: everything is testable on fixed strings. The rules are the reward
 - truncated: generation stopped at max_new_tokens without emitting EOS;
 - outcome: what a wrong answer got wrong, judged by the calculator on the last calculation of the
   reasoning (lowmem_grpo.rewards.calculator.outcome): the operation, the arithmetic, both, or no
-  arithmetic written; `outcome_shares` counts them over the first (greedy) sample of each problem.
+  arithmetic written; `outcome_shares` counts them over the first (greedy) sample of each problem;
+- chain: against the worked solution, where a chain of calculations broke (lowmem_grpo.rewards.chain): the first
+  step, a later step, or stopped before the last; `chain_shares` counts them like the outcomes.
 
 Completions are scored as prefill + generated text, exactly as the rewards see them in training.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 from lowmem_grpo.rewards import correctness, soft_format, strict_format
 from lowmem_grpo.rewards.calculator import OUTCOMES, outcome
+from lowmem_grpo.rewards.chain import CHAIN_OUTCOMES, chain_outcome
 from lowmem_grpo.rewards.parsing import extract_answer_block, last_number, numbers_equal
 
 # The four headline metrics plus the length ones, in table order.
@@ -62,6 +65,9 @@ class Verdict:
     outcome: str | None = None
     """What the answer got wrong, one of lowmem_grpo.rewards.calculator.OUTCOMES (`correct` when strictly correct);
     None in verdicts saved before outcomes were judged."""
+    chain: str | None = None
+    """Where the chain of calculations broke against the worked solution, one of
+    lowmem_grpo.rewards.chain.CHAIN_OUTCOMES; None without a worked solution with annotated steps."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,8 +107,10 @@ def lenient_equal(token: str | None, gold: str) -> bool:
     return numbers_equal(token, gold) or _math_verify_equal(token, gold)
 
 
-def judge(completion: str, gold: str, *, truncated: bool = False, completion_tokens: int = 0) -> Verdict:
-    """All verdicts for one completion (already prefill + generated text) against the gold number."""
+def judge(completion: str, gold: str, *, truncated: bool = False, completion_tokens: int = 0,
+          solution: str | None = None) -> Verdict:
+    """All verdicts for one completion (already prefill + generated text) against the gold number; with the worked
+    `solution`, also where its chain of calculations broke (`Verdict.chain`)."""
     block = extract_answer_block(completion)
     last = last_number(completion)
     strict = correctness([completion], answer=[gold])[0] == 1.0
@@ -117,6 +125,7 @@ def judge(completion: str, gold: str, *, truncated: bool = False, completion_tok
         truncated=bool(truncated),
         completion_tokens=int(completion_tokens),
         outcome=outcome(completion, gold, strict),
+        chain=chain_outcome(completion, solution, strict) if solution else None,
     )
 
 
@@ -128,6 +137,15 @@ def outcome_shares(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]
     if not judged:
         return {}
     return {name: judged.count(name) / len(judged) for name in OUTCOMES}
+
+
+def chain_shares(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
+    """The share of problems in each chain outcome (every one of CHAIN_OUTCOMES, in order), on each problem's first
+    sample, as `outcome_shares`; {} when no problem has one."""
+    judged = [samples[0].chain for samples in per_problem if samples and samples[0].chain is not None]
+    if not judged:
+        return {}
+    return {name: judged.count(name) / len(judged) for name in CHAIN_OUTCOMES}
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -14,7 +14,10 @@ off) and rewrites RUN_DIR/stage_eval.json, so a resumed run keeps the stages it 
 
 Generated problems are also summarized by wording (`wording` in stage_eval.json): the same metrics, paired
 differences and outcomes on the problems whose frame and phrasings the train split uses ("seen") and on those with
-a frame or a phrasing it never saw ("heldout", lowmem_grpo.data.wording), side by side.
+a frame or a phrasing it never saw ("heldout", lowmem_grpo.data.wording), side by side. Problems with worked
+solutions of different lengths are also summarized by their number of calculations (`steps`: "1", "2", ...; and
+`steps_wording`: "1 seen", "2 heldout", ...), with `chains` per stage: where each greedy answer's chain of
+calculations broke (lowmem_grpo.rewards.chain: the first step, a later step, or stopped before the last).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
 from lowmem_grpo.evaluation.metrics import (
     BOOTSTRAP_RESAMPLES,
     Verdict,
+    chain_shares,
     outcome_shares,
     paired_bootstrap,
     problem_value,
@@ -89,19 +93,37 @@ def wording_groups(questions: Sequence[str | None]) -> list[str | None]:
     return [w.group if w is not None else None for w in found]
 
 
-def _by_wording(per_stage: dict[str, list[list[Verdict]]], sampled: dict[str, list[list[Verdict]]],
-                groups: Sequence[str | None], seed: int) -> dict[str, Any]:
-    """The summary of each wording group's problems, regrouped: num_problems per group, and per stage (or stage
-    pair) and group the metrics, differences and outcomes."""
-    out: dict[str, Any] = {"num_problems": {}, "stages": {}, "differences": {}, "outcomes": {}}
-    for group in WORDING_GROUPS:
+def step_groups(solutions: Sequence[str | None]) -> list[str | None]:
+    """Per worked solution its number of calculations as a group name ("1", "2", ...; lowmem_grpo.rewards.chain),
+    None for one without annotated steps."""
+    from lowmem_grpo.rewards.chain import steps_of
+
+    counts = [steps_of(s) if isinstance(s, str) else 0 for s in solutions]
+    return [str(n) if n else None for n in counts]
+
+
+def _group_names(groups: Sequence[str | None]) -> list[str]:
+    """The groups present, in order: wording groups in WORDING_GROUPS order, step counts in numeric order, and a
+    cross group "2 heldout" by step count then wording."""
+    def key(name: str) -> tuple[int, int]:
+        steps, _, wording = name.partition(" ")
+        if not steps.isdigit():
+            return (0, WORDING_GROUPS.index(name))
+        return (int(steps), WORDING_GROUPS.index(wording) + 1 if wording else 0)
+    return sorted({g for g in groups if g is not None}, key=key)
+
+
+def _by_groups(per_stage: dict[str, list[list[Verdict]]], sampled: dict[str, list[list[Verdict]]],
+               groups: Sequence[str | None], seed: int) -> dict[str, Any]:
+    """The summary of each group's problems, regrouped: num_problems per group, and per stage (or stage pair) and
+    group the metrics, differences, outcomes and chain outcomes."""
+    out: dict[str, Any] = {"num_problems": {}, "stages": {}, "differences": {}, "outcomes": {}, "chains": {}}
+    for group in _group_names(groups):
         keep = [i for i, g in enumerate(groups) if g == group]
-        if not keep:
-            continue
         pick = lambda verdicts: {s: [v[i] for i in keep] for s, v in verdicts.items()}  # noqa: E731
         part = _summary(pick(per_stage), seed, pick(sampled))
         out["num_problems"][group] = len(keep)
-        for section in ("stages", "differences", "outcomes"):
+        for section in ("stages", "differences", "outcomes", "chains"):
             for key, value in part[section].items():
                 out[section].setdefault(key, {})[group] = value
     return out
@@ -109,19 +131,31 @@ def _by_wording(per_stage: dict[str, list[list[Verdict]]], sampled: dict[str, li
 
 def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
               sampled: dict[str, list[list[Verdict]]] | None = None,
-              groups: Sequence[str | None] | None = None) -> dict[str, Any]:
+              groups: Sequence[str | None] | None = None,
+              steps: Sequence[str | None] | None = None) -> dict[str, Any]:
     """Per stage each metric's mean and CI; between consecutive measured stages (and base -> trained) the paired
     difference and its CI. `sampled` (stage -> k sample verdicts per problem) adds mean@k, pass@k and room@k.
     `outcomes`: per stage, what the greedy answers got wrong (metrics.outcome_shares; a stage saved before outcomes
-    were judged has none). `groups` (per problem a WORDING_GROUPS entry or None, `wording_groups`) adds `wording`:
-    the same on each group's problems (`num_problems`, `stages`, `differences`, `outcomes`, each by group)."""
+    were judged has none); `chains`: where their chains broke (metrics.chain_shares). `groups` (per problem a
+    WORDING_GROUPS entry or None, `wording_groups`) adds `wording`: the same on each group's problems
+    (`num_problems`, `stages`, `differences`, `outcomes`, `chains`, each by group). `steps` (per problem its number
+    of calculations, `step_groups`) adds `steps` the same way when the problems have more than one step count, and
+    with `groups` also `steps_wording` (groups such as "2 heldout")."""
     sampled = sampled or {}
     out = _summary(per_stage, seed, sampled)
-    if groups is not None and any(g in WORDING_GROUPS for g in groups):
+    for name, by in (("wording", groups), ("steps", steps)):
+        if by is None:
+            continue
         lengths = {len(v) for v in (*per_stage.values(), *sampled.values())}
-        if lengths - {len(groups)}:
-            raise ValueError(f"wording groups name {len(groups)} problems, the verdicts {sorted(lengths)}")
-        out["wording"] = _by_wording(per_stage, sampled, groups, seed)
+        if lengths - {len(by)}:
+            raise ValueError(f"{name} groups name {len(by)} problems, the verdicts {sorted(lengths)}")
+    if groups is not None and any(g in WORDING_GROUPS for g in groups):
+        out["wording"] = _by_groups(per_stage, sampled, groups, seed)
+    if steps is not None and len({s for s in steps if s is not None}) > 1:
+        out["steps"] = _by_groups(per_stage, sampled, steps, seed)
+        if groups is not None and any(g in WORDING_GROUPS for g in groups):
+            cross = [f"{s} {g}" if s is not None and g in WORDING_GROUPS else None for s, g in zip(steps, groups)]
+            out["steps_wording"] = _by_groups(per_stage, {}, cross, seed)
     return out
 
 
@@ -129,12 +163,13 @@ def _summary(per_stage: dict[str, list[list[Verdict]]], seed: int, sampled: dict
              ) -> dict[str, Any]:
     stages = [s for s in STAGES if s in per_stage]
     values = {s: problem_values(per_stage[s], sampled.get(s)) for s in stages}
-    out: dict[str, Any] = {"stages": {}, "differences": {}, "outcomes": {}}
+    out: dict[str, Any] = {"stages": {}, "differences": {}, "outcomes": {}, "chains": {}}
     for stage in stages:
         out["stages"][stage] = {m: mean_ci(v, seed=seed) for m, v in values[stage].items()}
-        shares = outcome_shares(per_stage[stage])
-        if shares:
-            out["outcomes"][stage] = shares
+        for section, count in (("outcomes", outcome_shares), ("chains", chain_shares)):
+            shares = count(per_stage[stage])
+            if shares:
+                out[section][stage] = shares
     pairs = list(zip(stages, stages[1:])) + ([("base", "trained")] if len(stages) >= 3 else [])
     for a, b in pairs:
         shared = [m for m in values[a] if m in values[b] and not m.startswith("room@")]
@@ -179,12 +214,11 @@ def greedy_settings(train: Any, calculator: bool) -> dict[str, Any]:
 
 
 def _by_group(verdicts: list[list[Verdict]], groups: Sequence[str | None]) -> str:
-    """"seen 0.600 (50 problems), heldout 0.400 (50 problems)": greedy strict accuracy per wording group."""
+    """"seen 0.600 (50 problems), heldout 0.400 (50 problems)": greedy strict accuracy per group."""
     parts = []
-    for group in WORDING_GROUPS:
+    for group in _group_names(groups):
         mine = [problem_value(v, "strict_accuracy") for v, g in zip(verdicts, groups) if g == group]
-        if mine:
-            parts.append(f"{group} {sum(mine) / len(mine):.3f} ({len(mine)} problems)")
+        parts.append(f"{group} {sum(mine) / len(mine):.3f} ({len(mine)} problems)")
     return ", ".join(parts)
 
 
@@ -220,6 +254,7 @@ class StageEvals:
         self.examples = load_eval_examples(recipe, tokenizer, limit=t.stage_eval)  # bad data fails before training
         generated = recipe.data.source == "generated"
         self.groups = wording_groups([ex.get("question") for ex in self.examples]) if generated else None
+        self.steps = step_groups([ex.get("solution") for ex in self.examples])
         self.verdicts: dict[str, list[list[Verdict]]] = {}
         self.sampled: dict[str, list[list[Verdict]]] = {}
         self.results: dict[str, Any] = {}
@@ -260,15 +295,17 @@ class StageEvals:
         self.results[stage] = m
         log.info("stage eval %s: strict accuracy %.3f, strict format %.3f on %d held-out problems (%.0f s)%s",
                  stage, m["strict_accuracy"], m["strict_format_rate"], m["num_problems"], result.seconds, line)
-        if self.groups is not None and any(self.groups):
-            log.info("stage eval %s by wording: strict accuracy %s", stage, _by_group(result.verdicts, self.groups))
+        for name, groups in (("wording", self.groups), ("steps", self.steps)):
+            if groups is not None and len(set(groups) - {None}) > 1:
+                log.info("stage eval %s by %s: strict accuracy %s", stage, name, _by_group(result.verdicts, groups))
         self._write()
         return m
 
     def _write(self) -> None:
         data = {"num_problems": len(self.examples), "settings": self.settings, "results": self.results,
-                **summarize(self.verdicts, seed=self.settings["seed"], sampled=self.sampled, groups=self.groups),
-                "problem_wording": self.groups,
+                **summarize(self.verdicts, seed=self.settings["seed"], sampled=self.sampled, groups=self.groups,
+                            steps=self.steps),
+                "problem_wording": self.groups, "problem_steps": self.steps,
                 "verdicts": _dump_verdicts(self.verdicts), "sampled_verdicts": _dump_verdicts(self.sampled)}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -3,7 +3,8 @@
 `stage_lines(run_dir)` renders stage_eval.json: each stage's greedy accuracy and format rate (and, when sampled,
 mean@k, pass@k and pass@k - greedy) with 95% CIs, the paired difference between stages, the outcomes of each
 stage's greedy answers, and for generated problems the same side by side on seen and held-out wording
-(`wording_lines`, also printed by benchmarks/calculator_gain.py).
+(`wording_lines`, also printed by benchmarks/calculator_gain.py), and for problems of several step counts each
+stage on one-, two-, ... step problems side by side, also by wording, with where the chains broke (`steps_lines`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.rewards.calculator import OUTCOME_DESCRIPTIONS, OUTCOMES
+from lowmem_grpo.rewards.chain import CHAIN_DESCRIPTIONS, CHAIN_OUTCOMES
 from lowmem_grpo.rundir import layout
 
 WORDING_LABELS = {"seen": "seen", "heldout": "held-out"}
@@ -27,18 +29,32 @@ def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str
     return f"{sign}{value:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
 
 
-def outcome_lines(by_column: dict[str, Any], title: str = OUTCOMES_TITLE) -> list[str]:
+CHAINS_TITLE = ("Where the chains broke (the greedy answer's calculations against the worked solution's steps; a "
+                "step counts as reached when some calculation has its result):")
+
+
+def group_label(group: str) -> str:
+    """"1 step", "2 steps", "2 steps: held-out", "seen": a column label of a step or wording group."""
+    steps, _, wording = group.partition(" ")
+    if not steps.isdigit():
+        return WORDING_LABELS.get(group, group)
+    label = f"{steps} step" + ("" if steps == "1" else "s")
+    return f"{label}: {WORDING_LABELS.get(wording, wording)}" if wording else label
+
+
+def outcome_lines(by_column: dict[str, Any], title: str = OUTCOMES_TITLE, chains: bool = False) -> list[str]:
     """A markdown table of what the answers got wrong: one row per outcome, one column per stage (or variant), each
     cell the share of problems; [] when no column has outcomes. A column without them (saved before outcomes were
-    judged) shows "-"."""
+    judged) shows "-". `chains`: the rows are where the chains broke (lowmem_grpo.rewards.chain.CHAIN_OUTCOMES)."""
+    names, descriptions = (CHAIN_OUTCOMES, CHAIN_DESCRIPTIONS) if chains else (OUTCOMES, OUTCOME_DESCRIPTIONS)
     columns = {name: shares for name, shares in by_column.items() if isinstance(shares, dict)}
     if not any(columns.values()):
         return []
     lines = [title, "", "| outcome | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for name in OUTCOMES:
+    for name in names:
         cells = [f"{100 * shares[name]:.0f}%" if isinstance(shares.get(name), (int, float)) else "-"
                  for shares in columns.values()]
-        lines.append(f"| {OUTCOME_DESCRIPTIONS[name]} (`{name}`) | " + " | ".join(cells) + " |")
+        lines.append(f"| {descriptions[name]} (`{name}`) | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -76,6 +92,36 @@ def wording_lines(wording: dict[str, Any], k: int | None = None, temperature: An
                 for stage, by_group in (wording.get("outcomes") or {}).items() for g in groups}
     title = "What the answers got wrong, by wording (the greedy answer's last calculation, as above):"
     return lines + (["", *outcome_lines(outcomes, title)] if outcomes else [])
+
+
+def steps_lines(data: dict[str, Any]) -> list[str]:
+    """Markdown tables of stage_eval.json's `steps` (and `steps_wording`): per stage greedy strict accuracy on one-,
+    two-, ... step problems side by side, also each by wording, with 95% CIs; the paired change between stages in
+    each group; and per stage and step count where the chains broke. [] when the problems had one step count."""
+    steps = data.get("steps") or {}
+    counts = steps.get("num_problems") or {}
+    if not counts:
+        return []
+    cross = data.get("steps_wording") or {}
+    groups = list(counts) + list(cross.get("num_problems") or {})
+    merged = {section: {key: {**(steps.get(section, {}).get(key) or {}), **(cross.get(section, {}).get(key) or {})}
+                        for key in steps.get(section, {})} for section in ("stages", "differences")}
+    told = ", ".join(f"{n} with {group_label(g)}" for g, n in counts.items())
+    lines = [f"By number of calculations, the same problems split: {told} (greedy strict accuracy, 95% bootstrap "
+             "CIs; also by wording; the paired changes pair each group's problems between stages):", ""]
+    header = [group_label(g) for g in groups]
+    for rows, first, key in ((merged["stages"], "stage", "mean"), (merged["differences"], "change (paired)", "diff")):
+        if not rows:
+            continue
+        lines += ["| " + " | ".join([first, *header]) + " |", "|---" * (len(header) + 1) + "|"]
+        for name, by_group in rows.items():
+            cells = [_ci(by_group[g]["strict_accuracy"], key, signed=key == "diff") if g in by_group else "-"
+                     for g in groups]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    chains = {f"{stage} {group_label(g)}": shares for stage, by_group in (steps.get("chains") or {}).items()
+              for g, shares in by_group.items()}
+    return lines + outcome_lines(chains, CHAINS_TITLE, chains=True) if chains else lines[:-1]
 
 
 def stage_lines(run_dir: Path) -> list[str]:
@@ -117,4 +163,5 @@ def stage_lines(run_dir: Path) -> list[str]:
     if isinstance(outcomes, dict) and outcomes:
         lines += ["", *outcome_lines({s: outcomes.get(s) or {} for s in stages})]
     by_wording = wording_lines(data.get("wording") or {}, k if sampled else None, temperature)
-    return lines + (["", *by_wording] if by_wording else [])
+    by_steps = steps_lines(data)
+    return lines + (["", *by_wording] if by_wording else []) + (["", *by_steps] if by_steps else [])

@@ -1,0 +1,184 @@
+"""The chains sweep: configurations of the CPU default tried one at a time, from a committed, resumable queue.
+
+    python benchmarks/chains_queue.py run   [--queue results/chains-bf16/queue.json] [--only NAME]
+    python benchmarks/chains_queue.py table [--queue results/chains-bf16/queue.json]
+    python benchmarks/chains_queue.py rejudge --only NAME   (chain outcomes of a finished run, judged anew)
+
+The queue is a JSON list of configurations (`name`, `overrides` of recipes/smollm2_135m_arith_cpu.py, `why`,
+`status` pending / running / done / failed). `run` trains the first pending one (or --only NAME) end to end,
+`lowmem-grpo train recipes/smollm2_135m_arith_cpu.py OVERRIDES output.dir=runs/chains/NAME`, under
+`flock /tmp/heavy.lock` (one heavy process at a time on a shared machine), then copies report.md,
+stage_eval.json (without the per-problem verdicts), metrics.jsonl, recipe.yaml, peak_rss.json and env.json into
+the queue's folder under NAME/ (no adapters), and records in the queue the wall time, the load average before and
+after, and each stage's greedy accuracy on one- and two-step problems (stage_eval.json's `steps`). A configuration
+left `running` by an interrupted session is run again from scratch. `table` prints the queue as markdown.
+`rejudge` judges the saved greedy completions of runs/chains/NAME again against the worked solutions of the same
+held-out problems (lowmem_grpo.rewards.chain as it is now), summarizes them again and rewrites both stage_eval.json
+files and the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's lowmem_grpo, not an installed one
+RECIPE = "recipes/smollm2_135m_arith_cpu.py"
+COPIED = ("report.md", "metrics.jsonl", "recipe.yaml", "peak_rss.json", "env.json")
+
+
+def _load(queue: Path) -> list[dict]:
+    return json.loads(queue.read_text(encoding="utf-8"))
+
+
+def _save(queue: Path, configs: list[dict]) -> None:
+    tmp = queue.with_suffix(".tmp")
+    tmp.write_text(json.dumps(configs, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(queue)
+
+
+def _load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _accuracy(stage_eval: dict) -> dict:
+    """Per stage the greedy strict accuracy on all problems and per step count ("1", "2", ...)."""
+    out: dict = {}
+    for stage, metrics in (stage_eval.get("stages") or {}).items():
+        row = {"all": round(metrics["strict_accuracy"]["mean"], 3)}
+        for group, m in ((stage_eval.get("steps") or {}).get("stages", {}).get(stage) or {}).items():
+            row[group] = round(m["strict_accuracy"]["mean"], 3)
+        out[stage] = row
+    gain = (stage_eval.get("steps") or {}).get("differences", {}).get("primed->trained") or {}
+    out["gain"] = {g: {k: round(v, 3) for k, v in m["strict_accuracy"].items()} for g, m in gain.items()}
+    chains = (stage_eval.get("steps") or {}).get("chains") or {}
+    out["chains_2"] = {stage: {k: round(v, 3) for k, v in by_group.get("2", {}).items()}
+                       for stage, by_group in chains.items()}
+    return out
+
+
+def _collect(run_dir: Path, into: Path) -> dict:
+    into.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        if (run_dir / name).exists():
+            shutil.copy2(run_dir / name, into / name)
+    data = json.loads((run_dir / "stage_eval.json").read_text(encoding="utf-8"))
+    slim = {k: v for k, v in data.items() if k not in ("verdicts", "sampled_verdicts")}
+    (into / "stage_eval.json").write_text(json.dumps(slim, indent=1) + "\n", encoding="utf-8")
+    return _accuracy(data)
+
+
+def run(queue: Path, only: str | None) -> int:
+    configs = _load(queue)
+    todo = [c for c in configs if c["status"] in ("pending", "running") and (only is None or c["name"] == only)]
+    if not todo:
+        print("nothing pending")
+        return 0
+    config = todo[0]
+    run_dir = ROOT / "runs" / "chains" / config["name"]
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # an interrupted run starts again from scratch
+    cmd = ["flock", "/tmp/heavy.lock", sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE,
+           *config["overrides"], f"output.dir={run_dir}"]
+    config["status"] = "running"
+    _save(queue, configs)
+    log_path = ROOT / "runs" / "chains" / f"{config['name']}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        waited = time.time()
+        started, load_before = None, None
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        # the lock wait is not the run's time: the run starts when its first line is logged
+        while proc.poll() is None:
+            if started is None and log_path.stat().st_size > 0:
+                started, load_before = time.time(), _load_average()
+            time.sleep(2)
+    started = started or waited
+    configs = _load(queue)
+    config = next(c for c in configs if c["name"] == config["name"])
+    config.update({"wall_s": round(time.time() - started, 1), "load_before": load_before,
+                   "load_after": _load_average(), "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+    if proc.returncode != 0 or not (run_dir / "stage_eval.json").exists():
+        config["status"] = "failed"
+        config["returncode"] = proc.returncode
+    else:
+        config["status"] = "done"
+        config["accuracy"] = _collect(run_dir, queue.parent / config["name"])
+    _save(queue, configs)
+    print(json.dumps(config, indent=1))
+    return 0 if config["status"] == "done" else 1
+
+
+def rejudge(queue: Path, name: str) -> int:
+    from lowmem_grpo.data.sources import load_eval_rows
+    from lowmem_grpo.evaluation.stages import step_groups, summarize
+    from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.rewards.chain import chain_outcome
+    from lowmem_grpo.rundir.report import write_report
+
+    run_dir = ROOT / "runs" / "chains" / name
+    path = run_dir / "stage_eval.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    rows = load_eval_rows(load_recipe(str(run_dir / "recipe.yaml")).data, limit=data["num_problems"])
+    questions = [r["question"] for r in rows]
+    for stage, problems in data["verdicts"].items():
+        if len(problems) != len(rows):
+            raise SystemExit(f"{name}: {len(problems)} verdicts of {stage} for {len(rows)} problems")
+        for row, samples in zip(rows, problems):
+            for v in samples:
+                v["chain"] = chain_outcome(v["completion"], row["answer"], v["strict_correct"])
+    from lowmem_grpo.evaluation.metrics import Verdict
+
+    verdicts = {s: [[Verdict(**v) for v in p] for p in ps] for s, ps in data["verdicts"].items()}
+    steps = step_groups([r["answer"] for r in rows])
+    if data.get("problem_wording") and len(data["problem_wording"]) != len(questions):
+        raise SystemExit(f"{name}: the wording groups are of other problems")
+    data.update(summarize(verdicts, seed=data["settings"]["seed"], groups=data.get("problem_wording"), steps=steps),
+                problem_steps=steps)
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    write_report(run_dir)
+    _collect(run_dir, queue.parent / name)
+    print(f"{name}: chain outcomes judged again on {len(rows)} problems")
+    return 0
+
+
+def table(queue: Path) -> int:
+    configs = _load(queue)
+    print("| name | overrides | status | wall s | load | primed 1/2 steps | trained 1/2 steps | gain 2 steps | "
+          "2 steps primed -> trained: first step wrong / stopped early / later step wrong |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in configs:
+        saved = queue.parent / c["name"] / "stage_eval.json"  # read again: the figures of the current code
+        acc = _accuracy(json.loads(saved.read_text(encoding="utf-8"))) if saved.exists() else {}
+        cell = lambda s: "/".join(str(acc.get(s, {}).get(g, "-")) for g in ("1", "2"))  # noqa: E731
+        gain = (acc.get("gain") or {}).get("2") or {}
+        g = f"{gain['diff']:+.3f} [{gain['low']:+.3f}, {gain['high']:+.3f}]" if gain else "-"
+        load = f"{c.get('load_before', '-')}/{c.get('load_after', '-')}"
+        broke = " -> ".join("/".join(f"{100 * shares.get(k, 0):.0f}%" for k in
+                                     ("wrong_first_step", "stopped_early", "wrong_later_step"))
+                            for shares in (acc.get("chains_2") or {}).values()) or "-"
+        print(f"| {c['name']} | `{' '.join(c['overrides'])}` | {c['status']} | {c.get('wall_s', '-')} | {load} | "
+              f"{cell('primed')} | {cell('trained')} | {g} | {broke} |")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("run", "table", "rejudge"))
+    parser.add_argument("--queue", type=Path, default=ROOT / "results" / "chains-bf16" / "queue.json")
+    parser.add_argument("--only", default=None)
+    args = parser.parse_args()
+    if args.command == "rejudge":
+        return rejudge(args.queue, args.only)
+    return run(args.queue, args.only) if args.command == "run" else table(args.queue)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

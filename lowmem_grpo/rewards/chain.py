@@ -1,0 +1,78 @@
+"""Where a chain of calculations broke: a wrong answer to a problem of several steps, judged step by step.
+
+A worked solution (GSM8K's, or the generator's) annotates each step `<<16-9=7>>`; its steps' results, in order,
+are the gold chain (`gold_chain`). `chain_outcome` compares a completion's calculations (the calculator's
+`calculations` of its reasoning) with that chain and names the first step the completion never reached:
+
+- ``wrong_first_step``: no calculation of the completion has the first step's result;
+- ``stopped_early``: every calculation it wrote is a step of the gold chain, in order, and it wrote fewer of them
+  than the chain has (on a two-step problem: one calculation, then an answer);
+- ``wrong_later_step``: it has the first step's result but misses a later one (another operation or operand);
+- ``went_on``: every step's result is there, then more calculations than the chain has, the answer one of
+  theirs (on a one-step problem: a second calculation nobody asked for);
+- ``other``: every step's result is there, the answer is still wrong (copied wrongly, or never given);
+- ``no_expression``: no calculation at all; ``correct`` when the answer is right.
+
+A step counts as reached when some calculation's exact value equals its result, whatever the order: a chain told
+in another order still reaches every step. Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from .calculator import calculations, evaluate, reasoning_text
+
+__all__ = ["CHAIN_OUTCOMES", "CHAIN_DESCRIPTIONS", "chain_outcome", "gold_chain", "steps_of"]
+
+CHAIN_OUTCOMES: tuple[str, ...] = (
+    "correct", "wrong_first_step", "stopped_early", "wrong_later_step", "went_on", "no_expression", "other",
+)
+"""Every `chain_outcome`, in the order reports list them."""
+
+CHAIN_DESCRIPTIONS: dict[str, str] = {
+    "correct": "correct answer",
+    "wrong_first_step": "wrong first step (its result never computed)",
+    "stopped_early": "right steps, stopped before the last (answered mid-chain)",
+    "wrong_later_step": "right first step, a later step wrong",
+    "went_on": "every step right, then calculations past the last (answered one of those)",
+    "no_expression": "no arithmetic written",
+    "other": "every step right, wrong answer (e.g. copied wrongly)",
+}
+"""One line per chain outcome, for tables."""
+
+_STEP_RE = re.compile(r"<<([^<>=\n]+)=([^<>\n]*)>>")
+
+
+def gold_chain(solution: str) -> list[Fraction]:
+    """The result of each annotated step of a worked solution, in order (its `<<expr=value>>` annotations, each
+    evaluated exactly); [] for a solution without annotations or with one the calculator refuses."""
+    values = [evaluate(expr.strip()) for expr, _ in _STEP_RE.findall(solution or "")]
+    return [] if any(v is None for v in values) else list(values)
+
+
+def steps_of(solution: str) -> int:
+    """How many calculations a worked solution makes (its annotations); 0 when it has none."""
+    return len(gold_chain(solution))
+
+
+def chain_outcome(completion_text: str, solution: str, answer_correct: bool) -> str | None:
+    """Where the completion's chain broke against the worked `solution` (one of CHAIN_OUTCOMES, see the module
+    docstring); None when the solution has no annotated steps to compare with."""
+    chain = gold_chain(solution)
+    if not chain:
+        return None
+    if answer_correct:
+        return "correct"
+    written = [c.value for c in calculations(reasoning_text(completion_text or "")) if c.value is not None]
+    if not written:
+        return "no_expression"
+    reached = [step in written for step in chain]
+    if all(reached):
+        return "went_on" if len(written) > len(chain) and written[-1] != chain[-1] else "other"
+    if not reached[0]:
+        return "wrong_first_step"
+    if len(written) < len(chain) and written == chain[:len(written)]:
+        return "stopped_early"
+    return "wrong_later_step"
