@@ -5,27 +5,22 @@ Run:      lowmem-grpo train recipes/smollm2_135m_arith_cpu.py      (or: make dem
 Hardware: a 2-core CPU with 8 GB of RAM; model.dtype=auto trains in bfloat16 on a CPU with native bfloat16
           (avx512_bf16/AMX) and in float32 on an AVX2-only CPU (LOWMEM_GRPO_CPU_DTYPE decides it from outside).
           Wall time, peak RSS and each stage's accuracy, measured: docs/results.md.
-Data:     generated GSM8K-style word problems of one and two calculations, half each (lowmem_grpo.data.generated,
-          levels 1,2: adding, taking away, a product or an exact share, every given number <= 20; a two-step
-          problem's second step works on the first one's result), each step told in a frame and a phrasing of its
-          operation. Train and test are disjoint by construction; the train split never uses the held-out frames and
+Data:     generated one-step word problems in GSM8K's format (lowmem_grpo.data.generated, level 1: adding, taking
+          away, a product or an exact share, numbers <= 20), each told in a frame and a phrasing of its operation.
+          Train and test are disjoint by construction; the train split never uses the held-out frames and
           phrasings, and the eval split alternates seen and held-out wording (docs/data.md).
 Calculator: data.calculator: the model writes `<<16-10=`, the sampling engine forces the exact `6>>` into the row
           (GSM8K's calculator annotations), in GRPO's rollouts and in every evaluation; GRPO keeps those tokens out of
           its loss and KL. So the answer depends on the model's choice of operation and operands, which is what GRPO
-          can teach: the primed model gets a step of the chain wrong on about half of the problems.
-Budget:   72-token completions: every worked solution of one or two steps, rendered in the answer format, finishes
-          (reaches </answer> and the end of turn) within them, the longest two-step ones in 62 (`lowmem-grpo
-          validate` checks it); three-step chains would need 75.
-Stages:   priming teaches the <reasoning>/<answer> format and the calculator's annotations on 160 worked solutions
-          (20 steps, one epoch), half of them chains of two calculations, each line `<<a op b=c>>c`; then 30 GRPO
-          steps of 4 prompts x 8 completions (4 accumulated groups a step). train.stage_eval=100 puts primed /
-          trained accuracy on the same held-out problems (greedy, and mean@4 / pass@4 at the training temperature;
-          the base model, which never answers in the format, is left out to keep the demo's time) with paired 95%
-          CIs and what the wrong answers got wrong into report.md, side by side on seen and held-out wording and on
-          one- and two-step problems, with where each chain broke (first step, later step, stopped early).
-GRPO:     the answer is rewarded (correctness 1.0, strict_format 0.1), no credit per step (a step reward would pay
-          a chain that stops after its first calculation), temperature 0.7, lr 2e-4 constant after 2
+          can teach: the primed model chooses wrongly on about a third of the problems.
+Budget:   64-token completions: every worked solution, rendered in the answer format, finishes (reaches </answer>
+          and the end of turn) well within them (`lowmem-grpo validate` checks it).
+Stages:   priming teaches the <reasoning>/<answer> format and the calculator's annotations on 80 worked solutions,
+          then 30 GRPO steps of 4 prompts x 8 completions (4 accumulated groups a step); train.stage_eval=100 puts
+          base / primed / trained accuracy on the same held-out problems (greedy, and mean@4 / pass@4 at the
+          training temperature), with paired 95% CIs and what the wrong answers got wrong, into report.md, also
+          side by side on seen and held-out wording.
+GRPO:     the answer is rewarded (correctness 1.0, strict_format 0.1), temperature 0.7, lr 2e-4 constant after 2
           warm-up steps, no weight decay, gradient norm clipped at 0.2, rewards scaled over the batch, and a KL
           anchor (beta 0.04) to the primed adapter. What GRPO itself buys (trained - primed, 300 held-out problems,
           benchmarks/calculator_gain.py): docs/results.md.
@@ -46,19 +41,18 @@ def recipe() -> Recipe:
         model=ModelConfig(name="embedded:smollm2-135m-instruct", backend="hf", load_in_4bit=False,
                           max_seq_length=256, dtype="auto"),
         lora=LoraConfig(r=16, alpha=32),
-        data=DataConfig(source="generated", generated=GeneratedDataConfig(levels="1,2", train_size=2000,
+        data=DataConfig(source="generated", generated=GeneratedDataConfig(levels="1", train_size=2000,
                                                                           test_size=500),
                         max_prompt_length=160, prefill="<reasoning>\n", calculator=True),
-        prime=PrimeConfig(enabled=True, max_steps=20, num_examples=160, learning_rate=5e-4,
+        prime=PrimeConfig(enabled=True, max_steps=10, num_examples=80, learning_rate=5e-4,
                           per_device_train_batch_size=8),
         # the answer is what is rewarded: a format bonus worth a tenth of it only breaks ties
         rewards={"correctness": 1.0, "strict_format": 0.1},
         train=TrainConfig(max_steps=30, num_generations=8, per_device_train_batch_size=8,
-                          gradient_accumulation_steps=4, max_completion_length=72, temperature=0.7,
+                          gradient_accumulation_steps=4, max_completion_length=64, temperature=0.7,
                           learning_rate=2e-4, lr_scheduler_type="constant_with_warmup", warmup_ratio=0.05,
                           weight_decay=0.0, max_grad_norm=0.2, beta=0.04, gradient_checkpointing=False,
-                          save_steps=10, preflight_prompts=8, stage_eval=100, stage_eval_stages=["primed", "trained"],
-                          extra={"scale_rewards": "batch"}),
+                          save_steps=10, preflight_prompts=8, stage_eval=100, extra={"scale_rewards": "batch"}),
         output=OutputConfig(root="runs"),
     )
 

@@ -427,7 +427,7 @@ def test_the_recipe_names_the_operations_and_levels_to_sweep():
     assert set().union(*map(operators, rows)) == {"+", "-"}
     with pytest.raises(RecipeError, match="data.generated.operations"):
         validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", ["data.generated.operations=add,pow"]))
-    validate(load_recipe("recipes/smollm2_135m_arith_cpu.py"))  # the default: levels 1,2
+    validate(load_recipe("recipes/smollm2_135m_arith_cpu.py"))  # the default, unchanged: level 1
 
 
 def test_the_documented_example_reads_back():
