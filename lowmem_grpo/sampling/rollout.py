@@ -172,16 +172,17 @@ class OwnVllmRollout:
     LoRARequest, TRL's sampling settings, every row seeded from torch's global RNG (a resumed run draws what an
     uninterrupted one would), the calculator's rounds when `calculator`. Returns prompt_ids, completion_ids, vLLM's
     per-token log-probs and, with the calculator, `env_mask`. At the first steps `check` compares those log-probs
-    with the policy's own (lowmem_grpo.sampling.sampler_check). The engine starts at the first call."""
+    with the policy's own (lowmem_grpo.sampling.sampler_check). The engine starts at the first call (`engine`: a
+    vllm.LLM already started for `spec`)."""
 
     def __init__(self, spec: EngineSpec, tokenizer: Any, calculator: bool, check: SamplerCheck | None = None,
-                 max_rounds: int = MAX_ROUNDS) -> None:
+                 max_rounds: int = MAX_ROUNDS, engine: Any = None) -> None:
         self.spec = spec
         self.calculator = Calculator(tokenizer) if calculator else None
         self.check = check
         self.max_rounds = max_rounds
-        self.llm: Any = None
-        self.folders: AdapterFolders | None = None
+        self.llm = engine
+        self.folders = AdapterFolders()
         self.calls = 0
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -191,7 +192,7 @@ class OwnVllmRollout:
         prompt_ids = tokenizer(text=prompts)["input_ids"]
         model = trainer.accelerator.unwrap_model(trainer.model)
         if self.llm is None:
-            self.llm, self.folders = start_engine(self.spec), AdapterFolders()
+            self.llm = start_engine(self.spec)
         settings = {"temperature": trainer.temperature, "top_p": trainer.top_p, "top_k": trainer.top_k or -1,
                     "min_p": trainer.min_p or 0.0, "repetition_penalty": trainer.repetition_penalty}
         seed = int(torch.randint(0, 2**62, ()).item())

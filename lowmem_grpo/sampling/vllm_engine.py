@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,12 +115,13 @@ def lora_request(name: str, number: int, folder: str | Path) -> Any:
 class AdapterFolders:
     """The live adapter of a PEFT model, saved to a temporary folder per call, as a LoRARequest with a new
     lora_int_id each time; the previous folder is removed once the next is written (vLLM has loaded it by then),
-    all of them by close()."""
+    all of them by close() or when the object goes (at the latest when the process exits)."""
 
     def __init__(self, prefix: str = "lowmem_grpo_live_lora_") -> None:
         self.root = Path(tempfile.mkdtemp(prefix=prefix))
         self.count = 0
         self.previous: Path | None = None
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
 
     def request(self, model: Any) -> Any:
         """Save `model`'s active adapter (only it: a KL reference adapter stays out) and return its LoRARequest."""
@@ -134,7 +136,7 @@ class AdapterFolders:
         return lora_request(f"live-{self.count}", self.count, saved)
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        self._cleanup()
 
 
 def grpo_engine_spec(recipe: Any, loaded: Any) -> EngineSpec:
