@@ -24,10 +24,11 @@ from lowmem_grpo.sampling.vllm_engine import EngineSpec, lora_request, start_eng
 
 MODEL = "embedded:smollm2-135m-instruct"
 MAX_LEN = 256
-# plain-text prompts whose continuation repeats a calculator annotation: the base model writes `<<12+30=`, the
-# calculator forces `42>>`; the last one has a bare "=" (no calculation) the row writes past
-PROMPTS = ["<<12+30=42>>\n<<12+30=42>>\n<<12+30=42>>\n<<12+30=42>>\n",
-           "Sum: <<7*6=42>> and <<7*6=42>> and <<7*6=42>> and",
+# plain-text prompts (no chat template) on which the base model and the test's adapter write calculator annotations
+# (`<<7*6=`, `<<1+1=`: the calculator forces `42>>`, `2>>`); the last one gets `=` with no calculation, which the
+# row writes past
+PROMPTS = ["Sum: <<7*6=42>> and <<7*6=42>> and <<7*6=42>> and",
+           "a <<1+1=2>> b <<1+1=2>> c <<1+1=2>> d <<1+1=2>> e",
            "x = 5\ny = 5\nz = 5\nw = 5\n"]
 
 
@@ -75,18 +76,23 @@ def _rows(llm, tokenizer, prompts, request, max_tokens=40, temperature=0.0, seed
 
 def test_the_calculator_rows_on_the_real_engine(parts):
     llm, tokenizer, _, live, _ = parts
-    ids, rows = _rows(llm, tokenizer, PROMPTS, lora_request("live", 1, live), max_tokens=40)
-    texts = [tokenizer.decode(r.ids) for r in rows]
-    forced = [tokenizer.decode([t for t, f in zip(r.ids, r.forced) if f]) for r in rows]
-    assert "42>>" in forced[0] and "42>>" in forced[1], (texts, forced)  # the calculator's results, forced
-    assert forced[2] == "" and texts[2].count("=") >= 2, texts[2]  # a bare "=": resubmitted unchanged, written past
-    for row in rows:
-        assert len(row.ids) <= 40 and len(row.ids) == len(row.forced) == len(row.logprobs)
-        for token_forced, mask, logprob in zip(row.forced, row.policy_mask, row.logprobs):
-            assert (mask == 0 and logprob is None) if token_forced else (mask == 1 and logprob is not None)
-    assert all(r.truncated for r in rows)  # the budget, not an EOS, ended these patterns
+    eos = tokenizer.eos_token_id
+    for budget in (40, 9):
+        ids, rows = _rows(llm, tokenizer, PROMPTS, lora_request("live", 1, live), max_tokens=budget)
+        texts = [tokenizer.decode(r.ids) for r in rows]
+        forced = [tokenizer.decode([t for t, f in zip(r.ids, r.forced) if f]) for r in rows]
+        assert "42>>" in forced[0] and "2>>" in forced[1], (texts, forced)  # the calculator's results, forced
+        for row in rows:
+            assert len(row.ids) == len(row.forced) == len(row.logprobs) and 0 < len(row.ids) <= budget
+            assert (row.ids[-1] == eos and not row.truncated) or (len(row.ids) == budget and row.truncated)
+            for token_forced, mask, logprob in zip(row.forced, row.policy_mask, row.logprobs):
+                assert (mask == 0 and logprob is None) if token_forced else (mask == 1 and logprob is not None)
+        if budget == 40:
+            assert sum(rows[1].forced) >= 4  # several rounds: each `<<1+1=` stopped, completed, resubmitted
+            assert forced[2] == "" and texts[2].count("=") >= 1, texts[2]  # a bare "=": resubmitted unchanged
+            full = rows
     again = _rows(llm, tokenizer, PROMPTS, lora_request("live", 1, live), max_tokens=40)[1]
-    assert [r.ids for r in again] == [r.ids for r in rows]
+    assert [r.ids for r in again] == [r.ids for r in full]
 
 
 def test_the_project_engine_writes_the_same_greedy_rows_in_float32(parts):
