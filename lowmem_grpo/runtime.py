@@ -34,9 +34,14 @@ class RolloutPlan:
     calculator: bool
     reason: str
     vllm: bool = False
+    own_vllm: bool = False
+    """train.vllm_sampling: on a vLLM engine lowmem_grpo starts itself (lowmem_grpo.sampling.rollout.OwnVllmRollout)."""
 
     def describe(self) -> str:
         """What samples GRPO's rollouts, for the log."""
+        if self.own_vllm:
+            return "lowmem_grpo's vLLM engine, the live adapter as a LoRA request" + (
+                " with the calculator" if self.calculator else "")
         if self.vllm:
             return "vLLM with the calculator"
         if self.engine:
@@ -232,6 +237,8 @@ def rollout_plan(recipe: Recipe, backend: str, device: str) -> RolloutPlan:
     generate; train.sampling_engine=false, or a sampling setting the engine lacks, leaves it to TRL), TRL's
     generation otherwise. It only decides: lowmem_grpo.combinations.check refuses what a run could not honour."""
     custom = custom_sampling(recipe)
+    if recipe.train.vllm_sampling:
+        return RolloutPlan(False, recipe.data.calculator, "train.vllm_sampling", vllm=True, own_vllm=True)
     if recipe.data.calculator:
         if on_vllm(recipe, backend):
             return RolloutPlan(False, True, "data.calculator on vLLM: rows stop at each token ending in '=', the "

