@@ -35,7 +35,7 @@ TOLERANCE = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
 
 MEAN_KEY = "sampling/sampling_logp_difference/mean"
 MAX_KEY = "sampling/sampling_logp_difference/max"
-"""TRL's names for the figures (GRPOTrainer._generate_and_score_completions with vLLM's importance sampling)."""
+"""TRL's names for the figures (logged by GRPOTrainer when vLLM's importance sampling is on)."""
 
 
 @dataclass(frozen=True)
