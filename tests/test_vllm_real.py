@@ -141,7 +141,7 @@ def test_the_grpo_rollout_through_the_real_engine(parts, tmp_path):
     from trl import GRPOConfig
 
     from lowmem_grpo.sampling.rollout import OwnVllmRollout
-    from lowmem_grpo.train.grpo import grpo_trainer_class
+    from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer
 
     llm, tokenizer, model, _, _ = parts
     check = SamplerCheck("float32")
@@ -154,8 +154,8 @@ def test_the_grpo_rollout_through_the_real_engine(parts, tmp_path):
     def length(completions, **_):
         return [float(len(c)) for c in completions]
 
-    trainer = grpo_trainer_class("hf", "cpu")(model=model, reward_funcs=[length], args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2] * 4}), rollout_func=rollout)
+    trainer = CpuSafeGRPOTrainer(model=model, reward_funcs=[length], args=args, processing_class=tokenizer,
+                                 train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2] * 4}), rollout_func=rollout)
     out = rollout(PROMPTS[:2] * 2, trainer)
     assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "env_mask"}
     assert [len(c) for c in out["completion_ids"]] == [len(x) for x in out["logprobs"]] == \
