@@ -92,12 +92,10 @@ def stage_adapters(run_dir: Path) -> dict[str, Path | None]:
 
 def eval_settings(recipe: Any, samples: int) -> dict[str, Any]:
     """run_eval's settings of the greedy and (samples > 0) the sampled evaluation, as the stage evaluation uses them."""
-    from lowmem_grpo.evaluation.stages import EVAL_BATCH, sampled_batch
+    from lowmem_grpo.evaluation.stages import greedy_settings, sampled_batch
 
     t = recipe.train
-    greedy = {"max_new_tokens": t.max_completion_length, "batch_size": max(EVAL_BATCH, t.per_device_train_batch_size),
-              "seed": t.seed, "progress": False, "engine": "transformers", "merged": t.merged_sampling,
-              "calculator": recipe.data.calculator, "attention": t.cpu_attention}
+    greedy = greedy_settings(t, recipe.data.calculator)
     if not samples:
         return {"greedy": greedy, "sampled": None}
     return {"greedy": greedy, "sampled": {**sampled_batch(greedy, samples), "num_samples": samples,

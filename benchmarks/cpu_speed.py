@@ -711,7 +711,7 @@ def profile_eval(args: argparse.Namespace) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from lowmem_grpo.evaluation.stages import EVAL_BATCH
+    from lowmem_grpo.runtime import EVAL_BATCH
     from lowmem_grpo.sampling.generate import generate
 
     loaded, prompts, recipe = _eval_setup(args)
@@ -735,7 +735,7 @@ def compare_decode(args: argparse.Namespace) -> str:
     """The engine's decode with transformers' DynamicCache and with the preallocated cache, alternating."""
     import torch
 
-    from lowmem_grpo.evaluation.stages import EVAL_BATCH
+    from lowmem_grpo.runtime import EVAL_BATCH
     from lowmem_grpo.sampling.engine import DecodeContract, sample_rows
     from lowmem_grpo.sampling.generate import fast_sampling
 

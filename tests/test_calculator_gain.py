@@ -13,7 +13,7 @@ import pytest
 from lowmem_grpo.cli import build_parser
 from lowmem_grpo.data.generated import wording_of
 from lowmem_grpo.evaluation.command import EvalOptions, resolve
-from lowmem_grpo.evaluation.stages import EVAL_BATCH
+from lowmem_grpo.runtime import EVAL_BATCH
 from lowmem_grpo.recipe_io import dump_yaml, load_recipe
 from lowmem_grpo.rewards.calculator import OUTCOMES
 

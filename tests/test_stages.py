@@ -273,7 +273,8 @@ def test_on_cpu_the_evaluations_keep_128_sequences_and_read_a_planned_batch(tiny
     from transformers import AutoTokenizer
 
     from lowmem_grpo.device import CudaFacts
-    from lowmem_grpo.evaluation.stages import EVAL_BATCH, StageEvals, periodic_settings
+    from lowmem_grpo.evaluation.stages import StageEvals, periodic_settings
+    from lowmem_grpo.runtime import EVAL_BATCH
     from lowmem_grpo.memory.fit import fit_to_device
 
     overrides = ["train.stage_eval=4", "train.eval_every=5", "train.eval_samples=20"]

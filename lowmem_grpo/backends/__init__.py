@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from collections.abc import Callable
 
 from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
 from lowmem_grpo.combinations import check

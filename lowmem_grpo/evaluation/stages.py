@@ -41,7 +41,7 @@ from lowmem_grpo.evaluation.metrics import (
 )
 from lowmem_grpo.evaluation.progress import ProgressLog
 from lowmem_grpo.recipe import Recipe, TrainConfig
-from lowmem_grpo.runtime import EVAL_BATCH, eval_batch_size  # noqa: F401  (EVAL_BATCH: for the evaluations' callers)
+from lowmem_grpo.runtime import eval_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +149,12 @@ def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
         lengths = {len(v) for v in (*per_stage.values(), *sampled.values())}
         if lengths - {len(by)}:
             raise ValueError(f"{name} groups name {len(by)} problems, the verdicts {sorted(lengths)}")
-    if groups is not None and any(g in WORDING_GROUPS for g in groups):
+    by_wording = groups is not None and any(g in WORDING_GROUPS for g in groups)
+    if by_wording:
         out["wording"] = _by_groups(per_stage, sampled, groups, seed)
     if steps is not None and len({s for s in steps if s is not None}) > 1:
         out["steps"] = _by_groups(per_stage, sampled, steps, seed)
-        if groups is not None and any(g in WORDING_GROUPS for g in groups):
+        if by_wording:
             cross = [f"{s} {g}" if s is not None and g in WORDING_GROUPS else None for s, g in zip(steps, groups)]
             out["steps_wording"] = _by_groups(per_stage, {}, cross, seed)
     return out
@@ -204,7 +205,7 @@ def periodic_settings(train: TrainConfig, calculator: bool = False) -> tuple[dic
     return greedy, {**sampled_settings(train, greedy, k), "num_samples": k, "temperature": train.temperature}
 
 
-def greedy_settings(train: Any, calculator: bool) -> dict[str, Any]:
+def greedy_settings(train: TrainConfig, calculator: bool) -> dict[str, Any]:
     """run_eval's settings of a stage's greedy evaluation (and of an export's score on the same problems:
     lowmem_grpo.export.score): the completion budget, batch and seed of the train section, the transformers engine,
     the calculator when the recipe uses it (data.calculator)."""

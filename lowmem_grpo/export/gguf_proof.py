@@ -38,17 +38,6 @@ GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16"}
 CONTEXT_MARGIN = 16
 
 
-def eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """The ids that end an answer: the model's generation_config eos ids and the tokenizer's (as generate's)."""
-    ids = set()
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if configured is not None:
-        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
 def first_divergence(tokenizer: Any, ours: str, theirs: str) -> dict[str, Any]:
     """Where two answers part: the token index (transformers' tokenization of both), both tokens, and the text
     before them."""
@@ -129,6 +118,8 @@ def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, r
                ) -> tuple[dict[str, Any], list[list[Any]]]:
     """Run the proof; returns its figures and llama.cpp's verdicts on the held-out problems (for the score).
     LowmemError when the file fails it or llama.cpp crashes."""
+    from lowmem_grpo.sampling.generate import eos_ids  # imports torch
+
     examples = score.held_out(recipe, tokenizer)
     merged = proof.load_causal_lm(merged_dir, dtype, device, trust)
     reference = score.answer_transformers(merged, tokenizer, examples, recipe)
@@ -136,7 +127,7 @@ def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, r
     longest = max(len(tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]) for ex in examples)
     n_ctx = longest + budget + CONTEXT_MARGIN
     generated = run_child({"job": "generate", "model": str(target), "prompts": [ex["prompt"] for ex in examples],
-                           "max_new_tokens": budget, "eos_ids": eos_ids(merged, tokenizer),
+                           "max_new_tokens": budget, "eos_ids": sorted(eos_ids(merged, tokenizer)),
                            "calculator": bool(recipe.data.calculator), "n_ctx": n_ctx},
                           "the llama.cpp proof")
     answers = generated["generations"]

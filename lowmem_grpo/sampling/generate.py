@@ -85,7 +85,8 @@ def split_generated(ids: list[int], eos: set[int], max_new_tokens: int) -> tuple
     return list(ids[:end]), end + 1, False
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The ids that end an answer: the model's generation_config eos ids and the tokenizer's (as generate's)."""
     ids: set[int] = set()
     config = getattr(model, "generation_config", None)
     configured = getattr(config, "eos_token_id", None)
@@ -97,7 +98,7 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def _required_eos(model: Any, tokenizer: Any) -> set[int]:
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     if not eos:
         raise BadInputError("the tokenizer has no EOS token, so truncation cannot be told from an end",
                             fix="set tokenizer.eos_token (and the model's generation_config.eos_token_id)")
