@@ -10,7 +10,10 @@ The queue is a JSON list of configurations (`name`, `overrides` of recipes/smoll
 `flock /tmp/heavy.lock` (one heavy process at a time on a shared machine), then copies report.md,
 stage_eval.json (without the per-problem verdicts), metrics.jsonl, recipe.yaml, peak_rss.json and env.json into
 the queue's folder under NAME/ (no adapters), and records in the queue the wall time, the load average before and
-after, and each stage's greedy accuracy on one- and two-step problems (stage_eval.json's `steps`). A configuration
+after, and each stage's greedy accuracy on one- and two-step problems (stage_eval.json's `steps`). Then it measures
+GRPO's own gain on 300 held-out problems of one step and of two steps (`calculator_gain.py RUN --levels L --problems
+300 --samples 0 --stages primed,trained`, greedy), copies each calculator_gain-levelsL.json beside the report and
+records the paired differences in the queue (`gain300`). A configuration
 left `running` by an interrupted session is run again from scratch. `table` prints the queue as markdown.
 `rejudge` judges the saved greedy completions of runs/chains/NAME again against the worked solutions of the same
 held-out problems (lowmem_grpo.rewards.chain as it is now), summarizes them again and rewrites both stage_eval.json
@@ -75,6 +78,26 @@ def _collect(run_dir: Path, into: Path) -> dict:
     return _accuracy(data)
 
 
+GAIN_PROBLEMS = 300
+
+
+def _gain300(run_dir: Path, level: int, into: Path) -> dict:
+    """GRPO's own gain (trained - primed) on GAIN_PROBLEMS held-out problems of `level` steps, greedy: accuracy per
+    stage and the paired difference with its 95% CI (calculator_gain.py, under the heavy lock)."""
+    out = run_dir / f"calculator_gain-levels{level}.json"
+    cmd = ["flock", "/tmp/heavy.lock", sys.executable, "benchmarks/calculator_gain.py", str(run_dir.relative_to(ROOT)),
+           "--levels", str(level), "--problems", str(GAIN_PROBLEMS), "--samples", "0", "--stages", "primed,trained",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        return {"failed": proc.returncode, "stderr": proc.stderr[-2000:]}
+    shutil.copy2(out, into / out.name)
+    summary = json.loads(out.read_text(encoding="utf-8"))["summary"]
+    acc = {stage: round(m["strict_accuracy"]["mean"], 3) for stage, m in summary["stages"].items()}
+    diff = summary["differences"]["primed->trained"]["strict_accuracy"]
+    return {**acc, "diff": round(diff["diff"], 3), "low": round(diff["low"], 3), "high": round(diff["high"], 3)}
+
+
 def run(queue: Path, only: str | None) -> int:
     configs = _load(queue)
     todo = [c for c in configs if c["status"] in ("pending", "running") and (only is None or c["name"] == only)]
@@ -111,6 +134,8 @@ def run(queue: Path, only: str | None) -> int:
     else:
         config["status"] = "done"
         config["accuracy"] = _collect(run_dir, queue.parent / config["name"])
+        _save(queue, configs)
+        config["gain300"] = {str(level): _gain300(run_dir, level, queue.parent / config["name"]) for level in (1, 2)}
     _save(queue, configs)
     print(json.dumps(config, indent=1))
     return 0 if config["status"] == "done" else 1
