@@ -114,8 +114,11 @@ def test_the_lora_request_samples_the_adapter(parts):
         with model.disable_adapter():
             base = policy_logprobs(model, ids, [r.ids for r in rows], 1.0)
     sampled = [r.logprobs for r in rows]
-    assert figures(sampled, policy).max < 5e-3  # vLLM's log-probs under the request are the PEFT model's
-    assert figures(sampled, base).mean > 0.05  # and not the base weights'
+    on_policy, on_base = figures(sampled, policy), figures(sampled, base)
+    assert on_policy.max < 5e-3  # vLLM's log-probs under the request are the PEFT model's
+    # and not the base weights': the test adapter moves them (mean ~0.05 per token, the exact figure varies with the
+    # machine's threads) far beyond vLLM's own rounding
+    assert on_base.max > 0.1 and on_base.mean > 10 * max(on_policy.mean, 1e-4), (on_policy, on_base)
 
 
 def test_the_sampler_check_fires_on_other_weights_and_passes_the_policy(parts):
