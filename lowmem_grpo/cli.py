@@ -167,6 +167,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         sys.stdout.write(f"{result.file}: {g['bytes'] / 2**20:.0f} MiB, tokenizer {g['tokenizer_model']} / "
                          f"{g['tokenizer_pre']}; in llama.cpp {g['same_greedy_texts']} of {g['problems']} greedy "
                          f"answers as in transformers, max |logit diff| {g['logits']['max_abs_diff']:.3g}\n")
+        d = g.get("accuracy_difference")
+        paired = "" if d is None else (f"; its accuracy - the merged model's {d['diff']:+.3f} "
+                                       f"[{d['low']:+.3f}, {d['high']:+.3f}]")
+        sys.stdout.write(f"proof passed: a {result.gguf_type} file {g.get('rule', '')}{paired}\n")
     if result.score:
         from lowmem_grpo.export.score import line
 

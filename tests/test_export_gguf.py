@@ -111,7 +111,9 @@ def test_gguf_export_runs_and_is_proven_in_llama_cpp(smol_run, tmp_path, gguf_ty
     if gguf_type == "f16":
         assert proof["logits"]["max_abs_diff"] < 1.0 and proof["logits"]["argmax_agreement"] > 0.9
     assert result.score is not None and result.score["problems"] == 6
-    assert "## Proof in llama.cpp" in (out / "README.md").read_text(encoding="utf-8")
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert "## Proof in llama.cpp" in card and f"the proof's rule for {gguf_type}: the file " in card
+    assert ("accuracy_difference" in proof) == (gguf_type == "q8_0")
 
 
 @pytest.mark.gguf

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from lowmem_grpo.evaluation.metrics import Verdict
-from lowmem_grpo.export.score import significantly_worse, stage_reference, summarize
+from lowmem_grpo.export.score import difference, significantly_worse, stage_reference, summarize
 from lowmem_grpo.rundir import export_scores, layout
 
 
@@ -30,11 +30,42 @@ def test_summary_pairs_the_export_with_the_adapter_and_the_base():
     assert "adapter" not in alone and "minus_adapter" not in alone and alone["export"]["mean"] == 0.5
 
 
-def test_significantly_worse_only_when_the_paired_ci_is_below_zero():
-    assert significantly_worse(verdicts([1] * 20), verdicts([1] * 20)) is None
-    assert significantly_worse(verdicts([1] * 20), verdicts([1] * 19 + [0])) is None
-    worse = significantly_worse(verdicts([1] * 20), verdicts([0] * 20))
-    assert worse is not None and worse["diff"] == -1.0 and worse["high"] < 0
+def test_significantly_worse_only_when_the_paired_ci_is_below_minus_the_margin():
+    same, one_lost = difference(verdicts([1] * 20), verdicts([1] * 20)), difference(verdicts([1] * 20),
+                                                                                    verdicts([1] * 19 + [0]))
+    assert not significantly_worse(same) and not significantly_worse(one_lost)
+    collapsed = difference(verdicts([1] * 20), verdicts([0] * 20))
+    assert collapsed["diff"] == -1.0 and significantly_worse(collapsed) and significantly_worse(collapsed, 0.5)
+    assert not significantly_worse(collapsed, 1.0)
+
+
+def q8_like(lost: int, correct: int = 78, problems: int = 100) -> tuple[list[list[Verdict]], list[list[Verdict]]]:
+    """The merged model right on `correct` of `problems`; the file loses `lost` of those and gains none."""
+    merged = [1] * correct + [0] * (problems - correct)
+    return verdicts(merged), verdicts([0] * lost + merged[lost:])
+
+
+def test_a_quantized_file_that_flips_a_few_answers_passes_its_proof():
+    from lowmem_grpo.export.gguf_proof import judge_quantized
+
+    merged, export = q8_like(lost=4)
+    figures, failure = judge_quantized("q8_0", merged, export)
+    d = figures["accuracy_difference"]
+    assert failure is None and d["diff"] == -0.04 and d["high"] < 0  # significant at zero, not beyond the margin
+    assert figures["margin"] == 0.05 and "-0.05" in figures["rule"]
+    assert judge_quantized("q4_k_m", *q8_like(lost=12))[1] is None  # -0.12 [-0.19, -0.06]: within q4_k_m's 0.10
+
+
+def test_a_collapsed_or_clearly_worse_quantized_file_fails_its_proof():
+    from lowmem_grpo.export.gguf_proof import judge_quantized
+
+    for gguf_type in ("q8_0", "q4_k_m"):
+        figures, failure = judge_quantized(gguf_type, *q8_like(lost=78))  # word salad: nothing right
+        assert failure is not None and "significantly more than" in failure
+        assert figures["accuracy_difference"]["diff"] == -0.78
+        assert judge_quantized(gguf_type, *q8_like(lost=20))[1] is not None  # -0.20 [-0.28, -0.13]
+    _, failure = judge_quantized("q8_0", *q8_like(lost=12))  # -0.12 [-0.19, -0.06]: beyond q8_0's 0.05
+    assert failure is not None and "-0.120" in failure
 
 
 def test_stage_reference_is_the_final_adapters_answers_on_the_same_problems(tmp_path):

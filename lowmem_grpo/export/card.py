@@ -49,6 +49,12 @@ def _gguf_lines(result: Any) -> list[str]:
              f"- the file's chat template is the tokenizer's: {'yes' if g.get('chat_template_same') else 'no'}"]
     if "tolerance" in g:
         lines.append(f"- logit tolerance: {g['tolerance']:.3g}")
+    if "accuracy_difference" in g:
+        d = g["accuracy_difference"]
+        lines.append(f"- accuracy, llama.cpp - transformers (paired 95% CI): {d['diff']:+.3f} "
+                     f"[{d['low']:+.3f}, {d['high']:+.3f}]")
+    if "rule" in g:
+        lines.append(f"- the proof's rule for {result.gguf_type}: the file {g['rule']}; it passed")
     if "first_divergence" in g:
         d = g["first_divergence"]
         lines.append(f"- first diverging answer: problem {d['problem']}, token {d['token']}: transformers "

@@ -90,11 +90,14 @@ def summarize(export: list[list[Verdict]], reference: dict[str, list[list[Verdic
     return out
 
 
-def significantly_worse(reference: list[list[Verdict]], export: list[list[Verdict]], seed: int = 0
-                        ) -> dict[str, float] | None:
-    """The paired difference export - reference when its 95% CI lies wholly below zero, else None."""
-    diff = paired_bootstrap(values(reference), values(export), seed=seed)
-    return diff if diff["high"] < 0 else None
+def difference(reference: list[list[Verdict]], export: list[list[Verdict]], seed: int = 0) -> dict[str, float]:
+    """The paired difference of strict accuracy export - reference, with its 95% bootstrap CI (diff, low, high)."""
+    return paired_bootstrap(values(reference), values(export), seed=seed)
+
+
+def significantly_worse(diff: dict[str, float], margin: float = 0.0) -> bool:
+    """Whether a paired difference shows a loss larger than `margin`: its 95% CI lies wholly below -margin."""
+    return diff["high"] < -margin
 
 
 def line(score: dict[str, Any]) -> str:
