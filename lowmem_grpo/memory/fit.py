@@ -57,14 +57,22 @@ def _apply(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
     return new
 
 
+def _valid_change(recipe: Recipe, change: dict[str, Any]) -> Recipe | None:
+    """The recipe with the change applied, or None when that is not a valid recipe."""
+    candidate = _apply(recipe, change)
+    try:
+        validate(candidate)
+    except RecipeError:
+        return None
+    return candidate
+
+
 def _fitting(recipe: Recipe, options: list[dict[str, Any]], arch: Architecture, budget: int,
              logits: str, free_bytes: int | None = None) -> tuple[Recipe, Plan, dict[str, Any]] | None:
     """The first option (they come largest first) that is a valid recipe and fits the budget."""
     for change in options:
-        candidate = _apply(recipe, change)
-        try:
-            validate(candidate)
-        except RecipeError:
+        candidate = _valid_change(recipe, change)
+        if candidate is None:
             continue
         result = plan(candidate, budget, arch=arch, logits=logits, free_bytes=free_bytes)
         if result.fits and _vllm_ok(arch, result.settings):
@@ -153,14 +161,8 @@ def _lowered(current: Recipe, knob: Knob, explicit: set[str], arch: Architecture
         return best[0]
     if knob.name == "gpu_memory_utilization":  # a share too small for vLLM's weights and cache helps nothing
         return current
-    for change in reversed(options):
-        candidate = _apply(current, change)
-        try:
-            validate(candidate)
-        except RecipeError:
-            continue
-        return candidate
-    return current
+    valid = (_valid_change(current, change) for change in reversed(options))
+    return next((candidate for candidate in valid if candidate is not None), current)
 
 
 def with_planned_eval_batch(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture,
