@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from pathlib import Path
@@ -302,9 +301,6 @@ def write_report(run_dir: Path | str) -> Path:
     steps = health.training_records(records)
     plots = plot_all(steps, run_dir / layout.PLOTS_DIR)
     text = build_markdown(run_dir, records, plots, read_completions(run_dir))
-    path = run_dir / layout.REPORT_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    path = layout.replace_text(run_dir / layout.REPORT_FILE, text)
     log.info("wrote %s and %d plots", path, len(plots))
     return path

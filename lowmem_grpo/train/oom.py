@@ -194,7 +194,5 @@ def record(run_dir: Path, retry: int, step: int, phase: str, error: str, resumed
         if path.exists() else []
     notes.append(f"{NOTE_PREFIX}CUDA out of memory at step {step} ({phase}), retry {retry}: "
                  f"{lowering.describe()}; see {layout.OOM_FILE}")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(notes) + "\n" + dump_yaml(lowering.recipe), encoding="utf-8")
-    tmp.replace(path)
+    layout.replace_text(path, "\n".join(notes) + "\n" + dump_yaml(lowering.recipe))
     return entry
