@@ -20,7 +20,7 @@ from typing import Any
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
-from lowmem_grpo.memory.ladder import LADDER, Knob
+from lowmem_grpo.memory.ladder import LADDER, Knob, apply_change
 from lowmem_grpo.memory.plan import Plan, device_budget, format_bytes, plan, settings_for
 from lowmem_grpo.memory.terms import Settings
 from lowmem_grpo.recipe import Recipe
@@ -36,30 +36,9 @@ MEMORY_KEYS = ["model.name", "model.load_in_4bit", "model.gpu_memory_utilization
                "train.eval_batch_size"]
 
 
-def _apply(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
-    """A copy of the recipe with dotted-key changes; "train.generation_batch" sets the generation
-    batch through steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
-    new = copy.deepcopy(recipe)
-    for key, value in changes.items():
-        if key == "train.generation_batch":
-            continue
-        section, name = key.split(".", 1)
-        if section == "train" and name == "generation_batch_size":
-            new.train.extra["generation_batch_size"] = value
-        else:
-            setattr(getattr(new, section), name, value)
-    if "train.generation_batch" in changes:
-        rows = changes["train.generation_batch"]
-        if "generation_batch_size" in new.train.extra:
-            new.train.extra["generation_batch_size"] = rows
-        else:
-            new.train.steps_per_generation = rows // new.train.per_device_train_batch_size
-    return new
-
-
 def _valid_change(recipe: Recipe, change: dict[str, Any]) -> Recipe | None:
     """The recipe with the change applied, or None when that is not a valid recipe."""
-    candidate = _apply(recipe, change)
+    candidate = apply_change(recipe, change)
     try:
         validate(candidate)
     except RecipeError:
@@ -129,7 +108,7 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     free = [k for k in LADDER if not set(k.keys) & explicit
             and (k.name != "gpu_memory_utilization" or result.settings.fast_inference)]
     if not current.train.gradient_checkpointing and "train.gradient_checkpointing" not in explicit:
-        current = _apply(current, {"train.gradient_checkpointing": True})
+        current = apply_change(current, {"train.gradient_checkpointing": True})
     # every knob, the vLLM share too, only goes down from the recipe's value
     original = {k.name: k.value(recipe) for k in free}
     for knob in free:  # lower, in the ladder's order

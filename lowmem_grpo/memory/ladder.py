@@ -10,7 +10,8 @@
 Each Knob lowers itself two ways: `options` (auto-fit: every value up to a bound, largest first, each a dict of
 dotted-key changes that keeps the recipe valid: generation batch divisible by num_generations and by the per-device
 batch, prompt + completion within model.max_seq_length) and `halve` (the OOM retry: one step down from the
-recipe's value, None at the knob's floor or for a knob an OOM retry does not halve).
+recipe's value, None at the knob's floor or for a knob an OOM retry does not halve). `apply_change` applies an
+option.
 """
 
 from __future__ import annotations
@@ -41,6 +42,27 @@ class Knob:
     options: Callable[[Recipe, Any, set[str]], list[dict[str, Any]]]
     halve: Callable[[Recipe], Recipe | None] | None = None
     label: str = ""
+
+
+def apply_change(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
+    """A copy of the recipe with dotted-key changes; "train.generation_batch" sets the generation
+    batch through steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
+    new = copy.deepcopy(recipe)
+    for key, value in changes.items():
+        if key == "train.generation_batch":
+            continue
+        section, name = key.split(".", 1)
+        if section == "train" and name == "generation_batch_size":
+            new.train.extra["generation_batch_size"] = value
+        else:
+            setattr(getattr(new, section), name, value)
+    if "train.generation_batch" in changes:
+        rows = changes["train.generation_batch"]
+        if "generation_batch_size" in new.train.extra:
+            new.train.extra["generation_batch_size"] = rows
+        else:
+            new.train.steps_per_generation = rows // new.train.per_device_train_batch_size
+    return new
 
 
 def _divisors(n: int) -> list[int]:
