@@ -18,7 +18,6 @@ from lowmem_grpo.evaluation.metrics import (
     problem_value,
     weighted_rewards,
 )
-from lowmem_grpo.sampling.generate import split_generated
 from lowmem_grpo.train.preflight import group_stats
 from lowmem_grpo.rewards import get_reward
 
@@ -96,14 +95,6 @@ def test_pass_at_k_and_mean_at_k():
     assert m["mean@3"] == pytest.approx(1 / 6) == m["strict_accuracy"]
     assert m["lenient_pass@3"] == pytest.approx(0.5)
     assert problem_value(problems[0], "lenient_accuracy") == pytest.approx(2 / 3)
-
-
-def test_split_generated_tells_truncation_from_an_end():
-    eos = {2}
-    assert split_generated([5, 6, 7, 8], eos, 4) == ([5, 6, 7, 8], 4, True)  # hit the limit, no EOS
-    assert split_generated([5, 6, 2, 2], eos, 4) == ([5, 6], 3, False)  # EOS, then padding
-    assert split_generated([5, 6, 7, 2], eos, 4) == ([5, 6, 7], 4, False)  # EOS as the last allowed token
-    assert split_generated([5, 6], eos, 4) == ([5, 6], 2, False)  # stopped early for another reason
 
 
 def test_bootstrap_ci_contains_the_difference_and_is_deterministic():

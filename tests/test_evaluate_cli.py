@@ -132,6 +132,22 @@ def test_eval_bad_input_exits_2(tiny_model_dir, tmp_path, capsys):
     assert main(eval_args(tiny_model_dir, tmp_path / "x", "--limit", "0")) == EXIT_BAD_INPUT
 
 
+def test_an_adapter_is_found_in_a_run_dir_its_newest_checkpoint_by_step(tmp_path):
+    from lowmem_grpo.errors import BadInputError
+    from lowmem_grpo.evaluation.command import find_adapter
+
+    with pytest.raises(BadInputError, match="checkpoint-N"):
+        find_adapter(tmp_path)
+    for step in (2, 10, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "adapter_config.json").write_text("{}")
+    (tmp_path / "checkpoint-11").mkdir()  # no adapter in it (yet)
+    assert find_adapter(tmp_path) == tmp_path / "checkpoint-10"  # 10 after 9 and 2, not as text sorts them
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    assert find_adapter(tmp_path) == tmp_path / "adapter"
+
+
 def check_rewards(model_dir: Path, *extra: str) -> list[str]:
     return ["check-rewards", CPU_RECIPE, f"model.name={model_dir}", "train.max_completion_length=16", *extra,
             "--prompts", "2"]

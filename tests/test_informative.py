@@ -173,7 +173,8 @@ def test_a_curriculum_needs_a_correctness_reward():
 
 
 def test_console_line_and_report_show_the_informative_share_and_the_level(tmp_path):
-    from lowmem_grpo.rundir.report import groups_lines, plot_all
+    from lowmem_grpo.rundir.plots import plot_all
+    from lowmem_grpo.rundir.report import groups_lines
     from lowmem_grpo.rundir.telemetry import console_line
 
     records = [{"step": s, "reward": 0.5, "frac_reward_zero_std": 1 - g, "groups/informative": g,

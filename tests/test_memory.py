@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from lowmem_grpo.errors import BadInputError, RecipeError
+from lowmem_grpo.memory import logprob as ml
 from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import (MOE_KEYS, SSM_KEYS, architecture_from_config, load_architecture, shipped_config_path,
                                      shipped_configs)
@@ -127,9 +128,9 @@ def test_kv_cache_logits_activations_by_hand(tiny):
     # copy of an fp32 lm_head chunk, 600 x 64 x 2 (hf with 4-bit, whose residual stream is fp32: rb = 4).
     # unsloth (its own kernel; a vocabulary of 2 x 16384 or less takes the chunked path): one fp32 chunk of
     # min(N, 4096) rows x ceil8(V) + N x H x 4 + N x 16
-    assert mt.logits(tiny, unsloth) == 256 * 600 * 4 + 256 * 64 * 4 + 256 * 16
-    assert mt.logits(tiny, s) == 256 * 600 * 2 + 256 * 64 * (4 + 4) + 256 * 32 + 600 * 64 * 2
-    assert mt.logits(tiny, dataclasses.replace(s, logits="full")) == 256 * 600 * (2 * 2 + 4)
+    assert ml.logits(tiny, unsloth) == 256 * 600 * 4 + 256 * 64 * 4 + 256 * 16
+    assert ml.logits(tiny, s) == 256 * 600 * 2 + 256 * 64 * (4 + 4) + 256 * 32 + 600 * 64 * 2
+    assert ml.logits(tiny, dataclasses.replace(s, logits="full")) == 256 * 600 * (2 * 2 + 4)
     # per token per layer: rb x (2 + 2) x 64 + 2 x (3 x 64 + 2 x 32 + m x 128 + 8 x 7) + 4 x (2 + 4)
     assert mt.layer_activation_bytes_per_token(tiny, unsloth) == 2 * 256 + 2 * (192 + 64 + 2 * 128 + 56) + 24 == 1672
     assert mt.layer_activation_bytes_per_token(tiny, s) == 4 * 256 + 2 * (192 + 64 + 3 * 128 + 56) + 24 == 2440
@@ -151,11 +152,11 @@ def test_unsloth_logits_term_follows_unsloths_kernel():
     s = settings_for(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=unsloth"]), 8 * GIB)
     assert s.per_device_batch * s.completion_len == 8192
     flash = 4096 * 16384 * 4 + 4096 * 1536 * 4 + 8192 * 1536 * 6 + 16 * 8192
-    assert mt.logits(arch, s) == flash and round(flash / MIB, 3) == 352.125
+    assert ml.logits(arch, s) == flash and round(flash / MIB, 3) == 352.125
     # fp32 compute takes the chunked path: 512 rows (its floor for V = 151936) x V x 4 + N x H x 4 + N x 16
     fp32 = dataclasses.replace(s, compute_bytes=4)
-    assert mt.logits(arch, fp32) == 512 * 151936 * 4 + 8192 * 1536 * 4 + 16 * 8192
-    assert mt.unsloth_chunk_rows(8192, 1536, 262144) == 512 and mt.unsloth_chunk_rows(100, 64, 151936) == 100
+    assert ml.logits(arch, fp32) == 512 * 151936 * 4 + 8192 * 1536 * 4 + 16 * 8192
+    assert ml.unsloth_chunk_rows(8192, 1536, 262144) == 512 and ml.unsloth_chunk_rows(100, 64, 151936) == 100
 
 
 def test_unsloth_kernel_constants_match_the_installed_source():
@@ -172,11 +173,11 @@ def test_unsloth_kernel_constants_match_the_installed_source():
         assert match, env
         return float(match.group(1))
 
-    assert default("UNSLOTH_FUSED_LINEAR_SPLIT_COLS") == mt.UNSLOTH_SPLIT_COLS
-    assert default("UNSLOTH_FUSED_LINEAR_MAX_ROWS") == mt.UNSLOTH_MAX_ROWS
-    assert default("UNSLOTH_LOGPROB_CHUNK_GB") * GIB == mt.UNSLOTH_CHUNK_BYTES
+    assert default("UNSLOTH_FUSED_LINEAR_SPLIT_COLS") == ml.UNSLOTH_SPLIT_COLS
+    assert default("UNSLOTH_FUSED_LINEAR_MAX_ROWS") == ml.UNSLOTH_MAX_ROWS
+    assert default("UNSLOTH_LOGPROB_CHUNK_GB") * GIB == ml.UNSLOTH_CHUNK_BYTES
     assert re.search(r'"UNSLOTH_FUSED_LINEAR_BWD_TILE_MB", 8 if _HIP_TILES else (\d+)\)', source).group(1) == \
-        str(mt.UNSLOTH_BWD_TILE_BYTES // MIB)
+        str(ml.UNSLOTH_BWD_TILE_BYTES // MIB)
     assert "_MIN_LOGITS = 512 * 151936" in source and "_SMALL_CARD_BYTES = 24.5 * 1024**3" in source
 
 
@@ -590,7 +591,7 @@ def test_shared_prompt_arithmetic(tiny):
     no_gc = dataclasses.replace(shared, gradient_checkpointing=False)
     assert mt.prompt_kv(tiny, no_gc) == 2 * 4 * 32 * 2 * 32 * 2 and mt.prompt_kv(tiny, s) == 0
     # the log-prob pass scores the same N = b x C tokens either way
-    assert mt.logits(tiny, shared) == mt.logits(tiny, s)
+    assert ml.logits(tiny, shared) == ml.logits(tiny, s)
     # Unsloth's stream: no mask and no expanded cache; with its self-verify the full-row figure stays
     pg = dataclasses.replace(s, backend="unsloth", prompt_sharing="unsloth_prefix_grouper")
     plain = dataclasses.replace(s, backend="unsloth")

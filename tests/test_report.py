@@ -144,7 +144,7 @@ def test_report_without_metrics_is_bad_input(tmp_path):
 
 
 def test_smooth_is_a_debiased_moving_average():
-    from lowmem_grpo.rundir.report import smooth
+    from lowmem_grpo.rundir.plots import smooth
 
     assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
     values = smooth([0.0, 1.0, 1.0, 1.0], weight=0.5)

@@ -21,6 +21,7 @@ from lowmem_grpo.rundir import checkpoints
 from lowmem_grpo.errors import RecipeError
 from faults import parse_faults
 from lowmem_grpo.recipe import Recipe, TrainConfig
+from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 from lowmem_grpo.rewards.guard import RewardError, guard_reward
 from resilience_helpers import (adapter_tensors, cli_inprocess, cli_popen, grpo_steps, metrics,  # noqa: F401
                                 needs_cpu_determinism, one_torch_thread, tiny_args)
@@ -96,12 +97,36 @@ def test_oom_halving_follows_the_documented_order():
     assert seen[0] == ("halving: generation batch", {"train.per_device_train_batch_size": (8, 4),
                                                      "train.gradient_accumulation_steps": (1, 2),
                                                      "train.steps_per_generation": (None, 1)})
-    assert [how for how, _ in seen] == ["halving: generation batch", "halving: num_generations",
-                                        "halving: max_completion_length", "halving: max_completion_length"]
+    assert [how for how, _ in seen] == ["halving: generation batch", "halving: max_completion_length",
+                                        "halving: max_completion_length", "halving: num_generations"]
     t = recipe.train  # the floor: groups of 2, 16 tokens; the generation batch must stay divisible by 2
     assert (t.num_generations, t.per_device_train_batch_size, t.max_completion_length) == (2, 2, 16)
     # the generation-batch step keeps the completions per optimizer step (8); halving num_generations halves them
     assert t.per_device_train_batch_size * t.gradient_accumulation_steps == 4
+
+
+def test_auto_fit_and_the_oom_halving_lower_in_the_one_ladders_order():
+    """With the batch knobs held (explicit for auto-fit; for the halving a generation batch of one group, which
+    cannot halve), both lower the next knob of the ladder, max_completion_length, and keep num_generations."""
+    from lowmem_grpo.memory.fit import auto_fit
+    from lowmem_grpo.memory.ladder import LADDER
+    from lowmem_grpo.memory.plan import plan
+    from lowmem_grpo.train.oom import lower_by_halving
+
+    names = [knob.name for knob in LADDER]
+    assert names[:4] == ["per_device_train_batch_size", "generation_batch_size", "max_completion_length",
+                         "num_generations"]
+    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), [
+        "train.num_generations=4", "train.per_device_train_batch_size=4", "train.steps_per_generation=1",
+        "train.gradient_accumulation_steps=1", "train.max_completion_length=1024", "model.max_seq_length=1280"])
+    shorter = apply_overrides(recipe, ["train.max_completion_length=512"])
+    budget = (plan(recipe).total_bytes + plan(shorter).total_bytes) // 2
+    fitted, fitted_plan = auto_fit(recipe, budget, {"train.per_device_train_batch_size", "train.steps_per_generation"})
+    halved = lower_by_halving(recipe)
+    assert fitted_plan.fits and halved.how == "halving: max_completion_length"
+    for lowered in (fitted, halved.recipe):
+        assert 512 <= lowered.train.max_completion_length < 1024
+        assert (lowered.train.num_generations, lowered.train.per_device_train_batch_size) == (4, 4)
 
 
 def _kwargs(n: int, step: int = 1) -> dict:

@@ -20,6 +20,7 @@ from typing import Any
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.rundir import layout
+from lowmem_grpo.rundir.checkpoints import checkpoint_dirs
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,7 @@ def find_adapter(spec: str | Path) -> Path:
         return path
     if (path / layout.ADAPTER_DIR / "adapter_config.json").is_file():
         return path / layout.ADAPTER_DIR
-    checkpoints = sorted((p for p in path.glob("checkpoint-*") if (p / "adapter_config.json").is_file()),
-                         key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+    checkpoints = [p for _, p in checkpoint_dirs(path) if (p / "adapter_config.json").is_file()]
     if checkpoints:
         log.info("no final adapter in %s: using %s", path, checkpoints[-1].name)
         return checkpoints[-1]

@@ -41,6 +41,7 @@ from lowmem_grpo.evaluation.metrics import (
 )
 from lowmem_grpo.evaluation.progress import ProgressLog
 from lowmem_grpo.recipe import Recipe, TrainConfig
+from lowmem_grpo.rundir import layout
 from lowmem_grpo.runtime import eval_batch_size
 
 log = logging.getLogger(__name__)
@@ -308,6 +309,4 @@ class StageEvals:
                             steps=self.steps),
                 "problem_wording": self.groups, "problem_steps": self.steps,
                 "verdicts": _dump_verdicts(self.verdicts), "sampled_verdicts": _dump_verdicts(self.sampled)}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        tmp.replace(self.path)
+        layout.replace_text(self.path, json.dumps(data, indent=1))

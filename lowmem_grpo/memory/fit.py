@@ -6,9 +6,8 @@ auto-fit of the settings a user did not set explicitly. Arithmetic on plans from
                                              the plan's evaluation batch into train.eval_batch_size
     fit_to_device(recipe, explicit)       -> auto_fit to this process's CUDA GPU (imports torch)
 
-A knob is one memory-relevant setting; its options come largest first, each a dict of dotted-key
-changes that keeps the recipe valid (generation batch divisible by num_generations and by the
-per-device batch, prompt + completion within model.max_seq_length).
+The settings auto-fit lowers, and their order, are lowmem_grpo.memory.ladder's LADDER (the one the CUDA-OOM
+retry walks too).
 """
 
 from __future__ import annotations
@@ -16,11 +15,12 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from typing import Any, Callable
+from typing import Any
 
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
+from lowmem_grpo.memory.ladder import LADDER, Knob, apply_change
 from lowmem_grpo.memory.plan import Plan, device_budget, format_bytes, plan, settings_for
 from lowmem_grpo.memory.terms import Settings
 from lowmem_grpo.recipe import Recipe
@@ -28,9 +28,6 @@ from lowmem_grpo.recipe_rules import validate
 
 log = logging.getLogger(__name__)
 
-NUM_GENERATIONS_LADDER = [2, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-COMPLETION_LADDER = [64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096]
-MAX_GENERATION_BATCH = 1024
 # keys whose values change the plan: named when explicit values cannot fit
 MEMORY_KEYS = ["model.name", "model.load_in_4bit", "model.gpu_memory_utilization", "lora.r", "lora.target_modules",
                "data.max_prompt_length", "train.per_device_train_batch_size", "train.steps_per_generation",
@@ -39,129 +36,22 @@ MEMORY_KEYS = ["model.name", "model.load_in_4bit", "model.gpu_memory_utilization
                "train.eval_batch_size"]
 
 
-def _apply(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
-    """A copy of the recipe with dotted-key changes; "train.generation_batch" sets the generation
-    batch through steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
-    new = copy.deepcopy(recipe)
-    for key, value in changes.items():
-        if key == "train.generation_batch":
-            continue
-        section, name = key.split(".", 1)
-        if section == "train" and name == "generation_batch_size":
-            new.train.extra["generation_batch_size"] = value
-        else:
-            setattr(getattr(new, section), name, value)
-    if "train.generation_batch" in changes:
-        rows = changes["train.generation_batch"]
-        if "generation_batch_size" in new.train.extra:
-            new.train.extra["generation_batch_size"] = rows
-        else:
-            new.train.steps_per_generation = rows // new.train.per_device_train_batch_size
-    return new
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _gen_explicit(explicit: set[str]) -> bool:
-    return bool({"train.steps_per_generation", "train.generation_batch_size"} & explicit)
-
-
-def _opts_num_generations(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
-    """num_generations G' with the same prompts per round: generation batch = prompts x G'."""
-    t = r.train
-    rows, prompts = t.generation_batch_size(), max(1, t.generation_batch_size() // t.num_generations)
-    options = []
-    for g in sorted({*NUM_GENERATIONS_LADDER, t.num_generations}, reverse=True):
-        if g > upper:
-            continue
-        if _gen_explicit(explicit):  # the generation batch stays: G' must divide it
-            if rows % g == 0:
-                options.append({"train.num_generations": g})
-            continue
-        new_rows = prompts * g
-        batch = max(d for d in _divisors(new_rows) if d <= t.per_device_train_batch_size)
-        if "train.per_device_train_batch_size" in explicit and batch != t.per_device_train_batch_size:
-            continue
-        options.append({"train.num_generations": g, "train.per_device_train_batch_size": batch,
-                        "train.generation_batch": new_rows})
-    return options
-
-
-def _opts_per_device(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
-    """Per-device micro-batch b' dividing the generation batch (kept), gradient accumulation set to
-    the nearest round(b x accumulation / b') when it is not explicit (the optimizer batch stays)."""
-    t = r.train
-    rows, effective = t.generation_batch_size(), t.per_device_train_batch_size * t.gradient_accumulation_steps
-    options = []
-    for b in sorted(_divisors(rows), reverse=True):
-        if b > upper:
-            continue
-        change: dict[str, Any] = {"train.per_device_train_batch_size": b}
-        if _gen_explicit(explicit):
-            if "generation_batch_size" not in t.extra and (b * t.steps_per_generation_resolved()) % t.num_generations:
-                continue
-        else:
-            change["train.generation_batch"] = rows
-        if "train.gradient_accumulation_steps" not in explicit:
-            change["train.gradient_accumulation_steps"] = max(1, round(effective / b))
-        options.append(change)
-    return options
-
-
-def _opts_generation_batch(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
-    """Generation batch R' = k x lcm(b, G): more or fewer prompts per generation round."""
-    t = r.train
-    step = math.lcm(t.per_device_train_batch_size, t.num_generations)
-    values = [k * step for k in range(1, MAX_GENERATION_BATCH // step + 1)] or [step]
-    return [{"train.generation_batch": v} for v in sorted(values, reverse=True) if v <= upper]
-
-
-def _opts_completion(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
-    """max_completion_length C' (model.max_seq_length raised to P + C' when needed and not explicit)."""
-    prompt, seq = r.data.max_prompt_length, r.model.max_seq_length
-    options = []
-    for c in sorted({*COMPLETION_LADDER, r.train.max_completion_length}, reverse=True):
-        if c > upper:
-            continue
-        change: dict[str, Any] = {"train.max_completion_length": c}
-        if prompt + c > seq:
-            if "model.max_seq_length" in explicit:
-                continue
-            change["model.max_seq_length"] = prompt + c
-        options.append(change)
-    return options
-
-
-def _opts_vllm(r: Recipe, upper: float, explicit: set[str]) -> list[dict[str, Any]]:
-    """vLLM share u of the GPU, in steps of 0.05 (only with fast_inference)."""
-    return [{"model.gpu_memory_utilization": round(0.05 * k, 2)} for k in range(19, 0, -1)
-            if round(0.05 * k, 2) <= upper + 1e-9]
-
-
-# knob -> (recipe key(s) that make it explicit, current value, options generator)
-KNOBS: dict[str, tuple[tuple[str, ...], Callable[[Recipe], Any], Callable[..., list[dict[str, Any]]]]] = {
-    "per_device_train_batch_size": (("train.per_device_train_batch_size",),
-                                    lambda r: r.train.per_device_train_batch_size, _opts_per_device),
-    "generation_batch_size": (("train.steps_per_generation", "train.generation_batch_size"),
-                              lambda r: r.train.generation_batch_size(), _opts_generation_batch),
-    "max_completion_length": (("train.max_completion_length",), lambda r: r.train.max_completion_length,
-                              _opts_completion),
-    "num_generations": (("train.num_generations",), lambda r: r.train.num_generations, _opts_num_generations),
-    "gpu_memory_utilization": (("model.gpu_memory_utilization",), lambda r: r.model.gpu_memory_utilization,
-                               _opts_vllm),
-}
+def _valid_change(recipe: Recipe, change: dict[str, Any]) -> Recipe | None:
+    """The recipe with the change applied, or None when that is not a valid recipe."""
+    candidate = apply_change(recipe, change)
+    try:
+        validate(candidate)
+    except RecipeError:
+        return None
+    return candidate
 
 
 def _fitting(recipe: Recipe, options: list[dict[str, Any]], arch: Architecture, budget: int,
              logits: str, free_bytes: int | None = None) -> tuple[Recipe, Plan, dict[str, Any]] | None:
     """The first option (they come largest first) that is a valid recipe and fits the budget."""
     for change in options:
-        candidate = _apply(recipe, change)
-        try:
-            validate(candidate)
-        except RecipeError:
+        candidate = _valid_change(recipe, change)
+        if candidate is None:
             continue
         result = plan(candidate, budget, arch=arch, logits=logits, free_bytes=free_bytes)
         if result.fits and _vllm_ok(arch, result.settings):
@@ -179,20 +69,19 @@ def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture, logits: s
     gpu_memory_utilization, where vLLM is not used)."""
     settings = settings_for(recipe, budget_bytes, logits)
     result: dict[str, Any] = {}
-    for knob, (_keys, _current, options) in KNOBS.items():
-        if knob == "gpu_memory_utilization" and not settings.fast_inference:
-            result[knob] = None
+    for knob in LADDER:
+        if knob.name == "gpu_memory_utilization" and not settings.fast_inference:
+            result[knob.name] = None
             continue
-        best = _fitting(recipe, options(recipe, math.inf, set()), arch, budget_bytes, logits)
+        best = _fitting(recipe, knob.options(recipe, math.inf, set()), arch, budget_bytes, logits)
         if best is None:
-            result[knob] = None
+            result[knob.name] = None
         else:
-            _candidate, fitted, change = best
-            value = KNOBS[knob][1](_candidate)
-            result[knob] = {"value": value, "total_bytes": fitted.total_bytes,
-                            "changes": {k: v for k, v in change.items() if k != "train.generation_batch"}
-                            | ({"train.generation_batch_size": change["train.generation_batch"]}
-                               if "train.generation_batch" in change else {})}
+            candidate, fitted, change = best
+            result[knob.name] = {"value": knob.value(candidate), "total_bytes": fitted.total_bytes,
+                                 "changes": {k: v for k, v in change.items() if k != "train.generation_batch"}
+                                 | ({"train.generation_batch_size": change["train.generation_batch"]}
+                                    if "train.generation_batch" in change else {})}
     return result
 
 
@@ -200,8 +89,8 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
              allow_hub: bool = True, logits: str = "chunked", free_bytes: int | None = None) -> tuple[Recipe, Plan]:
     """Fit the recipe into `budget_bytes` by changing only settings whose keys are not in `explicit`.
 
-    Knobs are lowered in this order until the plan fits: per-device batch (gradient accumulation
-    raised to keep the optimizer batch), generation batch, max_completion_length, num_generations,
+    Knobs are lowered in the order of memory.ladder's LADDER until the plan fits: per-device batch (gradient
+    accumulation raised to keep the optimizer batch), generation batch, max_completion_length, num_generations,
     vLLM share; then each is raised back as far as the budget allows, never above the recipe's own
     value (the vLLM share included: it is a share of the memory free at load, `free_bytes`, and a larger one
     would leave less for training than the recipe planned). Before them the evaluation batch is set
@@ -216,44 +105,43 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
     if result.fits and _vllm_ok(arch, result.settings):
         return current, result
-    free = [k for k, (keys, _, _) in KNOBS.items() if not set(keys) & explicit
-            and (k != "gpu_memory_utilization" or result.settings.fast_inference)]
+    free = [k for k in LADDER if not set(k.keys) & explicit
+            and (k.name != "gpu_memory_utilization" or result.settings.fast_inference)]
     if not current.train.gradient_checkpointing and "train.gradient_checkpointing" not in explicit:
-        current = _apply(current, {"train.gradient_checkpointing": True})
+        current = apply_change(current, {"train.gradient_checkpointing": True})
     # every knob, the vLLM share too, only goes down from the recipe's value
-    original = {k: KNOBS[k][1](recipe) for k in free}
-    for knob in free:  # lower
+    original = {k.name: k.value(recipe) for k in free}
+    for knob in free:  # lower, in the ladder's order
         result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
         if result.fits and _vllm_ok(arch, result.settings):
             break
-        options = KNOBS[knob][2](current, KNOBS[knob][1](current), explicit)
-        best = _fitting(current, options, arch, budget_bytes, logits, free_bytes)
-        if best is not None:
-            current = best[0]
-            continue
-        if knob == "gpu_memory_utilization":  # a share too small for vLLM's weights and cache helps nothing
-            continue
-        for change in reversed(options):  # none fits yet: take the smallest valid value and go on
-            candidate = _apply(current, change)
-            try:
-                validate(candidate)
-            except RecipeError:
-                continue
-            current = candidate
-            break
+        current = _lowered(current, knob, explicit, arch, budget_bytes, logits, free_bytes)
     for knob in free:  # raise back what later knobs made room for
-        best = _fitting(current, KNOBS[knob][2](current, original[knob], explicit), arch, budget_bytes, logits,
+        best = _fitting(current, knob.options(current, original[knob.name], explicit), arch, budget_bytes, logits,
                         free_bytes)
         if best is not None:
             current = best[0]
     result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
     _check_fit(result, recipe, arch, budget_bytes, explicit)
-    changed = {k: (KNOBS[k][1](recipe), KNOBS[k][1](current)) for k in KNOBS
-               if KNOBS[k][1](recipe) != KNOBS[k][1](current)}
+    changed = {k.name: (k.value(recipe), k.value(current)) for k in LADDER if k.value(recipe) != k.value(current)}
     if changed:
         log.info("auto-fit to %s: %s (predicted peak %s)", format_bytes(budget_bytes),
                  ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), format_bytes(result.total_bytes))
     return current, result
+
+
+def _lowered(current: Recipe, knob: Knob, explicit: set[str], arch: Architecture, budget_bytes: int, logits: str,
+             free_bytes: int | None) -> Recipe:
+    """The knob's largest value that fits; when none does, its smallest valid value (later knobs go on from there);
+    the recipe as it is when the knob has no valid value or is a vLLM share too small to help."""
+    options = knob.options(current, knob.value(current), explicit)
+    best = _fitting(current, options, arch, budget_bytes, logits, free_bytes)
+    if best is not None:
+        return best[0]
+    if knob.name == "gpu_memory_utilization":  # a share too small for vLLM's weights and cache helps nothing
+        return current
+    valid = (_valid_change(current, change) for change in reversed(options))
+    return next((candidate for candidate in valid if candidate is not None), current)
 
 
 def with_planned_eval_batch(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture,

@@ -2,7 +2,8 @@
 
     plan(recipe, budget_bytes)            -> Plan (terms, phases, total, fits, evaluation batch)
 
-The terms and their formulas are in `lowmem_grpo.memory.terms`, architectures in
+The terms and their formulas are in `lowmem_grpo.memory.terms` (the log-prob pass's in
+`lowmem_grpo.memory.logprob`), TERMS below puts each in its phase, architectures in
 `lowmem_grpo.memory.arch`, the proposal and auto-fit in `lowmem_grpo.memory.fit`. The peak is the
 static terms + the largest of the generation, training and evaluation phases + the allocator's slack on
 that phase. The evaluation batch (train.eval_batch_size) is the plan's choice when the recipe leaves it
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowmem_grpo.errors import BadInputError
+from lowmem_grpo.memory import logprob as ml
 from lowmem_grpo.memory import sharing as ms
 from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
@@ -27,6 +29,32 @@ from lowmem_grpo.memory.terms import GIB, MIB, Settings
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.runtime import EVAL_BATCH, Runtime, planned
 
+
+# name -> (function, phase, where it shows: "allocated" by torch, "device" only)
+TERMS = {
+    "base_weights": (mt.base_weights, "static", "allocated"),
+    "lora_params": (mt.lora_params, "static", "allocated"),
+    "optimizer_state": (mt.optimizer_state, "static", "allocated"),
+    "batch_buffers": (mt.batch_buffers, "static", "allocated"),
+    "reference_model": (mt.reference_model, "static", "allocated"),
+    "vllm_reservation": (mt.vllm_reservation, "static", "device"),
+    "cuda_context": (mt.cuda_context, "static", "device"),
+    "kv_cache": (mt.kv_cache, "generation", "allocated"),
+    "generation_workspace": (mt.generation_workspace, "generation", "allocated"),
+    "eval_kv_cache": (mt.eval_kv_cache, "evaluation", "allocated"),
+    "eval_workspace": (mt.eval_workspace, "evaluation", "allocated"),
+    "lora_grads": (mt.lora_grads, "training", "allocated"),
+    "activations": (mt.activations, "training", "allocated"),
+    "prompt_kv": (mt.prompt_kv, "training", "allocated"),
+    "logits": (ml.logits, "training", "allocated"),
+}
+
+
+def term_visibility(name: str, s: Settings) -> str:
+    """allocated (counted by torch.cuda.max_memory_allocated) or device (CUDA memory torch does not track)."""
+    if name == "optimizer_state" and s.optim in mt.PAGED_OPTIMIZERS:
+        return "device"
+    return TERMS[name][2]
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -79,7 +107,7 @@ class Plan:
             "reserved_bytes": self.reserved_bytes,
             "prompt_sharing": self.sharing_dict(),
             "evaluation": dict(self.evaluation),
-            "formulas": {name: _first_line(mt.TERMS[name][0].__doc__) for name in mt.TERMS},
+            "formulas": {name: _first_line(TERMS[name][0].__doc__) for name in TERMS},
             "settings": dataclasses.asdict(self.settings),
             "architecture": {**dataclasses.asdict(self.architecture),
                              "total_params": self.architecture.total_params()},
@@ -180,15 +208,15 @@ PHASES = ("static", *STEP_PHASES, "evaluation")
 
 def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -> Plan:
     """Every term, the phase sums and the peak for one architecture and settings."""
-    terms = {name: int(func(arch, s)) for name, (func, _, _) in mt.TERMS.items()}
-    phases = {phase: sum(v for k, v in terms.items() if mt.TERMS[k][1] == phase) for phase in PHASES}
+    terms = {name: int(func(arch, s)) for name, (func, _, _) in TERMS.items()}
+    phases = {phase: sum(v for k, v in terms.items() if TERMS[k][1] == phase) for phase in PHASES}
     peak_phase = "generation" if phases["generation"] > phases["training"] else "training"
     if phases["evaluation"] > phases[peak_phase]:
         peak_phase = "evaluation"
     terms["allocator_slack"] = int(mt.ALLOCATOR_SLACK * phases[peak_phase])
     allocated = phases[peak_phase] + sum(v for k, v in terms.items()
-                                         if k in mt.TERMS and mt.TERMS[k][1] == "static"
-                                         and mt.term_visibility(k, s) == "allocated")
+                                         if k in TERMS and TERMS[k][1] == "static"
+                                         and term_visibility(k, s) == "allocated")
     total = phases["static"] + phases[peak_phase] + terms["allocator_slack"]
     return Plan(arch, s, terms, phases, peak_phase, total, allocated, allocated + terms["allocator_slack"],
                 budget_bytes)
@@ -302,8 +330,8 @@ def format_plan(p: Plan, title: str = "") -> str:
              f"{s.num_generations}, optim {s.optim}, checkpointing {s.gradient_checkpointing}, vLLM {s.fast_inference}",
              f"  {'term':<22}{'phase':<12}{'size':>12}  formula"]
     for name, value in p.terms.items():
-        phase = mt.TERMS[name][1] if name in mt.TERMS else p.peak_phase
-        doc = (_first_line(mt.TERMS[name][0].__doc__) if name in mt.TERMS
+        phase = TERMS[name][1] if name in TERMS else p.peak_phase
+        doc = (_first_line(TERMS[name][0].__doc__) if name in TERMS
                else "caching-allocator slack on the peak phase")
         lines.append(f"  {name:<22}{phase:<12}{format_bytes(value):>12}  {doc[:70]}")
     lines += _sharing_lines(p)

@@ -77,12 +77,6 @@ def token_ratio(prompt_len: int, completion_len: int, num_generations: int) -> f
     return num_generations * (prompt_len + completion_len) / shared if shared else 1.0
 
 
-def prompts_per_micro_batch(per_device_batch: int, generation_batch: int, num_generations: int) -> int:
-    """k, the distinct prompts a micro-batch can hold: TRL shuffles the generation batch's rows, so at worst
-    min(b, prompts in the generation batch)."""
-    return max(1, min(per_device_batch, generation_batch // max(num_generations, 1)))
-
-
 def _entropy_reason(extra: Mapping[str, Any]) -> str:
     quantile = extra.get("top_entropy_quantile", 1.0)
     coef = float(extra.get("entropy_coef", 0.0) or 0.0)

@@ -27,7 +27,7 @@ from typing import Any
 
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.rundir.layout import (ADAPTER_DIR, CHECKPOINT_MARKER, CHECKPOINT_PREFIX, COMPLETIONS_FILE,
-                                       METRICS_FILE, PRIME_STAGE, RECIPE_FILE)
+                                       METRICS_FILE, PRIME_STAGE, RECIPE_FILE, replace_text)
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +161,7 @@ def rewrite_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> tuple[i
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, path)
+        replace_text(path, "".join(f"{line}\n" for line in kept))
     return len(kept), dropped
 
 

@@ -8,7 +8,6 @@ base model). `table_lines` renders them for report.md ("The gain survives export
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,7 @@ def read(run_dir: Path) -> list[dict[str, Any]]:
 def record(run_dir: Path, entry: dict[str, Any]) -> Path:
     """Add `entry` (keys out, format, score, ...), replacing an earlier entry for the same `out`."""
     entries = [e for e in read(run_dir) if e.get("out") != entry.get("out")] + [entry]
-    path = Path(run_dir) / layout.EXPORT_SCORES_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(entries, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return layout.replace_text(Path(run_dir) / layout.EXPORT_SCORES_FILE, json.dumps(entries, indent=1) + "\n")
 
 
 def _ci(row: dict[str, Any] | None, key: str = "mean", signed: bool = False) -> str:

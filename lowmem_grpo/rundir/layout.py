@@ -114,6 +114,16 @@ def write_json(path: Path, data: dict[str, Any]) -> Path:
     return Path(path)
 
 
+def replace_text(path: Path, text: str) -> Path:
+    """Write a file whole or not at all: a hidden temporary beside it, then renamed over it, so that a reader (or
+    a crash) never sees it half-written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The lines of a run's .jsonl file (metrics, completions), oldest first; [] when it does not exist yet. A
     half-written line (the file read while the run writes it) is skipped."""

@@ -1,7 +1,7 @@
 """Plots and report.md from a run directory: works mid-run and on a run that only has metrics.jsonl.
 
 `write_report(run_dir)` reads metrics.jsonl (and completions.jsonl, eval.json, stage_eval.json, recipe.yaml when
-present) and writes plots/*.png (matplotlib, Agg: no display needed) and report.md; the tables of what each stage
+present) and writes plots/*.png (rundir/plots.py's) and report.md; the tables of what each stage
 bought are rundir/stage_tables.py's. Files are replaced atomically, so reading the report while a run writes it
 never shows a half-written file.
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import re
 import time
 from pathlib import Path
@@ -23,174 +21,18 @@ from lowmem_grpo.rundir import health
 from lowmem_grpo.rundir import export_scores, rss
 from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.rundir.completions import read_completions
+from lowmem_grpo.rundir.plots import plot_all, reward_names, series
 from lowmem_grpo.rundir.stage_tables import outcome_lines, stage_lines
 from lowmem_grpo.errors import BadInputError
 
 log = logging.getLogger(__name__)
 
-SMOOTHING = 0.8
-"""Weight of the past in the exponential moving average drawn over the raw curves."""
 SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "groups/informative",
                 "groups/informative_goal", "groups/per_step", "curriculum/level", "completions/mean_length",
                 "completions/clipped_ratio", "completions/distinct_answers", "completions/shared_across_prompts",
                 "optimizer/skipped_no_signal", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
                 "time/step", "time/sampling_share", "tokens_per_s",
                 "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"]
-
-
-def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
-    """Debiased exponential moving average (the TensorBoard curve)."""
-    out, avg = [], 0.0
-    for i, value in enumerate(values, start=1):
-        avg = weight * avg + (1 - weight) * value
-        out.append(avg / (1 - weight**i) if weight < 1 else value)
-    return out
-
-
-def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    """Steps and finite values of one metric (missing and null points skipped)."""
-    xs, ys = [], []
-    for r in records:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            xs.append(int(r.get("step", len(xs) + 1)))
-            ys.append(float(v))
-    return xs, ys
-
-
-def reward_names(records: list[dict[str, Any]]) -> list[str]:
-    """Reward function names in the order they were logged (rewards/<name>/mean)."""
-    names: list[str] = []
-    for r in records:
-        for key in r:
-            m = re.fullmatch(r"rewards/(.+)/mean", key)
-            if m and m.group(1) not in names:
-                names.append(m.group(1))
-    return names
-
-
-def _panel(ax: Any, records: list[dict[str, Any]], keys: list[tuple[str, str]], ylabel: str,
-           smoothed: bool = False) -> None:
-    drawn = False
-    for label, key in keys:
-        xs, ys = series(records, key)
-        if not xs:
-            continue
-        drawn = True
-        if smoothed and len(ys) > 1:
-            line, = ax.plot(xs, ys, alpha=0.3, linewidth=1)
-            ax.plot(xs, smooth(ys), color=line.get_color(), linewidth=2, label=f"{label} (smoothed)")
-        else:
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, linewidth=1.5, label=label)
-    if not drawn:
-        ax.text(0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="gray")
-    else:
-        ax.legend(fontsize=8, loc="best")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-
-
-def _save(fig: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=100, pil_kwargs={"compress_level": 1})  # zlib's fastest: 4x less encoding
-    os.replace(tmp, path)
-
-
-def _figure(title: str, rows: int) -> tuple[Any, list[Any]]:
-    from matplotlib.figure import Figure  # no pyplot: no global backend, no display
-
-    height = 2.6 * rows
-    fig = Figure(figsize=(8, height))
-    # fixed margins (inches), not layout="constrained": that layout draws each figure twice to measure it, which
-    # was half of the ~2 s the report added to the end of every run
-    fig.subplots_adjust(left=0.11, right=0.97, top=1 - 0.45 / height, bottom=0.5 / height, hspace=0.12)
-    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
-    fig.suptitle(title)
-    axes[-1].set_xlabel("step")
-    return fig, list(axes)
-
-
-def _time_figure(records: list[dict[str, Any]]) -> Any:
-    """Stacked bars: seconds of each phase (telemetry.PHASES) in each step, the legend to the right."""
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = _figure("Where each step's time went", 1)
-    fig.set_size_inches(10, 3.4)
-    fig.subplots_adjust(left=0.08, right=0.78, top=0.88, bottom=0.16)
-    timed = telemetry.phase_records(records)
-    steps = [int(r.get("step", i + 1)) for i, r in enumerate(timed)]
-    bottom = [0.0] * len(timed)
-    for phase in telemetry.PHASES:
-        values = [float(r.get(f"{telemetry.PHASE_PREFIX}{phase}") or 0.0) for r in timed]
-        ax[0].bar(steps, values, bottom=bottom, width=0.8, label=phase)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax[0].set_ylabel("seconds")
-    ax[0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), reverse=True)  # top phase first
-    ax[0].grid(alpha=0.3, axis="y")
-    return fig
-
-
-def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """The PNG plots of one run's training records; returns their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = reward_names(records)
-    written = []
-
-    fig, ax = _figure("Reward (total and per reward function)", 2)
-    _panel(ax[0], records, [("total reward", "reward")], "total reward mean", smoothed=True)
-    _panel(ax[1], records, [(n, f"rewards/{n}/mean") for n in names], "per-reward mean", smoothed=True)
-    written.append(out_dir / "rewards.png")
-    _save(fig, written[-1])
-
-    fig, ax = _figure("Reward spread (no spread = no GRPO gradient)", 2)
-    _panel(ax[0], records, [("reward_std", "reward_std")], "reward_std")
-    _panel(ax[1], records, [("frac_reward_zero_std", "frac_reward_zero_std")], "frac zero std")
-    ax[1].set_ylim(-0.05, 1.05)
-    written.append(out_dir / "reward_spread.png")
-    _save(fig, written[-1])
-
-    fig, ax = _figure("Completions", 2)
-    _panel(ax[0], records, [("mean", "completions/mean_length"), ("min", "completions/min_length"),
-                            ("max", "completions/max_length")], "length (tokens)")
-    _panel(ax[1], records, [("clipped ratio", "completions/clipped_ratio")], "clipped ratio")
-    ax[1].set_ylim(-0.05, 1.05)
-    written.append(out_dir / "completions.png")
-    _save(fig, written[-1])
-
-    fig, ax = _figure("Optimisation", 3)
-    _panel(ax[0], records, [("loss", "loss")], "loss")
-    _panel(ax[1], records, [("grad_norm", "grad_norm")], "grad norm")
-    _panel(ax[2], records, [("learning rate", "learning_rate")], "learning rate")
-    written.append(out_dir / "optimization.png")
-    _save(fig, written[-1])
-
-    if series(records, "groups/informative")[0]:  # dynamic sampling / curriculum runs
-        written.append(_plot_groups(records, out_dir / "groups.png"))
-
-    if telemetry.phase_records(records):
-        written.append(out_dir / "time.png")
-        _save(_time_figure(records), written[-1])
-
-    if series(records, "kl")[0]:
-        fig, ax = _figure("KL to the reference model", 1)
-        _panel(ax[0], records, [("kl", "kl")], "kl")
-        written.append(out_dir / "kl.png")
-        _save(fig, written[-1])
-    return written
-
-
-def _plot_groups(records: list[dict[str, Any]], path: Path) -> Path:
-    """groups.png: the share of informative groups (total reward and goal reward) and the curriculum level."""
-    level = bool(series(records, "curriculum/level")[0])
-    fig, ax = _figure("Groups that teach (informative = the group's rewards vary)", 2 if level else 1)
-    _panel(ax[0], records, [("total reward", "groups/informative"),
-                            ("goal reward", "groups/informative_goal")], "informative share", smoothed=True)
-    ax[0].set_ylim(-0.05, 1.05)
-    if level:
-        _panel(ax[1], records, [("curriculum level", "curriculum/level")], "level")
-    _save(fig, path)
-    return path
 
 
 def _num(value: Any) -> str:
@@ -459,9 +301,6 @@ def write_report(run_dir: Path | str) -> Path:
     steps = health.training_records(records)
     plots = plot_all(steps, run_dir / layout.PLOTS_DIR)
     text = build_markdown(run_dir, records, plots, read_completions(run_dir))
-    path = run_dir / layout.REPORT_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    path = layout.replace_text(run_dir / layout.REPORT_FILE, text)
     log.info("wrote %s and %d plots", path, len(plots))
     return path

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.rundir import layout
+
 log = logging.getLogger(__name__)
 
 STATUS = Path("/proc/self/status")
@@ -159,9 +161,7 @@ class StagePeaks:
     def write(self) -> None:
         assert self.path is not None
         data = {"sample_seconds": SAMPLE_SECONDS, "stages": self.records}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        tmp.replace(self.path)
+        layout.replace_text(self.path, json.dumps(data, indent=1))
 
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)

@@ -73,18 +73,6 @@ def choose_engine(model: Any, engine: str = "auto") -> str:
     return engine
 
 
-def split_generated(ids: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], int, bool]:
-    """Generated ids -> (ids before the first EOS, tokens generated incl. EOS, truncated).
-
-    Truncated means the generation reached max_new_tokens without an EOS; padding after an EOS
-    (a finished row in a batch) is not counted.
-    """
-    end = next((j for j, t in enumerate(ids) if t in eos), None)
-    if end is None:
-        return list(ids), len(ids), len(ids) >= max_new_tokens
-    return list(ids[:end]), end + 1, False
-
-
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     """The ids that end an answer: the model's generation_config eos ids and the tokenizer's (as generate's)."""
     ids: set[int] = set()

@@ -33,6 +33,24 @@ from lowmem_grpo.sampling.vllm_calculator import (
 
 log = logging.getLogger(__name__)
 
+
+def prompt_token_ids(prompts: list[Any], trainer: Any) -> list[list[int]]:
+    """The token ids of TRL's prompts (rendered text), by the trainer's own tokenizer."""
+    return trainer.processing_class(text=prompts)["input_ids"]
+
+
+def trl_output(prompt_ids: list[list[int]], rows: list[Any], *, logprobs: bool, env_mask: bool) -> dict[str, Any]:
+    """What TRL's rollout_func returns: prompt_ids, each row's completion_ids, `logprobs` (each sampled token's
+    log-prob from the sampler, None for a forced token; None for the whole batch when the sampler gives none,
+    which TRL reads as no importance-sampling correction) and, with `env_mask`, each row's policy mask (0 = a
+    token the calculator forced: kept out of the loss and the KL)."""
+    output: dict[str, Any] = {"prompt_ids": prompt_ids, "completion_ids": [r.ids for r in rows],
+                              "logprobs": [r.logprobs for r in rows] if logprobs else None}
+    if env_mask:
+        output["env_mask"] = [r.policy_mask for r in rows]
+    return output
+
+
 class EngineRollout:
     """TRL's `rollout_func`: completes each prompt (rendered text, already repeated num_generations times by TRL's
     sampler) with one sample from the live policy, with the LoRA adapter merged into the weights while it samples
@@ -48,7 +66,7 @@ class EngineRollout:
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         tokenizer = trainer.processing_class
-        prompt_ids = tokenizer(text=prompts)["input_ids"]
+        prompt_ids = prompt_token_ids(prompts, trainer)
         model = trainer.accelerator.unwrap_model(trainer.model)
         eos = set(trainer.eos_token_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
@@ -59,10 +77,7 @@ class EngineRollout:
             rows = sample_rows(model, prompt_ids, max_new_tokens=trainer.max_completion_length,
                                temperature=trainer.temperature, eos_ids=eos, pad_id=pad_id,
                                calculator=self.calculator)
-        output: dict[str, Any] = {"prompt_ids": prompt_ids, "completion_ids": [r.ids for r in rows], "logprobs": None}
-        if self.calculator is not None:
-            output["env_mask"] = [r.policy_mask for r in rows]
-        return output
+        return trl_output(prompt_ids, rows, logprobs=False, env_mask=self.calculator is not None)
 
 
 class VllmRollout:
@@ -87,8 +102,7 @@ class VllmRollout:
         self.params_class = sampling_params_class
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        tokenizer = trainer.processing_class
-        prompt_ids = tokenizer(text=prompts)["input_ids"]
+        prompt_ids = prompt_token_ids(prompts, trainer)
         generation = getattr(trainer, "vllm_generation", None)
         if not getattr(trainer, "use_vllm", False) or generation is None:
             raise RecipeError("data.calculator on vLLM, but the trainer has no vLLM engine (TRL's use_vllm is off)",
@@ -98,8 +112,7 @@ class VllmRollout:
             rows = self._server(generation, settings, prompt_ids, trainer)
         else:
             rows = self._colocate(generation, settings, prompt_ids, trainer)
-        return {"prompt_ids": prompt_ids, "completion_ids": [r.ids for r in rows],
-                "logprobs": [r.logprobs for r in rows], "env_mask": [r.policy_mask for r in rows]}
+        return trl_output(prompt_ids, rows, logprobs=True, env_mask=True)
 
     def _rows(self, sample: Any, settings: dict[str, Any], prompt_ids: list[list[int]],
               trainer: Any) -> list[Completion]:
@@ -188,8 +201,7 @@ class OwnVllmRollout:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         import torch
 
-        tokenizer = trainer.processing_class
-        prompt_ids = tokenizer(text=prompts)["input_ids"]
+        prompt_ids = prompt_token_ids(prompts, trainer)
         model = trainer.accelerator.unwrap_model(trainer.model)
         if self.llm is None:
             self.llm = start_engine(self.spec)
@@ -205,11 +217,7 @@ class OwnVllmRollout:
             with inference_mode(model):
                 policy = policy_logprobs(model, prompt_ids, [r.ids for r in rows], trainer.temperature)
             self.check.observe(step, [r.logprobs for r in rows], policy)
-        output: dict[str, Any] = {"prompt_ids": prompt_ids, "completion_ids": [r.ids for r in rows],
-                                  "logprobs": [r.logprobs for r in rows]}
-        if self.calculator is not None:
-            output["env_mask"] = [r.policy_mask for r in rows]
-        return output
+        return trl_output(prompt_ids, rows, logprobs=True, env_mask=self.calculator is not None)
 
 
 def make_rollout(plan: RolloutPlan, tokenizer: Any, merged: bool = True, attention: bool = True,

@@ -1,19 +1,19 @@
 """After a CUDA out-of-memory error: which settings to lower, and the record of it in the run directory.
 
-How the next settings are chosen, in this order:
+How the next settings are chosen, in this order; both ways walk the one ladder, lowmem_grpo.memory.ladder's LADDER:
 1. the memory planner (lowmem_grpo.memory.plan): the budget is the predicted peak with its non-static part
    (generation or training phase, and the allocator slack) cut by a quarter, and `auto_fit` lowers the
-   settings in its own order (per-device batch with gradient accumulation raised to keep the optimizer
+   settings in the ladder's order (per-device batch with gradient accumulation raised to keep the optimizer
    batch, generation batch, max_completion_length, num_generations); its fit is used only when the
    predicted memory of the phase that ran out (generation, or the update = training) goes down;
 2. when the planner is missing, cannot read the architecture, or changes nothing, halving, one knob per
-   retry, the first that still gives a valid recipe:
+   retry, the first in the ladder's order that still gives a valid recipe:
    a. the generation batch: per_device_train_batch_size / 2 and gradient_accumulation_steps x 2, with
       steps_per_generation pinned to its old value, so the completions generated (and trained) at once
       halve while the completions per optimizer step stay the same;
-   b. num_generations / 2 (at least 2), with the per-device batch halved alongside, so the same prompts
-      are sampled with half as many completions each;
-   c. max_completion_length / 2 (at least MIN_COMPLETION_LENGTH tokens).
+   b. max_completion_length / 2 (at least ladder.MIN_COMPLETION_LENGTH tokens);
+   c. num_generations / 2 (at least 2), with the per-device batch halved alongside, so the same prompts
+      are sampled with half as many completions each.
 Neither way touches a setting that cannot change on a loaded model (LOAD_TIME_KEYS: model.*, lora.*,
 train.gradient_checkpointing, data.max_prompt_length): the vLLM pool is already reserved, Unsloth armed its
 checkpointing in get_peft_model, and the prompts are already tokenized; a retry only changes what the next
@@ -24,7 +24,6 @@ Torch-free (torch only to recognise the error).
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.memory.arch import load_architecture
 from lowmem_grpo.memory.fit import auto_fit
+from lowmem_grpo.memory.ladder import LADDER
 from lowmem_grpo.memory.plan import plan
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_rules import validate
@@ -42,7 +42,6 @@ from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
 
-MIN_COMPLETION_LENGTH = 16
 PLANNER_CUT = 0.25  # share of the planner's non-static peak to free per retry
 NOTE_PREFIX = "# lowmem-grpo: "
 # generate (transformers', vLLM's), transformers' sampling loop, our trainer's generation step
@@ -153,52 +152,13 @@ def lower_by_planner(recipe: Recipe, phase: str = "generation") -> Lowering | No
     return Lowering(new, changes, "memory planner") if changes and _valid(new) else None
 
 
-def _halve_generation_batch(recipe: Recipe) -> Recipe | None:
-    t = recipe.train
-    if t.per_device_train_batch_size < 2:
-        return None
-    new = copy.deepcopy(recipe)
-    n = new.train
-    if "generation_batch_size" in n.extra:
-        n.extra["generation_batch_size"] = int(n.extra["generation_batch_size"]) // 2
-    else:
-        n.steps_per_generation = t.steps_per_generation_resolved()
-    n.per_device_train_batch_size = t.per_device_train_batch_size // 2
-    n.gradient_accumulation_steps = t.gradient_accumulation_steps * 2
-    return new
-
-
-def _halve_num_generations(recipe: Recipe) -> Recipe | None:
-    t = recipe.train
-    if t.num_generations < 4 or t.per_device_train_batch_size < 2:
-        return None
-    new = copy.deepcopy(recipe)
-    new.train.num_generations = t.num_generations // 2
-    new.train.per_device_train_batch_size = t.per_device_train_batch_size // 2
-    if "generation_batch_size" in new.train.extra:
-        new.train.extra["generation_batch_size"] = int(new.train.extra["generation_batch_size"]) // 2
-    return new
-
-
-def _halve_completion_length(recipe: Recipe) -> Recipe | None:
-    length = recipe.train.max_completion_length // 2
-    if length < MIN_COMPLETION_LENGTH:
-        return None
-    new = copy.deepcopy(recipe)
-    new.train.max_completion_length = length
-    return new
-
-
-HALVING_ORDER = (("generation batch", _halve_generation_batch), ("num_generations", _halve_num_generations),
-                 ("max_completion_length", _halve_completion_length))
-
-
 def lower_by_halving(recipe: Recipe) -> Lowering | None:
-    """The first knob of HALVING_ORDER that halves into a valid recipe; None when every knob is at its floor."""
-    for name, halve in HALVING_ORDER:
-        new = halve(recipe)
+    """The first knob of memory.ladder's LADDER that halves into a valid recipe; None when every knob is at its
+    floor."""
+    for knob in LADDER:
+        new = knob.halve(recipe) if knob.halve is not None else None
         if new is not None and _valid(new):
-            return Lowering(new, changes_between(recipe, new), f"halving: {name}")
+            return Lowering(new, changes_between(recipe, new), f"halving: {knob.label}")
     return None
 
 
@@ -234,7 +194,5 @@ def record(run_dir: Path, retry: int, step: int, phase: str, error: str, resumed
         if path.exists() else []
     notes.append(f"{NOTE_PREFIX}CUDA out of memory at step {step} ({phase}), retry {retry}: "
                  f"{lowering.describe()}; see {layout.OOM_FILE}")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(notes) + "\n" + dump_yaml(lowering.recipe), encoding="utf-8")
-    tmp.replace(path)
+    layout.replace_text(path, "\n".join(notes) + "\n" + dump_yaml(lowering.recipe))
     return entry
