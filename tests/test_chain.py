@@ -2,8 +2,11 @@
 
 from fractions import Fraction
 
+import pytest
+
 from lowmem_grpo.data.generated import generate_rows
-from lowmem_grpo.rewards.chain import CHAIN_OUTCOMES, chain_outcome, gold_chain, steps_of
+from lowmem_grpo.rewards import get_reward
+from lowmem_grpo.rewards.chain import CHAIN_OUTCOMES, chain_outcome, chain_steps, gold_chain, steps_of
 
 SOLUTION = "Isabel has 16-9=<<16-9=7>>7 marbles.\nShe now has 7-6=<<7-6=1>>1 marble.\n#### 1"
 
@@ -44,3 +47,27 @@ def test_chain_outcome_reaches_a_step_in_any_order_and_needs_a_worked_solution()
     assert chain_outcome(_said("<<2+3=5>>5", answer="5"), three, False) == "stopped_early"
     assert chain_outcome(_said("<<2+3=5>>5"), "She has 5.\n#### 5", False) is None
     assert set(CHAIN_OUTCOMES) >= {"wrong_first_step", "stopped_early", "wrong_later_step"}
+
+
+def test_chain_steps_pays_each_step_reached_and_nothing_for_spraying_calculations():
+    reward = get_reward("chain_steps")
+    completions = [
+        _said("<<16-9=7>>7", "<<7-6=1>>1"),  # the whole chain
+        _said("Isabel has <<16-9=7>>7 marbles.", answer="7"),  # stopped after a right first step
+        _said("<<16+9=25>>25", "<<25-6=19>>19", answer="19"),  # wrong first step, so no step reached
+        _said("<<16-9=7>>7", "<<7+6=13>>13", answer="13"),  # a right first step, a wrong second
+        _said("<<16-9=7>>7", "<<7-6=1>>1", "<<1+6=7>>7", answer="7"),  # more calculations than the chain has
+        _said("Isabel has few marbles.", answer="3"),
+    ]
+    assert reward(completions, solution=[SOLUTION] * 6) == [1.0, 0.5, 0.0, 0.5, 0.0, 0.0]
+    # the prefill (the recipe's start of the assistant turn) is read as part of the completion
+    assert reward(["<<7-6=1>>1\n</reasoning>"], solution=[SOLUTION], prefill=["<reasoning>\n<<16-9=7>>7\n"]) == [1.0]
+    # no annotated steps to compare with: the row is left out of this reward (None), not scored 0
+    assert reward([_said("<<2+3=5>>5")], solution=["She has 5.\n#### 5"]) == [None]
+
+
+def test_chain_steps_needs_one_worked_solution_per_completion():
+    with pytest.raises(ValueError, match="`solution` dataset column"):
+        chain_steps([_said("<<16-9=7>>7")])
+    with pytest.raises(ValueError, match="2 solutions for 1 completions"):
+        chain_steps([_said("<<16-9=7>>7")], solution=[SOLUTION, SOLUTION])

@@ -4,6 +4,7 @@ Importing this package registers the GSM8K rewards; look them up with
 ``get_reward("correctness")`` or an import string ``"package.module:function"``.
 """
 
+from .chain import chain_steps
 from .gsm8k import (
     GSM8K_DEFAULT_WEIGHTS,
     completion_texts,
@@ -29,6 +30,7 @@ __all__ = [
     "RewardFunc",
     "UnknownRewardError",
     "available_rewards",
+    "chain_steps",
     "completion_texts",
     "correctness",
     "expression",

@@ -14,17 +14,24 @@ are the gold chain (`gold_chain`). `chain_outcome` compares a completion's calcu
 - ``no_expression``: no calculation at all; ``correct`` when the answer is right.
 
 A step counts as reached when some calculation's exact value equals its result, whatever the order: a chain told
-in another order still reaches every step. Standard library only.
+in another order still reaches every step.
+
+`chain_steps` is a reward (TRL's protocol) giving per-step credit for the same chain: the share of the gold chain's
+steps the completion's calculations reach. Standard library only.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 from .calculator import calculations, evaluate, reasoning_text
+from .gsm8k import completion_texts
+from .registry import register
 
-__all__ = ["CHAIN_OUTCOMES", "CHAIN_DESCRIPTIONS", "chain_outcome", "gold_chain", "steps_of"]
+__all__ = ["CHAIN_OUTCOMES", "CHAIN_DESCRIPTIONS", "chain_outcome", "chain_steps", "gold_chain", "steps_of"]
 
 CHAIN_OUTCOMES: tuple[str, ...] = (
     "correct", "wrong_first_step", "stopped_early", "wrong_later_step", "went_on", "no_expression", "other",
@@ -65,7 +72,7 @@ def chain_outcome(completion_text: str, solution: str, answer_correct: bool) -> 
         return None
     if answer_correct:
         return "correct"
-    written = [c.value for c in calculations(reasoning_text(completion_text or "")) if c.value is not None]
+    written = _written_values(completion_text)
     if not written:
         return "no_expression"
     reached = [step in written for step in chain]
@@ -76,3 +83,42 @@ def chain_outcome(completion_text: str, solution: str, answer_correct: bool) -> 
     if len(written) < len(chain) and written == chain[:len(written)]:
         return "stopped_early"
     return "wrong_later_step"
+
+
+def _written_values(completion_text: str) -> list[Fraction]:
+    """The exact values of the calculations in a completion's reasoning, in order (refused ones left out)."""
+    return [c.value for c in calculations(reasoning_text(completion_text or "")) if c.value is not None]
+
+
+@register("chain_steps")
+def chain_steps(completions: Sequence[Any], solution: Sequence[Any] | None = None,
+                **kwargs: Any) -> list[float | None]:
+    """Per-step credit: the share of the worked `solution`'s steps whose result some calculation of the reasoning
+    has (`chain_outcome`'s sense of a step reached), 0.0 when the reasoning writes more calculations than the
+    chain has, None where the solution has no annotated steps (TRL leaves such a row out of this reward).
+
+    On a two-step problem a right first step then an answer earns 0.5, the whole chain 1.0. What keeps it from
+    being gamed: a completion cannot spray calculations hoping to hit a step's result (more calculations than the
+    chain has earn nothing), and the credit is weighted below the answer's (`correctness`), which stays the goal;
+    a run whose chain credit climbs while correctness does not is paid for steps, not answers (report.md's reward
+    table shows both).
+    """
+    texts = completion_texts(completions, **kwargs)
+    if solution is None:
+        raise ValueError("chain_steps needs the worked solutions as the `solution` dataset column")
+    if isinstance(solution, str):
+        solution = [solution] * len(texts)
+    if len(solution) != len(texts):
+        raise ValueError(f"got {len(solution)} solutions for {len(texts)} completions")
+    scores: list[float | None] = []
+    for text, worked in zip(texts, solution):
+        chain = gold_chain(worked)
+        if not chain:
+            scores.append(None)
+            continue
+        written = _written_values(text)
+        if len(written) > len(chain):
+            scores.append(0.0)
+            continue
+        scores.append(sum(step in written for step in chain) / len(chain))
+    return scores
