@@ -107,11 +107,27 @@ def test_goal_reward_falling_while_the_total_rises_warns_of_reward_hacking():
     assert "correctness fell from" in warning.message and "train.beta" in warning.fix
     assert check(hacked[:5], goal="correctness") == []  # too few steps to call a trend
     assert [w.code for w in scan(hacked, goal="correctness")] == ["reward_hacking"]
-    # both rising, both falling, or the goal flat while the total rises: no warning
+    # both rising, or both falling: no warning
     for goal, total in (([0.1 * i for i in range(10)], [1 + 0.1 * i for i in range(10)]),
-                        ([0.3 - 0.03 * i for i in range(10)], [2 - 0.1 * i for i in range(10)]),
-                        ([0.2] * 10, [1 + 0.1 * i for i in range(10)])):
+                        ([0.3 - 0.03 * i for i in range(10)], [2 - 0.1 * i for i in range(10)])):
         assert check(_trend(goal, total), goal="correctness") == []
+
+
+def test_the_total_rising_while_the_goal_stays_flat_warns_of_credit_without_answers():
+    from lowmem_grpo.rundir.health import check, scan
+
+    # partial credit (chain_steps) climbing while correctness stays where it was
+    paid = _trend([0.3, 0.32, 0.3, 0.31, 0.3, 0.3, 0.29, 0.31, 0.3, 0.3],
+                  [0.6, 0.62, 0.65, 0.7, 0.72, 0.8, 0.82, 0.85, 0.9, 0.9])
+    (warning,) = check(paid, goal="correctness")
+    assert warning.code == "credit_without_goal" and "did not (0.31 -> 0.30" in warning.message
+    assert "chain_steps" in warning.message and "lower" in warning.fix
+    assert [w.code for w in scan(paid, goal="correctness")] == ["credit_without_goal"]
+    assert check(paid, goal=None) == []
+    # the goal rising with the total, or the total rising less than the threshold: no warning
+    rising = _trend([0.3 + 0.02 * i for i in range(10)], [0.6 + 0.04 * i for i in range(10)])
+    small = _trend([0.3] * 10, [0.6, 0.61, 0.62, 0.63, 0.64, 0.65, 0.66, 0.67, 0.68, 0.69])
+    assert check(rising, goal="correctness") == [] and check(small, goal="correctness") == []
 
 
 def _collapse(step: int, distinct: float | None, shared: float | None) -> dict:

@@ -1,7 +1,8 @@
 """Known GRPO failure patterns, found in metric records: a pure function of the metrics, no torch.
 
 Besides a flat or clipped reward and a NaN gradient: reward hacking (the goal reward falls while the total
-rises) and template collapse (different prompts answered alike, from the per-step statistics of
+rises), credit without answers (the total rises while the goal reward does not: partial credit such as
+`chain_steps` or a format reward paid for something other than the goal) and template collapse (different prompts answered alike, from the per-step statistics of
 lowmem_grpo.rundir.completions.collapse_stats).
 
 `check(records)` looks at the newest records (the training callback calls it after every log);
@@ -29,6 +30,8 @@ HACK_GOAL_DROP = 0.05
 """The goal reward's mean (unweighted) falling by this much between the halves, while the total rises, warns."""
 HACK_TOTAL_RISE = 0.05
 """...and the total reward's mean rising by at least this much."""
+CREDIT_TOTAL_RISE = 0.10
+"""The total reward's mean rising by this much between the halves while the goal reward's does not rise warns."""
 COLLAPSE_STEPS = 3
 """Logged steps with collapse statistics the template-collapse check averages over."""
 DISTINCT_ANSWERS = 0.5
@@ -78,8 +81,10 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def reward_hacking(steps: list[dict[str, Any]], goal: str | None, step: int) -> HealthWarning | None:
-    """The goal reward's mean falls while the total reward rises, over the last HACK_WINDOW logged steps."""
+def _halves(steps: list[dict[str, Any]], goal: str | None
+            ) -> tuple[tuple[float, float], tuple[float, float], int] | None:
+    """((goal old, goal new), (total old, total new), steps compared): the means of the goal reward and the total
+    over the older and the newer half of the last HACK_WINDOW logged steps; None without a goal or enough steps."""
     if goal is None:
         return None
     key = f"rewards/{goal}/mean"
@@ -89,17 +94,43 @@ def reward_hacking(steps: list[dict[str, Any]], goal: str | None, step: int) -> 
         return None
     half = len(pairs) // 2
     old, new = pairs[:half], pairs[-half:]
-    goal_old, goal_new = _mean([g for g, _ in old]), _mean([g for g, _ in new])
-    total_old, total_new = _mean([t for _, t in old]), _mean([t for _, t in new])
+    return ((_mean([g for g, _ in old]), _mean([g for g, _ in new])),
+            (_mean([t for _, t in old]), _mean([t for _, t in new])), len(pairs))
+
+
+def reward_hacking(steps: list[dict[str, Any]], goal: str | None, step: int) -> HealthWarning | None:
+    """The goal reward's mean falls while the total reward rises, over the last HACK_WINDOW logged steps."""
+    halves = _halves(steps, goal)
+    if halves is None:
+        return None
+    (goal_old, goal_new), (total_old, total_new), n = halves
     if goal_old - goal_new < HACK_GOAL_DROP or total_new - total_old < HACK_TOTAL_RISE:
         return None
     return HealthWarning(
         "reward_hacking", step,
         f"the goal reward {goal} fell from {goal_old:.2f} to {goal_new:.2f} while the total reward rose from "
-        f"{total_old:.2f} to {total_new:.2f} (the last {len(pairs)} logged steps, older half vs newer half): the "
+        f"{total_old:.2f} to {total_new:.2f} (the last {n} logged steps, older half vs newer half): the "
         "policy is learning to earn the other rewards instead of the goal",
         "weigh the goal reward above the others together (e.g. lower the format rewards' weights), anchor the "
         "policy with train.beta > 0, or lower train.learning_rate")
+
+
+def credit_without_goal(steps: list[dict[str, Any]], goal: str | None, step: int) -> HealthWarning | None:
+    """The total reward rises while the goal reward does not (flat or falling less than reward hacking's drop),
+    over the last HACK_WINDOW logged steps: the other rewards are being earned without the goal."""
+    halves = _halves(steps, goal)
+    if halves is None:
+        return None
+    (goal_old, goal_new), (total_old, total_new), n = halves
+    if goal_new > goal_old or goal_old - goal_new >= HACK_GOAL_DROP or total_new - total_old < CREDIT_TOTAL_RISE:
+        return None
+    return HealthWarning(
+        "credit_without_goal", step,
+        f"the total reward rose from {total_old:.2f} to {total_new:.2f} while the goal "
+        f"reward {goal} did not ({goal_old:.2f} -> {goal_new:.2f}; the last {n} logged steps, older half vs newer "
+        "half): the other rewards (partial credit such as chain_steps, format) are paid without the answers",
+        "weigh the partial-credit and format rewards lower against the goal reward, or drop them once the format "
+        "is learnt; check rewards/<name>/mean in metrics.jsonl for the one that climbs")
 
 
 def template_collapse(steps: list[dict[str, Any]], step: int) -> HealthWarning | None:
@@ -167,7 +198,8 @@ def check(records: list[dict[str, Any]], *, zero_std_steps: int = ZERO_STD_STEPS
             "grad_norm_nan", step, "grad_norm is NaN: the update is broken and the adapter may be corrupted",
             "lower train.learning_rate, keep train.max_grad_norm set, use fp32 or bf16 instead of fp16, "
             "and check rewards for NaN"))
-    found += [w for w in (reward_hacking(steps, goal, step), template_collapse(steps, step)) if w is not None]
+    found += [w for w in (reward_hacking(steps, goal, step), credit_without_goal(steps, goal, step),
+                          template_collapse(steps, step)) if w is not None]
     return found
 
 
