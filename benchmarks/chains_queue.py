@@ -174,11 +174,24 @@ def rejudge(queue: Path, name: str) -> int:
     return 0
 
 
+def _gain_cell(folder: Path, level: int) -> str:
+    """`primed -> trained (gain [95% CI])` on GAIN_PROBLEMS problems of `level` steps, from the folder's
+    calculator_gain json; "-" when it was not measured."""
+    saved = folder / f"calculator_gain-levels{level}.json"
+    if not saved.exists():
+        return "-"
+    summary = json.loads(saved.read_text(encoding="utf-8"))["summary"]
+    acc = {stage: m["strict_accuracy"]["mean"] for stage, m in summary["stages"].items()}
+    d = summary["differences"]["primed->trained"]["strict_accuracy"]
+    return f"{acc['primed']:.3f} -> {acc['trained']:.3f} ({d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}])"
+
+
 def table(queue: Path) -> int:
     configs = _load(queue)
     print("| name | overrides | status | wall s | load | primed 1/2 steps | trained 1/2 steps | gain 2 steps | "
-          "2 steps primed -> trained: first step wrong / stopped early / later step wrong |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "2 steps primed -> trained: first step wrong / stopped early / later step wrong | "
+          f"{GAIN_PROBLEMS} problems, 1 step | {GAIN_PROBLEMS} problems, 2 steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in configs:
         saved = queue.parent / c["name"] / "stage_eval.json"  # read again: the figures of the current code
         acc = _accuracy(json.loads(saved.read_text(encoding="utf-8"))) if saved.exists() else {}
@@ -190,7 +203,8 @@ def table(queue: Path) -> int:
                                      ("wrong_first_step", "stopped_early", "wrong_later_step"))
                             for shares in (acc.get("chains_2") or {}).values()) or "-"
         print(f"| {c['name']} | `{' '.join(c['overrides'])}` | {c['status']} | {c.get('wall_s', '-')} | {load} | "
-              f"{cell('primed')} | {cell('trained')} | {g} | {broke} |")
+              f"{cell('primed')} | {cell('trained')} | {g} | {broke} | {_gain_cell(queue.parent / c['name'], 1)} | "
+              f"{_gain_cell(queue.parent / c['name'], 2)} |")
     return 0
 
 
