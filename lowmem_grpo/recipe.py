@@ -82,6 +82,10 @@ class GeneratedDataConfig:
     """Difficulty levels drawn, each row's level uniformly: one level ("2"), a range ("1-3") or a list ("1,4"). 1, 2,
     3 = one, two, three steps of any operation (given numbers <= 20); 4 = two or three steps with numbers in the
     hundreds or thousands; 5 = two or three steps plus a distractor (lowmem_grpo.data.generated.LEVELS)."""
+    grpo_levels: str | None = None
+    """The levels GRPO draws its problems from, some of `levels` in the same notation ("2"); None = all of them.
+    Priming, the reward preflight's problems aside, and the stage evaluations still use every level of `levels`:
+    e.g. prime on one- and two-step problems, train GRPO on the two-step ones, measure both."""
     operations: str = "add,sub,mul,div"
     """The operations a step may take, comma-separated: some of add, sub, mul, div ("add,sub": adding and taking
     away only)."""

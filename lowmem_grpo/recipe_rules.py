@@ -38,6 +38,10 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
         _require(d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
     if d.source == "generated":
         _validate_generated(d.generated)
+    else:
+        _require(d.generated.grpo_levels is None, "data.generated.grpo_levels",
+                 f"chooses among generated problems, but data.source is {d.source!r}",
+                 "use data.source=generated, or leave data.generated.grpo_levels unset")
         if d.generated.eval_stories == "heldout":
             _require(d.eval_split == "test", "data.generated.eval_stories", f"is heldout, but data.eval_split is "
                      f"{d.eval_split!r}: only the test split tells problems in held-out wording",
@@ -120,6 +124,15 @@ def _validate_generated(g: GeneratedDataConfig) -> None:
         parse_levels(g.levels)
     except DataError as exc:
         raise RecipeError(f"data.generated.levels: {exc}", fix='e.g. data.generated.levels="1-3"') from exc
+    if g.grpo_levels is not None:
+        try:
+            grpo = parse_levels(g.grpo_levels)
+        except DataError as exc:
+            raise RecipeError(f"data.generated.grpo_levels: {exc}", fix='e.g. data.generated.grpo_levels="2"') from exc
+        outside = sorted(set(grpo) - set(parse_levels(g.levels)))
+        _require(not outside, "data.generated.grpo_levels",
+                 f"names level(s) {', '.join(map(str, outside))} that data.generated.levels ({g.levels}) does not draw",
+                 "name some of data.generated.levels, or add the level there")
     try:
         parse_operations(g.operations)
     except DataError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lowmem_grpo.data.generated import level_of
+from lowmem_grpo.data.generated import level_of, parse_levels
 from lowmem_grpo.errors import DataError
 from lowmem_grpo.rewards.parsing import gold_number
 
@@ -114,3 +114,19 @@ def with_problem_columns(examples: list[dict[str, Any]], generated: bool) -> lis
     keyword arguments, which they take through **kwargs."""
     return [{**ex, "problem_id": i, "level": level_of(ex["question"], ex["solution"]) if generated else 0}
             for i, ex in enumerate(examples)]
+
+
+def grpo_examples(examples: list[dict[str, Any]], data: Any) -> list[dict[str, Any]]:
+    """The examples GRPO draws from: those of data.generated.grpo_levels (by lowmem_grpo.data.generated.level_of),
+    every example when it is unset. Priming and the stage evaluations keep every level."""
+    spec = data.generated.grpo_levels if data.source == "generated" else None
+    if spec is None:
+        return examples
+    wanted = set(parse_levels(spec))
+    chosen = [ex for ex in examples if level_of(ex["question"], ex["solution"]) in wanted]
+    if not chosen:
+        raise DataError(f"no training problem of data.generated.grpo_levels={spec} among {len(examples)}",
+                        fix="name levels that data.generated.levels draws, or raise data.generated.train_size")
+    log.info("GRPO draws from %d of %d training problems (data.generated.grpo_levels=%s)", len(chosen),
+             len(examples), spec)
+    return chosen

@@ -268,7 +268,8 @@ def sampling_state(train: Any, generated: Any, levels: Sequence[int]) -> Samplin
         from lowmem_grpo.data.generated import parse_levels
 
         present = set(levels)
-        wanted = [lv for lv in parse_levels(generated.levels) if lv in present] or sorted(present)
+        spec = generated.grpo_levels or generated.levels
+        wanted = [lv for lv in parse_levels(spec) if lv in present] or sorted(present)
         curriculum = Curriculum(wanted, train.curriculum_promote_at, window)
     return SamplingState(levels, train.seed, rates, curriculum)
 

@@ -13,7 +13,7 @@ from typing import Any
 from lowmem_grpo import distributed
 from lowmem_grpo.backends import LoadedModel, load, resolve_model_path, start
 from lowmem_grpo.backends.adapter import check_init_adapter
-from lowmem_grpo.data import budget, load_train_rows, recipe_examples
+from lowmem_grpo.data import budget, grpo_examples, load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
@@ -74,6 +74,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         loaded = load(recipe, runtime, model_path=model_path, adapter_path=start_adapter)  # flags follow its dtype
     loaded.runtime.check_precision()  # a precision Unsloth would refuse on it: exit 2, before the run dir is written
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
+    grpo_set = grpo_examples(examples, recipe.data)  # priming keeps every level; GRPO may draw from some
     open_run_dir(run_dir, recipe, loaded.runtime, resume, fit.plan)  # inputs are good: the run dir is written now
     if distributed.is_main_process():
         peaks.attach(run_dir / layout.PEAK_RSS_FILE)
@@ -87,11 +88,11 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         stages.measure(loaded.model, "primed")
     if recipe.train.preflight and resume is None:  # a resumed run already passed it
         with peaks.stage("preflight"):
-            require_reward_signal(recipe, loaded, examples)
+            require_reward_signal(recipe, loaded, grpo_set)
 
     started = time.monotonic()
     with peaks.stage("grpo"):
-        trainer = train_grpo(recipe, loaded, examples, run_dir, resume, callbacks)
+        trainer = train_grpo(recipe, loaded, grpo_set, run_dir, resume, callbacks)
     log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
     stages.measure(loaded.model, "trained")
     return save_and_report(trainer, run_dir, recipe.model.name)

@@ -1,0 +1,59 @@
+"""data.generated.grpo_levels: GRPO draws from some levels while priming and the evaluations keep them all."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowmem_grpo.data import grpo_examples
+from lowmem_grpo.data.generated import generate_rows, level_of
+from lowmem_grpo.errors import DataError, RecipeError
+from lowmem_grpo.recipe_io import load_recipe
+from lowmem_grpo.recipe_rules import validate
+from resilience_helpers import CPU_RECIPE, cli_inprocess, one_torch_thread, tiny_args  # noqa: F401
+
+
+def _examples(levels: str, size: int = 12) -> list[dict]:
+    return [{"question": r["question"], "solution": r["answer"]} for r in generate_rows("train", size, levels, 0)]
+
+
+def _recipe(*overrides: str):
+    return load_recipe(str(CPU_RECIPE), ["data.source=generated", *overrides])
+
+
+def test_grpo_examples_keep_the_named_levels_and_every_example_without_them():
+    examples = _examples("1-2")
+    assert {level_of(e["question"], e["solution"]) for e in examples} == {1, 2}
+    two = grpo_examples(examples, _recipe("data.generated.levels=1-2", "data.generated.grpo_levels=2").data)
+    assert two and {level_of(e["question"], e["solution"]) for e in two} == {2}
+    assert two == [e for e in examples if level_of(e["question"], e["solution"]) == 2]  # order kept
+    assert grpo_examples(examples, _recipe("data.generated.levels=1-2").data) is examples
+    with pytest.raises(DataError, match="no training problem of data.generated.grpo_levels=3"):
+        grpo_examples(examples, _recipe("data.generated.levels=1-3", "data.generated.grpo_levels=3").data)
+
+
+def test_grpo_levels_must_be_some_of_the_generated_levels():
+    validate(_recipe("data.generated.levels=1,2", "data.generated.grpo_levels=2"))
+    with pytest.raises(RecipeError, match=r"names level\(s\) 3 that data.generated.levels \(1,2\) does not draw"):
+        validate(_recipe("data.generated.levels=1,2", "data.generated.grpo_levels=2-3"))
+    with pytest.raises(RecipeError, match="data.generated.grpo_levels"):
+        validate(_recipe("data.generated.levels=1,2", "data.generated.grpo_levels=two"))
+    with pytest.raises(RecipeError, match="but data.source is 'embedded'"):
+        validate(load_recipe(str(CPU_RECIPE), ["data.source=embedded", "data.generated.grpo_levels=2"]))
+
+
+@pytest.mark.slow
+def test_a_run_primes_on_every_level_and_trains_grpo_on_the_named_ones(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "data.source=generated", "data.generated.levels=1-2",
+                                         "data.generated.grpo_levels=2", "data.generated.train_size=16",
+                                         "prime.enabled=true", "prime.max_steps=1", steps=2, save_steps=2))
+    assert code == 0, log[-3000:]
+    rows = generate_rows("train", 16, "1-2", 0)
+    level = {r["question"]: level_of(r["question"], r["answer"]) for r in rows}
+    two = sum(v == 2 for v in level.values())
+    assert f"priming 1 steps on {len(rows)} rendered solutions" in log
+    assert f"GRPO draws from {two} of {len(rows)} training problems (data.generated.grpo_levels=2)" in log
+    lines = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert lines and {level[line["question"]] for line in lines} == {2}
