@@ -38,14 +38,14 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
         _require(d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
     if d.source == "generated":
         _validate_generated(d.generated)
-    else:
-        _require(d.generated.grpo_levels is None, "data.generated.grpo_levels",
-                 f"chooses among generated problems, but data.source is {d.source!r}",
-                 "use data.source=generated, or leave data.generated.grpo_levels unset")
         if d.generated.eval_stories == "heldout":
             _require(d.eval_split == "test", "data.generated.eval_stories", f"is heldout, but data.eval_split is "
                      f"{d.eval_split!r}: only the test split tells problems in held-out wording",
                      "set data.eval_split=test, or data.generated.eval_stories=all")
+    else:
+        _require(d.generated.grpo_levels is None, "data.generated.grpo_levels",
+                 f"chooses among generated problems, but data.source is {d.source!r}",
+                 "use data.source=generated, or leave data.generated.grpo_levels unset")
     if d.calculator:  # every source's rows are GSM8K solutions (sources.check_rows); other tasks' are not
         _require(recipe.task == "gsm8k", "data.calculator", f"completes GSM8K's `<<a-b=` calculator annotations, "
                  f"but task is {recipe.task!r}, whose data has none",
