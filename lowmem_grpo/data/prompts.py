@@ -119,7 +119,7 @@ def with_problem_columns(examples: list[dict[str, Any]], generated: bool) -> lis
 def grpo_examples(examples: list[dict[str, Any]], data: Any) -> list[dict[str, Any]]:
     """The examples GRPO draws from: those of data.generated.grpo_levels (by lowmem_grpo.data.generated.level_of),
     every example when it is unset. Priming and the stage evaluations keep every level."""
-    spec = data.generated.grpo_levels if data.source == "generated" else None
+    spec = data.generated.grpo_levels  # validate refuses it unless data.source=generated
     if spec is None:
         return examples
     wanted = set(parse_levels(spec))

@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Any
 
 from .calculator import calculations, evaluate, reasoning_text
-from .gsm8k import completion_texts
+from .gsm8k import column_values, completion_texts
 from .registry import register
 
 __all__ = ["CHAIN_OUTCOMES", "CHAIN_DESCRIPTIONS", "chain_outcome", "chain_steps", "gold_chain", "steps_of"]
@@ -104,14 +104,8 @@ def chain_steps(completions: Sequence[Any], solution: Sequence[Any] | None = Non
     table shows both).
     """
     texts = completion_texts(completions, **kwargs)
-    if solution is None:
-        raise ValueError("chain_steps needs the worked solutions as the `solution` dataset column")
-    if isinstance(solution, str):
-        solution = [solution] * len(texts)
-    if len(solution) != len(texts):
-        raise ValueError(f"got {len(solution)} solutions for {len(texts)} completions")
     scores: list[float | None] = []
-    for text, worked in zip(texts, solution):
+    for text, worked in zip(texts, column_values(solution, len(texts), "chain_steps", "solution", "solutions")):
         chain = gold_chain(worked)
         if not chain:
             scores.append(None)

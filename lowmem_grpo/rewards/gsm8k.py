@@ -98,15 +98,17 @@ def completion_texts(completions: Sequence[Any], **kwargs: Any) -> list[str]:
     return [(p or "") + t for p, t in zip(prefill, texts)]
 
 
-def _gold_answers(answer: Any, count: int, reward: str) -> Sequence[Any]:
-    """The gold ``answer`` column, one entry per completion (a single value is repeated)."""
-    if answer is None:
-        raise ValueError(f"{reward} needs the gold answers as the `answer` dataset column")
-    if isinstance(answer, (str, int, float, Decimal)):
-        answer = [answer] * count
-    if len(answer) != count:
-        raise ValueError(f"got {len(answer)} gold answers for {count} completions")
-    return answer
+def column_values(values: Any, count: int, reward: str, column: str = "answer",
+                  what: str = "gold answers") -> Sequence[Any]:
+    """A dataset column a reward needs (`column`, holding `what`), one entry per completion (a single value is
+    repeated); a missing column or one of another length is an error naming the reward."""
+    if values is None:
+        raise ValueError(f"{reward} needs the {what} as the `{column}` dataset column")
+    if isinstance(values, (str, int, float, Decimal)):
+        values = [values] * count
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} {what} for {count} completions")
+    return values
 
 
 @register("correctness")
@@ -115,7 +117,7 @@ def correctness(completions: Sequence[Any], answer: Sequence[Any] | None = None,
     """1.0 when the answer block holds exactly one number equal to the gold ``answer``."""
     texts = completion_texts(completions, **kwargs)
     scores = []
-    for text, gold in zip(texts, _gold_answers(answer, len(texts), "correctness")):
+    for text, gold in zip(texts, column_values(answer, len(texts), "correctness")):
         numbers = find_numbers(extract_answer_block(text))
         target = gold_value(gold)
         ok = len(numbers) == 1 and target is not None and parse_number(numbers[0]) == target
@@ -137,7 +139,7 @@ def expression(completions: Sequence[Any], answer: Sequence[Any] | None = None,
     """
     texts = completion_texts(completions, **kwargs)
     scores = []
-    for text, gold in zip(texts, _gold_answers(answer, len(texts), "expression")):
+    for text, gold in zip(texts, column_values(answer, len(texts), "expression")):
         calc = last_calculation(text)
         target = gold_value(gold)
         ok = calc is not None and calc.value is not None and target is not None and calc.value == Fraction(target)
