@@ -2,8 +2,8 @@
 
 Besides a flat or clipped reward and a NaN gradient: reward hacking (the goal reward falls while the total
 rises), credit without answers (the total rises while the goal reward does not: partial credit such as
-`chain_steps` or a format reward paid for something other than the goal) and template collapse (different prompts answered alike, from the per-step statistics of
-lowmem_grpo.rundir.completions.collapse_stats).
+`chain_steps` or a format reward paid for something other than the goal) and template collapse (different
+prompts answered alike, from the per-step statistics of lowmem_grpo.rundir.completions.collapse_stats).
 
 `check(records)` looks at the newest records (the training callback calls it after every log);
 `scan(records)` replays a whole run and returns every warning with the step it first fired at
