@@ -84,8 +84,9 @@ class GeneratedDataConfig:
     hundreds or thousands; 5 = two or three steps plus a distractor (lowmem_grpo.data.generated.LEVELS)."""
     grpo_levels: str | None = None
     """The levels GRPO draws its problems from, some of `levels` in the same notation ("2"); None = all of them.
-    Priming, the reward preflight's problems aside, and the stage evaluations still use every level of `levels`:
-    e.g. prime on one- and two-step problems, train GRPO on the two-step ones, measure both."""
+    A level named k times weighs k ("1,2,2,2": a quarter one-step, three quarters two-step). Priming, the reward
+    preflight's problems aside, and the stage evaluations still use every level of `levels`: e.g. prime on one- and
+    two-step problems, train GRPO on the two-step ones, measure both."""
     operations: str = "add,sub,mul,div"
     """The operations a step may take, comma-separated: some of add, sub, mul, div ("add,sub": adding and taking
     away only)."""

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lowmem_grpo.data import grpo_examples
-from lowmem_grpo.data.generated import generate_rows, level_of
+from lowmem_grpo.data.generated import generate_rows, level_of, level_shares
 from lowmem_grpo.errors import DataError, RecipeError
 from lowmem_grpo.recipe_io import load_recipe
 from lowmem_grpo.recipe_rules import validate
@@ -31,6 +31,20 @@ def test_grpo_examples_keep_the_named_levels_and_every_example_without_them():
     assert grpo_examples(examples, _recipe("data.generated.levels=1-2").data) is examples
     with pytest.raises(DataError, match="no training problem of data.generated.grpo_levels=3"):
         grpo_examples(examples, _recipe("data.generated.levels=1-3", "data.generated.grpo_levels=3").data)
+
+
+def test_a_level_named_k_times_weighs_k():
+    assert level_shares("1,2,2,2") == {1: 0.25, 2: 0.75}
+    assert level_shares("2") == {2: 1.0} and level_shares("1-2") == {1: 0.5, 2: 0.5}
+    examples = _examples("1-2", size=200)
+    levels = [level_of(e["question"], e["solution"]) for e in examples]
+    mix = grpo_examples(examples, _recipe("data.generated.levels=1-2", "data.generated.grpo_levels=1,2,2,2").data)
+    mixed = [level_of(e["question"], e["solution"]) for e in mix]
+    # every two-step example (the scarcer side of a 1:3 mix) and a third as many one-step ones, in their order
+    assert mixed.count(2) == levels.count(2) and mixed.count(1) == levels.count(2) // 3
+    assert mix == [e for e in examples if e in mix]
+    with pytest.raises(DataError, match="none of level 3"):
+        grpo_examples(examples, _recipe("data.generated.levels=1-3", "data.generated.grpo_levels=2,3").data)
 
 
 def test_grpo_levels_must_be_some_of_the_generated_levels():

@@ -132,6 +132,15 @@ def parse_levels(spec: int | str) -> tuple[int, ...]:
     return levels
 
 
+def level_shares(spec: int | str) -> dict[int, float]:
+    """Each level's share of a mix a spec names, a level named k times weighing k: "1,2,2,2" -> {1: 0.25, 2: 0.75};
+    "2" -> {2: 1.0}; a range weighs its levels alike. Raises DataError as parse_levels does."""
+    levels = parse_levels(spec)
+    text = str(spec).strip()
+    counts = ([int(x) for x in text.split(",")] if "," in text else list(levels))
+    return {lv: counts.count(lv) / len(counts) for lv in levels}
+
+
 def parse_operations(spec: str) -> tuple[str, ...]:
     """The operations a comma-separated spec names, in the order of OPERATIONS: "sub,add" -> ("add", "sub").
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lowmem_grpo.data.generated import level_of, parse_levels
+from lowmem_grpo.data.generated import level_of, level_shares
 from lowmem_grpo.errors import DataError
 from lowmem_grpo.rewards.parsing import gold_number
 
@@ -118,15 +118,28 @@ def with_problem_columns(examples: list[dict[str, Any]], generated: bool) -> lis
 
 def grpo_examples(examples: list[dict[str, Any]], data: Any) -> list[dict[str, Any]]:
     """The examples GRPO draws from: those of data.generated.grpo_levels (by lowmem_grpo.data.generated.level_of),
-    every example when it is unset. Priming and the stage evaluations keep every level."""
+    in the shares it names ("1,2,2,2": a quarter one-step, three quarters two-step; the most examples that keep
+    those shares, in their order), every example when it is unset. Priming and the stage evaluations keep every
+    level."""
     spec = data.generated.grpo_levels  # validate refuses it unless data.source=generated
     if spec is None:
         return examples
-    wanted = set(parse_levels(spec))
-    chosen = [ex for ex in examples if level_of(ex["question"], ex["solution"]) in wanted]
-    if not chosen:
-        raise DataError(f"no training problem of data.generated.grpo_levels={spec} among {len(examples)}",
+    shares = level_shares(spec)
+    levels = [level_of(ex["question"], ex["solution"]) for ex in examples]
+    found = {lv: levels.count(lv) for lv in shares}
+    missing = [str(lv) for lv, n in found.items() if not n]
+    if missing:
+        raise DataError(f"no training problem of data.generated.grpo_levels={spec} among {len(examples)}: none of "
+                        f"level {', '.join(missing)}",
                         fix="name levels that data.generated.levels draws, or raise data.generated.train_size")
+    # the largest mix in which no level asks for more examples than it has
+    size = min(found[lv] / share for lv, share in shares.items())
+    quota = {lv: int(size * share + 1e-9) for lv, share in shares.items()}
+    chosen = []
+    for ex, lv in zip(examples, levels):
+        if quota.get(lv, 0) > 0:
+            chosen.append(ex)
+            quota[lv] -= 1
     log.info("GRPO draws from %d of %d training problems (data.generated.grpo_levels=%s)", len(chosen),
              len(examples), spec)
     return chosen
