@@ -138,5 +138,4 @@ def guard_reward(func: Callable[..., Any]) -> Callable[..., Any]:
                                   fix=f"return a finite float from {name}; {skip_hint}")
         return scores
 
-    guarded.__lowmem_guarded__ = True  # type: ignore[attr-defined]
     return guarded
