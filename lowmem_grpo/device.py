@@ -112,19 +112,15 @@ def hub_unreachable(timeout: float = 3.0, environ: Mapping[str, str] | None = No
 # --- the facts the runtime resolves "auto" from ------------------------------------------------------
 
 
-def cuda_capability() -> tuple[int, int] | None:
-    """(major, minor) compute capability of this process's CUDA GPU; None without CUDA."""
-    import torch
-
-    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
-
-
 def bf16_supported(capability: tuple[int, int] | None = None) -> bool:
     """Whether the GPU computes in bfloat16 natively: compute capability >= 8, the rule Unsloth loads by
     (unsloth/models/_utils.py SUPPORTS_BFLOAT16). torch.cuda.is_bf16_supported() also counts emulation and says
     True on Turing (sm_75), where Unsloth then loads float16: asking torch would make our flags disagree with the
-    model. `capability` is a seam for tests; None asks this machine (False without CUDA)."""
-    capability = capability if capability is not None else cuda_capability()
+    model. `capability` (major, minor) is a seam for tests; None asks this machine (False without CUDA)."""
+    if capability is None:
+        import torch
+
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     return capability is not None and capability[0] >= 8
 
 
