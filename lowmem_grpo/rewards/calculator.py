@@ -208,13 +208,9 @@ def format_result(value: Fraction | int) -> str:
 
 
 def pending_expression(text: str) -> str | None:
-    """EXPR when `text` ends with an open calculator call ``<<EXPR=`` (no ``>>`` after the ``<<``);
-    else None.
-
-    Cheap: only the last `MAX_EXPRESSION_CHARS` + 3 characters are read (a longer EXPR would not
-    evaluate anyway). An EXPR holding ``=``, ``<``, ``>`` or a newline, or only spaces, is not a
-    pending call.
-    """
+    """EXPR when `text` ends with an open calculator call ``<<EXPR=`` (no ``>>`` after the ``<<``); else None.
+    Only the last `MAX_EXPRESSION_CHARS` + 3 characters are read (a longer EXPR would not evaluate anyway); an EXPR
+    holding ``=``, ``<``, ``>`` or a newline, or only spaces, is not a pending call."""
     if not text or text[-1] != "=":
         return None
     tail = text[-(MAX_EXPRESSION_CHARS + 3):]
@@ -318,14 +314,9 @@ def last_calculation(text: str) -> Calculation | None:
 
 
 def outcome(completion_text: str, gold: Any, answer_correct: bool) -> str:
-    """What an answer got wrong, one of `OUTCOMES`, judged on the last calculation of its reasoning.
-
-    ``correct`` when `answer_correct`; else ``no_expression`` (no calculation), ``wrong_arithmetic``
-    (its exact value is the gold answer but the written result is not), ``wrong_operation`` (the
-    written result is its exact value, which is not the gold answer), ``both_wrong`` (neither),
-    ``other`` (value and arithmetic right, the answer still wrong). `gold` is a number or a GSM8K
-    solution ending in ``#### N``.
-    """
+    """What an answer got wrong, one of `OUTCOMES` (OUTCOME_DESCRIPTIONS), judged on the last calculation of its
+    reasoning: its exact value against the gold answer (a number or a GSM8K solution ending in ``#### N``), and its
+    written result against its exact value."""
     if answer_correct:
         return "correct"
     calc = last_calculation(completion_text or "")

@@ -283,16 +283,12 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
              sampling_params_class: Callable[..., Any] | None = None) -> list[list[Generation]]:
     """num_samples completions per prompt (text after the prompt, prefill excluded).
 
-    With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
-    model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
-    merged into the weights while it samples when `merged` and merged_adapter applies, with
-    lowmem_grpo.sampling.attention's CPU attention when `attention`, through lowmem_grpo.sampling.engine.
-    With `calculator`, each `<<EXPR=` a row writes is completed by the calculator: by the engine, or on vLLM by
-    stopping the row after each token ending in "=" and resubmitting it
-    (lowmem_grpo.sampling.vllm_calculator; `sampling_params_class` builds its per-request settings, None:
-    vllm.SamplingParams). `on_progress(done, total)`, when given, is called with the problems done after each
-    batch (vLLM: once, at the end), for callers that log progress instead of showing the bar
-    (evaluation.progress.ProgressLog)."""
+    With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, else the model's live adapter;
+    with transformers through lowmem_grpo.sampling.engine, from the model as it is inside fast_sampling (`merged`,
+    `attention`). `calculator`: each `<<EXPR=` a row writes is completed by the calculator (on vLLM in rounds,
+    `sampling_params_class` building its per-request settings; None: vllm.SamplingParams). `on_progress(done,
+    total)` is called with the problems done after each batch (vLLM: once), for callers that log progress instead
+    of showing the bar."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")

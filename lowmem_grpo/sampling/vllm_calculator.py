@@ -133,13 +133,6 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], list[int],
     return passed, list(settings.get("stop_token_ids") or []), settings.get("seed")
 
 
-def vllm_sampling_params() -> type:
-    """vllm.SamplingParams (imported here: vllm needs CUDA and is an extra)."""
-    from vllm import SamplingParams
-
-    return SamplingParams
-
-
 class EngineRounds:
     """`sample` for calculator_rows on a vLLM engine's `generate` (a vllm.LLM: Unsloth's fast_inference engine,
     or TRL's colocated one): one request per row (n=1) with its own SamplingParams (its budget, the stop ids,
@@ -155,7 +148,9 @@ class EngineRounds:
         self.params_class = params_class
 
     def __call__(self, requests: list[Request], stop_token_ids: list[int]) -> list[Piece]:
-        make = self.params_class or vllm_sampling_params()
+        make = self.params_class
+        if make is None:
+            from vllm import SamplingParams as make
         stops = sorted(set(stop_token_ids) | set(self.extra_stops))
         params = [make(**self.settings, n=1, max_tokens=r.max_tokens, stop_token_ids=stops, logprobs=0, seed=r.seed)
                   for r in requests]
