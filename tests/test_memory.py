@@ -16,8 +16,8 @@ import pytest
 from lowmem_grpo.errors import BadInputError, RecipeError
 from lowmem_grpo.memory import logprob as ml
 from lowmem_grpo.memory import terms as mt
-from lowmem_grpo.memory.arch import (MOE_KEYS, SSM_KEYS, architecture_from_config, load_architecture, shipped_config_path,
-                                     shipped_configs)
+from lowmem_grpo.memory.arch import (CONFIGS_DIR, MOE_KEYS, SSM_KEYS, architecture_from_config, load_architecture,
+                                     shipped_config_path)
 from lowmem_grpo.memory.fit import auto_fit, plan_with_proposal
 from lowmem_grpo.memory.plan import GIB, MIB, parse_size, plan, settings_for
 from lowmem_grpo.recipe import DEFAULT_TARGET_MODULES
@@ -280,6 +280,11 @@ def test_every_recipe_model_has_a_shipped_config_of_its_family(path):
     assert json.loads(config.read_text())["model_type"] == expected == load_architecture(name).model_type
 
 
+def shipped_configs() -> dict[str, Path]:
+    """Hub id -> shipped config path, for every config in the package."""
+    return {p.stem.replace("__", "/", 1): p for p in sorted(CONFIGS_DIR.glob("*.json"))}
+
+
 @pytest.mark.parametrize("hub_id", sorted(shipped_configs()))
 def test_shipped_config_builds_the_model_it_describes(hub_id):
     import torch
@@ -448,11 +453,12 @@ ONE_GROUP = ["model.backend=unsloth", "train.per_device_train_batch_size=8", "tr
 
 
 def _sharing(recipe_name: str, overrides: list[str], env: dict[str, str] | None = None, config: dict | None = None):
-    from lowmem_grpo.memory.plan import sharing_for
+    from lowmem_grpo.memory.sharing import sharing_for
+    from lowmem_grpo.runtime import planned
 
     recipe = apply_overrides(load_recipe(recipe_name), overrides)
     arch = architecture_from_config(config) if config else load_architecture(recipe.model.name)
-    return sharing_for(recipe, arch, env if env is not None else {})
+    return sharing_for(arch, planned(recipe), recipe, env if env is not None else {})
 
 
 def test_prefix_grouper_gate():

@@ -7,6 +7,14 @@ from typing import Any
 from lowmem_grpo.recipe import Recipe
 
 
+def nf4_config(compute_dtype: Any) -> Any:
+    """bitsandbytes' 4-bit config: nf4 with double quantization (training's base, and a merged-4bit export)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
 def load_hf(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: bool,
             adapter_path: str | None) -> tuple[Any, Any]:
     """Model and tokenizer with a LoRA adapter, the base quantized to 4-bit on CUDA when asked."""
@@ -21,12 +29,7 @@ def load_hf(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: bool,
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": m.trust_remote_code}
     quantized = m.load_in_4bit and cuda  # bitsandbytes 4-bit training needs CUDA kernels
     if quantized:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch_dtype,
-        )
+        kwargs["quantization_config"] = nf4_config(torch_dtype)
         kwargs["device_map"] = {"": cuda_device_index()}  # this process's GPU: LOCAL_RANK under a launcher
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

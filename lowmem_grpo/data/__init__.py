@@ -3,6 +3,3 @@
 from lowmem_grpo.data.prompts import (build_examples, grpo_examples, messages_for, recipe_examples, render_prompt,
                                      with_problem_columns)
 from lowmem_grpo.data.sources import embedded_path, load_eval_rows, load_rows, load_train_rows, source_exists
-
-__all__ = ["build_examples", "embedded_path", "grpo_examples", "load_eval_rows", "load_rows", "load_train_rows",
-           "messages_for", "recipe_examples", "render_prompt", "source_exists", "with_problem_columns"]

@@ -1,12 +1,9 @@
 """Does train.max_completion_length leave room for the answers the task wants?
 
-A completion earns the format and the correctness rewards only when it reaches `</answer>`, and it
-stops cleanly only when the end-of-turn token fits after it. The worked solutions of the training
-problems, rendered in the target format (lowmem_grpo.data.format, what priming teaches), say how
-long such an answer is for this task and this tokenizer. `fit_budget` counts the ones that cannot
-finish within the budget; `check_budget` refuses (RecipeError, exit 2) a budget that cuts more than
-train.max_truncated_targets of them, naming the share and the smallest budget that fits.
-Torch-free: the tokenizer is passed in (`load_tokenizer` imports transformers when called).
+A completion earns the format and correctness rewards only when it reaches `</answer>` with room for the end-of-turn
+token. The training problems' worked solutions, rendered in the target format (what priming teaches), say how long
+such an answer is: `check_budget` refuses (RecipeError, exit 2) a budget more than train.max_truncated_targets of them
+cannot finish within, naming the smallest budget that fits. Torch-free (`load_tokenizer` imports transformers).
 """
 
 from __future__ import annotations
@@ -109,13 +106,10 @@ def checked(recipe: Any) -> bool:
 
 
 def check_recipe_budget(recipe: Any, model_path: Callable[[], str], *, hub_model: bool = False) -> BudgetFit | None:
-    """`validate`'s check: loads the training rows and the tokenizer of `model_path()` (no weights) and runs
-    `check_budget`; when either cannot be had here (hub data or a hub model without the network) it logs why the
-    budget was not checked and returns None. A budget that does not fit raises RecipeError.
-
-    `hub_model`: the tokenizer comes from the hub. Where the data or the tokenizer would come from the hub, the hub
-    is asked once first (lowmem_grpo.device.hub_unreachable): without a network the check is skipped in a second
-    instead of after the hub libraries' retries."""
+    """`validate`'s check: `check_budget` on the training rows and the tokenizer of `model_path()` (no weights);
+    None, with the reason logged, when either cannot be had here. Where the data or the tokenizer (`hub_model`) would
+    come from the hub, the hub is asked once first (device.hub_unreachable), so that without a network the check is
+    skipped in a second instead of after the hub libraries' retries."""
     from lowmem_grpo.data.sources import load_train_rows
     from lowmem_grpo.device import hub_unreachable
     from lowmem_grpo.errors import LowmemError

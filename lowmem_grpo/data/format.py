@@ -10,32 +10,15 @@ A GSM8K worked solution becomes the target
     45
     </answer>
 
-The solution lines are the reasoning; the number after "####" is the answer. The calculator
-annotations `<<7*7=49>>` are removed unless data.calculator is on: in GSM8K they are the protocol of
-an external calculator that filled in each result while the dataset was written. Without a
-calculator at generation time nobody fills them in, so a model primed on them learns to write every
-result twice in a syntax no reward asks for, spending a tight completion budget on bookkeeping, and
-to write arithmetic it has to get right twice. Without them the reasoning reads as plain prose
-arithmetic.
+The calculator annotations `<<7*7=49>>` are removed unless data.calculator is on: without a calculator at generation
+time nobody fills them in, and a model primed on them learns to write every result twice in a syntax no reward asks
+for. With data.calculator the sampling engine completes `<<EXPR=` with `RESULT>>` (rewards.calculator.forced_text),
+so priming keeps each annotation in that form and drops GSM8K's duplicate expression in front of it
+(`49-4=<<49-4=45>>45` becomes `<<49-4=45>>45`, also where the prose writes "x" for "*" or "$" around it; arithmetic
+that runs on in front of the annotation is left as written). An annotation the calculator refuses is removed.
 
-With data.calculator the sampling engine is that calculator: it completes `<<EXPR=` with the exact
-result and `>>` (lowmem_grpo.rewards.calculator.forced_text). Priming then keeps each annotation in
-exactly that form, so the model learns to call it and to go on after it, and drops the duplicate
-expression GSM8K writes in front of it:
-
-    She starts with <<7*7=49>>49 fish.
-    She now has <<49-4=45>>45 fish.
-
-(GSM8K's `49-4=<<49-4=45>>45`; `$4*5=$<<4*5=20>>20` becomes `$<<4*5=20>>20`, and the hub's
-`48/2 = <<48/2=24>>24` and `12 x 2 = <<12*2=24>>24`, whose prose writes "x" for "*", become `<<48/2=24>>24` and
-`<<12*2=24>>24`; a line whose arithmetic runs on in front of the annotation, `3 x 12 x 2 = <<12*2=24>>24`, is
-left as written.) The value inside is
-re-rendered by the calculator (`format_result`), the text the engine forces; an annotation whose
-expression the calculator refuses is removed as without the calculator.
-
-The prefill (`data.prefill`, e.g. "<reasoning>\\n") is part of the prompt, so the SFT completion
-is the target minus the prefill, exactly the text GRPO samples after it; the rewards score
-prefill + completion. Torch-free.
+The prefill (`data.prefill`, e.g. "<reasoning>\\n") is part of the prompt, so the SFT completion is the target minus
+the prefill, exactly the text GRPO samples after it; the rewards score prefill + completion. Torch-free.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Generated GSM8K-style word problems at five levels, for curricula and held-out evaluation of seen and new wording.
+"""Generated GSM8K-style word problems at five levels (LEVELS), for curricula and held-out evaluation of seen and new
+wording (docs/data.md, "Generated problems").
 
-Rows follow GSM8K's schema, so `sources.check_rows`, `parsing.gold_number` and the prime stage take them
-unchanged, plus columns that say how the problem is told (check_rows drops them; `wording_of` reads the same back
-from the question)::
+Rows follow GSM8K's schema (one solution line per calculation with its `<<expr=value>>` annotation, then `#### N`),
+so `sources.check_rows` and the prime stage take them unchanged, plus columns that say how the problem is told::
 
     {"question": "Maya keeps 12 marbles in a jar. Liam has 3 times as many marbles as Maya. He loses 5 marbles. "
                  "How many marbles does Liam have now?",
@@ -10,27 +10,10 @@ from the question)::
      "frame": "marbles", "phrasings": ["mul.times_as_many", "sub.loses"], "frame_seen": true,
      "phrasing_seen": true, "wording": "seen"}
 
-One solution line per calculation, each with its annotation `<<expr=value>>`, and a last line `#### N`. Every
-value is a positive integer, computed exactly (shares divide exactly). The question is told in a frame and each
-step in a phrasing of its operation (lowmem_grpo.data.vocabulary): all four operations, each in many phrasings,
-combined with every frame they fit.
-
-Levels (`LEVELS`): 1 one step, 2 two steps, 3 three steps (each step adding, taking away, a product or an exact
-share; every given number at most 20), 4 two or three steps with numbers in the hundreds or thousands, 5 two or
-three steps plus a distractor (a quantity the solution does not use). A spec such as "1-3" or "2,4" draws each
-row's level uniformly from those levels; `operations` ("add,sub" ...) keeps to some of the four operations.
-
-Train and test are disjoint by construction: a problem's split is a stable hash (blake2b) of its arithmetic, the
-chain of `expr=value` annotations (`split_of`); the generator keeps only candidates of the requested split, so no
-test problem, not even its arithmetic told another way, is in train. The train split never tells a problem in a
-frame of `HELDOUT_FRAMES` nor with a phrasing of `HELDOUT_PHRASINGS`. The test split's rows are, by `stories`:
-"all" (the default) alternately seen wording (a train frame, train phrasings: new arithmetic only) and held-out
-wording (in turn a held-out frame, a held-out phrasing, both); "seen" or "heldout" only one kind. Questions never
-repeat within a split. The same arguments always give the same rows, and a smaller size gives a prefix of a larger
-one.
-
-Rows' `level_of(question, answer)` and `wording_of(question)` recover the level and the wording from the text, so
-they survive check_rows, a jsonl round trip, and TRL's dataset columns. Standard library only.
+Train and test are disjoint by construction: a problem's split is a stable hash of its arithmetic (`split_of`), and
+the train split never uses HELDOUT_FRAMES nor HELDOUT_PHRASINGS. `level_of(question, answer)` and
+`wording_of(question)` recover the level and the wording from the text, so they survive check_rows, a jsonl round
+trip and TRL's dataset columns. Standard library only.
 """
 
 from __future__ import annotations
@@ -45,9 +28,6 @@ from lowmem_grpo.data.vocabulary import FRAMES, HELDOUT_FRAMES, HELDOUT_PHRASING
 from lowmem_grpo.data.wording import Wording, frame_of, wording_of
 from lowmem_grpo.errors import DataError
 from lowmem_grpo.rewards.parsing import find_numbers
-
-__all__ = ["HELDOUT_FRAMES", "HELDOUT_PHRASINGS", "LEVELS", "OPERATIONS", "SPLITS", "STEPS", "TASKS", "WORDINGS",
-           "frame_of", "generate_rows", "level_of", "parse_levels", "parse_operations", "split_of", "wording_of"]
 
 LEVELS: dict[int, str] = {
     1: "one step: adding, taking away, a product or an exact share; every given number is at most 20",
@@ -214,14 +194,10 @@ def _row(problem: Problem) -> dict[str, Any]:
 
 def generate_rows(split: str, size: int, level: int | str, seed: int, task: str = "arithmetic",
                   stories: str = "all", operations: str = ",".join(OPERATIONS)) -> list[dict[str, Any]]:
-    """`size` GSM8K-style rows of `split` at `level` (a level, "1-3" or "2,4"), with their wording columns.
-
-    Deterministic: the same arguments give the same rows, and a smaller size gives a prefix of a
-    larger one. A mixed spec draws each row's level uniformly. Rows of "train" and "test" never
-    share a problem (see `split_of`), and questions never repeat within a call. "train" never uses a
-    frame of HELDOUT_FRAMES or a phrasing of HELDOUT_PHRASINGS; `stories` picks the test split's wording (WORDINGS).
-    Raises DataError on a bad argument, or when the split runs out of new problems at this level.
-    """
+    """`size` GSM8K-style rows of `split` at `level` (a level, "1-3" or "2,4": each row's level drawn uniformly),
+    with their wording columns; `stories` picks the test split's wording (WORDINGS). Deterministic, a smaller size a
+    prefix of a larger one, no question twice. DataError on a bad argument, or when the split runs out of new
+    problems at this level."""
     _check_arguments(split, task, stories, size)
     levels, names = parse_levels(level), parse_operations(operations)
     ops = "".join(OPERATIONS[n] for n in names)

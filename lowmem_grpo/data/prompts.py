@@ -1,8 +1,8 @@
-"""Turn GSM8K rows into prompts: system prompt + question, rendered with the model's chat template.
+"""Turn GSM8K rows into prompts: system prompt + question, rendered with the model's chat template (docs/data.md).
 
-Prompts are rendered to text here (not left as message lists) so that an assistant prefill can
-follow the generation prompt, and so that the length TRL sees is exactly the length measured here.
-TRL 1.x never truncates prompts, so the `max_prompt_length` rule is applied in this module.
+Prompts are rendered to text here, not left as message lists, so that an assistant prefill can follow the generation
+prompt and the length TRL sees is the length measured here: TRL 1.x never truncates prompts, so the
+`max_prompt_length` rule is applied in this module.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The vocabulary of the generated word problems: frames, the phrasings of each operation, and the held-out ones.
-
-A problem is a FRAME (who holds the quantity, what it is, where, in which units and containers) told through a
-chain of steps, each step one operation said in one PHRASING: adding ("finds", "is given", "buys", "earns",
-"n more than", "get on" ...), taking away ("loses", "spends", "gives away", "n fewer than", "get off" ...),
-products ("each", "per", "every", "rows of", "times as many", a price "each") and shares ("equally", "split",
-"each gets", "per" ...). Phrasings are templates over the frame's words, so the same phrasing is told in every
-frame whose item it fits (`Phrasing.needs` against `tags_of(frame, item)`): the choice of operation has to be read
-from the phrasing, whatever the frame.
-
-`HELDOUT_FRAMES` and `HELDOUT_PHRASINGS` name the frames and phrasings the train split never uses (about a fifth
-of each, at least one phrasing per operation); lowmem_grpo.data.wording reads them back from a question.
+"""The vocabulary of the generated word problems (docs/data.md, "Wording: frames and phrasings"): FRAMES, the
+PHRASINGS of each operation, and the held-out ones. A phrasing is told in every frame whose item it fits
+(`Phrasing.needs` against `tags_of(frame, item)`), so the operation has to be read from the phrasing, whatever the
+frame.
 
 Templates: `{Sub}` is the holder as a sentence's subject (name or pronoun), `{Name}`/`{name}` the holder's name
 (capitalised / mid-sentence), `{he} {him} {his} {His}` its pronouns, `{Other}` the person a comparison introduces,
@@ -25,9 +17,6 @@ from __future__ import annotations
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-__all__ = ["FRAMES", "HELDOUT_FRAMES", "HELDOUT_PHRASINGS", "MONEY", "NUMBER_FIELDS", "PEOPLE", "PHRASINGS",
-           "RECEIVERS", "RELATIVES", "Frame", "Item", "Phrasing", "fill", "tags_of"]
 
 NUMBER_FIELDS = frozenset("abgkpd")
 """Template fields that are numbers (the rest are words)."""

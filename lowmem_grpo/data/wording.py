@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from lowmem_grpo.data.vocabulary import (FRAMES, HELDOUT_FRAMES, HELDOUT_PHRASINGS, MONEY, NUMBER_FIELDS, PEOPLE,
                                          PHRASINGS, RECEIVERS, RELATIVES, Item, tags_of)
 
-__all__ = ["Wording", "frame_of", "wording_of"]
-
 _FORMATTER = string.Formatter()
 
 

@@ -1,26 +1,7 @@
-"""`lowmem-grpo export`: the trained adapter, or a merged model proven to be the trained model.
-
-Formats:
-- lora: the PEFT adapter with tokenizer and chat template (files copied and checksummed).
-- merged-16bit: the base reloaded in 16 bits (or float32 with --dtype float32), the adapter applied
-  with PEFT and merged (merge_and_unload), saved as safetensors with tokenizer, chat template and
-  generation config. The same PEFT path serves Unsloth runs: they save a standard PEFT adapter, and
-  Unsloth's save_pretrained_merged needs the trained model in memory and, over a 4-bit base, merges
-  into dequantized nf4 weights instead of the 16-bit original.
-- merged-4bit: the merged 16-bit model quantized with bitsandbytes nf4 and serialized (needs CUDA).
-- gguf: the merged model converted by llama.cpp's converter (the `gguf` extra, `make install-gguf`; or
-  --llama-cpp DIR) at --gguf-type f16 or bf16, or quantized by llama.cpp to q8_0 or q4_k_m, and proven in
-  llama.cpp itself (lowmem_grpo.export.gguf_export, gguf_proof).
-The tokenizer files of every export are written as llama.cpp's converter must read them (tokenizer_files).
-Score: merged and GGUF exports answer the run's held-out problems (lowmem_grpo.export.score); the accuracy, beside
-the adapter's with a paired 95% CI, goes into the card and the run's export_scores.json and report.md.
-Proof: every merged export is reloaded with plain transformers and its logits on fixed prompts are
-compared with the adapter model in the same precision; above the tolerance (--tolerance, or per
-dtype the larger of a floor and a share of the largest |logit|: proof.TOLERANCES) the export fails, and with
-the default tolerance also above a quarter of the adapter's own effect on those logits (proof.ADAPTER_SHARE):
-an export that lost the adapter must not pass because the precision's rounding is as large as the adapter. Everything is written to a hidden temporary folder beside --out and
-renamed into place at the end, so an interrupted or failed export leaves nothing at --out.
-"""
+"""`lowmem-grpo export`: the trained adapter (lora), or a merged model (merged-16bit, merged-4bit, gguf) proven to
+be the trained model by its logits (proof) and scored on the run's held-out problems (score); docs/runs.md says
+how. Everything is written to a hidden folder beside --out and renamed into place at the end, so an interrupted or
+failed export leaves nothing at --out."""
 
 from __future__ import annotations
 
@@ -165,8 +146,7 @@ def _load_tokenizer(src: Path, base_path: str, trust_remote_code: bool) -> Any:
     return tokenizer
 
 
-def _export_lora(src: Path, tmp: Path, tokenizer: Any, result: ExportResult, phases: _Phases,
-                 base_name: str) -> None:
+def _export_lora(src: Path, tmp: Path, tokenizer: Any, phases: _Phases, base_name: str) -> None:
     copied = [name for name in ADAPTER_FILES if (src / name).exists()]
     for name in copied:
         shutil.copy2(src / name, tmp / name)
@@ -186,9 +166,11 @@ def merge_adapter(model: Any) -> Any:
 
 
 def _merge(base_path: str, src: Path, target: Path, tokenizer: Any, inputs: list[list[int]], dtype: str,
-           device: str, trust_remote_code: bool, phases: _Phases,
-           merge: Callable[[Any], Any] = merge_adapter) -> tuple[list[Any], float]:
-    """Adapter-model logits and the adapter's effect; the model `merge` returns saved to `target`."""
+           device: str, trust_remote_code: bool, phases: _Phases, merge: Callable[[Any], Any]
+           ) -> tuple[list[Any], float]:
+    """Adapter-model logits and the adapter's effect; the model `merge` returns saved to `target`. The base is
+    reloaded in 16 bits (or float32) for Unsloth runs too: Unsloth's save_pretrained_merged over a 4-bit base would
+    merge into dequantized nf4 weights instead of the 16-bit original."""
     from peft import PeftModel
 
     base = proof.load_causal_lm(base_path, dtype, device, trust_remote_code)
@@ -345,7 +327,7 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
                    score, gguf_type, script)
         if fmt == "lora":
             phases.done("load")
-            _export_lora(src, tmp, tokenizer, result, phases, base or recipe.model.name)
+            _export_lora(src, tmp, tokenizer, phases, base or recipe.model.name)
         else:
             _export_merged(fmt, job, tmp, result, phases, merge)
         from lowmem_grpo.export.card import write_card
@@ -378,7 +360,7 @@ def _partial_dir(out: Path) -> Path:
 
 
 def _export_merged(fmt: str, job: _Job, tmp: Path, result: ExportResult, phases: _Phases,
-                   merge: Callable[[Any], Any] = merge_adapter) -> None:
+                   merge: Callable[[Any], Any]) -> None:
     inputs = proof.proof_inputs(job.tokenizer, job.recipe.data.system_prompt, job.recipe.data.prefill)
     result.proof_tokens = sum(len(ids) for ids in inputs)
     work = tmp / ".merged-16bit" if fmt != "merged-16bit" else tmp

@@ -1,15 +1,10 @@
-"""GGUF files from a merged export, made and run by llama.cpp (the `gguf` extra: `make install-gguf`).
+"""GGUF files from a merged export, made and run by llama.cpp (the `gguf` extra, `make install-gguf`; docs/runs.md).
 
-The extra installs llama-cpp-python (it vendors llama.cpp and builds it at install) and keeps the converter of that
-same llama.cpp, `convert_hf_to_gguf.py` with its `conversion/` and `gguf-py/`, taken from the source distribution pip
-downloaded, in PREFIX/share/lowmem_grpo/llama.cpp (PREFIX: the environment's sys.prefix): converter and runtime are
-one llama.cpp version. The converter runs with its own gguf-py first on its path, so the pinned `gguf` package of the
-environment is left alone. `--llama-cpp DIR` (or $LLAMA_CPP_DIR) names another converter; the runtime is always the
-installed llama-cpp-python.
-
-Types: f16 and bf16 come from the converter; q8_0 and q4_k_m from llama.cpp's llama_model_quantize over the 16-bit
-file. Every llama.cpp step runs in a child process (lowmem_grpo.export.llama_runner): a crash there is an error with
-the child's stderr tail, never the caller's death.
+The extra installs llama-cpp-python and keeps the converter of that same llama.cpp in
+PREFIX/share/lowmem_grpo/llama.cpp (converter_home); the converter runs with its own gguf-py first on its path, so
+the environment's pinned `gguf` package is left alone. f16 and bf16 come from the converter, q8_0 and q4_k_m from
+llama.cpp's llama_model_quantize over the 16-bit file. Every llama.cpp step runs in a child process
+(lowmem_grpo.export.llama_runner): a crash there is an error with the child's stderr tail, never the caller's death.
 """
 
 from __future__ import annotations
@@ -40,9 +35,9 @@ CHILD_TIMEOUT_S = 3600
 STDERR_TAIL_LINES = 15
 
 
-def converter_home(prefix: str | Path | None = None) -> Path:
+def converter_home() -> Path:
     """Where `make install-gguf` keeps llama.cpp's converter: PREFIX/share/lowmem_grpo/llama.cpp."""
-    return Path(prefix or sys.prefix) / "share" / "lowmem_grpo" / "llama.cpp"
+    return Path(sys.prefix) / "share" / "lowmem_grpo" / "llama.cpp"
 
 
 def find_converter(llama_cpp: str | Path | None = None) -> Path:
@@ -80,23 +75,19 @@ def _tail(text: str) -> str:
     return "\n".join((text or "").strip().splitlines()[-STDERR_TAIL_LINES:])
 
 
-def _package_root() -> str:
-    """The folder that holds the lowmem_grpo package, for the child's PYTHONPATH."""
-    return str(Path(__file__).resolve().parents[2])
-
-
-def run_child(job: dict[str, Any], what: str, timeout: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
+def run_child(job: dict[str, Any], what: str) -> dict[str, Any]:
     """Run one llama_runner job in a child process; LowmemError with its stderr tail when it fails or crashes."""
     with tempfile.TemporaryDirectory(prefix="lowmem-llama-") as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request.write_text(json.dumps({**job, "result": str(result)}), encoding="utf-8")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [_package_root(), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding lowmem_grpo, for the child
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, "-m", "lowmem_grpo.export.llama_runner", str(request)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env,
+                                  check=False)
         except subprocess.TimeoutExpired as exc:
-            raise LowmemError(f"{what}: llama.cpp did not finish in {timeout:.0f} s",
+            raise LowmemError(f"{what}: llama.cpp did not finish in {CHILD_TIMEOUT_S} s",
                               fix="see the log; nothing was written") from exc
         if done.returncode != 0 or not result.is_file():
             how = f"exit {done.returncode}" if done.returncode >= 0 else f"killed by signal {-done.returncode}"

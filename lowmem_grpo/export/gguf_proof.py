@@ -1,19 +1,8 @@
-"""The proof that a GGUF file is the merged model: run in llama.cpp itself, beside the merged model in transformers.
-
-Both answer the same held-out problems greedily (lowmem_grpo.export.score.held_out: the stage evaluation's, with the
-calculator forced in where the recipe uses it); llama.cpp tokenizes the prompts (rendered with the recipe's chat
-template) with its own tokenizer. The proof records:
-- prompt tokens: llama.cpp's ids of each prompt against the transformers tokenizer's; any difference fails the proof
-  (the file would read a different text than the model was trained on);
-- greedy texts: how many answers are the same text, and the first diverging token of the first that is not;
-- logits: llama.cpp's logits (teacher forcing over the first LOGIT_SEQUENCES of its own answers, prompt included)
-  against transformers' on the same ids: max |difference| and the share of positions with the same argmax;
-- the chat template the file carries (what llama-cli / Ollama apply) against the tokenizer's.
-A 16-bit file (f16, bf16) passes with every greedy text the same, or with its logits within the tolerance of its
-precision (proof.tolerance_for and, by default, at most proof.ADAPTER_SHARE of the adapter's own effect). A quantized
-file (q8_0, q4_k_m) changes logits by design: it passes unless it is shown to lose more accuracy on the problems than
-its type's margin (QUANTIZED_MARGINS: the paired 95% CI of llama.cpp's accuracy - the merged model's wholly below
--margin).
+"""The proof that a GGUF file is the merged model, run in llama.cpp itself beside the merged model in transformers
+(docs/runs.md, GGUF): both answer the held-out problems greedily (score.held_out); any prompt llama.cpp tokenizes
+differently fails it; a 16-bit file passes with the same greedy texts or its teacher-forced logits within tolerance
+(proof.tolerance_for, proof.ADAPTER_SHARE); a quantized file fails only when it loses significantly more accuracy
+than its type's margin (QUANTIZED_MARGINS). The chat template the file carries is compared with the tokenizer's.
 """
 
 from __future__ import annotations
@@ -27,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.errors import LowmemError
-from lowmem_grpo.export import proof, score
-from lowmem_grpo.export import gguf_export
+from lowmem_grpo.export import gguf_export, proof, score
 from lowmem_grpo.export.gguf_export import QUANTIZED, run_child
 from lowmem_grpo.rundir import layout
 
@@ -100,12 +88,6 @@ def _compare(examples: list[dict[str, Any]], reference: Any, answers: list[dict[
     return out
 
 
-def coarser(a: str, b: str) -> str:
-    """The less precise of two dtypes (float32 < float16 < bfloat16): what a comparison between them is judged by."""
-    order = ("float32", "float16", "bfloat16")
-    return max(a, b, key=order.index)
-
-
 def judge_quantized(gguf_type: str, merged: list[list[Any]], export: list[list[Any]]
                     ) -> tuple[dict[str, Any], str | None]:
     """The quantized rule on the verdicts of the merged model (transformers) and the file (llama.cpp) on the same
@@ -136,7 +118,8 @@ def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, e
     if gguf_type in QUANTIZED:
         return failure
     logits = figures["logits"]
-    judged_as = coarser(GGUF_DTYPES[gguf_type], dtype)  # the merged model in transformers is in the export's dtype
+    # judged by the less precise of the file's dtype and the export's (the merged model's in transformers)
+    judged_as = max(GGUF_DTYPES[gguf_type], dtype, key=("float32", "float16", "bfloat16").index)
     bound = tolerance if tolerance is not None else proof.tolerance_for("gguf", judged_as, logits.get("logit_scale", 0.0))
     figures["tolerance"] = bound
     if figures["same_greedy_texts"] == n:

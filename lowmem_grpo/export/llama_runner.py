@@ -2,14 +2,9 @@
 
 `python -m lowmem_grpo.export.llama_runner REQUEST.json` reads one job and writes its answer to the request's
 `result` path; llama.cpp aborts the process on some broken files (std::out_of_range, GGML_ASSERT), so the caller
-(lowmem_grpo.export.llama) runs it apart and reads a crash as a failed proof. Jobs:
-
-- generate: greedy continuations of prompt texts, tokenized by llama.cpp's own tokenizer (special tokens parsed, no
-  BOS added: the chat template writes its own). With `calculator`, decoding stops after a token whose text ends in
-  "=" when the completion ends in an open `<<EXPR=`, the project's calculator (lowmem_grpo.rewards.calculator,
-  never eval) computes `RESULT>>`, whose tokens are appended, and decoding goes on: what the sampling engine does.
-- logits: every position's logits of given token-id sequences (teacher forcing), saved as one .npz.
-- quantize: llama.cpp's llama_model_quantize from a 16-bit GGUF to Q8_0 or Q4_K_M.
+(gguf_export.run_child) runs it apart and reads a crash as a failed proof. Jobs: generate (greedy continuations of
+prompt texts tokenized by llama.cpp, special tokens parsed, no BOS added; the calculator's results forced in as the
+sampling engine forces them), logits (teacher-forced, one .npz) and quantize (llama_model_quantize to Q8_0/Q4_K_M).
 """
 
 from __future__ import annotations

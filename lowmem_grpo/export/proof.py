@@ -33,11 +33,8 @@ SmolLM2-135M after 3 steps 2.3 (float32 compute) and 2.9 (bfloat16), allowed 6.4
 
 ADAPTER_SHARE = 0.25
 """With the default tolerance, a merged (or GGUF) export may differ from the adapter model by at most this share
-of the adapter's own effect (max |adapter - base logits|, measured in the same precision). An export that lost the
-adapter differs by all of it (share 1: the absolute tolerance alone let that pass in bfloat16, 4.4 allowed against
-an effect of 1.6); a float32 merge differs by ~1e-4 of it. In 16 bits the rounding of W + s*B@A reaches the
-adapter's effect after a short run, so such an export cannot be told from a lost adapter and fails too: export it
-with --dtype float32, or pass --tolerance to judge by the absolute bound alone."""
+of the adapter's own effect (max |adapter - base logits|, same precision): an export that lost the adapter differs
+by all of it (bfloat16's absolute bound alone allows 4.4 against an effect of 1.6), a float32 merge by ~1e-4."""
 
 
 def judge(diff: float, tolerance: float, effect: float, *, relative: bool) -> str | None:
@@ -58,13 +55,6 @@ def tolerance_for(fmt: str, dtype: str, logit_scale: float) -> float:
     return max(floor, relative * logit_scale)
 
 
-def torch_dtype(name: str) -> Any:
-    """torch.float32 / bfloat16 / float16 from its name."""
-    import torch
-
-    return getattr(torch, name)
-
-
 def check_base_unquantized(base_path: str, trust_remote_code: bool) -> None:
     """A merged export needs 16-bit base weights: refuse a base stored pre-quantized (bnb, GPTQ, ...)."""
     from transformers import AutoConfig
@@ -78,41 +68,35 @@ def check_base_unquantized(base_path: str, trust_remote_code: bool) -> None:
                             fix="pass --base with the 16-bit original of that model (hub id or folder)")
 
 
-def nf4_config(dtype: str) -> Any:
-    """The bitsandbytes 4-bit config the training backends use (nf4, double quantization)."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch_dtype(dtype))
-
-
 def load_causal_lm(path: str | Path, dtype: str, device: str, trust_remote_code: bool = False,
                    quantize_4bit: bool = False) -> Any:
-    """A plain transformers model (no PEFT, no Unsloth) in eval mode on `device`."""
+    """A plain transformers model (no PEFT, no Unsloth) in eval mode on `device`; `quantize_4bit`: quantized as the
+    training backend quantizes its base."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "trust_remote_code": trust_remote_code}
+    from lowmem_grpo.backends.hf_backend import nf4_config
+
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "trust_remote_code": trust_remote_code}
     if quantize_4bit:
-        kwargs["quantization_config"] = nf4_config(dtype)
+        kwargs["quantization_config"] = nf4_config(kwargs["dtype"])
     if device == "cuda":
         kwargs["device_map"] = {"": 0}
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
 
 
-def proof_inputs(tokenizer: Any, system_prompt: str, prefill: str, count: int = PROOF_PROMPTS,
-                 max_tokens: int = PROOF_MAX_TOKENS) -> list[list[int]]:
+def proof_inputs(tokenizer: Any, system_prompt: str, prefill: str) -> list[list[int]]:
     """Token ids of the fixed proof texts: chat prompt + prefill + worked solution, cut to max_tokens."""
     from lowmem_grpo.data import load_rows, render_prompt
 
     texts = []
-    for row in load_rows("embedded", "test")[:count]:
+    for row in load_rows("embedded", "test")[:PROOF_PROMPTS]:
         if getattr(tokenizer, "chat_template", None):
             prompt = render_prompt(tokenizer, row["question"], system_prompt, prefill)
         else:
             prompt = f"{row['question']}\n{prefill}"
         texts.append(prompt + row["answer"])
-    return [tokenizer(text)["input_ids"][:max_tokens] for text in texts]
+    return [tokenizer(text)["input_ids"][:PROOF_MAX_TOKENS] for text in texts]
 
 
 def logits_on(model: Any, inputs: list[list[int]]) -> list[Any]:

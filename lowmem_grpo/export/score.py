@@ -1,13 +1,7 @@
-"""An export's accuracy on the run's held-out problems, beside the adapter's.
-
-The problems are the stage evaluation's (the first train.stage_eval of data.eval_split, rendered with the recipe's
-chat template, system prompt and prefill), answered greedily with the calculator's results forced in where the
-recipe uses it (data.calculator): a transformers-loaded export through run_eval with the stage evaluation's own
-settings (lowmem_grpo.evaluation.stages.greedy_settings), a GGUF file through llama.cpp
-(lowmem_grpo.export.llama_runner). The adapter's answers are the stage evaluation's `trained` verdicts in
-stage_eval.json, so the two are paired per problem (metrics.paired_bootstrap); an export of a checkpoint, or of a
-run without a stage evaluation, has no adapter answers to pair with and gets its accuracy alone.
-"""
+"""An export's accuracy on the run's held-out problems, beside the adapter's (docs/runs.md, "The gain survives
+export"): the stage evaluation's problems and greedy settings (evaluation.stages.greedy_settings), answered by a
+transformers-loaded export through run_eval or by a GGUF file through llama.cpp (llama_runner), paired per problem
+with the stage evaluation's `trained` verdicts in stage_eval.json (metrics.paired_bootstrap)."""
 
 from __future__ import annotations
 

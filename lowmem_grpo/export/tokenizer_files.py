@@ -1,20 +1,12 @@
-"""Tokenizer files that llama.cpp's converter reads as the tokenizer they are.
+"""Tokenizer files that llama.cpp's converter reads as the tokenizer they are (docs/runs.md, GGUF).
 
-transformers builds a fast tokenizer for a model it loaded from a GGUF file with a converter chosen by the model's
-architecture, not by the file's `tokenizer.ggml.model` (transformers/integrations/ggml.py GGUF_TO_FAST_CONVERTERS:
-"llama" -> GGUFLlamaConverter). For a byte-level BPE vocabulary such as SmolLM2's (`gpt2` in the GGUF) that
-converter writes `byte_fallback: true` and a decoder Sequence [ByteFallback, Fuse, Replace, ByteLevel] around
-the ByteLevel pre-tokenizer, and `save_pretrained` keeps them in tokenizer.json. llama.cpp's convert_hf_to_gguf.py
-picks a Llama model's vocabulary by trying, in order, SentencePiece (tokenizer.model), then `LlamaHfVocab`, then
-GPT-2 BPE (conversion/llama.py `set_vocab`); `LlamaHfVocab` accepts any tokenizer.json whose model is BPE with
-`byte_fallback` set and whose decoder is a Sequence (gguf-py/gguf/vocab.py), and writes `tokenizer.ggml.model =
-llama`, `pre = default`. llama.cpp then tokenizes byte-level pieces as SentencePiece and aborts on the first byte
-without a `<0xNN>` token (std::out_of_range in llama_vocab::byte_to_token).
-
-In a byte-level BPE every byte already has a token, so byte fallback never fires and the extra decoders are no-ops:
-`repair_byte_level_bpe` sets `byte_fallback: false` and the plain ByteLevel decoder, which is what the original
-hub tokenizer says, and checks that encoding and decoding are unchanged. The converter then takes its GPT-2 path
-and hashes the pre-tokenizer (`get_vocab_base_pre`'s chkhsh) to `smollm` for SmolLM2, as the original GGUF says.
+transformers builds the fast tokenizer of a model loaded from a GGUF file by architecture (ggml.py
+GGUF_TO_FAST_CONVERTERS: "llama" -> GGUFLlamaConverter), so a byte-level BPE such as SmolLM2's is saved with
+`byte_fallback: true` and a decoder Sequence around ByteLevel. convert_hf_to_gguf.py takes any BPE tokenizer.json with
+byte_fallback and a Sequence decoder for `LlamaHfVocab` (`tokenizer.ggml.model = llama`), and llama.cpp then aborts on
+the first byte without a `<0xNN>` token. In a byte-level BPE byte fallback never fires, so `repair_byte_level_bpe`
+writes what the hub tokenizer says (byte_fallback off, the plain ByteLevel decoder) and checks that encoding and
+decoding are unchanged; the converter then takes its GPT-2 path and hashes the pre-tokenizer to `smollm`.
 """
 
 from __future__ import annotations
@@ -59,28 +51,18 @@ def needs_repair(tokenizer_json: dict[str, Any]) -> bool:
     return not any(BYTE_TOKEN.match(token) for token in model.get("vocab") or {})
 
 
-def repaired(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
-    """A copy with byte_fallback off and the plain ByteLevel decoder (`needs_repair` says when that is lossless)."""
-    out = json.loads(json.dumps(tokenizer_json))
-    out["model"]["byte_fallback"] = False
-    out["decoder"] = dict(BYTE_LEVEL_DECODER)
-    return out
-
-
-def _round_trips(path: Path, texts: tuple[str, ...]) -> list[tuple[list[int], str]]:
+def _round_trips(path: Path) -> list[tuple[list[int], str]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path))
-    out = []
-    for text in texts:
-        ids = tok.encode(text, add_special_tokens=False).ids
-        out.append((ids, tok.decode(ids, skip_special_tokens=False)))
-    return out
+    ids = [tok.encode(text, add_special_tokens=False).ids for text in CHECK_TEXTS]
+    return [(i, tok.decode(i, skip_special_tokens=False)) for i in ids]
 
 
 def repair_byte_level_bpe(folder: str | Path) -> bool:
-    """Rewrite folder/tokenizer.json as `repaired` when `needs_repair`; returns whether it changed. The rewrite is
-    kept only if every CHECK_TEXTS entry encodes to the same ids and decodes to the same text as before."""
+    """Rewrite folder/tokenizer.json with byte_fallback off and the plain ByteLevel decoder when `needs_repair`;
+    returns whether it changed. The rewrite is kept only if every CHECK_TEXTS entry encodes to the same ids and
+    decodes to the same text as before."""
     path = Path(folder) / TOKENIZER_JSON
     if not path.is_file():
         return False
@@ -88,9 +70,11 @@ def repair_byte_level_bpe(folder: str | Path) -> bool:
     data = json.loads(original)
     if not needs_repair(data):
         return False
-    before = _round_trips(path, CHECK_TEXTS)
-    path.write_text(json.dumps(repaired(data), ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-    after = _round_trips(path, CHECK_TEXTS)
+    before = _round_trips(path)
+    data["model"]["byte_fallback"] = False
+    data["decoder"] = dict(BYTE_LEVEL_DECODER)
+    path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    after = _round_trips(path)
     if after != before:
         path.write_text(original, encoding="utf-8")
         log.warning("%s: turning byte fallback off would change tokenization; kept as it was (llama.cpp's "

@@ -176,11 +176,6 @@ def shipped_config_path(name: str) -> Path | None:
     return None
 
 
-def shipped_configs() -> dict[str, Path]:
-    """Hub id -> shipped config path, for every config in the package."""
-    return {p.stem.replace("__", "/", 1): p for p in sorted(CONFIGS_DIR.glob("*.json"))}
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

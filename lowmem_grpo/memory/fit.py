@@ -1,14 +1,6 @@
-"""Fitting settings to a GPU memory budget: the proposal of the largest settings that fit, and
-auto-fit of the settings a user did not set explicitly. Arithmetic on plans from lowmem_grpo.memory.plan.
-
-    plan_with_proposal(recipe, budget)    -> Plan with .proposal (what `lowmem-grpo plan` prints)
-    auto_fit(recipe, budget, explicit)    -> (recipe with fitted non-explicit settings, Plan); it also writes
-                                             the plan's evaluation batch into train.eval_batch_size
-    fit_to_device(recipe, explicit)       -> auto_fit to this process's CUDA GPU (imports torch)
-
-The settings auto-fit lowers, and their order, are lowmem_grpo.memory.ladder's LADDER (the one the CUDA-OOM
-retry walks too).
-"""
+"""Fitting settings to a GPU memory budget (docs/memory.md, Auto-fit): the proposal of the largest settings that fit
+(plan_with_proposal, what `lowmem-grpo plan` prints), and auto-fit of the settings a user did not set explicitly
+(auto_fit; fit_to_device on this process's GPU), walking lowmem_grpo.memory.ladder's LADDER."""
 
 from __future__ import annotations
 
@@ -47,13 +39,13 @@ def _valid_change(recipe: Recipe, change: dict[str, Any]) -> Recipe | None:
 
 
 def _fitting(recipe: Recipe, options: list[dict[str, Any]], arch: Architecture, budget: int,
-             logits: str, free_bytes: int | None = None) -> tuple[Recipe, Plan, dict[str, Any]] | None:
+             free_bytes: int | None = None) -> tuple[Recipe, Plan, dict[str, Any]] | None:
     """The first option (they come largest first) that is a valid recipe and fits the budget."""
     for change in options:
         candidate = _valid_change(recipe, change)
         if candidate is None:
             continue
-        result = plan(candidate, budget, arch=arch, logits=logits, free_bytes=free_bytes)
+        result = plan(candidate, budget, arch=arch, free_bytes=free_bytes)
         if result.fits and _vllm_ok(arch, result.settings):
             return candidate, result, change
     return None
@@ -63,17 +55,17 @@ def _vllm_ok(arch: Architecture, s: Settings) -> bool:
     return not s.fast_inference or mt.vllm_reservation(arch, s) >= mt.vllm_minimum(arch, s)
 
 
-def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture, logits: str = "chunked") -> dict[str, Any]:
+def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture) -> dict[str, Any]:
     """For each knob, the largest value that fits the budget with the other settings as in the recipe:
     {knob: {"value", "total_bytes", "changes"}} or None where no value fits (or, for
     gpu_memory_utilization, where vLLM is not used)."""
-    settings = settings_for(recipe, budget_bytes, logits)
+    settings = settings_for(recipe, budget_bytes)
     result: dict[str, Any] = {}
     for knob in LADDER:
         if knob.name == "gpu_memory_utilization" and not settings.fast_inference:
             result[knob.name] = None
             continue
-        best = _fitting(recipe, knob.options(recipe, math.inf, set()), arch, budget_bytes, logits)
+        best = _fitting(recipe, knob.options(recipe, math.inf, set()), arch, budget_bytes)
         if best is None:
             result[knob.name] = None
         else:
@@ -86,23 +78,18 @@ def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture, logits: s
 
 
 def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture | None = None,
-             allow_hub: bool = True, logits: str = "chunked", free_bytes: int | None = None) -> tuple[Recipe, Plan]:
-    """Fit the recipe into `budget_bytes` by changing only settings whose keys are not in `explicit`.
-
-    Knobs are lowered in the order of memory.ladder's LADDER until the plan fits: per-device batch (gradient
-    accumulation raised to keep the optimizer batch), generation batch, max_completion_length, num_generations,
-    vLLM share; then each is raised back as far as the budget allows, never above the recipe's own
-    value (the vLLM share included: it is a share of the memory free at load, `free_bytes`, and a larger one
-    would leave less for training than the recipe planned). Before them the evaluation batch is set
-    (with_planned_eval_batch): lowering the training knobs only shrinks the static terms it fits beside. Raises
-    RecipeError naming the explicit settings to lower when even that cannot fit.
-    """
+             allow_hub: bool = True, free_bytes: int | None = None) -> tuple[Recipe, Plan]:
+    """Fit the recipe into `budget_bytes` by changing only settings whose keys are not in `explicit`: the
+    evaluation batch first (with_planned_eval_batch), then LADDER's knobs lowered in order until the plan fits and
+    raised back as far as the budget allows, never above the recipe's own value (nor the vLLM share: a share of the
+    memory free at load, `free_bytes`, larger than planned would leave training less). RecipeError naming the
+    explicit settings to lower when even that cannot fit."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     explicit = set(explicit)
     validate(recipe)
-    current = with_planned_eval_batch(recipe, budget_bytes, explicit, arch=arch, logits=logits, free_bytes=free_bytes)
-    result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
+    current = with_planned_eval_batch(recipe, budget_bytes, explicit, arch=arch, free_bytes=free_bytes)
+    result = plan(current, budget_bytes, arch=arch, free_bytes=free_bytes)
     if result.fits and _vllm_ok(arch, result.settings):
         return current, result
     free = [k for k in LADDER if not set(k.keys) & explicit
@@ -112,16 +99,15 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     # every knob, the vLLM share too, only goes down from the recipe's value
     original = {k.name: k.value(recipe) for k in free}
     for knob in free:  # lower, in the ladder's order
-        result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
+        result = plan(current, budget_bytes, arch=arch, free_bytes=free_bytes)
         if result.fits and _vllm_ok(arch, result.settings):
             break
-        current = _lowered(current, knob, explicit, arch, budget_bytes, logits, free_bytes)
+        current = _lowered(current, knob, explicit, arch, budget_bytes, free_bytes)
     for knob in free:  # raise back what later knobs made room for
-        best = _fitting(current, knob.options(current, original[knob.name], explicit), arch, budget_bytes, logits,
-                        free_bytes)
+        best = _fitting(current, knob.options(current, original[knob.name], explicit), arch, budget_bytes, free_bytes)
         if best is not None:
             current = best[0]
-    result = plan(current, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes)
+    result = plan(current, budget_bytes, arch=arch, free_bytes=free_bytes)
     _check_fit(result, recipe, arch, budget_bytes, explicit)
     changed = {k.name: (k.value(recipe), k.value(current)) for k in LADDER if k.value(recipe) != k.value(current)}
     if changed:
@@ -130,12 +116,12 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     return current, result
 
 
-def _lowered(current: Recipe, knob: Knob, explicit: set[str], arch: Architecture, budget_bytes: int, logits: str,
+def _lowered(current: Recipe, knob: Knob, explicit: set[str], arch: Architecture, budget_bytes: int,
              free_bytes: int | None) -> Recipe:
     """The knob's largest value that fits; when none does, its smallest valid value (later knobs go on from there);
     the recipe as it is when the knob has no valid value or is a vLLM share too small to help."""
     options = knob.options(current, knob.value(current), explicit)
-    best = _fitting(current, options, arch, budget_bytes, logits, free_bytes)
+    best = _fitting(current, options, arch, budget_bytes, free_bytes)
     if best is not None:
         return best[0]
     if knob.name == "gpu_memory_utilization":  # a share too small for vLLM's weights and cache helps nothing
@@ -145,14 +131,14 @@ def _lowered(current: Recipe, knob: Knob, explicit: set[str], arch: Architecture
 
 
 def with_planned_eval_batch(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture,
-                            logits: str = "chunked", free_bytes: int | None = None) -> Recipe:
+                            free_bytes: int | None = None) -> Recipe:
     """The recipe with train.eval_batch_size set to the plan's evaluation batch for `budget_bytes` (the largest
     power of two up to the recipe's value, or 128, that fits: plan.choose_eval_batch), so the run's evaluations, its
     recipe.yaml and a resumed run all read the one batch; unchanged when the key is explicit or the recipe does
     not evaluate through the sampling engine."""
     if "train.eval_batch_size" in explicit:
         return recipe
-    result = plan(recipe, budget_bytes, arch=arch, logits=logits, free_bytes=free_bytes, fit_eval=True)
+    result = plan(recipe, budget_bytes, arch=arch, free_bytes=free_bytes, fit_eval=True)
     if result.eval_batch is None or result.eval_batch == recipe.train.eval_batch_size:
         return recipe
     e = result.evaluation
@@ -189,48 +175,48 @@ def _value(recipe: Recipe, key: str) -> Any:
 
 
 def plan_with_proposal(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
-                       allow_hub: bool = True, logits: str = "chunked") -> Plan:
+                       allow_hub: bool = True) -> Plan:
     """The recipe's plan with, when there is a budget, the proposal of the largest settings that fit."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
-    result = plan(recipe, budget_bytes, arch=arch, logits=logits)
+    result = plan(recipe, budget_bytes, arch=arch)
     if budget_bytes:
-        result.proposal = proposal(recipe, budget_bytes, arch=arch, logits=logits)
+        result.proposal = proposal(recipe, budget_bytes, arch=arch)
     return result
 
 
-def fit_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05,
-                  facts: Any = None) -> tuple[Recipe, Plan | None]:
-    """auto_fit to this process's CUDA GPU (its free memory, less `headroom` x total), logging the chosen
-    values and the predicted peak; (recipe, None) when there is no CUDA GPU. `facts` is a
-    lowmem_grpo.device.CudaFacts (None: this machine's, which imports torch): a caller that knows the GPU, or a
-    test with a GPU this machine does not have, passes its own."""
+def _gpu(facts: Any) -> Any:
+    """`facts` (a lowmem_grpo.device.CudaFacts: a caller that knows the GPU, or a test's), else this machine's
+    (imports torch); None without a CUDA GPU."""
     if facts is None:
         from lowmem_grpo.device import cuda_facts
 
         facts = cuda_facts()
-    if not facts.available or not facts.total_bytes:
+    return facts if facts.available and facts.total_bytes else None
+
+
+def fit_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> tuple[Recipe, Plan | None]:
+    """auto_fit to this process's CUDA GPU (device_budget: its free memory, less headroom), logging the predicted
+    peak; (recipe, None) without a CUDA GPU."""
+    gpu = _gpu(facts)
+    if gpu is None:
         return recipe, None
-    free, total = facts.free_bytes, facts.total_bytes
-    budget = device_budget(free, total, headroom)
-    fitted, result = auto_fit(recipe, budget, explicit, free_bytes=free)
+    budget = device_budget(gpu.free_bytes, gpu.total_bytes)
+    fitted, result = auto_fit(recipe, budget, explicit, free_bytes=gpu.free_bytes)
     log.info("memory plan: predicted peak %s (%s phase) within a budget of %s (%s free of %s)",
-             format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(free),
-             format_bytes(total))
+             format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(gpu.free_bytes),
+             format_bytes(gpu.total_bytes))
     return fitted, result
 
 
-def eval_batch_to_device(recipe: Recipe, explicit: set[str], headroom: float = 0.05, facts: Any = None) -> Recipe:
+def eval_batch_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> Recipe:
     """Where auto-fit does not run (train.auto_fit=false, several processes: each rank plans its own GPU), the
     evaluation batch alone fitted to this process's CUDA GPU (with_planned_eval_batch), so an evaluation still
     decodes no more rows than the GPU holds; the recipe as it is without a CUDA GPU or with the key explicit."""
-    if facts is None:
-        from lowmem_grpo.device import cuda_facts
-
-        facts = cuda_facts()
-    if not facts.available or not facts.total_bytes or "train.eval_batch_size" in explicit:
+    gpu = _gpu(facts)
+    if gpu is None or "train.eval_batch_size" in explicit:
         return recipe
     arch = load_architecture(recipe.model.name, allow_hub=True, trust_remote_code=recipe.model.trust_remote_code)
-    budget = device_budget(facts.free_bytes, facts.total_bytes, headroom)
-    return with_planned_eval_batch(recipe, budget, explicit, arch=arch, free_bytes=facts.free_bytes)
+    budget = device_budget(gpu.free_bytes, gpu.total_bytes)
+    return with_planned_eval_batch(recipe, budget, explicit, arch=arch, free_bytes=gpu.free_bytes)
 

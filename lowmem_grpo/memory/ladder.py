@@ -1,17 +1,7 @@
-"""The one ladder of memory settings that can be lowered, in the order they are lowered: auto-fit
-(lowmem_grpo.memory.fit) and the CUDA out-of-memory retry (lowmem_grpo.train.oom) both walk LADDER.
-
-    per_device_train_batch_size  the micro-batch; gradient accumulation raised to keep the optimizer batch
-    generation_batch_size        completions generated at once
-    max_completion_length        completion tokens
-    num_generations              completions per prompt
-    gpu_memory_utilization       vLLM's share of the GPU (fast_inference only; fixed once the model loads)
-
-Each Knob lowers itself two ways: `options` (auto-fit: every value up to a bound, largest first, each a dict of
-dotted-key changes that keeps the recipe valid: generation batch divisible by num_generations and by the per-device
-batch, prompt + completion within model.max_seq_length) and `halve` (the OOM retry: one step down from the
-recipe's value, None at the knob's floor or for a knob an OOM retry does not halve). `apply_change` applies an
-option.
+"""The one ladder of memory settings that can be lowered, in the order they are lowered (LADDER): auto-fit
+(lowmem_grpo.memory.fit) walks each Knob's `options` (every value up to a bound, largest first, each a dict of
+dotted-key changes that keeps the recipe valid, applied by `apply_change`), the CUDA out-of-memory retry
+(lowmem_grpo.train.oom) its `halve` (one step down, None at the knob's floor or for a knob it does not halve).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from lowmem_grpo.memory.arch import Architecture
-from lowmem_grpo.memory.terms import GIB, MIB, Settings, residual_bytes
+from lowmem_grpo.memory.terms import GIB, MIB, Settings, unquantized_bytes
 
 TOKEN_TILE = 4096  # TRL 1.15 chunked log-prob kernel: tokens per projection tile
 VOCAB_TILE = 32768  # TRL 1.15 `_CHUNKED_LOGPROB_CHUNK_SIZE`: vocabulary columns per tile
@@ -40,7 +40,7 @@ def trl_logits(a: Architecture, s: Settings) -> int:
         + min(V, 32768) x H x cb if rb != cb   the cb copy of an fp32 lm_head chunk (hf with 4-bit)
     """
     n = s.per_device_batch * s.completion_len
-    rb = residual_bytes(s)
+    rb = unquantized_bytes(s)
     tile = min(n, TOKEN_TILE) * min(a.vocab_size, VOCAB_TILE) * s.compute_bytes
     head_copy = min(a.vocab_size, VOCAB_TILE) * a.hidden_size * s.compute_bytes if rb != s.compute_bytes else 0
     return tile + n * a.hidden_size * (rb + 4) + n * 32 + head_copy

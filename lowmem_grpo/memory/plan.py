@@ -1,15 +1,9 @@
-"""The GRPO memory planner: predicted peak GPU memory of a recipe. Pure arithmetic on a model config.
+"""The GRPO memory planner: `plan(recipe, budget_bytes)`, the predicted peak GPU memory of a recipe (docs/memory.md).
 
-    plan(recipe, budget_bytes)            -> Plan (terms, phases, total, fits, evaluation batch)
-
-The terms and their formulas are in `lowmem_grpo.memory.terms` (the log-prob pass's in
-`lowmem_grpo.memory.logprob`), TERMS below puts each in its phase, architectures in
-`lowmem_grpo.memory.arch`, the proposal and auto-fit in `lowmem_grpo.memory.fit`. The peak is the
-static terms + the largest of the generation, training and evaluation phases + the allocator's slack on
-that phase. The evaluation batch (train.eval_batch_size) is the plan's choice when the recipe leaves it
-unset: the largest power of two up to EVAL_BATCH whose evaluation phase fits (choose_eval_batch). Nothing
-here imports torch, except `default_budget` (only when the recipe names no GPU memory), which asks torch
-about the GPU.
+TERMS puts each term of lowmem_grpo.memory.terms (and logprob) in its phase: the peak is the static terms + the
+largest of the generation, training and evaluation phases (they never hold their transient memory at once) + the
+allocator's slack on that phase. The evaluation batch, unset in the recipe, is the plan's (choose_eval_batch).
+Pure arithmetic; only `default_budget` asks torch about the GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
 from lowmem_grpo.memory.terms import GIB, MIB, Settings
 from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.runtime import EVAL_BATCH, Runtime, planned
+from lowmem_grpo.runtime import EVAL_BATCH, planned
 
 
 # name -> (function, phase, where it shows: "allocated" by torch, "device" only)
@@ -155,14 +149,14 @@ def default_budget(recipe: Recipe) -> int:
                         fix="pass --gpu-memory, e.g. --gpu-memory 8GiB")
 
 
-def device_budget(free_bytes: int, total_bytes: int, headroom: float = 0.05) -> int:
+def device_budget(free_bytes: int, total_bytes: int) -> int:
     """The budget for a run on this GPU: free memory (measured after CUDA started, so this process's
-    context is already spent) + the context the plan counts again, less `headroom` x total."""
-    return int(free_bytes + mt.CUDA_CONTEXT_BYTES - headroom * total_bytes)
+    context is already spent) + the context the plan counts again, less 5% of the total as headroom."""
+    return int(free_bytes + mt.CUDA_CONTEXT_BYTES - 0.05 * total_bytes)
 
 
-def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunked",
-                 gpu_free_bytes: int = 0, sharing: ms.Sharing | None = None) -> Settings:
+def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, gpu_free_bytes: int = 0,
+                 sharing: ms.Sharing | None = None) -> Settings:
     """The recipe's memory-relevant settings as a one-process CUDA run has them (its Runtime: runtime.planned);
     `gpu_free_bytes` is the memory free when the model loads (what Unsloth's vLLM share is taken of);
     `sharing` the shared-prompt pass that applies (sharing_for; None: none)."""
@@ -188,22 +182,12 @@ def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, logits: str = "chunke
         gpu_memory_utilization=m.gpu_memory_utilization,
         gpu_total_bytes=gpu_total_bytes,
         gpu_free_bytes=gpu_free_bytes,
-        logits=logits,
         prompt_sharing=sharing.applies,
         sharing_verify=sharing.verify,
     )
 
 
-def sharing_for(recipe: Recipe, arch: Architecture, env: Mapping[str, str] | None = None,
-                runtime: Runtime | None = None) -> ms.Sharing:
-    """The shared-prompt pass a run of the recipe gets (lowmem_grpo.memory.sharing) with `runtime` (None: a
-    one-process CUDA run, runtime.planned), `env` the environment Unsloth reads its switches from (None: this
-    process's)."""
-    return ms.sharing_for(arch, runtime or planned(recipe), recipe, env=env)
-
-
-STEP_PHASES = ("generation", "training")
-PHASES = ("static", *STEP_PHASES, "evaluation")
+PHASES = ("static", "generation", "training", "evaluation")
 
 
 def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -> Plan:
@@ -281,22 +265,18 @@ def evaluation_info(recipe: Recipe, arch: Architecture, s: Settings, budget_byte
 
 
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
-         allow_hub: bool = True, logits: str = "chunked", free_bytes: int | None = None,
+         allow_hub: bool = True, free_bytes: int | None = None,
          env: Mapping[str, str] | None = None, fit_eval: bool | None = None) -> Plan:
-    """Predicted peak GPU memory of a recipe (lowmem_grpo.memory.fit adds the largest settings that fit);
-    `free_bytes`: the GPU memory free at load when known (the vLLM share is taken of it), else the budget; `env`:
-    the environment Unsloth's PrefixGrouper switches are read from (None: this process's); `fit_eval`: cut the
-    evaluation batch to the budget even when the recipe sets one (None: only when it does not).
-
-    The plan counts the shared-prompt pass that applies; `sharing_figures` holds the peak without prompt sharing
-    (peak_without_bytes), with the backend's pass engaged (peak_with_bytes, what it would be where it does not
-    engage), the difference (saving_bytes) and, on unsloth, the peak with its self-verify off
-    (peak_with_unverified_bytes). `evaluation` holds the evaluation batch (evaluation_info)."""
+    """Predicted peak GPU memory of a recipe, counting the shared-prompt pass that applies (sharing_figures: the
+    peak with and without it) and the evaluation batch (evaluation_info); `free_bytes`: the GPU memory free at load
+    when known (the vLLM share is taken of it), else the budget; `env`: the environment Unsloth's PrefixGrouper
+    switches are read from (None: this process's); `fit_eval`: cut the evaluation batch to the budget even when the
+    recipe sets one (None: only when it does not)."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
                                      trust_remote_code=recipe.model.trust_remote_code)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
-    sharing = sharing_for(recipe, arch, env)
-    settings = settings_for(recipe, total_gpu, logits, free_bytes or 0, sharing)
+    sharing = ms.sharing_for(arch, planned(recipe), recipe, env=env)
+    settings = settings_for(recipe, total_gpu, free_bytes or 0, sharing)
     info = evaluation_info(recipe, arch, settings, budget_bytes, fit_eval)
     if info["counted"]:
         settings = dataclasses.replace(settings, eval_batch=info["rows"])
@@ -308,7 +288,8 @@ def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture 
 
 
 def sharing_figures(arch: Architecture, s: Settings, sharing: ms.Sharing) -> dict[str, int]:
-    """The peak without prompt sharing, with the backend's shared-prompt pass engaged, and their difference."""
+    """The peak without prompt sharing, with the backend's shared-prompt pass engaged (also where it does not
+    engage), their difference and, on unsloth, the peak with its self-verify off."""
     without = evaluate(arch, dataclasses.replace(s, prompt_sharing=ms.NONE, sharing_verify=False)).total_bytes
     engaged = dataclasses.replace(s, prompt_sharing=sharing.available, sharing_verify=sharing.verify)
     figures = {"peak_without_bytes": without, "peak_with_bytes": evaluate(arch, engaged).total_bytes}

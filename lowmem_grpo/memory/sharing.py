@@ -1,30 +1,16 @@
-"""Prompt sharing in the training forward: which shared-prompt pass a run gets, and why. Pure rules, no torch.
+"""Prompt sharing in the training forward: which shared-prompt pass a run gets, and why (docs/memory.md). Pure rules.
 
-Every GRPO group is G completions of one prompt. A plain log-prob pass forwards every row whole, b x (P + C)
-tokens per micro-batch of b rows; a shared-prompt pass forwards each prompt once with its completions after it,
-k x P + b x C tokens (k prompts in the micro-batch), the same log-probs. Two implementations exist:
+A shared-prompt pass forwards each prompt of a micro-batch once with its completions after it, k x P + b x C tokens
+instead of b x (P + C), the same log-probs. Two exist:
 
-unsloth  Unsloth's PrefixGrouper (unsloth/utils/prefix_grouper.py, unsloth_zoo/rl_replacements.py, 2026.10.9),
-         one FlexAttention stream per micro-batch. Its gradient pass engages only when all of these hold:
-         - UNSLOTH_GRPO_PREFIX_GROUPER and UNSLOTH_GRPO_SEQ_PACKING are not 0/false/no/off (both default on);
-         - no vLLM (model.fast_inference), no per-token entropies (train.top_entropy_quantile < 1, or a
-           non-adaptive train.entropy_coef != 0), num_generations >= 2, text only;
-         - the model has no attention soft-capping (Gemma 2), no mixture-of-experts and no Mamba layers;
-         - each G consecutive rows of the micro-batch hold one prompt. TRL shuffles the generation batch's rows
-           before cutting it into micro-batches, so that holds only when a generation round is one group:
-           per-device batch == generation batch == num_generations;
-         - prompt + completion fits the config's sliding window, if it has one;
-         - the token ratio G(P + C) / (P + G C) reaches UNSLOTH_GRPO_PREFIX_GROUPER_TOKR (1.3).
-         Its first use of a batch shape is self-verified (UNSLOTH_GRPO_PREFIX_GROUPER_VERIFY, default on): the
-         full-row packed pass runs with gradients and stays in memory while a no-grad shared pass is compared
-         with it. A later batch longer than any verified one is verified again, so the longest batch, the peak,
-         runs the full-row pass: the verify leaves the peak at the full-row figure (the time is still saved).
-hf       our shared-prompt pass (train.shared_prompt, default on; lowmem_grpo/train/cpu_logprobs.py): each
-         distinct prompt of a micro-batch forwarded once with gradients, its KV cache indexed out to the rows that
-         share it, the completions run on it. It needs a cache the layers write into, so it runs the loss pass
-         only when train.gradient_checkpointing is false (with checkpointing only the no-grad old/reference
-         passes share), on full-attention models only (no sliding-window layers), and in the CPU trainer only:
-         on CUDA TRL's own log-prob pass runs, so a CUDA plan counts it as off and prints what it would save.
+unsloth  Unsloth's PrefixGrouper (unsloth/utils/prefix_grouper.py, unsloth_zoo/rl_replacements.py, 2026.10.9); its
+         gates are unsloth_prefix_grouper's, one reason each. It needs each G consecutive rows of a micro-batch to
+         hold one prompt, and TRL shuffles the generation batch's rows first: only a generation round of one group
+         keeps that. Its first-use self-verify keeps the full-row pass in memory while a no-grad shared pass is
+         compared with it, and a batch longer than any verified one is verified again: the peak stays the full-row
+         figure (the time is still saved).
+hf       our pass (train.shared_prompt; lowmem_grpo/train/cpu_logprobs.py): it needs a cache the layers write into,
+         so it runs the loss pass only without gradient checkpointing, on full-attention models, in the CPU trainer.
 
 The planner takes the token counts at their worst case: prompts of data.max_prompt_length, completions of
 train.max_completion_length.

@@ -11,17 +11,9 @@ plan. Notation used in the formulas:
     batch (completions generated at once = b x steps_per_generation), N = b x C scored tokens, G
     num_generations, k = min(b, R / G) the prompts one micro-batch can hold (TRL shuffles the rows).
 
-Prompt sharing (lowmem_grpo.memory.sharing decides which applies): a shared-prompt pass forwards each
-prompt of a micro-batch once, T = k x P + b x C tokens instead of b x S; only the activations (and, on
-hf, the prompt's keys/values each completion reads: prompt_kv) change; the log-prob pass scores the same
-N completion tokens either way.
-
-A GRPO step has two phases that never hold their transient memory at the same time: generation
-(KV cache, prefill workspace) and the training forward/backward (LoRA gradients, activations, the
-log-prob pass). An evaluation through the sampling engine (train.stage_eval, train.eval_every: E = eval_batch
-sequences at once) is a third: it runs between training phases, when their activations, gradients and caches are
-freed, beside the resident weights, adapter and optimizer state. The planner adds the static terms to the
-largest phase.
+A shared-prompt pass (lowmem_grpo.memory.sharing) forwards T = k x P + b x C tokens instead of b x S: only the
+activations and, on hf, prompt_kv change. E = eval_batch: the sequences an evaluation through the sampling engine
+decodes at once (its own phase; docs/memory.md).
 """
 
 from __future__ import annotations
@@ -111,10 +103,12 @@ def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> int:
 
 
 def unquantized_bytes(s: Settings) -> int:
-    """Bytes per element of the layers left unquantized (embeddings, lm_head, norms, biases).
+    """Bytes per element of the layers left unquantized (embeddings, lm_head, norms, biases), and of the residual
+    stream (rb: layer inputs, norm inputs and outputs).
 
     unsloth: cb (kept in the compute dtype); hf with 4-bit: 4 (peft's prepare_model_for_kbit_training
-    casts every non-4-bit parameter to fp32); hf 16-bit: cb.
+    casts every non-4-bit parameter to fp32, and those fp32 embeddings and norms make every residual add fp32
+    under autocast); hf 16-bit: cb.
     """
     return 4 if (s.backend == "hf" and s.load_in_4bit) else s.compute_bytes
 
@@ -266,7 +260,7 @@ def generation_workspace(a: Architecture, s: Settings) -> int:
 
 def decode_workspace(a: Architecture, s: Settings, rows: int) -> int:
     """generation_workspace's formula for `rows` sequences prefilled and sampled at once."""
-    prefill = rows * s.prompt_len * (a.hidden_size * residual_bytes(s) + 2 * a.intermediate_size * s.compute_bytes)
+    prefill = rows * s.prompt_len * (a.hidden_size * unquantized_bytes(s) + 2 * a.intermediate_size * s.compute_bytes)
     sampling = rows * a.vocab_size * 4 * 2
     return prefill + dequant_workspace(a, s) + sampling
 
@@ -276,10 +270,8 @@ def decode_workspace(a: Architecture, s: Settings, rows: int) -> int:
 
 def eval_kv_cache(a: Architecture, s: Settings) -> int:
     """KV cache of an evaluation through the sampling engine, E = eval_batch sequences at once: decode_kv_bytes(E),
-    e.g. L x kv x 2 x cb x E x S on hf; outside vLLM's reservation even when vLLM generates GRPO's rollouts (the
-    stage evaluation, and any evaluation with data.calculator, decode with the engine). 0 without one. Unsloth's
-    decode buffers outlive the evaluation until the next prefill-shaped forward frees them, layer by layer as that
-    forward reaches each layer: they shrink while its own memory grows, so they do not add to the next phase."""
+    e.g. L x kv x 2 x cb x E x S on hf; outside vLLM's reservation even when vLLM generates GRPO's rollouts. 0
+    without one."""
     return decode_kv_bytes(a, s, s.eval_batch) if s.eval_batch else 0
 
 
@@ -290,15 +282,6 @@ def eval_workspace(a: Architecture, s: Settings) -> int:
 
 
 # --- training phase -----------------------------------------------------------------------------
-
-
-def residual_bytes(s: Settings) -> int:
-    """Bytes per element of the residual stream (layer inputs, norm inputs and outputs): rb.
-
-    hf with 4-bit: 4, because the fp32 embeddings and norms that prepare_model_for_kbit_training leaves
-    make every residual add fp32 under autocast; otherwise cb.
-    """
-    return unquantized_bytes(s)
 
 
 def dequant_workspace(a: Architecture, s: Settings) -> int:
@@ -326,7 +309,7 @@ def layer_activation_bytes_per_token(a: Architecture, s: Settings) -> int:
     width = 3 * a.q_dim + 2 * a.kv_dim + mlp * a.intermediate_size + s.lora_r * targets
     if a.qk_norm:
         width += a.q_dim + a.kv_dim
-    residual = (a.norms_per_layer + 2) * a.hidden_size * residual_bytes(s)
+    residual = (a.norms_per_layer + 2) * a.hidden_size * unquantized_bytes(s)
     return residual + width * s.compute_bytes + 4 * (a.norms_per_layer + a.num_heads)
 
 
@@ -359,7 +342,7 @@ def attention_mask_bytes(s: Settings, shared: bool) -> int:
 def _forward_activations(a: Architecture, s: Settings, shared: bool) -> int:
     tokens = forward_tokens(a, s, shared)
     per_token = layer_activation_bytes_per_token(a, s)
-    hidden = tokens * a.hidden_size * residual_bytes(s)
+    hidden = tokens * a.hidden_size * unquantized_bytes(s)
     if not s.gradient_checkpointing:
         body = a.num_layers * tokens * per_token
     elif s.backend == "unsloth":

@@ -5,39 +5,6 @@ Importing this package registers the GSM8K rewards; look them up with
 """
 
 from .chain import chain_steps
-from .gsm8k import (
-    GSM8K_DEFAULT_WEIGHTS,
-    completion_texts,
-    correctness,
-    expression,
-    integer,
-    soft_format,
-    strict_format,
-    xml_count,
-)
-from .registry import (
-    InvalidRewardSpecError,
-    RewardFunc,
-    UnknownRewardError,
-    available_rewards,
-    get_reward,
-    register,
-)
-
-__all__ = [
-    "GSM8K_DEFAULT_WEIGHTS",
-    "InvalidRewardSpecError",
-    "RewardFunc",
-    "UnknownRewardError",
-    "available_rewards",
-    "chain_steps",
-    "completion_texts",
-    "correctness",
-    "expression",
-    "get_reward",
-    "integer",
-    "register",
-    "soft_format",
-    "strict_format",
-    "xml_count",
-]
+from .gsm8k import (GSM8K_DEFAULT_WEIGHTS, completion_texts, correctness, expression, integer, soft_format,
+                    strict_format, xml_count)
+from .registry import InvalidRewardSpecError, RewardFunc, UnknownRewardError, available_rewards, get_reward, register

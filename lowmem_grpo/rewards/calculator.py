@@ -1,19 +1,10 @@
-"""A calculator for GSM8K-style arithmetic: exact, bounded, and never `eval`.
+"""A calculator for GSM8K-style arithmetic: exact, bounded, and never `eval` (docs/rewards.md, "The calculator").
 
-GSM8K's worked solutions annotate each step as `<<49-4=45>>`: an external calculator filled in the
-result while the dataset was written. The sampling engine plays that calculator: when a row's text
-ends in `<<EXPR=` (`pending_expression`), it forces `forced_text(EXPR)`, e.g. `45>>`, into the row,
-and the model goes on (by GSM8K's habit it copies the result after `>>`). A primed solution line
-looks like `She now has <<49-4=45>>45 fish.`
-
-`evaluate` is a hand-written tokenizer and recursive-descent parser over numbers and `+ - * / ( )`
-with exact rational arithmetic (`fractions.Fraction`); every size is bounded (length, tokens,
-nesting, each literal's and each intermediate's magnitude and denominator), so no text the model
-writes can make it slow, raise, or run code. `calculations` finds every arithmetic statement of a
-completion (annotations and plain `12 - 5 = 7`), and `outcome` sorts a wrong answer by what went
-wrong in its last one: the choice of operation and operands, or the arithmetic.
-
-Standard library only.
+The sampling engine forces `forced_text(EXPR)`, e.g. `45>>`, into a row whose text ends in `<<EXPR=`
+(`pending_expression`). `evaluate` is a hand-written tokenizer and recursive-descent parser over numbers and
+`+ - * / ( )` in exact rational arithmetic, every size bounded, so no text the model writes can make it slow, raise
+or run code. `calculations` finds every arithmetic statement of a completion, and `outcome` sorts a wrong answer by
+what went wrong in its last one. Standard library only.
 """
 
 from __future__ import annotations
@@ -24,27 +15,6 @@ from fractions import Fraction
 from typing import Any
 
 from .parsing import gold_value, parse_number
-
-__all__ = [
-    "Calculation",
-    "MAX_DECIMALS",
-    "MAX_DENOMINATOR",
-    "MAX_DEPTH",
-    "MAX_EXPRESSION_CHARS",
-    "MAX_MAGNITUDE",
-    "MAX_TOKENS",
-    "OUTCOMES",
-    "OUTCOME_DESCRIPTIONS",
-    "RESULT_DECIMALS",
-    "calculations",
-    "evaluate",
-    "forced_text",
-    "format_result",
-    "last_calculation",
-    "outcome",
-    "pending_expression",
-    "reasoning_text",
-]
 
 MAX_EXPRESSION_CHARS = 120
 """Longest expression evaluated, in characters (longer ones give None without being read)."""
@@ -238,13 +208,9 @@ def format_result(value: Fraction | int) -> str:
 
 
 def pending_expression(text: str) -> str | None:
-    """EXPR when `text` ends with an open calculator call ``<<EXPR=`` (no ``>>`` after the ``<<``);
-    else None.
-
-    Cheap: only the last `MAX_EXPRESSION_CHARS` + 3 characters are read (a longer EXPR would not
-    evaluate anyway). An EXPR holding ``=``, ``<``, ``>`` or a newline, or only spaces, is not a
-    pending call.
-    """
+    """EXPR when `text` ends with an open calculator call ``<<EXPR=`` (no ``>>`` after the ``<<``); else None.
+    Only the last `MAX_EXPRESSION_CHARS` + 3 characters are read (a longer EXPR would not evaluate anyway); an EXPR
+    holding ``=``, ``<``, ``>`` or a newline, or only spaces, is not a pending call."""
     if not text or text[-1] != "=":
         return None
     tail = text[-(MAX_EXPRESSION_CHARS + 3):]
@@ -348,14 +314,9 @@ def last_calculation(text: str) -> Calculation | None:
 
 
 def outcome(completion_text: str, gold: Any, answer_correct: bool) -> str:
-    """What an answer got wrong, one of `OUTCOMES`, judged on the last calculation of its reasoning.
-
-    ``correct`` when `answer_correct`; else ``no_expression`` (no calculation), ``wrong_arithmetic``
-    (its exact value is the gold answer but the written result is not), ``wrong_operation`` (the
-    written result is its exact value, which is not the gold answer), ``both_wrong`` (neither),
-    ``other`` (value and arithmetic right, the answer still wrong). `gold` is a number or a GSM8K
-    solution ending in ``#### N``.
-    """
+    """What an answer got wrong, one of `OUTCOMES` (OUTCOME_DESCRIPTIONS), judged on the last calculation of its
+    reasoning: its exact value against the gold answer (a number or a GSM8K solution ending in ``#### N``), and its
+    written result against its exact value."""
     if answer_correct:
         return "correct"
     calc = last_calculation(completion_text or "")

@@ -2,22 +2,9 @@
 
 A worked solution (GSM8K's, or the generator's) annotates each step `<<16-9=7>>`; its steps' results, in order,
 are the gold chain (`gold_chain`). `chain_outcome` compares a completion's calculations (the calculator's
-`calculations` of its reasoning) with that chain and names the first step the completion never reached:
-
-- ``wrong_first_step``: no calculation of the completion has the first step's result;
-- ``stopped_early``: every calculation it wrote is a step of the gold chain, in order, and it wrote fewer of them
-  than the chain has (on a two-step problem: one calculation, then an answer);
-- ``wrong_later_step``: it has the first step's result but misses a later one (another operation or operand);
-- ``went_on``: every step's result is there, then more calculations than the chain has, the answer one of
-  theirs (on a one-step problem: a second calculation nobody asked for);
-- ``other``: every step's result is there, the answer is still wrong (copied wrongly, or never given);
-- ``no_expression``: no calculation at all; ``correct`` when the answer is right.
-
-A step counts as reached when some calculation's exact value equals its result, whatever the order: a chain told
-in another order still reaches every step.
-
-`chain_steps` is a reward (TRL's protocol) giving per-step credit for the same chain: the share of the gold chain's
-steps the completion's calculations reach. Standard library only.
+`calculations` of its reasoning) with that chain and names where it broke (CHAIN_DESCRIPTIONS); a step counts as
+reached when some calculation's exact value equals its result, whatever the order. `chain_steps` is a reward giving
+per-step credit for the same chain (docs/rewards.md). Standard library only.
 """
 
 from __future__ import annotations
@@ -30,8 +17,6 @@ from typing import Any
 from .calculator import calculations, evaluate, reasoning_text
 from .gsm8k import column_values, completion_texts
 from .registry import register
-
-__all__ = ["CHAIN_OUTCOMES", "CHAIN_DESCRIPTIONS", "chain_outcome", "chain_steps", "gold_chain", "steps_of"]
 
 CHAIN_OUTCOMES: tuple[str, ...] = (
     "correct", "wrong_first_step", "stopped_early", "wrong_later_step", "went_on", "no_expression", "other",
@@ -65,8 +50,10 @@ def steps_of(solution: str) -> int:
 
 
 def chain_outcome(completion_text: str, solution: str, answer_correct: bool) -> str | None:
-    """Where the completion's chain broke against the worked `solution` (one of CHAIN_OUTCOMES, see the module
-    docstring); None when the solution has no annotated steps to compare with."""
+    """Where the completion's chain broke against the worked `solution` (one of CHAIN_OUTCOMES): stopped_early when
+    its calculations are the chain's first steps in order, fewer than the chain has; went_on when it reached every
+    step, then wrote more calculations than the chain has, the last not the chain's; None when the solution has no
+    annotated steps to compare with."""
     chain = gold_chain(solution)
     if not chain:
         return None
@@ -95,14 +82,8 @@ def chain_steps(completions: Sequence[Any], solution: Sequence[Any] | None = Non
                 **kwargs: Any) -> list[float | None]:
     """Per-step credit: the share of the worked `solution`'s steps whose result some calculation of the reasoning
     has (`chain_outcome`'s sense of a step reached), 0.0 when the reasoning writes more calculations than the
-    chain has, None where the solution has no annotated steps (TRL leaves such a row out of this reward).
-
-    On a two-step problem a right first step then an answer earns 0.5, the whole chain 1.0. What keeps it from
-    being gamed: a completion cannot spray calculations hoping to hit a step's result (more calculations than the
-    chain has earn nothing), and the credit is weighted below the answer's (`correctness`), which stays the goal;
-    a run whose chain credit climbs while correctness does not is paid for steps, not answers (report.md's reward
-    table shows both).
-    """
+    chain has (so spraying calculations earns nothing), None where the solution has no annotated steps (TRL leaves
+    such a row out of this reward)."""
     texts = completion_texts(completions, **kwargs)
     scores: list[float | None] = []
     for text, worked in zip(texts, column_values(solution, len(texts), "chain_steps", "solution", "solutions")):

@@ -18,17 +18,6 @@ from .calculator import last_calculation
 from .parsing import extract_answer_block, find_numbers, gold_value, parse_number
 from .registry import register
 
-__all__ = [
-    "GSM8K_DEFAULT_WEIGHTS",
-    "completion_texts",
-    "correctness",
-    "expression",
-    "integer",
-    "soft_format",
-    "strict_format",
-    "xml_count",
-]
-
 GSM8K_DEFAULT_WEIGHTS: dict[str, float] = {
     "correctness": 2.0,
     "integer": 0.5,
@@ -40,28 +29,19 @@ GSM8K_DEFAULT_WEIGHTS: dict[str, float] = {
 _TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
 # Block contents may span lines but may not contain any of the four tags.
 _CONTENT = r"(?:(?!</?(?:reasoning|answer)>).)"
-_STRICT_RE = re.compile(
-    rf"<reasoning>\n(?P<reasoning>{_CONTENT}+?)\n</reasoning>\n"
-    rf"<answer>\n(?P<answer>{_CONTENT}+?)\n</answer>",
-    re.DOTALL,
-)
-_SOFT_RE = re.compile(
-    rf"<reasoning>{_CONTENT}*?</reasoning>\s*<answer>{_CONTENT}*?</answer>", re.DOTALL
-)
+_STRICT_RE = re.compile(rf"<reasoning>\n(?P<reasoning>{_CONTENT}+?)\n</reasoning>\n"
+                        rf"<answer>\n(?P<answer>{_CONTENT}+?)\n</answer>", re.DOTALL)
+_SOFT_RE = re.compile(rf"<reasoning>{_CONTENT}*?</reasoning>\s*<answer>{_CONTENT}*?</answer>", re.DOTALL)
 _INTEGER_RE = re.compile(r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)")
 XML_TAIL_PENALTY = 0.002
 
 
 def _message_text(content: Any) -> str:
     """Text of a message ``content``: a string, or a list of ``{"type": "text"}`` parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     if isinstance(content, Sequence):
-        return "".join(
-            (part.get("text") or "") if isinstance(part, dict) else str(part) for part in content
-        )
+        return "".join((part.get("text") or "") if isinstance(part, dict) else str(part) for part in content)
     return str(content)
 
 
@@ -128,15 +108,8 @@ def correctness(completions: Sequence[Any], answer: Sequence[Any] | None = None,
 @register("expression")
 def expression(completions: Sequence[Any], answer: Sequence[Any] | None = None,
                **kwargs: Any) -> list[float]:
-    """1.0 when the exact value of the reasoning's last calculation equals the gold ``answer``.
-
-    What it rewards: the choice of operation and operands. The last arithmetic statement before
-    ``<answer>`` (a calculator annotation ``<<E=C>>`` or a plain ``E = C``) is evaluated exactly by
-    the calculator (``lowmem_grpo.rewards.calculator``), and the model's own result C is ignored:
-    ``20-8=11`` for a gold 12 earns 1.0, ``20+8=28`` earns 0.0. What it cannot see: whether the
-    answer block copies that value (``correctness`` judges the answer), and a right value reached by
-    a wrong route (a last step that happens to equal the gold number).
-    """
+    """1.0 when the exact value of the reasoning's last calculation (``<<E=C>>`` or ``E = C``) equals the gold
+    ``answer``, whatever the model wrote as C: ``20-8=11`` for a gold 12 earns 1.0 (docs/rewards.md)."""
     texts = completion_texts(completions, **kwargs)
     scores = []
     for text, gold in zip(texts, column_values(answer, len(texts), "expression")):
@@ -150,35 +123,21 @@ def expression(completions: Sequence[Any], answer: Sequence[Any] | None = None,
 @register("integer")
 def integer(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """1.0 when the stripped answer block is an integer literal (``18``, ``-3``, ``1,234``)."""
-    scores = []
-    for text in completion_texts(completions, **kwargs):
-        block = extract_answer_block(text)
-        ok = block is not None and _INTEGER_RE.fullmatch(block.strip()) is not None
-        scores.append(1.0 if ok else 0.0)
-    return scores
+    blocks = [extract_answer_block(text) for text in completion_texts(completions, **kwargs)]
+    return [1.0 if block is not None and _INTEGER_RE.fullmatch(block.strip()) else 0.0 for block in blocks]
 
 
 @register("strict_format")
 def strict_format(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """1.0 when the whole (stripped) completion is exactly the newline-separated tag format."""
-    scores = []
-    for text in completion_texts(completions, **kwargs):
-        match = _STRICT_RE.fullmatch(text.strip())
-        ok = (
-            match is not None
-            and match.group("reasoning").strip() != ""
-            and match.group("answer").strip() != ""
-        )
-        scores.append(1.0 if ok else 0.0)
-    return scores
+    matches = [_STRICT_RE.fullmatch(text.strip()) for text in completion_texts(completions, **kwargs)]
+    return [1.0 if m and m.group("reasoning").strip() and m.group("answer").strip() else 0.0 for m in matches]
 
 
 @register("soft_format")
 def soft_format(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """1.0 when a reasoning block followed by an answer block appears anywhere."""
-    return [
-        1.0 if _SOFT_RE.search(text) else 0.0 for text in completion_texts(completions, **kwargs)
-    ]
+    return [1.0 if _SOFT_RE.search(text) else 0.0 for text in completion_texts(completions, **kwargs)]
 
 
 def _xml_count_one(text: str) -> float:

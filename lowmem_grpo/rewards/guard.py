@@ -1,16 +1,10 @@
 """A guard around each reward function: a fault names the function, the step and the example. Standard library only.
 
-TRL calls a reward as ``fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns)``
-and expects one float or None per completion. The guard keeps that contract and makes every way of
-breaking it a clear error instead of a crash deep inside TRL or a silently poisoned advantage:
-
-- the function raises: RewardError naming it, the step being trained, and the first example that fails
-  on its own (the batch is re-run one example at a time to find it), with the exception chained;
-- an element is None: passed through, TRL's meaning (this reward skips that completion); a bare None
-  instead of a list is read the same way, for every completion, with a warning once;
-- an element is NaN, infinite or not a number, or the list has the wrong length: RewardError.
-
-The wrapper keeps the function's ``__name__`` (TRL logs ``rewards/<__name__>/mean``).
+TRL calls a reward as ``fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns)`` and
+expects one float or None per completion. A raise is a RewardError naming the function, the step and the first
+example that fails on its own (the batch re-run one example at a time); None elements pass through (TRL skips
+them), a bare None reads as None for every completion, with a warning once; NaN, infinite or non-numbers, or a
+list of the wrong length, are RewardErrors. The wrapper keeps the function's ``__name__`` (TRL logs by it).
 """
 
 from __future__ import annotations
@@ -98,8 +92,7 @@ def _bad_value(value: Any) -> str | None:
 
 
 def guard_reward(func: Callable[..., Any]) -> Callable[..., Any]:
-    """`func` wrapped so that a raise, a NaN or a wrong-length result is a RewardError naming it, the step
-    and the example; None elements pass through (TRL skips them)."""
+    """`func` wrapped as the module docstring says."""
     name = getattr(func, "__name__", repr(func))
     skip_hint = "return None for a completion the reward does not apply to (TRL skips it)"
 
@@ -138,5 +131,4 @@ def guard_reward(func: Callable[..., Any]) -> Callable[..., Any]:
                                   fix=f"return a finite float from {name}; {skip_hint}")
         return scores
 
-    guarded.__lowmem_guarded__ = True  # type: ignore[attr-defined]
     return guarded

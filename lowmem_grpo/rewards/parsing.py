@@ -11,16 +11,6 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = [
-    "extract_answer_block",
-    "find_numbers",
-    "gold_number",
-    "gold_value",
-    "last_number",
-    "numbers_equal",
-    "parse_number",
-]
-
 # Last <answer>...</answer> pair: greedy prefix pushes the match to the last opener.
 _ANSWER_BLOCK_RE = re.compile(r".*<answer>(.*?)</answer>", re.DOTALL)
 

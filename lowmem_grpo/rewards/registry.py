@@ -12,15 +12,6 @@ import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = [
-    "InvalidRewardSpecError",
-    "RewardFunc",
-    "UnknownRewardError",
-    "available_rewards",
-    "get_reward",
-    "register",
-]
-
 RewardFunc = Callable[..., list[Any]]
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,20 +1,8 @@
-"""The attention the CPU passes run: transformers' sdpa with grouped key/value heads shared, and in bfloat16 or
-float16 a float32 matmul attention instead of PyTorch's flash kernel for CPU.
-
-`cpu_attention(model)` switches a model's sdpa attention to `cpu_attention_forward` while a block runs (the
-sampling engine's decode loop and every log-prob pass of the CPU trainer run inside it), then back:
-
-- grouped-query heads are passed as they are, never copied out to one key/value head per query head (repeat_kv,
-  which transformers does whenever there is a padding mask);
-- in float32 the kernel is PyTorch's SDPA, as sdpa's own (bit-identical logits and texts);
-- in bfloat16/float16 on CPU it is two batched matmuls and a softmax, computed in float32 on the model's keys and
-  values: PyTorch's flash kernel for CPU accumulates in float32 too, but pays ~2 ms a call per layer whatever the
-  work (measured 2.0 ms against 0.37 ms for one decode step of 32 rows, 9.0 against 3.0 ms for 128 rows, 9.8
-  against 6.6 ms forward + backward for a training micro-batch: bfloat16, 2 cores), so a decode step of a 30-layer
-  model spent more time there than in its weights. Its error against a float64 reference is the flash kernel's
-  (tests/test_cpu_attention.py).
-
-Imports torch and transformers inside the functions.
+"""The attention the CPU passes run (docs/performance.md, "Sampling on CPU"): transformers' sdpa with grouped
+key/value heads passed as they are (never repeat_kv'd), and in bfloat16/float16 on CPU a float32 matmul attention
+instead of PyTorch's flash kernel for CPU, which costs ~2 ms a call per layer whatever the work. `cpu_attention(model)`
+switches a model's sdpa attention to `cpu_attention_forward` while a block runs (the sampling engine's decode loop and
+every log-prob pass of the CPU trainer), then back. Imports torch and transformers inside the functions.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """The decode loop every transformers sampling path of lowmem_grpo runs: GRPO rollouts, evaluation, stage
-evaluation, the periodic eval, the reward preflight and check-rewards.
+evaluation, the periodic eval, the reward preflight and check-rewards (docs/performance.md, "Sampling on CPU").
 
 `sample_rows(model, prompt_ids, ...)` continues each prompt (token ids) with one completion, greedy or sampled,
-and says per token whether the policy chose it or a tool forced it:
-
-- each distinct prompt is forwarded once, and its KV cache is copied out to the rows that continue it (a GRPO
-  group's G rows, or an evaluation's k samples, share one prefill);
-- sampling draws from the temperature-scaled softmax by inverse CDF (one uniform per row, a cumulative sum and a
-  binary search), a few times cheaper than `torch.multinomial` over a 50k vocabulary, the same distribution;
-- each forward's returned cache (`past_key_values`: a transformers Cache, or the tuple Unsloth's fast forward
-  returns) is what the next step is given, so every backend's cache contract holds (DecodeContract);
-- rows that ended are dropped from the batch as they accumulate (the cache is re-indexed when a quarter of the
-  rows have ended), so the decode steps run only on rows still writing; an Unsloth model keeps its batch fixed
-  until the next prefill, its ended rows fed a placeholder, as its decode buffers require;
-- with a `Calculator`, a row whose text ends in `<<EXPR=` gets the calculator's `RESULT>>` forced into it, one
-  token per decode step, each marked as forced: GRPO keeps those tokens out of its loss and KL (the policy did not
-  choose them), and every sampling path writes the same text a user's run will see.
-
-The model runs as it is (callers wrap it in generate.fast_sampling and inference mode); torch and transformers
-are imported inside the functions.
+and says per token whether the policy chose it or a tool forced it: each distinct prompt is forwarded once and its
+KV cache copied out to the rows that continue it; sampling draws by inverse CDF; the cache each forward returns is
+what the next step is given (DecodeContract); ended rows are dropped from the batch as they accumulate; with a
+`Calculator`, a row ending in `<<EXPR=` gets `RESULT>>` forced into it one token per step, marked as forced (GRPO
+keeps those tokens out of its loss and KL). The model runs as it is (callers wrap it in generate.fast_sampling and
+inference mode); torch and transformers are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -116,29 +105,22 @@ def next_tokens(logits: Any, temperature: float, generator: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class DecodeContract:
-    """How a model keeps its KV cache between forwards, as the decode loop must honour it.
+    """How a model keeps its KV cache between forwards, as the decode loop must honour it. The loop always feeds
+    back the `past_key_values` a forward returned: transformers writes into the Cache it is given, Unsloth's fast
+    forward (`CausalLM_fast_forward`) reads it as a tuple and returns a tuple of its own.
 
-    Every model returns its cache as `past_key_values`, and the loop feeds back what it returned: transformers
-    writes into the Cache it is given and returns it, while Unsloth's fast forward (`CausalLM_fast_forward` in
-    unsloth/models/llama.py) reads a Cache as a tuple of slices (`_cache_as_legacy_tuple`), never writes it, and
-    returns a tuple of its own. `fixed_batch`: Unsloth's decode step sizes its per-layer decode buffers
-    (`paged_attention_K/V`) by the batch at the first decode after a prefill and reads those, not the tuple, so
-    the batch must keep its rows until the next prefill (ended rows are fed a placeholder). `autocast`: the dtype
-    Unsloth's own generate (`unsloth_fast_generate`) runs its forwards under on CUDA, None for none.
-    `preallocate`: the loop gives the model a cache allocated once for the prompt plus the budget
-    (lowmem_grpo.sampling.kv_cache), not transformers' DynamicCache, which copies the whole cache at every step;
-    for a model that writes the cache it is given (Unsloth's keeps its own buffers)."""
+    `fixed_batch`: Unsloth's decode step sizes its per-layer buffers (`paged_attention_K/V`) by the batch at the
+    first decode after a prefill, so the batch keeps its rows until the next prefill (ended rows fed a placeholder).
+    `autocast`: the dtype `unsloth_fast_generate` runs its forwards under on CUDA, None for none. `preallocate`: the
+    cache is allocated once for prompt plus budget (lowmem_grpo.sampling.kv_cache), for a model that writes the cache
+    it is given."""
 
     fixed_batch: bool = False
     autocast: Any = None
     preallocate: bool = True
     graphs: Any = None
-    """Unsloth's decode-graph module (unsloth/models/_decode_graphs.py) where its CUDA-graph decode can serve the
-    loop: an Unsloth model of a family it graphs, on CUDA. The loop keeps that decode's contract (a batch fixed
-    until the next prefill, a position per row, no gradients, the cache it returned fed back), so it decodes as
-    Unsloth's own RL generation does: inside `rl_generation()` (graphs on unless UNSLOTH_DECODE_CUDA_GRAPHS=0),
-    `start_generation(prompt + budget)` sizing the graph buffers, `release_for_training` afterwards so training
-    gets their memory back. None: Unsloth's eager decode step."""
+    """Unsloth's decode-graph module (unsloth/models/_decode_graphs.py) for an Unsloth model of a family it graphs,
+    on CUDA: the loop then decodes as Unsloth's own RL generation does (_graph_scope). None: its eager decode step."""
 
 
 def decode_contract(model: Any) -> DecodeContract:

@@ -1,8 +1,8 @@
 """The one entry for sampling: completions for rendered prompts, used by evaluation, the reward preflight and
 the periodic eval. It generates with vLLM when the model has a vLLM engine (a vllm.LLM, or Unsloth's
 fast_inference engine, sampling the live adapter; with the calculator through
-lowmem_grpo.sampling.vllm_calculator), else with batched transformers `generate` (left padding), in
-inference mode and on a private RNG stream. Imports torch/transformers only inside the functions that sample.
+lowmem_grpo.sampling.vllm_calculator), else through lowmem_grpo.sampling.engine, in inference mode and on a
+private RNG stream. Imports torch/transformers only inside the functions that sample.
 """
 
 from __future__ import annotations
@@ -54,11 +54,7 @@ def live_adapter_request(model: Any) -> Any:
 
 def vllm_target(model: Any, lora_request: Any = None) -> tuple[Any, Any]:
     """(engine, LoRA request) to generate with: the given request, else the model's live adapter."""
-    engine = vllm_engine_of(model)
-    if engine is None:
-        raise BadInputError("engine vllm needs a vLLM engine: a vllm.LLM, or a model loaded with "
-                            "model.fast_inference=true", fix="use engine=transformers, or turn fast_inference on")
-    return engine, lora_request if lora_request is not None else live_adapter_request(model)
+    return vllm_engine_of(model), lora_request if lora_request is not None else live_adapter_request(model)
 
 
 def choose_engine(model: Any, engine: str = "auto") -> str:
@@ -168,19 +164,11 @@ def _merge_problem(module: Any, lora_linear: type, linear: type, identity: type)
 
 @contextlib.contextmanager
 def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
-    """Sample from the LoRA adapter merged into the weights, with the base weights untouched.
-
-    Every LoRA Linear of `model` is swapped, for the duration, for a plain Linear whose weight is the base weight
-    plus the adapter's delta, computed in float32 and cast once to the weight's dtype (the bias is the base's own).
-    PEFT's unmerged forward runs two more small matmuls and its Python per adapted layer per token; a merged
-    weight runs one. The base weights are never written (the swap puts the original modules back, so nothing can
-    drift however many steps run), gradients and the optimizer never see the copies, and the merged weights live
-    only while the block runs: one extra copy of the adapted weights.
-
-    Applies on CPU to plain LoRA Linears (no DoRA or other variants, no LoRA bias, no hooks) whose LoRA dropout
-    is inactive (p = 0, or the model in eval mode), all or none; otherwise, or with `enabled` False, the model
-    is left as it is. The merged model computes the same function up to float rounding (float32: ~1e-7
-    relative; in bfloat16 the merged weight is rounded once instead of the adapter's output per token)."""
+    """Sample from the LoRA adapter merged into the weights (docs/performance.md, train.merged_sampling): every LoRA
+    Linear of `model` is swapped, while the block runs, for a plain Linear whose weight is the base weight plus the
+    adapter's delta (computed in float32, cast once); the original modules are put back afterwards, so the base
+    weights are never written. All or none: only on CPU, for plain LoRA Linears (no variants, LoRA bias or hooks)
+    whose LoRA dropout is inactive; otherwise, or with `enabled` False, the model is left as it is."""
     if not enabled:
         yield MergeResult(0, "off")
         return
@@ -259,25 +247,20 @@ def inference_mode(model: Any) -> Iterator[None]:
 
 
 def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_samples: int,
-                   temperature: float, seed: int, lora_request: Any, bar: Any,
-                   on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
-    """vLLM generation with `lora_request` (not exercised by the CPU test suite: vllm needs CUDA)."""
+                   temperature: float, seed: int, lora_request: Any) -> list[list[Generation]]:
+    """vLLM generation with `lora_request`."""
     from vllm import SamplingParams
 
     params = SamplingParams(n=num_samples, temperature=temperature, top_p=1.0, top_k=-1 if temperature else 1,
                             max_tokens=max_new_tokens, seed=seed)
     outputs = engine.generate(prompts, sampling_params=params, lora_request=lora_request, use_tqdm=False)
-    bar.update(len(prompts))
-    if on_progress is not None:
-        on_progress(len(prompts), len(prompts))
     return [[Generation(text=o.text, tokens=len(o.token_ids), truncated=o.finish_reason == "length")
              for o in out.outputs] for out in outputs]
 
 
 def _generate_vllm_calculator(engine: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
                               num_samples: int, temperature: float, seed: int, lora_request: Any, eos: set[int],
-                              bar: Any, params_class: Callable[..., Any] | None = None,
-                              on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
+                              params_class: Callable[..., Any] | None) -> list[list[Generation]]:
     """vLLM generation with the calculator (lowmem_grpo.sampling.vllm_calculator): the prompts tokenized as the
     transformers path tokenizes them, num_samples rows each, every row seeded from `seed`."""
     from lowmem_grpo.sampling.engine import Calculator
@@ -288,9 +271,6 @@ def _generate_vllm_calculator(engine: Any, tokenizer: Any, prompts: list[str], *
     rows = calculator_rows(EngineRounds(engine, settings, lora_request, params_class),
                            [p for p in ids for _ in range(num_samples)], max_tokens=max_new_tokens,
                            calculator=Calculator(tokenizer), eos_ids=eos, seed=seed)
-    bar.update(len(prompts))
-    if on_progress is not None:
-        on_progress(len(prompts), len(prompts))
     return [[_generation(tokenizer, r, eos) for r in rows[i * num_samples:(i + 1) * num_samples]]
             for i in range(len(prompts))]
 
@@ -303,16 +283,12 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
              sampling_params_class: Callable[..., Any] | None = None) -> list[list[Generation]]:
     """num_samples completions per prompt (text after the prompt, prefill excluded).
 
-    With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, or, when it is None, from the
-    model's live adapter (live_adapter_request); with transformers from the model as it is, with its LoRA adapter
-    merged into the weights while it samples when `merged` and merged_adapter applies, with
-    lowmem_grpo.sampling.attention's CPU attention when `attention`, through lowmem_grpo.sampling.engine.
-    With `calculator`, each `<<EXPR=` a row writes is completed by the calculator: by the engine, or on vLLM by
-    stopping the row after each token ending in "=" and resubmitting it
-    (lowmem_grpo.sampling.vllm_calculator; `sampling_params_class` builds its per-request settings, None:
-    vllm.SamplingParams). `on_progress(done, total)`, when given, is called with the problems done after each
-    batch (vLLM: once, at the end), for callers that log progress instead of showing the bar
-    (evaluation.progress.ProgressLog)."""
+    With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, else the model's live adapter;
+    with transformers through lowmem_grpo.sampling.engine, from the model as it is inside fast_sampling (`merged`,
+    `attention`). `calculator`: each `<<EXPR=` a row writes is completed by the calculator (on vLLM in rounds,
+    `sampling_params_class` building its per-request settings; None: vllm.SamplingParams). `on_progress(done,
+    total)` is called with the problems done after each batch (vLLM: once), for callers that log progress instead
+    of showing the bar."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")
@@ -328,13 +304,17 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
         if chosen == "vllm":
             vllm_engine, request = vllm_target(model, lora_request)  # the adapter as trained so far
             if calculator:
-                return _generate_vllm_calculator(vllm_engine, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                                 num_samples=num_samples, temperature=temperature, seed=seed,
-                                                 lora_request=request, eos=_required_eos(model, tokenizer), bar=bar,
-                                                 params_class=sampling_params_class, on_progress=on_progress)
-            return _generate_vllm(vllm_engine, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                  temperature=temperature, seed=seed, lora_request=request, bar=bar,
-                                  on_progress=on_progress)
+                out = _generate_vllm_calculator(vllm_engine, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                                num_samples=num_samples, temperature=temperature, seed=seed,
+                                                lora_request=request, eos=_required_eos(model, tokenizer),
+                                                params_class=sampling_params_class)
+            else:
+                out = _generate_vllm(vllm_engine, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                                     temperature=temperature, seed=seed, lora_request=request)
+            bar.update(len(prompts))
+            if on_progress is not None:
+                on_progress(len(prompts), len(prompts))
+            return out
         return _generate_transformers(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                       batch_size=batch_size, num_samples=num_samples, temperature=temperature,
                                       seed=seed, bar=bar, merged=merged, calculator=calculator,

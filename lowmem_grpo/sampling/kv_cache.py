@@ -1,11 +1,7 @@
-"""A transformers KV cache whose layers are allocated once per batch, for the sampling engine's decode loop.
-
-transformers' DynamicCache concatenates each new token's keys and values onto the whole cache at every decode step,
-per layer: a copy of the entire cache, into a freshly allocated block (on CPU above the allocator's mmap threshold
-that is a new mapping, zeroed page by page, at every step). `preallocated_cache(config, capacity)` writes each step
-in place into buffers sized for the prompt plus the completion budget and hands the attention views of the filled
-part: the same numbers in the same order, without the copies. Imported by the engine inside its functions (it
-imports transformers at module level, after backends.prepare()).
+"""A transformers KV cache whose layers are allocated once per batch, for the sampling engine's decode loop: each
+decode step writes in place into buffers sized for the prompt plus the completion budget, where DynamicCache copies
+the whole cache into a fresh block at every step (docs/performance.md). Imported by the engine inside its functions
+(it imports transformers at module level, after backends.prepare()).
 """
 
 from __future__ import annotations
@@ -75,23 +71,11 @@ class PreallocatedLayer(DynamicLayer):
             self.value_buffer = self.value_buffer.index_select(0, indices)
             self._refresh()
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
-            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
-            self._refresh()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            self.length = max(0, self.length - abs(tokens_to_remove))
-            self._refresh()
-
 
 def preallocated_cache(config: Any, capacity: int, dtype: torch.dtype | None = None) -> Cache | None:
     """A Cache of PreallocatedLayers, one per layer of a model with `config`, each for `capacity` positions (kept in
-    `dtype`, default the model's); None
-    for a model whose layers are not all full attention (sliding windows, linear attention: their caches keep a
-    window or a state, which DynamicCache's own layer types handle)."""
+    `dtype`, default the model's); None for a model whose layers are not all full attention (sliding windows, linear
+    attention: their caches keep a window or a state, which DynamicCache's own layer types handle)."""
     layers = getattr(config, "num_hidden_layers", None)
     types = getattr(config, "layer_types", None) or ["full_attention"] * (layers or 0)
     if not layers or getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \

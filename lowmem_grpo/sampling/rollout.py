@@ -81,19 +81,14 @@ class EngineRollout:
 
 
 class VllmRollout:
-    """TRL's `rollout_func` for data.calculator on vLLM: the calculator's rounds
-    (lowmem_grpo.sampling.vllm_calculator.calculator_rows) on the trainer's vLLM, as TRL's own
-    VLLMGeneration.generate samples it (trl/generation/vllm_generation.py): its sampling settings and
-    generation_kwargs, one row per prompt (TRL has repeated each num_generations times), and in colocate mode its
-    sleep mode around the rounds. TRL calls it after its weight sync, on every rank. Returns prompt_ids,
-    completion_ids, each sampled token's vLLM log-prob (None for forced tokens: TRL's importance-sampling
-    correction reads those as no correction) and `env_mask` (0 = forced, kept out of the loss and the KL).
+    """TRL's `rollout_func` for data.calculator on vLLM: the calculator's rounds on the trainer's vLLM, as TRL's own
+    VLLMGeneration.generate samples (its sampling settings, generation_kwargs and, in colocate mode, sleep mode),
+    after TRL's weight sync, on every rank. Returns TRL's keys with vLLM's log-probs and `env_mask`.
 
-    Colocate (Unsloth's fast_inference engine, or TRL's own vllm.LLM): each rank samples its own rows, with the
-    live adapter's LoRA request on an engine that shares the training weights (Unsloth's, as its GRPO asks for
-    it: model.load_lora(name, load_tensors=True)) and none on TRL's engine, whose weights TRL synced. Server: the
-    main process samples every rank's rows through TRL's VLLMClient and hands each rank its share.
-    `sampling_params_class` builds vLLM's per-request settings in colocate mode (None: vllm.SamplingParams)."""
+    Colocate (Unsloth's fast_inference engine, or TRL's own vllm.LLM): each rank samples its own rows, with the live
+    adapter's LoRA request on an engine that shares the training weights (Unsloth's) and none on TRL's, whose weights
+    TRL synced. Server: the main process samples every rank's rows through TRL's VLLMClient and hands each rank its
+    share. `sampling_params_class` builds vLLM's per-request settings in colocate mode (None: vllm.SamplingParams)."""
 
     def __init__(self, tokenizer: Any, max_rounds: int = MAX_ROUNDS,
                  sampling_params_class: Callable[..., Any] | None = None) -> None:
@@ -180,12 +175,10 @@ class NoCalculator:
 
 
 class OwnVllmRollout:
-    """TRL's `rollout_func` on a vLLM engine lowmem_grpo starts itself (train.vllm_sampling;
-    lowmem_grpo.sampling.vllm_engine): each step the live adapter saved to a new folder and sampled as a
-    LoRARequest, TRL's sampling settings, every row seeded from torch's global RNG (a resumed run draws what an
-    uninterrupted one would), the calculator's rounds when `calculator`. Returns prompt_ids, completion_ids, vLLM's
-    per-token log-probs and, with the calculator, `env_mask`. At the first steps `check` compares those log-probs
-    with the policy's own (lowmem_grpo.sampling.sampler_check). The engine starts at the first call (`engine`: a
+    """TRL's `rollout_func` on a vLLM engine lowmem_grpo starts itself (train.vllm_sampling, docs/vllm.md): each step
+    the live adapter as a LoRARequest for a new folder, TRL's sampling settings, every row seeded from torch's global
+    RNG (a resumed run draws what an uninterrupted one would), the calculator's rounds when `calculator`; `check`
+    compares vLLM's log-probs with the policy's at the first steps. The engine starts at the first call (`engine`: a
     vllm.LLM already started for `spec`)."""
 
     def __init__(self, spec: EngineSpec, tokenizer: Any, calculator: bool, check: SamplerCheck | None = None,

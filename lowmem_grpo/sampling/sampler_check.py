@@ -1,17 +1,8 @@
-"""The sampler samples the policy: at GRPO's first steps, the log-probs the sampler gave the tokens it sampled
-against the log-probs the policy being trained gives those same tokens. A sampler that holds other weights (the
-base model without the adapter, an adapter that stopped being updated) samples completions the loss then treats as
-the policy's, silently: GRPO trains on another model's rollouts. Unsloth's fast_inference did that on TRL >= 1.10
-(every rollout from the base model, no error).
-
-Two sources of the figures, one decision (`SamplerCheck.judge`):
-- TRL's own, when TRL samples through vLLM (use_vllm, Unsloth's fast_inference) with its importance-sampling
-  correction on: it logs `sampling/sampling_logp_difference/mean` and `/max` (|policy - sampler| over the policy's
-  tokens), which lowmem_grpo.train.callbacks.SamplerCheckCallback reads;
-- lowmem_grpo's, where TRL computes none (train.vllm_sampling): the rollout scores its rows with the policy
-  (`policy_logprobs`) and hands both to `SamplerCheck.observe`, which computes the same figures.
-The tolerances are measured (docs/vllm.md: the correct path, the base weights and a stale adapter, in float32 and
-bfloat16). torch is imported inside `policy_logprobs` only.
+"""The sampler samples the policy (docs/vllm.md): at GRPO's first steps, the log-probs the sampler gave the tokens it
+sampled against the log-probs the policy being trained gives them. A sampler on other weights (the base model, a
+stale adapter) gives no error: GRPO would train on another model's rollouts. The figures come from TRL's own logs
+where TRL samples through vLLM with importance sampling (lowmem_grpo.train.callbacks.SamplerCheckCallback), else
+from lowmem_grpo's rollout (`policy_logprobs`, `SamplerCheck.observe`); one decision, `SamplerCheck.judge`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""The calculator on vLLM: completions whose `<<EXPR=` get the calculator's `RESULT>>` forced into them, sampled by
-a vLLM engine in rounds.
+"""The calculator on vLLM, in rounds (docs/rewards.md, "The calculator"): vLLM samples whole completions, so each row
+is sampled with the calculator's trigger tokens (every token whose text ends in "=") as stop tokens; after an open
+`<<EXPR=` that evaluates, the calculator's ids are appended (forced: mask 0, no log-prob) and the row is resubmitted
+as token ids with what is left of its budget; after a bare `=` it is resubmitted unchanged. The last of `max_rounds`
+samples without the trigger stops, so the loop always ends.
 
-vLLM samples whole completions, so the calculator cannot write into a row while it decodes, as
-lowmem_grpo.sampling.engine does. Instead each row is sampled with the calculator's trigger tokens (every token
-whose text ends in "=") as stop tokens: vLLM stops the row right after one. When the row's text then ends in an
-open `<<EXPR=` whose EXPR evaluates, the calculator's ids are appended (forced: mask 0, no log-prob) and the row is
-resubmitted as token ids (prompt + completion so far, never re-tokenized text) with what is left of its token
-budget; after a bare `=` (no calculation) the row is resubmitted unchanged. A row ends at an EOS, at its budget, or
-when the engine stops it for any other reason. After `max_rounds - 1` rounds the last round samples without the
-trigger stops, so the loop always ends; each round writes at least one token per row it continues, so the budget
-bounds it too.
-
-The loop (`calculator_rows`) is pure: it calls a `sample(requests, stop_token_ids)` function per round. The
-adapters here make that call on a vLLM engine: `EngineRounds` on a `vllm.LLM` (Unsloth's fast_inference engine,
-TRL's colocated engine), `ClientRounds` on TRL's VLLMClient (TRL's server mode). vllm is imported only inside
-functions, and only where no SamplingParams class is passed in.
-
-What vLLM itself does with stop_token_ids (the stop token is the last id of the output) and logprobs=0 (one entry
-per sampled token, holding that token's log-prob) is read from vLLM's documentation; the tests run the loop on a
-fake engine that keeps that contract and cannot confirm it. None of this has run on a GPU.
+The loop (`calculator_rows`) is pure: it calls a `sample(requests, stop_token_ids)` function per round, which
+`EngineRounds` (a vllm.LLM) and `ClientRounds` (TRL's VLLMClient) make on a vLLM engine. What vLLM does with
+stop_token_ids and logprobs=0 is read from its documentation; the tests run the loop on a fake engine and on vLLM's
+CPU build. vllm is imported only inside functions.
 """
 
 from __future__ import annotations
@@ -144,13 +133,6 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], list[int],
     return passed, list(settings.get("stop_token_ids") or []), settings.get("seed")
 
 
-def vllm_sampling_params() -> type:
-    """vllm.SamplingParams (imported here: vllm needs CUDA and is an extra)."""
-    from vllm import SamplingParams
-
-    return SamplingParams
-
-
 class EngineRounds:
     """`sample` for calculator_rows on a vLLM engine's `generate` (a vllm.LLM: Unsloth's fast_inference engine,
     or TRL's colocated one): one request per row (n=1) with its own SamplingParams (its budget, the stop ids,
@@ -166,7 +148,9 @@ class EngineRounds:
         self.params_class = params_class
 
     def __call__(self, requests: list[Request], stop_token_ids: list[int]) -> list[Piece]:
-        make = self.params_class or vllm_sampling_params()
+        make = self.params_class
+        if make is None:
+            from vllm import SamplingParams as make
         stops = sorted(set(stop_token_ids) | set(self.extra_stops))
         params = [make(**self.settings, n=1, max_tokens=r.max_tokens, stop_token_ids=stops, logprobs=0, seed=r.seed)
                   for r in requests]

