@@ -115,8 +115,8 @@ def profile_table(prof: Any, title: str, rows: int = 30) -> str:
 
 SIDES = ("plain", "before", "after")
 OURS = ("before", "after")
-BEFORE = ["train.cpu_attention=false"]  # the "before" side's switches (--before replaces them)
-BENCH_OVERRIDES = ["train.preflight=false", "train.stage_eval=0", "train.eval_every=0"]  # no evaluation in a step
+BEFORE = ["train.cpu.fast=false"]  # the "before" side's switches (--before replaces them)
+BENCH_OVERRIDES = ["train.preflight.enabled=false", "train.eval.stage.problems=0", "train.eval.every=0"]  # no eval
 PLAIN_TRAINER = {"lowmem_shared_prompt": False, "lowmem_merged_sampling": False, "lowmem_cpu_attention": False}
 IGNORED = {"output_dir", "logging_dir", "run_name"}  # per-run paths, not settings
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
@@ -639,7 +639,7 @@ recipe's train section (plain_grpo_values), builds its rows with the package's d
 GRPOTrainer (TRL's log-prob pass is a Triton kernel with no CPU driver) with lowmem_grpo's CPU changes off.
   plain   the plain TRL + PEFT script (the default glibc allocator); "plain pinned": the same with
           MALLOC_MMAP_THRESHOLD_ at train()'s own pinned threshold (the allocator taken out)
-  before  our train() with --before's switches off (default train.cpu_attention=false)
+  before  our train() with --before's switches off (default train.cpu.fast=false: the CPU speed paths off)
   after   our train() as shipped
 Before any timing each worker records, from inside its trainer, a fingerprint (GRPOConfig minus output paths, LoRA
 config, parameter dtypes, hashes of the rows and of the initial LoRA weights, rewards, trainer and optimizer
@@ -785,9 +785,9 @@ on the same prompts and seeds, with whether their rows are identical; OUT/decode
         from lowmem_grpo.recipe_io import load_recipe
         from lowmem_grpo.train.pipeline import train
 
-        recipe = load_recipe(RECIPE, [f"train.max_steps={args.profile_step}", "train.preflight=false",
-                                      "train.stage_eval=0", "train.save_steps=1000", f"output.dir={args.out / 'run'}",
-                                      *args.set])
+        recipe = load_recipe(RECIPE, [f"train.max_steps={args.profile_step}", "train.preflight.enabled=false",
+                                      "train.eval.stage.problems=0", "train.save_steps=1000",
+                                      f"output.dir={args.out / 'run'}", *args.set])
         train(recipe, callbacks=[StepProfiler(args.profile_step, args.out)])
     else:
         text = profile_eval(args) if args.what == "eval" else compare_decode(args)
@@ -1131,7 +1131,7 @@ LOADS = {
 def overrides(args: argparse.Namespace, load: str, run_dir: Path) -> list[str]:
     """The recipe overrides of one rss load."""
     return [f"train.max_steps={args.steps}", f"prime.max_steps={args.prime_steps}",
-            f"train.stage_eval={args.stage_eval}", "train.save_steps=100000", f"output.dir={run_dir}",
+            f"train.eval.stage.problems={args.stage_eval}", "train.save_steps=100000", f"output.dir={run_dir}",
             *LOADS[load], *args.overrides]
 
 

@@ -63,8 +63,8 @@ def grpo_summary(records: list[dict]) -> dict[str, float]:
 
 
 def measured_in_run(run_dir: Path, limit: int) -> dict | None:
-    """The run's own stage_eval.json (train.stage_eval) when it measured exactly `limit` problems at every stage:
-    the same greedy evaluation, so it is not repeated."""
+    """The run's own stage_eval.json (train.eval.stage.problems) when it measured exactly `limit` problems at every
+    stage: the same greedy evaluation, so it is not repeated."""
     path = run_dir / "stage_eval.json"
     if not path.exists():
         return None
@@ -128,15 +128,16 @@ def _ci(entry: dict, key: str = "mean") -> str:
 
 
 def settings_line(run_dir: Path) -> str:
-    import yaml
+    from lowmem_grpo.recipe_io import load_recipe, recipe_to_dict
 
-    r = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    r = recipe_to_dict(load_recipe(str(run_dir / "recipe.yaml")))
     t, d, p = r["train"], r["data"], r["prime"]
     source = d["source"] + (f" (levels {d['generated']['levels']})" if d["source"] == "generated" else "")
     return (f"recipe {r['name']}: data {source}; prime {p['max_steps'] if p['enabled'] else 0} steps; GRPO "
             f"{t['max_steps']} steps x {t['per_device_train_batch_size'] * t['gradient_accumulation_steps']} "
             f"completions ({t['num_generations']} per prompt), {t['max_completion_length']} tokens, lr "
-            f"{t['learning_rate']}, dynamic_sampling={t['dynamic_sampling']}, curriculum={t['curriculum']}")
+            f"{t['learning_rate']}, dynamic_sampling={t['selection']['dynamic_sampling']}, "
+            f"curriculum={t['selection']['curriculum']}")
 
 
 def report(run_dir: Path, info: dict, evals: dict, grpo: dict, records: list[dict]) -> str:

@@ -6,8 +6,9 @@ architecture with random weights (benchmarks/memory_gpu.py: the real shapes, so 
 scripted model whose greedy rows write `<<7*6=`, end at EOS or run out (benchmarks/scripted_model.py).
 
   unsloth-4bit       GRPO steps through train() on the recipe's architecture, backend unsloth, 4-bit, with the reward
-                     preflight on (train.allow_no_signal: random rewards) and a stage evaluation of the trained
-                     adapter through the engine, on a --card-gib card: auto-fit plans the evaluation batch for it.
+                     preflight on (train.preflight.allow_no_signal: random rewards) and a stage evaluation of the
+                     trained adapter through the engine, on a --card-gib card: auto-fit plans the evaluation batch
+                     for it.
                      Peak allocated memory before, during and after GRPO against the plan's phases, and the
                      evaluation batch the plan chose, the run's recipe.yaml wrote and the stage evaluation used.
   engine-logits      lowmem_grpo's sampling engine against Unsloth's own generate (output_logits, the calculator's
@@ -20,7 +21,7 @@ scripted model whose greedy rows write `<<7*6=`, end at EOS or run out (benchmar
                      with the preflight and a small stage evaluation before and after; memory against the plan.
   hf-4bit            backend hf (transformers + PEFT + bitsandbytes nf4), with the preflight and a small evaluation
   hf-4bit-shared     hf without gradient checkpointing, where the shared-prompt pass can run the loss pass
-  hf-4bit-unshared   the same with train.shared_prompt=false (every row forwarded whole)
+  hf-4bit-unshared   the same with train.cpu.fast=false (every row forwarded whole)
   unsloth-4bit-vllm  vLLM generation (fast_inference), when vllm imports there
 
 Tables: per GRPO variant peak allocated memory against the plan, device memory, tokens per second, seconds per step
@@ -59,10 +60,10 @@ from gpu_check_report import (SHARED_PAIR, evaluation_check, phase_times, predic
 
 GIB = 2**30
 RANDOM_REWARD = "rewards={memory_gpu:random_reward: 1.0}"
-PREFLIGHT = ["train.preflight=true", "train.allow_no_signal=true", "train.preflight_prompts=2"]
+PREFLIGHT = ["train.preflight.enabled=true", "train.preflight.allow_no_signal=true", "train.preflight.prompts=2"]
 # the trained adapter on as many problems as a planned batch holds (64 at --card-gib 5), greedy and 2 samples each
-PLANNED_EVAL = ["train.stage_eval=64", "train.stage_eval_stages=[trained]", "train.stage_eval_samples=2"]
-SMALL_EVAL = ["train.stage_eval=4", "train.stage_eval_stages=[base,trained]", "train.stage_eval_samples=2"]
+PLANNED_EVAL = ["train.eval.stage.problems=64", "train.eval.stage.stages=[trained]", "train.eval.stage.samples=2"]
+SMALL_EVAL = ["train.eval.stage.problems=4", "train.eval.stage.stages=[base,trained]", "train.eval.stage.samples=2"]
 UNSLOTH = ["model.backend=unsloth", "model.load_in_4bit=true", "model.fast_inference=false"]
 HF = ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false"]
 
@@ -85,8 +86,8 @@ VARIANTS = {
     "gemma3-fastmodel": Variant("train", [*UNSLOTH, *PREFLIGHT, *SMALL_EVAL], recipe="gemma3_1b_gsm8k", steps=2,
                                 card=True),
     "hf-4bit": Variant("train", [*HF, *PREFLIGHT, *SMALL_EVAL]),
-    "hf-4bit-shared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.shared_prompt=true"]),
-    "hf-4bit-unshared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.shared_prompt=false"]),
+    "hf-4bit-shared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.cpu.fast=true"]),
+    "hf-4bit-unshared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.cpu.fast=false"]),
     "unsloth-4bit-vllm": Variant("train", ["model.backend=unsloth", "model.load_in_4bit=true",
                                            "model.fast_inference=true"]),
 }
@@ -138,8 +139,8 @@ def variant_recipe(args: argparse.Namespace, variant: str, model_dir: Path, rows
     steps = spec.steps or args.steps
     overrides = [f"model.name={model_dir}", f"data.source={rows}", "data.system_prompt=", "data.prefill=",
                  RANDOM_REWARD, f"train.max_steps={steps}", "train.save_steps=100000", "train.logging_steps=1",
-                 "train.preflight=false", "train.completions_every=0", "train.eval_every=0", f"output.dir={run_dir}",
-                 *spec.overrides]
+                 "train.preflight.enabled=false", "train.completions_every=0", "train.eval.every=0",
+                 f"output.dir={run_dir}", *spec.overrides]
     c = 24 if spec.kind == "calc" else args.max_completion_length  # a scripted row ends after 11 tokens
     if c:
         overrides += [f"train.max_completion_length={c}", f"model.max_seq_length={recipe.data.max_prompt_length + c}"]
@@ -284,7 +285,7 @@ def train_worker(args: argparse.Namespace) -> dict:
             "predicted_allocated": phases["grpo"], "predicted_total": plan_dict["total_bytes"],
             "predicted_phases": phases, "peak_phase": plan_dict["peak_phase"],
             "prompt_sharing": predicted.sharing_dict(), **predicted_sharing(predicted),
-            "evaluation": evaluation_check(plan_dict, fitted.train.eval_batch_size,
+            "evaluation": evaluation_check(plan_dict, fitted.train.eval.batch_size,
                                            stages.get("settings", {}).get("batch_size"), probe.peaks),
             "card_gib": args.card_gib if spec.card else None, **unsloth_facts()}
 

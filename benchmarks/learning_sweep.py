@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/learning_sweep.py run --sweep-dir SWEEP [--steps 30] [--problems 100]
     python benchmarks/learning_sweep.py table --sweep-dir SWEEP          # the table of what has finished
     python benchmarks/learning_sweep.py list                             # the variants, in run order
-    python benchmarks/learning_sweep.py curve RUN_DIR                    # a learning curve (train.eval_every)
+    python benchmarks/learning_sweep.py curve RUN_DIR                    # a learning curve (train.eval.every)
     python benchmarks/learning_sweep.py eval-checkpoint RUN_DIR STEP     # a curve point from checkpoint-STEP
 
 `run` primes the base configuration ONCE (SWEEP/prime: the recipe's format priming, then one GRPO step, with the
@@ -21,7 +21,7 @@ varies); the goal reward's mean over the first and the last third of the steps; 
 greedy completions across problems (near 0 = one template for every question).
 
 `curve RUN_DIR` prints a run's held-out accuracy at step 0 and at each periodic evaluation (eval_steps.jsonl,
-train.eval_every with train.eval_samples), each step paired with step 0. Step 0 is the same stage of stage_eval.json
+train.eval.every with train.eval.samples), each step paired with step 0. Step 0 is the same stage of stage_eval.json
 in the table and the curve (reference_stage): the last one measured before GRPO, primed, else start, else base.
 Run directories' recipe.yaml files are read with lowmem_grpo.recipe_io, as `lowmem-grpo train --resume` reads them.
 """
@@ -91,9 +91,9 @@ VARIANTS: list[Variant] = [
     Variant("scale_group", "advantages scaled per group (scale_rewards=group)", {"train.scale_rewards": "group"}),
     Variant("steps60", "60 steps instead of 30", {"train.max_steps": "60"}),
     Variant("loss_grpo", "loss_type grpo (per-sequence mean)", {"train.loss_type": "grpo"}),
-    Variant("dynamic", "dynamic sampling", {"train.dynamic_sampling": "true"}),
+    Variant("dynamic", "dynamic sampling", {"train.selection.dynamic_sampling": "true"}),
     Variant("curriculum", "levels 1-2 with the curriculum",
-            {"data.generated.levels": "1-2", "train.curriculum": "true"}),
+            {"data.generated.levels": "1-2", "train.selection.curriculum": "true"}),
     Variant("prime200", "priming on 200 solutions (25 steps)",
             {"prime.num_examples": "200", "prime.max_steps": "25"}, primes=True),
 ]
@@ -113,18 +113,18 @@ def overrides_for(variant: Variant | None, *, run_dir: Path, steps: int, problem
     primed adapter measured). A variant starts from `primed_adapter` unless it primes itself; with
     `measure_start` it also measures that adapter (the reference of every variant)."""
     values = dict(BASE)
-    values.update({"train.max_steps": str(steps), "train.stage_eval": str(problems),
-                   "train.stage_eval_samples": str(samples), "train.preflight": "false",
+    values.update({"train.max_steps": str(steps), "train.eval.stage.problems": str(problems),
+                   "train.eval.stage.samples": str(samples), "train.preflight.enabled": "false",
                    "train.completions_every": "1", "train.save_total_limit": "1", "output.dir": str(run_dir)})
     if variant is None:
-        values.update({"train.max_steps": "1", "train.stage_eval_stages": "[primed]"})
+        values.update({"train.max_steps": "1", "train.eval.stage.stages": "[primed]"})
     elif variant.primes:
-        values.update({"train.stage_eval_stages": "[primed,trained]"})
+        values.update({"train.eval.stage.stages": "[primed,trained]"})
     else:
         if primed_adapter is None:
             raise ValueError(f"variant {variant.name} starts from the primed adapter; none given")
         values.update({"lora.init_adapter": str(primed_adapter), "prime.enabled": "false",
-                       "train.stage_eval_stages": "[start,trained]" if measure_start else "[trained]"})
+                       "train.eval.stage.stages": "[start,trained]" if measure_start else "[trained]"})
     if variant is not None:
         values.update(variant.overrides)
     total = int(values["train.max_steps"])
@@ -200,7 +200,7 @@ def reference_stage(stage_eval: dict[str, Any]) -> str:
     stage = next((s for s in STEP_ZERO_STAGES if s in measured), None)
     if stage is None:
         raise SystemExit(f"stage_eval.json has no stage measured before GRPO ({', '.join(STEP_ZERO_STAGES)}); "
-                         f"it has {', '.join(measured) or 'none'}: run with train.stage_eval > 0")
+                         f"it has {', '.join(measured) or 'none'}: run with train.eval.stage.problems > 0")
     return stage
 
 
@@ -230,7 +230,7 @@ def summarize_run(run_dir: Path, primed_eval: dict[str, Any], samples: int) -> d
 
 def summarize_from_curve(curve_dir: Path, step: int, samples: int,
                          reference: Path | None = None) -> dict[str, Any] | None:
-    """A row from a run's evaluation at `step` (eval_steps.jsonl: train.eval_every, or eval-checkpoint) against
+    """A row from a run's evaluation at `step` (eval_steps.jsonl: train.eval.every, or eval-checkpoint) against
     the start stage of `reference` (a stage_eval.json; default the run's own): the base variant's row from a
     longer run of the base configuration (the learning curve), or a variant evaluated at a checkpoint. None until
     that evaluation exists."""
@@ -482,7 +482,7 @@ def eval_verdicts(path: Path) -> list[list[Any]]:
 
 
 def checkpoint_point(greedy_jsonl: Path, sampled_jsonl: Path, step: int, temperature: float) -> dict[str, Any]:
-    """An eval_steps.jsonl line (as train.eval_every writes it) from greedy and sampled evals of a checkpoint."""
+    """An eval_steps.jsonl line (as train.eval.every writes it) from greedy and sampled evals of a checkpoint."""
     from lowmem_grpo.evaluation.stages import problem_values
 
     return {"step": step, "temperature": temperature,
@@ -513,15 +513,16 @@ def run_recipe(run_dir: Path) -> Any:
 def eval_checkpoint_commands(run_dir: Path, step: int, problems: int | None = None, samples: int | None = None,
                              sample_batch_size: int | None = None) -> dict[str, list[str]]:
     """The `lowmem-grpo eval` arguments (after `eval`) that evaluate RUN_DIR/checkpoint-STEP as the run's periodic
-    evaluation did: its problems (train.eval_limit), samples (train.eval_samples), seed, temperature and, from
+    evaluation did: its problems (train.eval.problems), samples (train.eval.samples), seed, temperature and, from
     lowmem_grpo.evaluation.stages.periodic_settings, its batch sizes: seeded samples depend on the batch they were
     drawn in. `sample_batch_size` trades that for speed (other draws of the same distribution)."""
     from lowmem_grpo.evaluation.stages import periodic_settings
 
     train = run_recipe(run_dir).train
-    samples = samples or train.eval_samples or 4
-    greedy, sampling = periodic_settings(dataclasses.replace(train, eval_samples=samples))
-    problems = problems or (train.eval_limit if train.eval_every else None) or 100
+    samples = samples or train.eval.samples or 4
+    greedy, sampling = periodic_settings(dataclasses.replace(train, eval=dataclasses.replace(train.eval,
+                                                                                         samples=samples)))
+    problems = problems or (train.eval.problems if train.eval.every else None) or 100
     out = Path(run_dir) / "eval" / f"checkpoint-{step}"
     common = ["--model", str(run_dir), "--adapter", str(Path(run_dir) / f"checkpoint-{step}"),
               "--limit", str(problems), "--seed", str(greedy["seed"]), "--max-new-tokens",
@@ -567,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--problems", type=int, default=100, help="held-out problems evaluated (default 100)")
         p.add_argument("--samples", type=int, default=4, help="samples per problem at the training temperature")
         p.add_argument("--reference-run", help="a longer run of the base configuration from a primed adapter, "
-                       "with train.stage_eval (start stage) and train.eval_every / eval_samples on the same problems "
+                       "with train.eval.stage.problems (start stage) and train.eval.every / eval.samples on the same "
+                       "problems "
                        "(the learning curve): every variant starts from its adapter and is compared with its start "
                        "stage; its evaluation at step --steps is the base variant")
         p.add_argument("--primed-adapter", help="start every variant from this primed adapter instead of priming "
@@ -580,9 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eval-checkpoint", help="a curve point from a saved checkpoint, after or beside the run")
     p.add_argument("run_dir")
     p.add_argument("step", type=int)
-    p.add_argument("--problems", type=int, help="held-out problems (default: the run's train.eval_limit when it "
+    p.add_argument("--problems", type=int, help="held-out problems (default: the run's train.eval.problems when it "
                    "evaluated periodically, else 100)")
-    p.add_argument("--samples", type=int, help="samples per problem (default: the run's train.eval_samples, else 4)")
+    p.add_argument("--samples", type=int, help="samples per problem (default: the run's train.eval.samples, else 4)")
     p.add_argument("--sample-batch-size", type=int, help="sequences per generate call of the sampled eval instead "
                    "of the periodic evaluation's: faster, but other draws than the run's own curve points")
     p.add_argument("--parallel", action="store_true", help="the greedy and the sampled eval as two processes")

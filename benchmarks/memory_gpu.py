@@ -167,8 +167,8 @@ def run_lowmem(args: argparse.Namespace, model_dir: Path, work: Path):
                  "data.system_prompt=", "data.prefill=", "rewards.memory_gpu:random_reward=1.0",
                  f"train.max_steps={args.steps}", "train.save_steps=100000", "train.logging_steps=1",
                  f"output.dir={work / ('run-' + args.recipe + '-' + str(time.time_ns()))}"]
-    overrides += [f"train.{k}={v}" for k, v in (("preflight", "false"), ("completions_every", 0), ("eval_every", 0))
-                  if k in fields]
+    overrides += [f"train.{k}={v}" for k, v in (("preflight.enabled", "false"), ("completions_every", 0),
+                                                ("eval.every", 0)) if k.split(".")[0] in fields]
     recipe = apply_overrides(recipe, overrides + settings_overrides(args, recipe))
     probe = probe_callback()
     train(recipe, callbacks=[probe])

@@ -148,7 +148,7 @@ def cmd_check_rewards(args: argparse.Namespace) -> int:
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    result = check_rewards(recipe, recipe.train.preflight_prompts if args.prompts is None else args.prompts)
+    result = check_rewards(recipe, recipe.train.preflight.prompts if args.prompts is None else args.prompts)
     sys.stdout.write(render(result, recipe))
     return EXIT_NO_SIGNAL if result.no_signal else EXIT_OK
 
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-rewards", help="reward preflight: would GRPO get a signal? (exit 3 if not); never trains")
     p.add_argument("recipe", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
     p.add_argument("overrides", nargs="*", help=overrides_help)
-    p.add_argument("--prompts", type=int, help="prompt groups to sample (default: train.preflight_prompts, 16)")
+    p.add_argument("--prompts", type=int, help="prompt groups to sample (default: train.preflight.prompts, 16)")
     p.set_defaults(func=cmd_check_rewards)
 
     p = sub.add_parser("export", help="export a run's adapter: lora, merged-16bit, merged-4bit or gguf (proven, "

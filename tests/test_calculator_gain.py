@@ -38,7 +38,7 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     from tiny_run import train_tiny
 
     path, _ = train_tiny(tiny_model_dir, tmp_path_factory.mktemp("gain") / "run", *GENERATED, "train.max_steps=1",
-                         "prime.max_steps=1", "train.preflight=false", "train.stage_eval=0")
+                         "prime.max_steps=1", "train.preflight.enabled=false", "train.eval.stage.problems=0")
     return path
 
 

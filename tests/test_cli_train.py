@@ -28,7 +28,7 @@ def tiny_overrides(model_dir: Path, run_dir: Path, backend: str) -> list[str]:
     return [f"model.name={model_dir}", f"model.backend={backend}", f"output.dir={run_dir}",
             "train.max_steps=3", "train.max_completion_length=16", "train.max_truncated_targets=1",
             "train.mask_truncated_completions=false", "train.save_steps=2",
-            "train.allow_no_signal=true",  # correctness never varies on a random model: the preflight says so
+            "train.preflight.allow_no_signal=true",  # correctness never varies on a random model: the preflight says so
             "rewards={correctness: 2.0, xml_count: 0.5, 'lowmem_test_rewards:length_reward': 1.0}"]
 
 

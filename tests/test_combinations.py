@@ -52,12 +52,12 @@ def test_rollout_plan_cases():
     assert plan.engine and not plan.calculator
     assert not rollout_plan(_recipe(), "hf", "cuda").engine  # TRL's generation
     assert not rollout_plan(_recipe(), "unsloth", "cuda").engine
-    assert not rollout_plan(_recipe("train.sampling_engine=false"), "hf", "cpu").engine
+    assert not rollout_plan(_recipe("train.cpu.fast=false"), "hf", "cpu").engine
     assert not rollout_plan(_recipe("train.top_p=0.9"), "hf", "cpu").engine  # sampling the engine does not do
     for backend, device in (("hf", "cuda"), ("hf", "cpu"), ("unsloth", "cuda")):
         on = rollout_plan(_recipe("data.calculator=true"), backend, device)
         assert on.engine and on.calculator  # the calculator samples through the engine on either backend
-    assert rollout_plan(_recipe("data.calculator=true", "train.sampling_engine=false"), "hf", "cpu").calculator
+    assert rollout_plan(_recipe("data.calculator=true", "train.cpu.fast=false"), "hf", "cpu").calculator
     for backend, overrides in (("hf", ("train.use_vllm=true",)), ("unsloth", ("model.fast_inference=true",))):
         plan = rollout_plan(_recipe("data.calculator=true", *overrides), backend, "cuda")
         assert plan.vllm and plan.calculator and not plan.engine and plan.describe() == "vLLM with the calculator"
@@ -109,13 +109,14 @@ def test_the_calculator_on_vllm_refuses_what_its_rounds_cannot_take():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (("train.stage_eval=10",), ("train.stage_eval=10", "rank 0", "train.stage_eval=0", "ZeRO-2")),
-    (("train.eval_every=5",), ("train.eval_every=5", "rank 0", "train.eval_every=0", "ddp.yaml")),
+    (("train.eval.stage.problems=10",),
+     ("train.eval.stage.problems=10", "rank 0", "train.eval.stage.problems=0", "ZeRO-2")),
+    (("train.eval.every=5",), ("train.eval.every=5", "rank 0", "train.eval.every=0", "ddp.yaml")),
     (("data.calculator=true",), ("data.calculator", "without gathering", "data.calculator=false", "ZeRO-2")),
     (("model.load_in_4bit=true",), ("model.load_in_4bit=true", "model.load_in_4bit=false")),
 ])
 def test_zero3_refuses_what_samples_on_rank_0_or_without_gathering(overrides, named):
-    base = ("model.backend=hf", "model.load_in_4bit=false", "train.stage_eval=0")
+    base = ("model.backend=hf", "model.load_in_4bit=false", "train.eval.stage.problems=0")
     recipe = _recipe(*base, *overrides)
     _refused(recipe, ("hf", "cuda", ZERO3), "ZeRO-3", *named)
     _check(recipe, ("hf", "cuda", ZERO2))  # ZeRO-2 and DDP keep the whole model on every rank
@@ -129,9 +130,9 @@ def test_zero3_takes_the_calculator_on_vllm():
 
 
 def test_zero3_refuses_the_engine_on_cpu_unless_trl_samples():
-    recipe = _recipe("train.stage_eval=0")  # the CPU recipe: hf, where the engine samples GRPO's completions
-    _refused(recipe, ("hf", "cpu", ZERO3), "train.sampling_engine=true", "train.sampling_engine=false")
-    _check(_recipe("train.stage_eval=0", "train.sampling_engine=false"), ("hf", "cpu", ZERO3))
+    recipe = _recipe("train.eval.stage.problems=0")  # the CPU recipe: hf, where the engine samples GRPO's completions
+    _refused(recipe, ("hf", "cpu", ZERO3), "train.cpu.fast=true", "train.cpu.fast=false")
+    _check(_recipe("train.eval.stage.problems=0", "train.cpu.fast=false"), ("hf", "cpu", ZERO3))
     _check(recipe, ("hf", "cuda", ZERO3))  # on CUDA TRL's generation samples (it gathers the shards)
 
 

@@ -126,13 +126,15 @@ def test_a_bfloat16_model_runs_the_matmul_attention_inside_cpu_attention_and_swi
     assert (ours - plain)[real].abs().max().item() < 0.05 * plain[real].abs().max().item()
 
 
-def test_train_cpu_attention_false_leaves_transformers_sdpa(tiny_model_dir):
+def test_cpu_attention_off_leaves_transformers_sdpa(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lowmem_grpo.recipe import CpuConfig, TrainConfig
+    from lowmem_grpo.runtime import cpu_paths
     from lowmem_grpo.sampling.generate import generate
-    from lowmem_grpo.recipe import TrainConfig
 
-    assert TrainConfig().cpu_attention is True
+    assert cpu_paths(TrainConfig(), "cpu").attention is True  # on by default, on a CPU
+    assert cpu_paths(TrainConfig(cpu=CpuConfig(fast=False)), "cpu").attention is False
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     seen = []

@@ -38,7 +38,7 @@ def env(**extra: str) -> dict[str, str]:
 
 def tiny_overrides(model_dir: Path, steps: int = 2) -> list[str]:
     return [f"model.name={model_dir}", "model.backend=hf", f"train.max_steps={steps}", "train.max_completion_length=16",
-            "train.max_truncated_targets=1", "train.mask_truncated_completions=false", "train.allow_no_signal=true",
+            "train.max_truncated_targets=1", "train.mask_truncated_completions=false", "train.preflight.allow_no_signal=true",
             "train.save_steps=2", REWARDS]
 
 
@@ -106,9 +106,9 @@ def test_dynamic_sampling_under_two_processes_keeps_the_ranks_in_step(tiny_model
     root = tmp_path / "runs"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DIR / "cpu_2proc.yaml"),
            "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir), f"output.root={root}",
-           "rewards={correctness: 2.0, 'lowmem_test_rewards:length_on_odd_ids': 1.0}", "train.dynamic_sampling=true",
+           "rewards={correctness: 2.0, 'lowmem_test_rewards:length_on_odd_ids': 1.0}", "train.selection.dynamic_sampling=true",
            "data.limit=2", "train.num_generations=4", "train.per_device_train_batch_size=4", "prime.enabled=false",
-           "train.preflight=false"]
+           "train.preflight.enabled=false"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = next(root.iterdir())
@@ -140,7 +140,7 @@ def test_deepspeed_configs_train_two_processes_on_cpu(config, stage, tiny_model_
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DIR / f"{config}.yaml"),
            "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir), f"output.dir={out}"]
     if stage == 3:  # ZeRO-3 shards the parameters: TRL's generation gathers them, lowmem_grpo's engine does not
-        cmd.append("train.sampling_engine=false")
+        cmd.append("train.cpu.fast=false")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env(), cwd=REPO)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     record = json.loads((out / "distributed.json").read_text())

@@ -195,5 +195,5 @@ def test_what_the_readme_says_make_demo_runs_is_the_default_recipe():
     said = {"held-out problems": int(re.search(r"accuracy on (\d+) held-out problems", text).group(1)),
             "priming steps": int(re.search(r"format priming \((\d+) supervised steps\)", text).group(1)),
             "GRPO steps": int(re.search(r"(\d+) GRPO steps \(one console line", text).group(1))}
-    assert said == {"held-out problems": recipe.train.stage_eval, "priming steps": recipe.prime.max_steps,
+    assert said == {"held-out problems": recipe.train.eval.stage.problems, "priming steps": recipe.prime.max_steps,
                     "GRPO steps": recipe.train.max_steps}

@@ -361,7 +361,7 @@ def test_a_tiny_grpo_run_samples_through_the_engine_with_the_calculator(tiny_mod
     from tiny_run import train_tiny
 
     run_dir, logs = train_tiny(tiny_model_dir, tmp_path / "run", "data.calculator=true", "train.max_steps=1",
-                               "prime.enabled=false", "train.preflight=false", "train.stage_eval=0",
+                               "prime.enabled=false", "train.preflight.enabled=false", "train.eval.stage.problems=0",
                                "train.save_steps=10", "train.completions_every=0")
     messages = logs.messages(logging.INFO)
     assert any("GRPO sampling: lowmem_grpo's engine with the calculator" in m for m in messages), messages
@@ -425,8 +425,8 @@ def test_progress_lines_give_done_rate_and_eta_at_most_every_interval(caplog):
 def test_stage_evaluation_logs_its_progress(tiny_model_dir, tokenizer, tmp_path, caplog):
     from lowmem_grpo.evaluation.stages import StageEvals
 
-    recipe = _recipe("train.stage_eval=3", "train.stage_eval_samples=2", "train.max_completion_length=4",
-                     "train.stage_eval_stages=[base]")
+    recipe = _recipe("train.eval.stage.problems=3", "train.eval.stage.samples=2", "train.max_completion_length=4",
+                     "train.eval.stage.stages=[base]")
     evals = StageEvals(recipe, tokenizer, tmp_path / "stage_eval.json")
     with caplog.at_level(logging.INFO, logger="lowmem_grpo.evaluation.stages"):
         evals.measure(_load(tiny_model_dir), "base")

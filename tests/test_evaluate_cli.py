@@ -27,7 +27,7 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     from tiny_run import train_tiny
 
     path, _ = train_tiny(tiny_model_dir, tmp_path_factory.mktemp("eval-run") / "run", "train.max_steps=2",
-                         "train.preflight=false")
+                         "train.preflight.enabled=false")
     return path
 
 
@@ -220,7 +220,7 @@ def test_periodic_eval_callback_logs_eval_metrics(tiny_model_dir, tmp_path):
     from lowmem_grpo.train.callbacks import PeriodicEvalCallback
     from lowmem_grpo.recipe_io import load_recipe
 
-    recipe = load_recipe(CPU_RECIPE, [f"model.name={tiny_model_dir}", "train.eval_every=2", "train.eval_limit=2",
+    recipe = load_recipe(CPU_RECIPE, [f"model.name={tiny_model_dir}", "train.eval.every=2", "train.eval.problems=2",
                                       "train.max_completion_length=8"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -264,13 +264,14 @@ def test_preflight_and_eval_fields_never_reach_grpo_config(tmp_path):
     from lowmem_grpo.recipe_rules import validate
     from lowmem_grpo.train.grpo import build_grpo_config, check_trainer_fields
 
-    recipe = load_recipe(CPU_RECIPE, ["train.preflight=false", "train.preflight_prompts=2",
-                                      "train.allow_no_signal=true", "train.eval_every=5", "train.eval_limit=10"])
+    recipe = load_recipe(CPU_RECIPE, ["train.preflight.enabled=false", "train.preflight.prompts=2",
+                                      "train.preflight.allow_no_signal=true", "train.eval.every=5",
+                                      "train.eval.problems=10"])
     validate(recipe)
     check_trainer_fields(recipe)
     assert recipe.train.extra == {}
     config = build_grpo_config(recipe, tmp_path, cpu_runtime(recipe), [1.0])
-    assert not any(hasattr(config, k) for k in ("preflight", "preflight_prompts", "allow_no_signal", "eval_limit"))
-    for bad in ("train.preflight_prompts=0", "train.eval_every=-1", "train.eval_limit=0"):
+    assert not any(hasattr(config, k) for k in ("preflight", "eval", "selection", "memory", "cpu", "allow_no_signal"))
+    for bad in ("train.preflight.prompts=0", "train.eval.every=-1", "train.eval.problems=0"):
         with pytest.raises(RecipeError):
             validate(load_recipe(CPU_RECIPE, [bad]))

@@ -47,8 +47,8 @@ def smol_run(tmp_path_factory) -> Path:
     """One GRPO step on the tiny model, with the stage evaluation of base and trained on 6 held-out problems."""
     root = tmp_path_factory.mktemp("smol")
     model = build_smol_tiny(root / "model")
-    run, _ = train_tiny(model, root / "run", "train.max_steps=1", "train.stage_eval=6", "train.stage_eval_samples=0",
-                        "train.stage_eval_stages=[base, trained]")
+    run, _ = train_tiny(model, root / "run", "train.max_steps=1", "train.eval.stage.problems=6", "train.eval.stage.samples=0",
+                        "train.eval.stage.stages=[base, trained]")
     return run
 
 

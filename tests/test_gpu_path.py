@@ -485,13 +485,13 @@ def test_gpu_check_arguments_and_the_rows_it_plans():
         gpu_check.parse_args(["--variants", "unsloth-8bit"])
     rows = gpu_check.planned_rows(args.variants.split(","), vllm_importable=False)
     assert [skip is None for _, skip in rows] == [True] * 7 + [False]
-    # the pair differs in the shared-prompt switch only, without the checkpointing that keeps ours off the loss pass
+    # the pair differs in the CPU paths' switch only, without the checkpointing that keeps ours off the loss pass
     on, off = (gpu_check.VARIANTS[v].overrides for v in gpu_check.SHARED_PAIR)
-    assert [o for o in off if o not in on] == ["train.shared_prompt=false"] and len(on) == len(off)
+    assert [o for o in off if o not in on] == ["train.cpu.fast=false"] and len(on) == len(off)
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     shared, unshared = (apply_overrides(load_recipe(args.recipe), v).train for v in (on, off))
-    assert shared.shared_prompt and not unshared.shared_prompt
+    assert shared.cpu.fast and not unshared.cpu.fast
     assert not shared.gradient_checkpointing and not unshared.gradient_checkpointing
     assert all(skip is None for _, skip in gpu_check.planned_rows(args.variants.split(","), vllm_importable=True))
 
@@ -520,7 +520,8 @@ def test_gpu_check_variants_are_valid_recipes_that_check_what_they_say(tmp_path)
         validate(recipes[name])
         assert recipes[name].train.max_steps == (spec.steps or 3)
     first = recipes["unsloth-4bit"].train  # the preflight on, random rewards allowed, a stage evaluation after GRPO
-    assert first.preflight and first.allow_no_signal and first.stage_eval and first.stage_eval_stages == ["trained"]
+    assert first.preflight.enabled and first.preflight.allow_no_signal and first.eval.stage.problems
+    assert first.eval.stage.stages == ["trained"]
     calc = recipes["unsloth-calc"]
     assert calc.data.calculator and calc.model.backend == "unsloth" and calc.train.max_completion_length == 24
     assert calc.train.max_steps == 2 and recipes["gemma3-fastmodel"].model.name == str(tmp_path / "model")
@@ -529,7 +530,7 @@ def test_gpu_check_variants_are_valid_recipes_that_check_what_they_say(tmp_path)
     real = gpu_check.variant_recipe(args, "unsloth-4bit", "Qwen/Qwen2.5-1.5B-Instruct", tmp_path / "rows.jsonl",
                                     tmp_path / "run")
     p = plan(real, int(args.card_gib * GIB))
-    assert p.fits and p.eval_batch == real.train.stage_eval == 64 < 128
+    assert p.fits and p.eval_batch == real.train.eval.stage.problems == 64 < 128
 
 
 class FakeMemory:

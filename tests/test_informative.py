@@ -166,9 +166,9 @@ def test_a_curriculum_needs_a_correctness_reward():
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.recipe_rules import validate
 
-    validate(load_recipe(str(CPU_RECIPE), ["data.source=generated", "train.curriculum=true"]))
-    with pytest.raises(RecipeError, match="train.curriculum"):
-        validate(load_recipe(str(CPU_RECIPE), ["data.source=generated", "train.curriculum=true",
+    validate(load_recipe(str(CPU_RECIPE), ["data.source=generated", "train.selection.curriculum=true"]))
+    with pytest.raises(RecipeError, match="train.selection.curriculum"):
+        validate(load_recipe(str(CPU_RECIPE), ["data.source=generated", "train.selection.curriculum=true",
                                                "rewards={'lowmem_test_rewards:length_reward': 1.0}"]))
 
 
@@ -197,7 +197,7 @@ def _tiny_recipe(model_dir: Path, run_dir: Path, *extra: str):
 
     return load_recipe(str(CPU_RECIPE), [
         f"model.name={model_dir}", "model.backend=hf", f"output.dir={run_dir}", "prime.enabled=false",
-        "train.preflight=false", "train.max_completion_length=16", "train.max_truncated_targets=1",
+        "train.preflight.enabled=false", "train.max_completion_length=16", "train.max_truncated_targets=1",
         "train.mask_truncated_completions=false", "train.num_generations=4",
         "train.per_device_train_batch_size=8", "train.save_steps=10", "train.completions_every=0", FLAT_ON_EVEN,
         *extra])
@@ -243,7 +243,7 @@ def test_the_trainer_draws_through_the_sampling_state_only_with_an_option(tiny_m
     gpu = CudaFacts(torch_cuda="12.6", available=True, capability=(8, 6))
     on_gpu = {b: resolve(apply_overrides(Recipe(), [f"model.backend={b}"]), Launch(), gpu) for b in ("unsloth", "hf")}
     assert grpo_trainer_class(on_gpu["unsloth"]) is LowmemGRPOTrainer is grpo_trainer_class(on_gpu["hf"])
-    trainer, _, examples, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=4", "train.dynamic_sampling=true")
+    trainer, _, examples, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=4", "train.selection.dynamic_sampling=true")
     assert type(trainer) is CpuSafeGRPOTrainer and trainer.lowmem_sampling is sampling
     assert [e["problem_id"] for e in examples] == [0, 1, 2, 3] and {e["level"] for e in examples} == {0}
 
@@ -256,7 +256,7 @@ def test_a_flat_group_is_kept_out_of_the_loss_and_the_step_still_trains(tiny_mod
     import torch
 
     trainer, loaded, _, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=2", "train.max_steps=2",
-                                            "train.dynamic_sampling=true")
+                                            "train.selection.dynamic_sampling=true")
     seen = []
     scored = trainer._generate_and_score_completions
 
@@ -292,7 +292,7 @@ def test_masking_flat_groups_leaves_the_loss_normaliser_at_the_whole_batch(tiny_
     the flat group's rows are masked: counting the informative rows only would scale the step's loss by 1 / (their
     share of the tokens), so a step's size would follow how many groups happened to vary."""
     trainer, _, _, _ = _trainer(tiny_model_dir, tmp_path, "data.limit=2", "train.max_steps=2",
-                                "train.dynamic_sampling=true")
+                                "train.selection.dynamic_sampling=true")
     seen = []
     exclude = trainer._exclude_flat_groups
 
@@ -337,7 +337,7 @@ def test_the_loader_reads_one_chunk_ahead_of_the_rewards(tiny_model_dir, tmp_pat
     current one, so chunk c is drawn after the outcomes of chunk c-2 are recorded but before those of chunk c-1
     (within an epoch: the first chunk of the next one is drawn when the last one was scored)."""
     trainer, _, _, sampling = _trainer(tiny_model_dir, tmp_path, "data.limit=10", "train.max_steps=4",
-                                       "train.dynamic_sampling=true")
+                                       "train.selection.dynamic_sampling=true")
     events = []
     chunk, observe = sampling.chunk, sampling.observe
 
@@ -366,7 +366,7 @@ def test_the_loader_reads_one_chunk_ahead_of_the_rewards(tiny_model_dir, tmp_pat
 @pytest.mark.slow
 def test_when_every_group_is_flat_the_batch_is_left_as_it_is(tiny_model_dir, tmp_path):
     trainer, _, _, _ = _trainer(tiny_model_dir, tmp_path, "data.limit=2", "train.max_steps=1",
-                                "train.dynamic_sampling=true", "rewards={correctness: 2.0}")
+                                "train.selection.dynamic_sampling=true", "rewards={correctness: 2.0}")
     seen = []
     scored = trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: seen.append(scored(inputs)) or seen[-1]
@@ -380,11 +380,11 @@ def test_when_every_group_is_flat_the_batch_is_left_as_it_is(tiny_model_dir, tmp
 
 def _run_args(model_dir: Path, run_dir: Path) -> list[str]:
     return ["train", str(CPU_RECIPE), f"model.name={model_dir}", "model.backend=hf", f"output.dir={run_dir}",
-            "prime.enabled=false", "train.preflight=false", "train.max_completion_length=16",
+            "prime.enabled=false", "train.preflight.enabled=false", "train.max_completion_length=16",
             "train.max_truncated_targets=1", "train.mask_truncated_completions=false", "train.num_generations=4", "train.per_device_train_batch_size=8", "train.max_steps=4",
             "train.save_steps=1", "train.completions_every=1", FLAT_ON_EVEN, "data.source=generated",
-            "data.generated.levels=1-2", "data.generated.train_size=8", "train.dynamic_sampling=true",
-            "train.curriculum=true"]
+            "data.generated.levels=1-2", "data.generated.train_size=8", "train.selection.dynamic_sampling=true",
+            "train.selection.curriculum=true"]
 
 
 @pytest.mark.slow

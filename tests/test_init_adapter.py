@@ -149,7 +149,7 @@ def test_grpo_starts_from_the_adapters_exact_weights_and_records_it(tiny_model_d
     run = tmp_path / "run"
     probe = start_state_probe()
     args = tiny_args(tiny_model_dir, run, "prime.enabled=false", f"lora.init_adapter={sft_adapter}",
-                     "train.stage_eval=2", steps=2)
+                     "train.eval.stage.problems=2", steps=2)
     assert main(args, callbacks=[probe]) == 0
 
     given = adapter_tensors(sft_adapter)

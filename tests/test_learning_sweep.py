@@ -40,7 +40,7 @@ def test_every_variant_is_a_valid_recipe_one_change_from_the_base(sweep, tmp_pat
     base = as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path / "b", steps=30,
                                        problems=100, samples=4, primed_adapter=adapter))
     assert base["lora.init_adapter"] == str(adapter) and base["prime.enabled"] == "false"
-    assert base["train.stage_eval_stages"] == "[trained]"  # the primed stage is measured once, by the priming run
+    assert base["train.eval.stage.stages"] == "[trained]"  # the primed stage is measured once, by the priming run
     assert base["train.beta"] == "0.04"
     for steps in (25, 30, 60, 150):  # exactly 2 warm-up steps as the trainer rounds a ratio (up)
         ratio = float(as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path, steps=steps,
@@ -55,20 +55,20 @@ def test_every_variant_is_a_valid_recipe_one_change_from_the_base(sweep, tmp_pat
         changed = {k for k in values if values[k] != base.get(k)} - {"output.dir"}
         assert set(variant.overrides) <= changed, variant.name
         derived = {"train.warmup_ratio", "train.save_steps", "lora.init_adapter", "prime.enabled",
-                   "train.stage_eval_stages"}
+                   "train.eval.stage.stages"}
         assert changed - set(variant.overrides) <= derived, (variant.name, changed)
         if variant.primes:  # a priming change primes anew and is compared with its own primed stage
-            assert "lora.init_adapter" not in values and values["train.stage_eval_stages"] == "[primed,trained]"
+            assert "lora.init_adapter" not in values and values["train.eval.stage.stages"] == "[primed,trained]"
         validate(load_recipe(sweep.RECIPE, [o for o in overrides if not o.startswith("lora.init_adapter=")]))
     measured = as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path, steps=30, problems=100,
                                            samples=4, primed_adapter=adapter, measure_start=True))
-    assert measured["train.stage_eval_stages"] == "[start,trained]"  # the base variant measures the shared start
+    assert measured["train.eval.stage.stages"] == "[start,trained]"  # the base variant measures the shared start
     steps60 = as_dict(sweep.overrides_for(sweep.variant_by_name("steps60"), run_dir=tmp_path, steps=30,
                                           problems=100, samples=4, primed_adapter=adapter))
     assert math.ceil(60 * float(steps60["train.warmup_ratio"])) == 2 and steps60["train.save_steps"] == "60"
     prime = as_dict(sweep.overrides_for(None, run_dir=tmp_path, steps=30, problems=100, samples=4,
                                         primed_adapter=None))
-    assert prime["train.max_steps"] == "1" and prime["train.stage_eval_stages"] == "[primed]"
+    assert prime["train.max_steps"] == "1" and prime["train.eval.stage.stages"] == "[primed]"
     with pytest.raises(ValueError, match="primed adapter"):
         sweep.overrides_for(sweep.variant_by_name("lr1e-4"), run_dir=tmp_path, steps=30, problems=100, samples=4,
                             primed_adapter=None)
@@ -197,7 +197,7 @@ def test_table_and_curve_compare_with_the_same_step_zero(sweep, tmp_path):
     assert curve[0]["strict_accuracy"]["mean"] == 0.5 == row["stages"]["primed"]["strict_accuracy"]["mean"]
     assert curve[1]["strict_accuracy"]["diff"] == 0.25 == row["change"]["strict_accuracy"]["diff"]
     assert sweep.reference_stage({"verdicts": {"base": [], "start": []}}) == "start"
-    with pytest.raises(SystemExit, match="train.stage_eval"):
+    with pytest.raises(SystemExit, match="train.eval.stage.problems"):
         sweep.reference_stage({"verdicts": {"trained": []}})
 
 
@@ -224,7 +224,7 @@ def test_the_reference_runs_adapter_is_read_with_the_recipe_reader(sweep, tmp_pa
 def test_eval_checkpoint_batches_as_the_periodic_evaluation(sweep, tmp_path):
     from lowmem_grpo.evaluation.stages import periodic_settings, sampled_batch
 
-    run = _run_dir_with_recipe(tmp_path / "run", "train.eval_every=5", "train.eval_samples=4", "train.eval_limit=50")
+    run = _run_dir_with_recipe(tmp_path / "run", "train.eval.every=5", "train.eval.samples=4", "train.eval.problems=50")
     train = load_recipe(str(run / "recipe.yaml")).train
     greedy, sampled = periodic_settings(train)
     assert sampled == {**sampled_batch(greedy, 4), "num_samples": 4, "temperature": train.temperature}
@@ -246,14 +246,15 @@ def test_eval_checkpoint_appends_a_curve_point(sweep, tiny_model_dir, tmp_path):
     from tiny_run import train_tiny
 
     run_dir, _ = train_tiny(tiny_model_dir, tmp_path / "run", "train.max_steps=1", "prime.max_steps=1",
-                            "train.save_steps=1", "train.preflight=false", "train.stage_eval=0")
+                            "train.save_steps=1", "train.preflight.enabled=false", "train.eval.stage.problems=0")
     assert sweep.main(["eval-checkpoint", str(run_dir), "1", "--problems", "3", "--samples", "2", "--parallel"]) == 0
     point = json.loads((run_dir / "eval_steps.jsonl").read_text().splitlines()[-1])
     assert point["step"] == 1 and len(point["strict_accuracy"]) == 3 and len(point["mean@2"]) == 3
-    # the batches the periodic evaluation (train.eval_every with train.eval_samples=2) would have drawn in
+    # the batches the periodic evaluation (train.eval.every with train.eval.samples=2) would have drawn in
     from lowmem_grpo.evaluation.stages import periodic_settings
 
-    greedy, sampled = periodic_settings(replace(load_recipe(str(run_dir / "recipe.yaml")).train, eval_samples=2))
+    train = load_recipe(str(run_dir / "recipe.yaml")).train
+    greedy, sampled = periodic_settings(replace(train, eval=replace(train.eval, samples=2)))
     for name, settings in (("greedy", greedy), ("sampled", sampled)):
         written = json.loads((run_dir / "eval" / "checkpoint-1" / name / "eval.json").read_text())["settings"]
         assert written["batch_size"] == settings["batch_size"] and written["seed"] == settings["seed"], name

@@ -505,7 +505,7 @@ def test_shared_prompt_rules_on_the_hf_path():
     qwen, gemma = load_architecture("Qwen/Qwen2.5-1.5B-Instruct"), load_architecture("google/gemma-3-1b-it")
     runs = dict(shared_prompt=True, num_generations=8, gradient_checkpointing=False, device="cpu")
     assert ms.hf_shared_prompt(qwen, **runs).applies == ms.HF
-    for change, words in [({"shared_prompt": False}, "train.shared_prompt=false"),
+    for change, words in [({"shared_prompt": False}, "train.cpu.fast=false"),
                           ({"num_generations": 1}, "nothing to share"),
                           ({"gradient_checkpointing": True}, "gradient checkpointing drops the KV cache"),
                           ({"device": "cuda"}, "on cuda TRL's own log-prob pass runs")]:
@@ -513,7 +513,7 @@ def test_shared_prompt_rules_on_the_hf_path():
         assert result.applies == ms.NONE and result.available == ms.HF and words in result.reason, change
     assert "sliding-window layers" in ms.hf_shared_prompt(gemma, **runs).reason
     # a plan is for CUDA: the shipped recipe names both of its reasons
-    assert load_recipe("qwen2_5_1_5b_gsm8k").train.shared_prompt is True
+    assert load_recipe("qwen2_5_1_5b_gsm8k").train.cpu.fast is True
     shipped = _sharing("qwen2_5_1_5b_gsm8k", ["model.backend=hf"])
     assert shipped.applies == ms.NONE and "gradient checkpointing" in shipped.reason and "on cuda" in shipped.reason
 
@@ -650,7 +650,7 @@ def test_plan_output_names_the_sharing_and_prints_both_figures():
 
 # --- the evaluation batch: its KV cache, the plan's choice, auto-fit --------------------------------------
 
-WITH_STAGE_EVAL = ["train.stage_eval=100"]  # the stage evaluation on (greedy + 4 samples a problem)
+WITH_STAGE_EVAL = ["train.eval.stage.problems=100"]  # the stage evaluation on (greedy + 4 samples a problem)
 
 
 def test_eval_kv_cache_is_layers_kv_heads_head_dim_two_bytes_rows_tokens(tiny):
@@ -741,20 +741,20 @@ def test_the_plan_cuts_the_evaluation_batch_to_fit(name, gib, backend):
     assert p.total_bytes == phases["static"] + max(phases["generation"], phases["training"], phases["evaluation"]) \
         + p.terms["allocator_slack"]
     # a batch the recipe sets is taken as it is, and a plan that cannot hold it says so
-    as_set = plan(apply_overrides(recipe, ["train.eval_batch_size=128"]), gib * GIB)
+    as_set = plan(apply_overrides(recipe, ["train.eval.batch_size=128"]), gib * GIB)
     assert as_set.eval_batch == 128 and not as_set.evaluation["planned"] and as_set.fits is False
     assert as_set.peak_phase == "evaluation"
 
 
 def test_a_recipe_without_an_engine_evaluation_keeps_its_peak_and_shows_the_batch():
-    recipe = load_recipe("qwen3_4b_gsm8k")  # no train.stage_eval, no train.eval_every
+    recipe = load_recipe("qwen3_4b_gsm8k")  # no train.eval.stage.problems, no train.eval.every
     p = plan(recipe, 24 * GIB)
     assert p.eval_batch is None and p.terms["eval_kv_cache"] == p.phases["evaluation"] == 0
     assert p.evaluation["batch"] < 128 and p.evaluation["kv_bytes"] > 0  # what turning it on would take
-    assert p.total_bytes == plan(apply_overrides(recipe, ["train.eval_batch_size=128"]), 24 * GIB).total_bytes
+    assert p.total_bytes == plan(apply_overrides(recipe, ["train.eval.batch_size=128"]), 24 * GIB).total_bytes
     # vLLM samples the periodic evaluation inside its own pool; the stage evaluation always runs on the engine
     vllm = ["model.backend=unsloth", "model.fast_inference=true"]
-    assert plan(apply_overrides(recipe, [*vllm, "train.eval_every=10"]), 24 * GIB).eval_batch is None
+    assert plan(apply_overrides(recipe, [*vllm, "train.eval.every=10"]), 24 * GIB).eval_batch is None
     staged = plan(apply_overrides(recipe, [*vllm, *WITH_STAGE_EVAL]), 24 * GIB)
     assert staged.eval_batch and staged.terms["eval_kv_cache"] > 0 and staged.terms["vllm_reservation"] > 0
     # without a budget the evaluation stays within the GRPO step's own peak
@@ -765,27 +765,27 @@ def test_a_recipe_without_an_engine_evaluation_keeps_its_peak_and_shows_the_batc
 def test_auto_fit_writes_the_evaluation_batch_and_the_evaluations_read_it():
     from lowmem_grpo.evaluation.stages import periodic_settings
 
-    recipe = apply_overrides(load_recipe("llama3_2_3b_gsm8k"), [*WITH_STAGE_EVAL, "train.eval_every=10",
-                                                                "train.eval_samples=4"])
+    recipe = apply_overrides(load_recipe("llama3_2_3b_gsm8k"), [*WITH_STAGE_EVAL, "train.eval.every=10",
+                                                                "train.eval.samples=4"])
     fitted, p = auto_fit(recipe, 16 * GIB, set())
-    assert p.fits and fitted.train.eval_batch_size == p.eval_batch < 128
-    assert recipe.train.eval_batch_size is None  # the caller's recipe is left as it was
+    assert p.fits and fitted.train.eval.batch_size == p.eval_batch < 128
+    assert recipe.train.eval.batch_size is None  # the caller's recipe is left as it was
     greedy, sampled = periodic_settings(fitted.train)
     assert greedy["batch_size"] == sampled["batch_size"] == p.eval_batch  # the k samples of batch / k problems
     # a value the recipe sets is cut unless the user gave it; given explicitly, too large a batch is named
-    too_large = apply_overrides(recipe, ["train.eval_batch_size=128"])
-    assert auto_fit(too_large, 16 * GIB, set())[0].train.eval_batch_size == p.eval_batch
-    with pytest.raises(RecipeError, match="train.eval_batch_size=128"):
-        auto_fit(too_large, 16 * GIB, {"train.eval_batch_size"})
-    small = apply_overrides(recipe, ["train.eval_batch_size=8"])
-    assert auto_fit(small, 16 * GIB, set())[0].train.eval_batch_size == 8  # never raised above the recipe's
+    too_large = apply_overrides(recipe, ["train.eval.batch_size=128"])
+    assert auto_fit(too_large, 16 * GIB, set())[0].train.eval.batch_size == p.eval_batch
+    with pytest.raises(RecipeError, match="train.eval.batch_size=128"):
+        auto_fit(too_large, 16 * GIB, {"train.eval.batch_size"})
+    small = apply_overrides(recipe, ["train.eval.batch_size=8"])
+    assert auto_fit(small, 16 * GIB, set())[0].train.eval.batch_size == 8  # never raised above the recipe's
 
 
 def test_plan_shows_the_evaluation_batch_and_its_memory():
     text = _cli("plan", "llama3_2_3b_gsm8k", *WITH_STAGE_EVAL)
     assert text.returncode == 0, text.stderr
     line = next(ln for ln in text.stdout.splitlines() if ln.strip().startswith("evaluation:"))
-    assert re.search(r"evaluation: (\d+) sequences at once \(train.eval_batch_size, planned: the largest power of "
+    assert re.search(r"evaluation: (\d+) sequences at once \(train.eval.batch_size, planned: the largest power of "
                      r"two up to 128 that fits\) x 1024 tokens: KV cache [\d.]+ GiB", line), line
     data = json.loads(_cli("plan", "llama3_2_3b_gsm8k", *WITH_STAGE_EVAL, "--json").stdout)
     assert data["evaluation"]["counted"] and data["evaluation"]["batch"] < 128
@@ -801,17 +801,17 @@ def test_plan_shows_the_evaluation_batch_and_its_memory():
 
 
 def test_without_auto_fit_the_evaluation_batch_is_still_fitted_to_the_gpu():
-    """train.auto_fit=false, or several processes: the training settings stay the recipe's, and the evaluation batch
+    """train.memory.auto_fit=false, or several processes: the training settings stay the recipe's, and the evaluation batch
     alone is cut to what the GPU holds (a 16 GB card for Llama-3.2-3B's 128 x 1024-token evaluation KV cache)."""
     from lowmem_grpo.device import CudaFacts
     from lowmem_grpo.memory.fit import eval_batch_to_device
 
-    recipe = load_recipe("llama3_2_3b_gsm8k", ["train.stage_eval=50", "train.auto_fit=false"])
+    recipe = load_recipe("llama3_2_3b_gsm8k", ["train.eval.stage.problems=50", "train.memory.auto_fit=false"])
     card = CudaFacts(torch_cuda="13.0", available=True, capability=(8, 9), free_bytes=15 * GIB, total_bytes=16 * GIB)
     fitted = eval_batch_to_device(recipe, set(), facts=card)
-    assert fitted.train.eval_batch_size is not None and fitted.train.eval_batch_size < 128
+    assert fitted.train.eval.batch_size is not None and fitted.train.eval.batch_size < 128
     assert (fitted.train.per_device_train_batch_size, fitted.train.max_completion_length) == (
         recipe.train.per_device_train_batch_size, recipe.train.max_completion_length)
-    assert recipe.train.eval_batch_size is None  # the caller's recipe is not changed
-    assert eval_batch_to_device(recipe, {"train.eval_batch_size"}, facts=card) is recipe  # explicit: kept
+    assert recipe.train.eval.batch_size is None  # the caller's recipe is not changed
+    assert eval_batch_to_device(recipe, {"train.eval.batch_size"}, facts=card) is recipe  # explicit: kept
     assert eval_batch_to_device(recipe, set(), facts=CudaFacts(torch_cuda=None, available=False)) is recipe

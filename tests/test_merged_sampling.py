@@ -1,5 +1,5 @@
 """Faster sampling on CPU (lowmem_grpo.sampling.generate): the LoRA adapter merged into the weights
-(merged_adapter, train.merged_sampling) computes the same function and the same greedy text as PEFT's unmerged
+(merged_adapter, a CPU path of train.cpu.fast) computes the same function and the same greedy text as PEFT's unmerged
 layers with the base weights never written, and a training run with it on equals one with it off; grouped-query
 attention without copying the key/value heads (cpu_attention in float32) is bit-identical. Float32 on the tiny model."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
+from lowmem_grpo.runtime import CpuPaths
 from resilience_helpers import CPU_RECIPE, Captured, one_torch_thread  # noqa: F401
 from tiny_run import TINY_OVERRIDES
 
@@ -169,11 +170,10 @@ def _run(model_dir: Path, run_dir: Path, merged: bool):
 
     recipe = load_recipe(CPU_RECIPE, [
         f"model.name={model_dir}", "model.backend=hf", "model.dtype=float32", f"output.dir={run_dir}",
-        "prime.enabled=false", "train.preflight=false", "train.max_steps=10", "train.max_completion_length=16",
+        "prime.enabled=false", "train.preflight.enabled=false", "train.max_steps=10", "train.max_completion_length=16",
         "train.num_generations=4", "train.per_device_train_batch_size=8", "train.save_steps=100",
-        "train.completions_every=1", "train.stage_eval=4", "train.eval_every=5", "train.eval_limit=4",
-        "train.learning_rate=5e-3", "train.temperature=1.0", *TINY_OVERRIDES,
-        f"train.merged_sampling={str(merged).lower()}"])
+        "train.completions_every=1", "train.eval.stage.problems=4", "train.eval.every=5", "train.eval.problems=4",
+        "train.learning_rate=5e-3", "train.temperature=1.0", *TINY_OVERRIDES])
     guard = BaseWeightGuard()
     captured = Captured()
     logger = logging.getLogger("lowmem_grpo")
@@ -181,7 +181,7 @@ def _run(model_dir: Path, run_dir: Path, merged: bool):
     logger.addHandler(captured)
     logger.setLevel(logging.INFO)
     try:
-        return train(recipe, callbacks=[guard]), guard, captured.text
+        return train(recipe, callbacks=[guard], cpu=CpuPaths(merged=merged)), guard, captured.text  # merged alone
     finally:
         logger.removeHandler(captured)
         logger.setLevel(old)

@@ -38,7 +38,7 @@ def test_no_group_varying_is_refused_with_the_shares_and_the_fix():
     text = render(flat, recipe)
     assert ("NO SIGNAL: the goal reward correctness varies in 0 of 16 prompt groups (0%), the weighted total in "
             "0 of 16 (0%)") in text
-    assert "prime.enabled=true" in text and "train.allow_no_signal=true" in text and "ok:" not in text
+    assert "prime.enabled=true" in text and "train.preflight.allow_no_signal=true" in text and "ok:" not in text
     # the total varies (format) in every group, the goal in none: refused, with the fixes for the goal
     only_format = _table(0, 16, format_varies=16)
     assert only_format.no_signal and only_format.format_only and only_format.total_share == 1.0
@@ -66,7 +66,7 @@ def test_a_goal_varying_in_one_group_of_sixteen_warns_and_goes_on():
     assert ("WEAK SIGNAL: the goal reward correctness varies in 1 of 16 prompt groups (6%), the weighted total in "
             "16 of 16 (100%)") in text
     assert "may learn the format instead of the answers" in text and "easier problems" in text
-    assert "NO SIGNAL" not in text and "train.allow_no_signal" not in text
+    assert "NO SIGNAL" not in text and "train.preflight.allow_no_signal" not in text
     assert result.as_dict()["goal_share"] == pytest.approx(1 / 16) and result.as_dict()["no_signal"] is False
 
 
@@ -173,13 +173,14 @@ class FakeEngine:
 
 
 def _run(monkeypatch, varying: set[str], n_prompts: int, refusal_prompts: int, n_examples: int = 100):
+    from lowmem_grpo.runtime import CpuPaths
     from lowmem_grpo.train import preflight as module
 
     engine = FakeEngine(varying)
     monkeypatch.setattr(module, "generate", engine)
     recipe = apply_overrides(Recipe(), ["prime.enabled=false", "train.num_generations=4"])
-    result = module.preflight(recipe, SimpleNamespace(model=None, tokenizer=None), _examples(n_examples), n_prompts,
-                              refusal_prompts=refusal_prompts)
+    loaded = SimpleNamespace(model=None, tokenizer=None, runtime=SimpleNamespace(cpu=CpuPaths()))
+    result = module.preflight(recipe, loaded, _examples(n_examples), n_prompts, refusal_prompts=refusal_prompts)
     return result, engine
 
 
@@ -205,12 +206,13 @@ def test_no_signal_on_a_few_prompts_is_checked_on_more_before_a_refusal(monkeypa
 
 def test_train_refuses_no_signal_with_exit_3_and_warns_on_a_weak_one(monkeypatch, caplog):
     from lowmem_grpo.errors import EXIT_NO_SIGNAL, NoSignalError
+    from lowmem_grpo.runtime import CpuPaths
     from lowmem_grpo.train import preflight as module
     from lowmem_grpo.train.pipeline import require_reward_signal
 
     recipe = apply_overrides(Recipe(), ["prime.enabled=false", "train.num_generations=4",
-                                        "train.preflight_prompts=8"])
-    loaded = SimpleNamespace(model=None, tokenizer=None)
+                                        "train.preflight.prompts=8"])
+    loaded = SimpleNamespace(model=None, tokenizer=None, runtime=SimpleNamespace(cpu=CpuPaths()))
     examples = _examples(100)
     monkeypatch.setattr(module, "generate", FakeEngine(set()))
     with pytest.raises(NoSignalError) as refused:
@@ -218,8 +220,8 @@ def test_train_refuses_no_signal_with_exit_3_and_warns_on_a_weak_one(monkeypatch
     assert refused.value.exit_code == EXIT_NO_SIGNAL
     message = str(refused.value)
     assert "the goal reward correctness varies in 0 of 16 prompt groups (0%), the weighted total in 0 of 16" in message
-    assert "fix:" in message and "train.allow_no_signal=true" in message
-    allowed = apply_overrides(recipe, ["train.allow_no_signal=true"])
+    assert "fix:" in message and "train.preflight.allow_no_signal=true" in message
+    allowed = apply_overrides(recipe, ["train.preflight.allow_no_signal=true"])
     assert require_reward_signal(allowed, loaded, examples).no_signal
     # the goal varies in 3 of 8: a warning with the share, and the run goes on
     monkeypatch.setattr(module, "generate", FakeEngine({f"p{i}" for i in range(0, 100, 3)}))

@@ -360,7 +360,7 @@ def test_the_gpu_calculator_recipe_primes_on_gsm8k_solutions_for_the_calculator(
     validate(recipe)
     d = recipe.data
     assert (d.source, d.calculator, recipe.prime.enabled, recipe.model.backend) == ("hub", True, True, "auto")
-    assert recipe.model.fast_inference is False and recipe.rewards["expression"] > 0 and recipe.train.stage_eval
+    assert recipe.model.fast_inference is False and recipe.rewards["expression"] > 0 and recipe.train.eval.stage.problems
     answer, reasoning = HUB_ANSWERS[0]
     completion = render_target(answer, d.prefill, d.calculator)
     assert completion.startswith(reasoning) and "48/2 =" not in completion

@@ -247,9 +247,9 @@ def test_a_retried_step_matches_a_clean_run_from_the_same_checkpoint(tiny_model_
 @pytest.mark.slow
 def test_oom_retries_used_up_stop_with_what_was_tried(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.oom_retries=1"), faults=['oom@1:update*9'])
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.memory.oom_retries=1"), faults=['oom@1:update*9'])
     assert code == 1, log[-3000:]
-    assert "CUDA out of memory at step 1 (update) and train.oom_retries=1 is used up; tried: retry 1 at step 1" in log
+    assert "CUDA out of memory at step 1 (update) and train.memory.oom_retries=1 is used up; tried: retry 1 at step 1" in log
     assert "last complete checkpoint: none" in log and "--resume" in log
     assert len((run / "oom_retries.jsonl").read_text().splitlines()) == 1
     assert grpo_steps(run) == [] and not (run / "adapter").exists()

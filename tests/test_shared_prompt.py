@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from lowmem_grpo.runtime import CpuPaths
 from tiny import build_tiny_model
 from tiny_run import train_tiny
 
@@ -350,7 +351,7 @@ def test_trainer_status_names_the_reason(trainer):
     assert trainer.shared_prompt_status()[0] is True
     trainer.lowmem_shared_prompt = False
     try:
-        assert trainer.shared_prompt_status() == (False, "train.shared_prompt is false")
+        assert trainer.shared_prompt_status() == (False, "not among the run's CPU speed paths: train.cpu.fast=false")
     finally:
         trainer.lowmem_shared_prompt = True
 
@@ -361,14 +362,14 @@ def test_trainer_status_names_the_reason(trainer):
 def test_run_with_shared_prompt_equals_run_without(tiny_model_dir, tmp_path):
     # float32; 1.5 groups per micro-batch (TRL shuffles the rows), accumulation 2, generation every 4 micro-batches
     # (so TRL runs the old log-prob pass too) and beta > 0 (the reference pass)
-    settings = ["model.dtype=float32", "prime.enabled=false", "train.preflight=false", "train.max_steps=3",
+    settings = ["model.dtype=float32", "prime.enabled=false", "train.preflight.enabled=false", "train.max_steps=3",
                 "train.num_generations=4", "train.per_device_train_batch_size=6",
                 "train.gradient_accumulation_steps=2", "train.steps_per_generation=4", "train.beta=0.04",
                 "train.save_steps=10", "train.completions_every=0"]
     runs = {}
-    for share in (True, False):
+    for share in (True, False):  # the shared prompts alone: the other CPU paths stay on
         run_dir, logs = train_tiny(tiny_model_dir, tmp_path / f"run-{share}", *settings,
-                                   f"train.shared_prompt={str(share).lower()}")
+                                   cpu=CpuPaths(shared_prompt=share))
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         runs[share] = ([r for r in records if r.get("stage") == "grpo" and "loss" in r], logs.messages(logging.INFO))
     on, off = runs[True][0], runs[False][0]
@@ -379,4 +380,5 @@ def test_run_with_shared_prompt_equals_run_without(tiny_model_dir, tmp_path):
         assert a["shared_prompt/tokens_saved"] > 0.2  # it really ran: a share of the prompt tokens was not run
         assert b["shared_prompt/tokens_saved"] < a["shared_prompt/tokens_saved"]  # off: only the padding is skipped
     assert any(m.startswith("shared-prompt log-prob pass: on") for m in runs[True][1])
-    assert "shared-prompt log-prob pass: off (train.shared_prompt is false)" in runs[False][1]
+    assert "shared-prompt log-prob pass: off (not among the run's CPU speed paths: train.cpu.fast=false)" \
+        in runs[False][1]

@@ -111,7 +111,7 @@ def test_an_old_stage_eval_without_outcomes_still_loads_and_reports(tiny_model_d
     path.write_text(json.dumps({"num_problems": 3, "settings": {}, "results": {"primed": {"strict_accuracy": 0.0}},
                                 **saved, "verdicts": {"primed": [[old]] * 3}, "sampled_verdicts": {}}))
     assert stage_lines(tmp_path) and "What the answers got wrong" not in "\n".join(stage_lines(tmp_path))
-    recipe = load_recipe("recipes/smollm2_135m_gsm8k_cpu.py", ["train.stage_eval=3"])
+    recipe = load_recipe("recipes/smollm2_135m_gsm8k_cpu.py", ["train.eval.stage.problems=3"])
     evals = StageEvals(recipe, AutoTokenizer.from_pretrained(tiny_model_dir), path)
     assert evals.verdicts["primed"][0][0].outcome is None and "primed" in evals.results
     evals.verdicts["trained"] = [[judge(RIGHT, "4")]] * 3  # a stage measured after the upgrade
@@ -130,17 +130,17 @@ def test_sampled_evals_generate_at_least_eight_prompts_at_once():
 def test_stage_eval_samples_and_stages_are_validated():
     from lowmem_grpo.recipe_rules import validate
 
-    for bad, key in (("train.stage_eval_samples=1", "stage_eval_samples"), ("train.eval_samples=-2", "eval_samples"),
-                     ("train.stage_eval_stages=[base,final]", "stage_eval_stages")):
-        with pytest.raises(RecipeError, match=key):
+    for bad in ("train.eval.stage.samples=1", "train.eval.samples=-2", "train.eval.stage.stages=[base,final]"):
+        key = bad.partition("=")[0]
+        with pytest.raises(RecipeError, match=key.replace(".", r"\.") + ":"):
             validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", [bad]))
-    validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", ["train.stage_eval_stages=[trained]"]))
+    validate(load_recipe("recipes/smollm2_135m_arith_cpu.py", ["train.eval.stage.stages=[trained]"]))
 
 
 @pytest.mark.slow
 def test_a_run_measures_each_stage_and_the_report_shows_them(tiny_model_dir, tmp_path):
     run_dir, _ = train_tiny(tiny_model_dir, tmp_path / "run", "train.max_steps=2", "prime.max_steps=2",
-                            "train.stage_eval=4", "train.preflight=false")
+                            "train.eval.stage.problems=4", "train.preflight.enabled=false")
     data = json.loads((run_dir / "stage_eval.json").read_text())
     assert data["num_problems"] == 4 and list(data["stages"]) == ["base", "primed", "trained"]
     assert all(len(v) == 4 for v in data["verdicts"].values())  # the same 4 problems at each stage
@@ -171,9 +171,9 @@ def test_a_run_measures_each_stage_and_the_report_shows_them(tiny_model_dir, tmp
 @pytest.mark.slow
 def test_a_run_can_skip_stages_measured_before(tiny_model_dir, tmp_path):
     run_dir, _ = train_tiny(tiny_model_dir, tmp_path / "run", "train.max_steps=1", "prime.max_steps=1",
-                            "train.stage_eval=3", "train.stage_eval_samples=2", "train.preflight=false",
-                            "train.stage_eval_stages=[trained]", "train.eval_every=1", "train.eval_limit=3",
-                            "train.eval_samples=2")
+                            "train.eval.stage.problems=3", "train.eval.stage.samples=2", "train.preflight.enabled=false",
+                            "train.eval.stage.stages=[trained]", "train.eval.every=1", "train.eval.problems=3",
+                            "train.eval.samples=2")
     data = json.loads((run_dir / "stage_eval.json").read_text())
     assert list(data["stages"]) == ["trained"] and data["differences"] == {}
     curve = [json.loads(line) for line in (run_dir / "eval_steps.jsonl").read_text().splitlines()]
@@ -252,7 +252,7 @@ def test_stage_evals_of_generated_problems_write_the_wording(tiny_model_dir, tmp
     from lowmem_grpo.evaluation.stages import StageEvals
 
     path = tmp_path / "stage_eval.json"
-    recipe = load_recipe("recipes/smollm2_135m_arith_cpu.py", ["train.stage_eval=12"])
+    recipe = load_recipe("recipes/smollm2_135m_arith_cpu.py", ["train.eval.stage.problems=12"])
     evals = StageEvals(recipe, AutoTokenizer.from_pretrained(tiny_model_dir), path)
     assert evals.groups == ["seen", "heldout"] * 6  # the default eval split: half seen, half held-out wording
     greedy, sampled, _ = _wording_case()
@@ -262,13 +262,13 @@ def test_stage_evals_of_generated_problems_write_the_wording(tiny_model_dir, tmp
     assert data["problem_wording"] == evals.groups
     assert data["wording"]["num_problems"] == {"seen": 6, "heldout": 6}
     assert data["wording"]["differences"]["primed->trained"]["seen"]["strict_accuracy"]["diff"] == 1.0
-    gsm8k = StageEvals(load_recipe("recipes/smollm2_135m_gsm8k_cpu.py", ["train.stage_eval=3"]),
+    gsm8k = StageEvals(load_recipe("recipes/smollm2_135m_gsm8k_cpu.py", ["train.eval.stage.problems=3"]),
                        AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "other.json")
     assert gsm8k.groups is None
 
 
 def test_on_cpu_the_evaluations_keep_128_sequences_and_read_a_planned_batch(tiny_model_dir, tmp_path):
-    """No GPU, no plan: train.eval_batch_size stays unset and every evaluation batches as before (EVAL_BATCH, a
+    """No GPU, no plan: train.eval.batch_size stays unset and every evaluation batches as before (EVAL_BATCH, a
     sampled one 8 problems' samples at least); a batch the plan wrote (auto-fit on a GPU) is what both read."""
     from transformers import AutoTokenizer
 
@@ -277,15 +277,15 @@ def test_on_cpu_the_evaluations_keep_128_sequences_and_read_a_planned_batch(tiny
     from lowmem_grpo.runtime import EVAL_BATCH
     from lowmem_grpo.memory.fit import fit_to_device
 
-    overrides = ["train.stage_eval=4", "train.eval_every=5", "train.eval_samples=20"]
+    overrides = ["train.eval.stage.problems=4", "train.eval.every=5", "train.eval.samples=20"]
     recipe = load_recipe("recipes/smollm2_135m_arith_cpu.py", overrides)
     fitted, fit = fit_to_device(recipe, set(), facts=CudaFacts(torch_cuda=None, available=False))
-    assert fit is None and fitted.train.eval_batch_size is None
+    assert fit is None and fitted.train.eval.batch_size is None
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert StageEvals(fitted, tokenizer, tmp_path / "cpu.json").settings["batch_size"] == EVAL_BATCH == 128
     greedy, sampled = periodic_settings(fitted.train)
     assert greedy["batch_size"] == 128 and sampled["batch_size"] == 8 * 20  # 8 problems' 20 samples
-    planned = load_recipe("recipes/smollm2_135m_arith_cpu.py", [*overrides, "train.eval_batch_size=16"])
+    planned = load_recipe("recipes/smollm2_135m_arith_cpu.py", [*overrides, "train.eval.batch_size=16"])
     assert StageEvals(planned, tokenizer, tmp_path / "gpu.json").settings["batch_size"] == 16
     greedy, sampled = periodic_settings(planned.train)
     assert greedy["batch_size"] == sampled["batch_size"] == 16

@@ -96,23 +96,25 @@ def test_documented_commands_include_the_cpu_defaults_own_shape(step_cpu):
 
 
 def test_the_spec_is_the_cpu_default_recipe_itself(step_cpu, tmp_path):
+    from lowmem_grpo.recipe import CpuConfig
     from lowmem_grpo.recipe_io import load_recipe
 
     shipped = load_recipe(step_cpu.RECIPE)
     spec = {"model": "smollm2", "dtype": "auto", "steps": 6, "before": step_cpu.BEFORE, "start_adapter": None}
     sides = {side: load_recipe(step_cpu.RECIPE, step_cpu.side_overrides(spec, side, "/models/m", tmp_path))
              for side in ("plain", "before", "after")}
-    changed = {"max_steps", "preflight", "stage_eval", "eval_every"}  # what a step benchmark leaves out
+    changed = {"max_steps", "preflight", "eval"}  # what a step benchmark leaves out
     for recipe in sides.values():
         assert recipe.data == shipped.data and recipe.lora == shipped.lora and recipe.rewards == shipped.rewards
         assert recipe.model.dtype == shipped.model.dtype == "auto" and recipe.prime.enabled is False
+        assert not recipe.train.preflight.enabled and not recipe.train.eval.stage.problems
         for name in vars(shipped.train):
-            if name not in changed and name != "cpu_attention":
+            if name not in changed and name != "cpu":
                 assert getattr(recipe.train, name) == getattr(shipped.train, name), name
     assert shipped.data.source == "generated" and shipped.train.max_completion_length == 64
-    assert sides["after"].train.cpu_attention is True and sides["plain"].train.cpu_attention is True
-    assert sides["before"].train.cpu_attention is False  # the switch "before" turns off, and nothing else
-    assert dataclasses.replace(sides["before"].train, cpu_attention=True) == sides["after"].train
+    assert sides["after"].train.cpu.fast is True and sides["plain"].train.cpu.fast is True
+    assert sides["before"].train.cpu.fast is False  # the switch "before" turns off, and nothing else
+    assert dataclasses.replace(sides["before"].train, cpu=CpuConfig(fast=True)) == sides["after"].train
 
 
 def test_the_plain_side_sets_every_grpo_config_field_ours_sets(step_cpu, tmp_path):

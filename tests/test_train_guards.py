@@ -27,7 +27,7 @@ def _tiny_recipe(model_dir: Path, run_dir: Path, *extra: str):
     return load_recipe(str(CPU_RECIPE), [f"model.name={model_dir}", f"output.dir={run_dir}", "prime.enabled=false",
                                          "train.max_steps=1", "train.max_completion_length=16",
                                          "train.max_truncated_targets=1", "train.mask_truncated_completions=false",
-                                         "train.preflight=false", REWARDS, *extra])
+                                         "train.preflight.enabled=false", REWARDS, *extra])
 
 
 def test_auto_fit_inside_train_fits_the_gpu_it_is_told_about(tiny_model_dir, tmp_path):
@@ -68,15 +68,15 @@ def test_an_oom_retry_lowers_through_the_memory_planner(tiny_model_dir, tmp_path
 
 def test_train_refuses_a_run_without_reward_signal_unless_allowed(tiny_model_dir, tmp_path):
     """The random tiny model never writes an answer block: correctness is 0 for every completion of every group."""
-    no_signal = ["train.preflight=true", "rewards={correctness: 1.0}", "train.preflight_prompts=2"]
+    no_signal = ["train.preflight.enabled=true", "rewards={correctness: 1.0}", "train.preflight.prompts=2"]
     code, log = cli_inprocess(*tiny_args(tiny_model_dir, tmp_path / "refused", *no_signal, steps=1))
     assert code == 3, log[-3000:]
-    assert "GRPO would learn (almost) nothing" in log and "train.allow_no_signal=true" in log
+    assert "GRPO would learn (almost) nothing" in log and "train.preflight.allow_no_signal=true" in log
     # 2 prompts asked for, but a refusal is judged on 16: the message names the shares it measured
     assert "correctness varies in 0 of 16 prompt groups (0%), the weighted total in 0 of 16 (0%)" in log
     assert not (tmp_path / "refused" / "adapter").exists()
     code, log = cli_inprocess(*tiny_args(tiny_model_dir, tmp_path / "allowed", *no_signal,
-                                         "train.allow_no_signal=true", steps=1))
+                                         "train.preflight.allow_no_signal=true", steps=1))
     assert code == 0, log[-3000:]
     assert (tmp_path / "allowed" / "adapter" / "adapter_model.safetensors").exists()
 

@@ -97,12 +97,12 @@ REFUSED = [  # (arguments after `validate`, words the refusal names)
     ((GPU_RECIPE, "data.calculator=true", "train.use_vllm=true", "train.vllm_structured_outputs_regex=a+"),
      ("train.vllm_structured_outputs_regex",)),
     ((GPU_RECIPE, "data.calculator=true", "train.repetition_penalty=1.2"), ("train.repetition_penalty",)),
-    ((GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", *ZERO3), ("train.stage_eval=10", "ZeRO-3", "train.stage_eval=0")),
-    ((GPU_RECIPE, *ZERO3_HF, "train.eval_every=5", *ZERO3), ("train.eval_every=5", "ZeRO-3", "train.eval_every=0")),
+    ((GPU_RECIPE, *ZERO3_HF, "train.eval.stage.problems=10", *ZERO3), ("train.eval.stage.problems=10", "ZeRO-3", "train.eval.stage.problems=0")),
+    ((GPU_RECIPE, *ZERO3_HF, "train.eval.every=5", *ZERO3), ("train.eval.every=5", "ZeRO-3", "train.eval.every=0")),
     ((GPU_RECIPE, *ZERO3_HF, "data.calculator=true", *ZERO3), ("data.calculator", "ZeRO-3", "data.calculator=false")),
     ((GPU_RECIPE, "model.backend=hf", *ZERO3), ("model.load_in_4bit=true under DeepSpeed ZeRO-3",)),
-    ((GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", "train.deepspeed=recipes/accelerate/ds_zero3.json"),
-     ("train.stage_eval=10", "ZeRO-3")),  # TrainingArguments' own DeepSpeed config, no accelerate launcher
+    ((GPU_RECIPE, *ZERO3_HF, "train.eval.stage.problems=10", "train.deepspeed=recipes/accelerate/ds_zero3.json"),
+     ("train.eval.stage.problems=10", "ZeRO-3")),  # TrainingArguments' own DeepSpeed config, no accelerate launcher
     ((GPU_RECIPE, "model.backend=unsloth", *ZERO3), ("model.backend=unsloth under DeepSpeed ZeRO-3",)),
     ((GPU_RECIPE, "model.backend=unsloth", "train.precision=fp32"), ("train.precision=fp32", "autocast")),
     ((GPU_RECIPE, "model.fast_inference=true", "--accelerate-config", str(REPO / "recipes" / "accelerate" / "ddp.yaml")),
@@ -118,7 +118,7 @@ ALLOWED = [  # (arguments, words the ok line names)
     ((GPU_RECIPE, *ZERO3_HF, *ZERO3), "backend hf on cuda, 2 processes, DeepSpeed ZeRO-3"),
     ((GPU_RECIPE, "model.backend=unsloth", "--accelerate-config", str(REPO / "recipes" / "accelerate" / "ddp.yaml")),
      "backend unsloth on cuda, 2 processes"),  # Unsloth runs DDP itself (lowmem_grpo.runtime.backend_for)
-    ((GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", "data.calculator=true", "--accelerate-config",
+    ((GPU_RECIPE, *ZERO3_HF, "train.eval.stage.problems=10", "data.calculator=true", "--accelerate-config",
       str(REPO / "recipes" / "accelerate" / "zero2.yaml")), "DeepSpeed ZeRO-2"),
 ]
 CASES_IN_A_CHILD = """
@@ -190,12 +190,12 @@ def test_train_refuses_the_same_combinations_before_any_model_loads(tmp_path):
              "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(REPO / "recipes" / "accelerate" / "ds_zero3.json"),
              "CUDA_VISIBLE_DEVICES": ""}  # the CPU recipe runs on the CPU, where the engine samples, on any machine
     out = tmp_path / "run"
-    cases = [[GPU_RECIPE, *ZERO3_HF, "train.stage_eval=10", f"output.dir={out}"],
+    cases = [[GPU_RECIPE, *ZERO3_HF, "train.eval.stage.problems=10", f"output.dir={out}"],
              [GPU_RECIPE, *ZERO3_HF, "data.calculator=true", f"output.dir={out}"],
-             [CPU_RECIPE, "train.stage_eval=0", f"output.dir={out}"]]  # hf on this CPU: the engine would sample
+             [CPU_RECIPE, "train.eval.stage.problems=0", f"output.dir={out}"]]  # hf on this CPU: the engine would sample
     results, heavy = _run_cases("train", cases, **zero3)
-    for args, result, named in zip(cases, results, ("train.stage_eval=10", "data.calculator",
-                                                   "train.sampling_engine=true")):
+    for args, result, named in zip(cases, results, ("train.eval.stage.problems=10", "data.calculator",
+                                                   "train.cpu.fast=true")):
         assert result["code"] == 2 and named in result["log"] and "ZeRO-3" in result["log"], (args, result["log"])
         assert result["s"] < 60, result["s"]
     assert not out.exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_gsm8k_cpu.py"
 REWARDS = "rewards={correctness: 2.0, 'lowmem_test_rewards:length_reward': 1.0}"
 TINY_OVERRIDES = ("train.max_completion_length=16", "train.max_truncated_targets=1",
-                  "train.mask_truncated_completions=false", "train.allow_no_signal=true", REWARDS)
+                  "train.mask_truncated_completions=false", "train.preflight.allow_no_signal=true", REWARDS)
 """What a random tiny model needs: a deliberately short budget, and no refusal when correctness never varies."""
 
 
@@ -26,8 +26,9 @@ class Captured(logging.Handler):
         return [r.getMessage() for r in self.records if r.levelno >= level]
 
 
-def train_tiny(model_dir: Path, run_dir: Path, *extra: str) -> tuple[Path, Captured]:
-    """Train the CPU recipe on the tiny model (16-token completions) and return the run dir and its logs."""
+def train_tiny(model_dir: Path, run_dir: Path, *extra: str, cpu=None) -> tuple[Path, Captured]:
+    """Train the CPU recipe on the tiny model (16-token completions) and return the run dir and its logs; `cpu`
+    replaces the run's CPU speed paths (train's argument)."""
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.train.pipeline import train
 
@@ -39,7 +40,7 @@ def train_tiny(model_dir: Path, run_dir: Path, *extra: str) -> tuple[Path, Captu
     logger.addHandler(captured)
     logger.setLevel(logging.INFO)
     try:
-        return train(recipe), captured
+        return train(recipe, cpu=cpu), captured
     finally:
         logger.removeHandler(captured)
         logger.setLevel(old_level)

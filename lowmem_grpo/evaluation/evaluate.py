@@ -78,7 +78,7 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     the LoRA adapter merged into the weights where generate.merged_adapter applies. `on_progress(done, total)`:
     called with the problems generated so far after each batch (generate's). `calculator`: the engine completes
     `<<EXPR=` with the calculator's result (data.calculator; generate). `attention`: lowmem_grpo's CPU attention
-    (train.cpu_attention; generate).
+    (lowmem_grpo.runtime.CpuPaths; generate).
     """
     if not examples:
         raise BadInputError("no problems to evaluate", fix="check the data source, split and --limit")

@@ -2,15 +2,15 @@
 when given), the primed adapter and the trained adapter on the SAME problems, with 95% CIs (per stage, and paired
 between stages).
 
-Each stage is measured greedy (the answer a user gets) and, with train.stage_eval_samples = k > 0, by k samples per
+Each stage is measured greedy (the answer a user gets) and, with train.eval.stage.samples = k > 0, by k samples per
 problem at the training temperature (what GRPO itself sees and scores): mean@k (the share of correct samples) and
 pass@k (a correct sample among the k). `pass@k - greedy` is the room GRPO has on the greedy answer: problems the
 policy can already solve by sampling but does not solve greedily.
 
-`StageEvals(recipe, tokenizer, path)` holds the problems (the first train.stage_eval of data.eval_split) and the
-results so far; `measure(model, stage)` evaluates the model as it is now (the base model with the adapter switched
-off) and rewrites RUN_DIR/stage_eval.json, so a resumed run keeps the stages it already measured. Each stage's
-`outcomes` there say what its greedy answers got wrong (the operation, the arithmetic, both, or no arithmetic).
+`StageEvals(recipe, tokenizer, path)` holds the problems (the first train.eval.stage.problems of data.eval_split) and
+the results so far; `measure(model, stage)` evaluates the model as it is now (the base model with the adapter
+switched off) and rewrites RUN_DIR/stage_eval.json, so a resumed run keeps the stages it already measured. Each
+stage's `outcomes` there say what its greedy answers got wrong (the operation, the arithmetic, both, or no arithmetic).
 
 Generated problems are also summarized by wording (`wording` in stage_eval.json): the same metrics, paired
 differences and outcomes on the problems whose frame and phrasings the train split uses ("seen") and on those with
@@ -42,7 +42,7 @@ from lowmem_grpo.evaluation.metrics import (
 from lowmem_grpo.evaluation.progress import ProgressLog
 from lowmem_grpo.recipe import Recipe, TrainConfig
 from lowmem_grpo.rundir import layout
-from lowmem_grpo.runtime import eval_batch_size
+from lowmem_grpo.runtime import CpuPaths, eval_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -187,32 +187,34 @@ def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
 
 
 def sampled_settings(train: TrainConfig, settings: dict[str, Any], k: int) -> dict[str, Any]:
-    """The batch of a k-sample evaluation: train.eval_batch_size as it is when set (the plan counted its k samples of
-    batch / k problems), else sampled_batch's 8 prompts' samples at least."""
-    return dict(settings) if train.eval_batch_size else sampled_batch(settings, k)
+    """The batch of a k-sample evaluation: train.eval.batch_size as it is when set (the plan counted its k samples
+    of batch / k problems), else sampled_batch's 8 prompts' samples at least."""
+    return dict(settings) if train.eval.batch_size else sampled_batch(settings, k)
 
 
-def periodic_settings(train: TrainConfig, calculator: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """run_eval's settings of the periodic held-out evaluation (train.eval_every) from the train section: greedy, and
-    with train.eval_samples = k its k samples per problem at train.temperature (None when k is 0). One definition,
-    so that an evaluation that reproduces a curve point (benchmarks/learning_sweep.py eval-checkpoint) batches and
-    seeds its generate calls as the run did: seeded samples depend on the batch they were drawn in."""
+def periodic_settings(train: TrainConfig, calculator: bool = False, cpu: CpuPaths = CpuPaths()
+                      ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """run_eval's settings of the periodic held-out evaluation (train.eval.every) from the train section and the
+    run's CPU paths (`cpu`, lowmem_grpo.runtime.cpu_paths): greedy, and with train.eval.samples = k its k samples per
+    problem at train.temperature (None when k is 0). One definition, so that an evaluation that reproduces a curve
+    point (benchmarks/learning_sweep.py eval-checkpoint) batches and seeds its generate calls as the run did: seeded
+    samples depend on the batch they were drawn in."""
     greedy = {"max_new_tokens": train.max_completion_length, "batch_size": eval_batch_size(train), "seed": train.seed,
-              "progress": False, "engine": "auto", "merged": train.merged_sampling, "calculator": calculator,
-              "attention": train.cpu_attention}
-    k = train.eval_samples
+              "progress": False, "engine": "auto", "merged": cpu.merged, "calculator": calculator,
+              "attention": cpu.attention}
+    k = train.eval.samples
     if not k:
         return greedy, None
     return greedy, {**sampled_settings(train, greedy, k), "num_samples": k, "temperature": train.temperature}
 
 
-def greedy_settings(train: TrainConfig, calculator: bool) -> dict[str, Any]:
+def greedy_settings(train: TrainConfig, calculator: bool, cpu: CpuPaths = CpuPaths()) -> dict[str, Any]:
     """run_eval's settings of a stage's greedy evaluation (and of an export's score on the same problems:
     lowmem_grpo.export.score): the completion budget, batch and seed of the train section, the transformers engine,
-    the calculator when the recipe uses it (data.calculator)."""
+    the calculator when the recipe uses it (data.calculator), the run's CPU paths (`cpu`)."""
     return {"max_new_tokens": train.max_completion_length, "batch_size": eval_batch_size(train), "seed": train.seed,
-            "progress": False, "engine": "transformers", "merged": train.merged_sampling, "calculator": calculator,
-            "attention": train.cpu_attention}
+            "progress": False, "engine": "transformers", "merged": cpu.merged, "calculator": calculator,
+            "attention": cpu.attention}
 
 
 def _by_group(verdicts: list[list[Verdict]], groups: Sequence[str | None]) -> str:
@@ -240,20 +242,22 @@ def _dump_verdicts(verdicts: dict[str, list[list[Verdict]]]) -> dict[str, Any]:
 
 
 class StageEvals:
-    """Greedy (and, with train.stage_eval_samples, sampled) evaluation of the same held-out problems after each
-    stage; results in `path` (stage_eval.json)."""
+    """Greedy (and, with train.eval.stage.samples, sampled) evaluation of the same held-out problems after each
+    stage, on the run's CPU paths (`cpu`); results in `path` (stage_eval.json)."""
 
-    def __init__(self, recipe: Recipe, tokenizer: Any, path: Path, peaks: Any = None) -> None:
+    def __init__(self, recipe: Recipe, tokenizer: Any, path: Path, peaks: Any = None,
+                 cpu: CpuPaths = CpuPaths()) -> None:
         t = recipe.train
         self.path = Path(path)
         self.peaks = peaks  # a lowmem_grpo.rundir.rss.StagePeaks: each evaluation's peak RSS as "eval <stage>"
         self.tokenizer = tokenizer
         self.train = t
+        self.cpu = cpu
         self.settings = {"max_new_tokens": t.max_completion_length, "batch_size": eval_batch_size(t), "seed": t.seed,
-                         "samples": t.stage_eval_samples, "temperature": t.temperature,
+                         "samples": t.eval.stage.samples, "temperature": t.temperature,
                          "calculator": recipe.data.calculator}
-        self.wanted = list(t.stage_eval_stages)
-        self.examples = load_eval_examples(recipe, tokenizer, limit=t.stage_eval)  # bad data fails before training
+        self.wanted = list(t.eval.stage.stages)
+        self.examples = load_eval_examples(recipe, tokenizer, limit=t.eval.stage.problems)  # bad data fails early
         generated = recipe.data.source == "generated"
         self.groups = wording_groups([ex.get("question") for ex in self.examples]) if generated else None
         self.steps = step_groups([ex.get("solution") for ex in self.examples])
@@ -267,14 +271,14 @@ class StageEvals:
             self.sampled = _load_verdicts(saved.get("sampled_verdicts", {}))
 
     def measure(self, model: Any, stage: str) -> dict[str, float]:
-        """Evaluate `model` as `stage` (unless already measured, or not in train.stage_eval_stages) and rewrite
+        """Evaluate `model` as `stage` (unless already measured, or not in train.eval.stage.stages) and rewrite
         stage_eval.json."""
         if stage not in self.wanted:
             return {}
         if stage in self.results:
             return self.results[stage]
         k = self.settings["samples"]
-        common = greedy_settings(self.train, self.settings["calculator"])
+        common = greedy_settings(self.train, self.settings["calculator"], self.cpu)
         watch = self.peaks.stage(f"eval {stage}") if self.peaks is not None else contextlib.nullcontext()
         with watch, _disabled_adapter(model, stage):
             # minutes without a bar: a progress line like training's (problems done, rate, eta) every ~10 s

@@ -25,8 +25,8 @@ def final_metrics(run_dir: Path, step: int | None) -> tuple[dict[str, Any] | Non
     return (steps[-1] if steps else None), summary
 
 
-NOT_SCORED = ("Not scored: the run has no stage evaluation (train.stage_eval) to pair with, the export is of a "
-              "checkpoint, or --no-score was given.")
+NOT_SCORED = ("Not scored: the run has no stage evaluation (train.eval.stage.problems) to pair with, the export is "
+              "of a checkpoint, or --no-score was given.")
 
 
 def _gguf_lines(result: Any) -> list[str]:

@@ -138,8 +138,8 @@ def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, r
 
     examples = score.held_out(recipe, tokenizer)
     merged = proof.load_causal_lm(merged_dir, dtype, device, trust)
-    reference = score.answer_transformers(merged, tokenizer, examples, recipe)
-    budget = int(score.settings(recipe)["max_new_tokens"])
+    reference = score.answer_transformers(merged, tokenizer, examples, recipe, device)
+    budget = int(score.settings(recipe, device)["max_new_tokens"])
     longest = max(len(tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]) for ex in examples)
     n_ctx = longest + budget + CONTEXT_MARGIN
     generated = run_child({"job": "generate", "model": str(target), "prompts": [ex["prompt"] for ex in examples],
@@ -189,7 +189,7 @@ def export_gguf(job: Any, work: Path, tmp: Path, result: Any, done: Callable[[st
     figures, verdicts = prove_gguf(target, kind, work, job.tokenizer, job.recipe, job.dtype, job.device, job.trust,
                                    result.adapter_effect or 0.0, job.tolerance)
     result.gguf_proof.update(figures)
-    if job.recipe.train.stage_eval:
+    if job.recipe.train.eval.stage.problems:
         reference = score.stage_reference(job.run_dir, len(verdicts), job.src.name == layout.ADAPTER_DIR)
         result.score = score.summarize(verdicts, reference, seed=job.recipe.train.seed)
         log.info("gguf %s: %s", kind, score.line(result.score))

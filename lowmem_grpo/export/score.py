@@ -14,11 +14,12 @@ from typing import Any
 from lowmem_grpo.evaluation.metrics import Verdict, judge, paired_bootstrap, problem_value
 from lowmem_grpo.evaluation.stages import greedy_settings, mean_ci
 from lowmem_grpo.rundir import layout
+from lowmem_grpo.runtime import cpu_paths
 
 log = logging.getLogger(__name__)
 
 PROOF_PROBLEMS = 8
-"""Held-out problems a GGUF proof answers when the run has no stage evaluation (train.stage_eval = 0)."""
+"""Held-out problems a GGUF proof answers when the run has no stage evaluation (train.eval.stage.problems = 0)."""
 METRIC = "strict_accuracy"
 
 
@@ -26,18 +27,19 @@ def held_out(recipe: Any, tokenizer: Any) -> list[dict[str, Any]]:
     """The stage evaluation's problems, or the first PROOF_PROBLEMS of the eval split when it had none."""
     from lowmem_grpo.evaluation.evaluate import load_eval_examples
 
-    return load_eval_examples(recipe, tokenizer, limit=recipe.train.stage_eval or PROOF_PROBLEMS)
+    return load_eval_examples(recipe, tokenizer, limit=recipe.train.eval.stage.problems or PROOF_PROBLEMS)
 
 
-def settings(recipe: Any) -> dict[str, Any]:
-    return greedy_settings(recipe.train, recipe.data.calculator)
+def settings(recipe: Any, device: str) -> dict[str, Any]:
+    """The stage evaluation's greedy settings for a model on `device` (cpu or cuda)."""
+    return greedy_settings(recipe.train, recipe.data.calculator, cpu_paths(recipe.train, device))
 
 
-def answer_transformers(model: Any, tokenizer: Any, examples: list[dict[str, Any]], recipe: Any) -> Any:
+def answer_transformers(model: Any, tokenizer: Any, examples: list[dict[str, Any]], recipe: Any, device: str) -> Any:
     """run_eval with the stage evaluation's greedy settings: an EvalResult (verdicts, records with the texts)."""
     from lowmem_grpo.evaluation.evaluate import run_eval
 
-    return run_eval(model, tokenizer, examples, **settings(recipe))
+    return run_eval(model, tokenizer, examples, **settings(recipe, device))
 
 
 def judged(examples: list[dict[str, Any]], generations: list[dict[str, Any]]) -> list[list[Verdict]]:
@@ -107,14 +109,15 @@ def line(score: dict[str, Any]) -> str:
 
 def score_folder(job: Any, folder: Path, result: Any) -> None:
     """A transformers-loaded export (`folder`) answers the held-out problems into result.score; skipped when not
-    asked (job.score) or without a stage evaluation (train.stage_eval = 0) to pair with."""
+    asked (job.score) or without a stage evaluation (train.eval.stage.problems = 0) to pair with."""
     from lowmem_grpo.export import proof
 
-    if not (job.score and job.recipe.train.stage_eval):
+    problems = job.recipe.train.eval.stage.problems
+    if not (job.score and problems):
         return
-    reference = stage_reference(job.run_dir, job.recipe.train.stage_eval, job.src.name == layout.ADAPTER_DIR)
+    reference = stage_reference(job.run_dir, problems, job.src.name == layout.ADAPTER_DIR)
     model = proof.load_causal_lm(folder, job.dtype, job.device, job.trust)
-    answers = answer_transformers(model, job.tokenizer, held_out(job.recipe, job.tokenizer), job.recipe)
+    answers = answer_transformers(model, job.tokenizer, held_out(job.recipe, job.tokenizer), job.recipe, job.device)
     del model
     gc.collect()
     result.score = summarize(answers.verdicts, reference, seed=job.recipe.train.seed)

@@ -25,7 +25,7 @@ MEMORY_KEYS = ["model.name", "model.load_in_4bit", "model.gpu_memory_utilization
                "data.max_prompt_length", "train.per_device_train_batch_size", "train.steps_per_generation",
                "train.generation_batch_size", "train.gradient_accumulation_steps", "train.max_completion_length",
                "train.num_generations", "train.gradient_checkpointing", "train.optim", "train.beta",
-               "train.eval_batch_size"]
+               "train.eval.batch_size"]
 
 
 def _valid_change(recipe: Recipe, change: dict[str, Any]) -> Recipe | None:
@@ -132,20 +132,20 @@ def _lowered(current: Recipe, knob: Knob, explicit: set[str], arch: Architecture
 
 def with_planned_eval_batch(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture,
                             free_bytes: int | None = None) -> Recipe:
-    """The recipe with train.eval_batch_size set to the plan's evaluation batch for `budget_bytes` (the largest
+    """The recipe with train.eval.batch_size set to the plan's evaluation batch for `budget_bytes` (the largest
     power of two up to the recipe's value, or 128, that fits: plan.choose_eval_batch), so the run's evaluations, its
     recipe.yaml and a resumed run all read the one batch; unchanged when the key is explicit or the recipe does
     not evaluate through the sampling engine."""
-    if "train.eval_batch_size" in explicit:
+    if "train.eval.batch_size" in explicit:
         return recipe
     result = plan(recipe, budget_bytes, arch=arch, free_bytes=free_bytes, fit_eval=True)
-    if result.eval_batch is None or result.eval_batch == recipe.train.eval_batch_size:
+    if result.eval_batch is None or result.eval_batch == recipe.train.eval.batch_size:
         return recipe
     e = result.evaluation
-    log.info("evaluation batch: %d sequences at once (train.eval_batch_size; KV cache %s, evaluation peak %s)",
+    log.info("evaluation batch: %d sequences at once (train.eval.batch_size; KV cache %s, evaluation peak %s)",
              e["batch"], format_bytes(e["kv_bytes"]), format_bytes(e["peak_bytes"]))
     fitted = copy.deepcopy(recipe)
-    fitted.train.eval_batch_size = e["batch"]
+    fitted.train.eval.batch_size = e["batch"]
     return fitted
 
 
@@ -168,10 +168,12 @@ def _check_fit(result: Plan, recipe: Recipe, arch: Architecture, budget_bytes: i
 
 
 def _value(recipe: Recipe, key: str) -> Any:
-    section, name = key.split(".", 1)
-    if section == "train" and name == "generation_batch_size":
+    if key == "train.generation_batch_size":
         return recipe.train.generation_batch_size()
-    return getattr(getattr(recipe, section), name, None)
+    node = recipe
+    for name in key.split("."):
+        node = getattr(node, name, None)
+    return node
 
 
 def plan_with_proposal(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
@@ -210,11 +212,11 @@ def fit_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> tupl
 
 
 def eval_batch_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> Recipe:
-    """Where auto-fit does not run (train.auto_fit=false, several processes: each rank plans its own GPU), the
+    """Where auto-fit does not run (train.memory.auto_fit=false, several processes: each rank plans its own GPU), the
     evaluation batch alone fitted to this process's CUDA GPU (with_planned_eval_batch), so an evaluation still
     decodes no more rows than the GPU holds; the recipe as it is without a CUDA GPU or with the key explicit."""
     gpu = _gpu(facts)
-    if gpu is None or "train.eval_batch_size" in explicit:
+    if gpu is None or "train.eval.batch_size" in explicit:
         return recipe
     arch = load_architecture(recipe.model.name, allow_hub=True, trust_remote_code=recipe.model.trust_remote_code)
     budget = device_budget(gpu.free_bytes, gpu.total_bytes)

@@ -78,7 +78,7 @@ class Plan:
 
     @property
     def eval_batch(self) -> int | None:
-        """train.eval_batch_size as planned (or as the recipe sets it); None when the recipe does not evaluate
+        """train.eval.batch_size as planned (or as the recipe sets it); None when the recipe does not evaluate
         through the sampling engine."""
         return self.evaluation["batch"] if self.evaluation.get("counted") else None
 
@@ -208,20 +208,20 @@ def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -
 
 def engine_evaluates(recipe: Recipe, fast_inference: bool) -> bool:
     """Whether a CUDA run of the recipe evaluates through the sampling engine: the stage evaluation
-    (train.stage_eval) always does; the periodic one (train.eval_every) unless vLLM generates, which then samples
-    it inside its own reservation (data.calculator keeps it on the engine)."""
-    t = recipe.train
-    return bool(t.stage_eval) or bool(t.eval_every and (not fast_inference or recipe.data.calculator))
+    (train.eval.stage.problems) always does; the periodic one (train.eval.every) unless vLLM generates, which then
+    samples it inside its own reservation (data.calculator keeps it on the engine)."""
+    e = recipe.train.eval
+    return bool(e.stage.problems) or bool(e.every and (not fast_inference or recipe.data.calculator))
 
 
 def evaluation_samples(recipe: Recipe) -> int:
     """k, the most samples per problem one evaluation call of the recipe draws (1: greedy only)."""
-    t = recipe.train
-    return max(1, t.stage_eval_samples if t.stage_eval else 1, t.eval_samples if t.eval_every else 1)
+    e = recipe.train.eval
+    return max(1, e.stage.samples if e.stage.problems else 1, e.samples if e.every else 1)
 
 
 def eval_rows(batch: int, samples: int) -> int:
-    """Sequences one evaluation call decodes at once with train.eval_batch_size `batch` and k `samples` per problem:
+    """Sequences one evaluation call decodes at once with train.eval.batch_size `batch` and k `samples` per problem:
     the k samples of batch // k problems, one problem's at least (sampling.generate), so max(batch, k)."""
     return max(batch, samples) if batch > 0 else 0
 
@@ -249,12 +249,12 @@ def choose_eval_batch(arch: Architecture, s: Settings, upper: int, samples: int,
 
 def evaluation_info(recipe: Recipe, arch: Architecture, s: Settings, budget_bytes: int | None,
                     fit_eval: bool | None = None) -> dict[str, Any]:
-    """The evaluation batch of a CUDA run and its memory: train.eval_batch_size as the recipe sets it, or (unset, or
+    """The evaluation batch of a CUDA run and its memory: train.eval.batch_size as the recipe sets it, or (unset, or
     `fit_eval`) cut to the budget by choose_eval_batch from it (or EVAL_BATCH); `counted` when the recipe evaluates
     through the engine (engine_evaluates). Bytes are those of `rows` = eval_rows(batch, k) sequences."""
     t = recipe.train
-    upper = t.eval_batch_size or EVAL_BATCH
-    planned = t.eval_batch_size is None if fit_eval is None else fit_eval
+    upper = t.eval.batch_size or EVAL_BATCH
+    planned = t.eval.batch_size is None if fit_eval is None else fit_eval
     samples = evaluation_samples(recipe)
     batch = choose_eval_batch(arch, s, upper, samples, budget_bytes) if planned else upper
     rows = eval_rows(batch, samples)
@@ -359,11 +359,11 @@ def _evaluation_lines(p: Plan) -> list[str]:
     ladder = (f"power of two up to {upper}" if upper & (upper - 1) == 0
               else f"of {upper} and the powers of two below it")
     source = f"planned: the largest {ladder} that fits" if e["planned"] else "as the recipe sets it"
-    size = (f"{e['batch']} sequences at once (train.eval_batch_size, {source})"
+    size = (f"{e['batch']} sequences at once (train.eval.batch_size, {source})"
             + (f", {e['rows']} with {e['samples']} samples a problem" if e["rows"] != e["batch"] else "")
             + f" x {s.seq_len} tokens: KV cache {format_bytes(e['kv_bytes'])} + workspace "
             f"{format_bytes(e['workspace_bytes'])}, peak {format_bytes(e['peak_bytes'])}")
     if e["counted"]:
         return [f"  evaluation: {size}"]
-    return [f"  evaluation: off in this recipe (train.stage_eval=0, and train.eval_every=0 or sampled by vLLM); "
-            f"with it on: {size}"]
+    return [f"  evaluation: off in this recipe (train.eval.stage.problems=0, and train.eval.every=0 or sampled by "
+            f"vLLM); with it on: {size}"]

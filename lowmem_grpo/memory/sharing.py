@@ -9,7 +9,7 @@ unsloth  Unsloth's PrefixGrouper (unsloth/utils/prefix_grouper.py, unsloth_zoo/r
          keeps that. Its first-use self-verify keeps the full-row pass in memory while a no-grad shared pass is
          compared with it, and a batch longer than any verified one is verified again: the peak stays the full-row
          figure (the time is still saved).
-hf       our pass (train.shared_prompt; lowmem_grpo/train/cpu_logprobs.py): it needs a cache the layers write into,
+hf       our pass (train.cpu.fast; lowmem_grpo/train/cpu_logprobs.py): it needs a cache the layers write into,
          so it runs the loss pass only without gradient checkpointing, on full-attention models, in the CPU trainer.
 
 The planner takes the token counts at their worst case: prompts of data.max_prompt_length, completions of
@@ -127,7 +127,7 @@ def hf_shared_prompt(arch: Architecture, *, shared_prompt: bool, num_generations
     every reason it does not, or why it does."""
     reasons = []
     if not shared_prompt:
-        reasons.append("train.shared_prompt=false")
+        reasons.append("train.cpu.fast=false")
     if num_generations < 2:
         reasons.append("one completion per prompt leaves nothing to share")
     if any(kind != "full_attention" for kind in arch.layer_types):
@@ -139,7 +139,7 @@ def hf_shared_prompt(arch: Architecture, *, shared_prompt: bool, num_generations
         reasons.append(f"on {device} TRL's own log-prob pass runs (ours runs in the CPU trainer)")
     if reasons:
         return Sharing(NONE, HF, "our shared-prompt pass does not run the loss pass: " + "; ".join(reasons))
-    return Sharing(HF, HF, "our shared-prompt pass runs (train.shared_prompt=true): each distinct prompt of a "
+    return Sharing(HF, HF, "our shared-prompt pass runs (train.cpu.fast=true): each distinct prompt of a "
                            "micro-batch is forwarded once")
 
 
@@ -153,5 +153,5 @@ def sharing_for(arch: Architecture, runtime: Runtime, recipe: Recipe,
                                       generation_batch=runtime.generation_batch,
                                       prompt_len=recipe.data.max_prompt_length,
                                       completion_len=t.max_completion_length, extra=t.extra, env=env)
-    return hf_shared_prompt(arch, shared_prompt=getattr(t, "shared_prompt", True), num_generations=t.num_generations,
+    return hf_shared_prompt(arch, shared_prompt=t.cpu.fast, num_generations=t.num_generations,
                             gradient_checkpointing=t.gradient_checkpointing, device=runtime.device)

@@ -13,10 +13,10 @@
                              (lowmem_sampling.json: what dynamic sampling / the curriculum had learned)
       adapter/               the final adapter
       eval.json, eval/       evaluation results (`lowmem-grpo eval`)
-      stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.stage_eval)
+      stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.eval.stage)
       export_scores.json     each export's accuracy on those problems beside the adapter's (`lowmem-grpo export`)
       peak_rss.json          the process's peak resident memory in each stage (load, evals, priming, GRPO, save)
-      eval_steps.jsonl       per-problem greedy (and sampled) values of each periodic evaluation (train.eval_every)
+      eval_steps.jsonl       per-problem greedy (and sampled) values of each periodic evaluation (train.eval.every)
       plots/, report.md      the report
 Torch-free.
 """

@@ -137,7 +137,7 @@ class MergeResult:
     def describe(self) -> str:
         """The log line of a sampling path: merged (how many layers), or why not."""
         if self.layers:
-            return f"sampling from merged LoRA weights ({self.layers} layers; train.merged_sampling)"
+            return f"sampling from merged LoRA weights ({self.layers} layers; train.cpu.fast)"
         return f"sampling through the unmerged LoRA adapter: {self.reason}"
 
 
@@ -164,7 +164,7 @@ def _merge_problem(module: Any, lora_linear: type, linear: type, identity: type)
 
 @contextlib.contextmanager
 def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
-    """Sample from the LoRA adapter merged into the weights (docs/performance.md, train.merged_sampling): every LoRA
+    """Sample from the LoRA adapter merged into the weights (docs/performance.md, train.cpu.fast): every LoRA
     Linear of `model` is swapped, while the block runs, for a plain Linear whose weight is the base weight plus the
     adapter's delta (computed in float32, cast once); the original modules are put back afterwards, so the base
     weights are never written. All or none: only on CPU, for plain LoRA Linears (no variants, LoRA bias or hooks)
@@ -217,7 +217,7 @@ def _merged_linear(module: Any, torch: Any) -> Any:
 
 @contextlib.contextmanager
 def fast_sampling(model: Any, merged: bool = True, attention: bool = True) -> Iterator[MergeResult]:
-    """merged_adapter and lowmem_grpo.sampling.attention.cpu_attention (`attention`, train.cpu_attention) together:
+    """merged_adapter and lowmem_grpo.sampling.attention.cpu_attention (`attention`) together:
     what every transformers sampling path of lowmem_grpo runs inside. Yields merged_adapter's result."""
     with merged_adapter(model, merged) as result, cpu_attention(model, attention):
         yield result

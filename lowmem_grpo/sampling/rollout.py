@@ -54,7 +54,7 @@ def trl_output(prompt_ids: list[list[int]], rows: list[Any], *, logprobs: bool, 
 class EngineRollout:
     """TRL's `rollout_func`: completes each prompt (rendered text, already repeated num_generations times by TRL's
     sampler) with one sample from the live policy, with the LoRA adapter merged into the weights while it samples
-    (`merged`, train.merged_sampling) and lowmem_grpo's CPU attention (`attention`, train.cpu_attention), on
+    (`merged`) and lowmem_grpo's CPU attention (`attention`; both lowmem_grpo.runtime.CpuPaths), on
     torch's global RNG (so a resumed run draws what an uninterrupted one would). Returns TRL's keys, plus
     `env_mask` when the calculator is on."""
 

@@ -26,6 +26,7 @@ from lowmem_grpo.evaluation.stages import periodic_settings, problem_values
 from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.health import WarningLatch
+from lowmem_grpo.runtime import CpuPaths
 from lowmem_grpo.sampling.sampler_check import MEAN_KEY, MAX_KEY, Figures, SamplerCheck
 
 log = logging.getLogger(__name__)
@@ -153,29 +154,31 @@ class SamplingStateCallback(TrainerCallback):
 
 
 class PeriodicEvalCallback(TrainerCallback):
-    """Greedy held-out evaluation every train.eval_every optimizer steps, on the first train.eval_limit problems
-    of data.eval_split with the recipe's prompts and max_completion_length; writes `eval/<metric>` lines
-    (stage "eval") into metrics.jsonl. With train.eval_samples = k it also samples k completions per problem at
-    train.temperature (eval/mean@k, eval/pass@k), and each problem's values go to eval_steps.jsonl, so a learning
-    curve can pair steps problem by problem. It samples through lowmem_grpo.sampling.generate, which puts the
-    model back in the mode it was in and seeds a private RNG stream, so training's random state is left as it was."""
+    """Greedy held-out evaluation every train.eval.every optimizer steps, on the first train.eval.problems problems
+    of data.eval_split with the recipe's prompts and max_completion_length, on the run's CPU paths (`cpu`); writes
+    `eval/<metric>` lines (stage "eval") into metrics.jsonl. With train.eval.samples = k it also samples k
+    completions per problem at train.temperature (eval/mean@k, eval/pass@k), and each problem's values go to
+    eval_steps.jsonl, so a learning curve can pair steps problem by problem. It samples through
+    lowmem_grpo.sampling.generate, which puts the model back in the mode it was in and seeds a private RNG stream, so
+    training's random state is left as it was."""
 
-    def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path) -> None:
+    def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path, cpu: CpuPaths = CpuPaths()) -> None:
         self.train = recipe.train
         self.tokenizer = tokenizer
-        self.examples = load_eval_examples(recipe, tokenizer, limit=recipe.train.eval_limit)  # bad data fails early
+        self.cpu = cpu
+        self.examples = load_eval_examples(recipe, tokenizer, limit=recipe.train.eval.problems)  # bad data fails early
         self.metrics_path = Path(run_dir) / layout.METRICS_FILE
         self.steps_path = Path(run_dir) / layout.EVAL_STEPS_FILE
         self.weights = resolved_rewards(recipe)
         self.calculator = recipe.data.calculator
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any):
-        every = self.train.eval_every
+        every = self.train.eval.every
         if not every or state.global_step % every or not state.is_world_process_zero:
             return
         t = self.train
         # engine auto: vLLM (the live adapter) when the model has it
-        greedy, sampling = periodic_settings(t, self.calculator)
+        greedy, sampling = periodic_settings(t, self.calculator, self.cpu)
         step = state.global_step
         result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights,
                           on_progress=ProgressLog(f"eval step {step}: greedy", log), **greedy)
@@ -184,8 +187,8 @@ class PeriodicEvalCallback(TrainerCallback):
         sampled = None
         if sampling is not None:
             sampled = run_eval(model, self.tokenizer, self.examples,
-                               on_progress=ProgressLog(f"eval step {step}: {t.eval_samples} samples", log), **sampling)
-            k = t.eval_samples
+                               on_progress=ProgressLog(f"eval step {step}: {t.eval.samples} samples", log), **sampling)
+            k = t.eval.samples
             metrics.update({f"mean@{k}": sampled.metrics["strict_accuracy"], f"pass@{k}": sampled.metrics[f"pass@{k}"],
                             "sampled_strict_format_rate": sampled.metrics["strict_format_rate"]})
             seconds += sampled.seconds
@@ -195,8 +198,8 @@ class PeriodicEvalCallback(TrainerCallback):
         telemetry.append_jsonl(self.steps_path, {"step": state.global_step, "temperature": t.temperature,
                                                  **problem_values(result.verdicts, sampled and sampled.verdicts)})
         m = metrics
-        sampled_line = (f" | mean@{t.eval_samples} {m[f'mean@{t.eval_samples}']:.3f} pass@{t.eval_samples} "
-                        f"{m[f'pass@{t.eval_samples}']:.3f}" if sampled else "")
+        k = t.eval.samples
+        sampled_line = f" | mean@{k} {m[f'mean@{k}']:.3f} pass@{k} {m[f'pass@{k}']:.3f}" if sampled else ""
         log.info("eval step %d: strict %.3f | lenient %.3f | strict_format %.3f | soft_format %.3f%s | "
                  "%d problems in %.0f s", state.global_step, m["strict_accuracy"], m["lenient_accuracy"],
                  m["strict_format_rate"], m["soft_format_rate"], sampled_line, m["num_problems"], seconds)

@@ -2,7 +2,7 @@
 a Triton kernel only, which has no CPU driver), exactly TRL's values and gradients, in fewer token positions and
 less memory: `logps_and_entropies`.
 
-Shared prompts (train.shared_prompt). A GRPO micro-batch holds G completions of each prompt; TRL's pass runs every
+Shared prompts (train.cpu.fast). A GRPO micro-batch holds G completions of each prompt; TRL's pass runs every
 row's prompt again. Here the rows whose prompt part (ids and attention mask) is identical share one forward of it:
 the distinct prompts run once, with gradients and a KV cache; the cache is indexed out to every row (indexing keeps
 the graph, so the gradients of all G rows flow back into their prompt's one pass); the completions run on that cache
@@ -226,8 +226,8 @@ def logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: tor
                         shared_prompt: bool, attention: bool,
                         autocast: Callable[[], Any]) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """The per-token log-probs and entropies TRL's log-prob pass returns, on CPU: (log-probs, entropies or None, the
-    share of token positions not run). `shared_prompt` (train.shared_prompt) shares prompt forwards where the model
-    allows it; `attention` (train.cpu_attention) runs lowmem_grpo.sampling.attention.cpu_attention; `entropy_grad`
+    share of token positions not run). `shared_prompt` (lowmem_grpo.runtime.CpuPaths) shares prompt forwards where the
+    model allows it; `attention` (CpuPaths too) runs lowmem_grpo.sampling.attention.cpu_attention; `entropy_grad`
     keeps the entropy's graph (TRL's entropy bonus puts it into the loss; else it is logged or masks); `autocast` is
     the accelerator's. The log-probs and entropies of the columns not run are 0: TRL reads them only under the
     completion mask."""

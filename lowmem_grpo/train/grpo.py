@@ -20,6 +20,7 @@ from trl import GRPOConfig
 from lowmem_grpo.runtime import Runtime
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe, goal_reward_name
+from lowmem_grpo.recipe_io import train_keys
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer, SamplerCheckCallback
 from lowmem_grpo.train.informative import SamplingState
 from lowmem_grpo.train.trainer import grpo_trainer_class
@@ -39,9 +40,10 @@ def check_trainer_fields(recipe: Recipe) -> None:
     fields = grpo_fields()
     for key, value in recipe.train.extra.items():
         if key not in fields:
-            known = list(fields) + [f.name for f in dataclasses.fields(type(recipe.train)) if f.name != "extra"]
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            fix = f"did you mean train.{close[0]}?" if close else "see TRL's GRPOConfig for the accepted fields"
+            ours = train_keys()
+            close = difflib.get_close_matches(key, [*fields, *ours], n=1, cutoff=0.6)
+            fix = f"did you mean train.{ours.get(close[0], close[0])}?" if close else \
+                "see TRL's GRPOConfig for the accepted fields"
             raise RecipeError(f"unknown key 'train.{key}': not a lowmem_grpo train setting nor a GRPOConfig field",
                               fix=fix)
         default = fields[key]
@@ -104,7 +106,8 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         plan = loaded.runtime.sampler
         log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
         check = SamplerCheck(loaded.dtype)
-        rollout = make_rollout(plan, loaded.tokenizer, recipe.train.merged_sampling, recipe.train.cpu_attention,
+        cpu = loaded.runtime.cpu
+        rollout = make_rollout(plan, loaded.tokenizer, cpu.merged, cpu.attention,
                                grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check)
         trainer_class = grpo_trainer_class(loaded.runtime)
         args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights)
@@ -115,14 +118,14 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
                                     callbacks=[SamplerCheckCallback(check), *callbacks])
         trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
         # attributes, not __init__ arguments: Unsloth's __init__ rejects unknown ones
-        trainer.lowmem_shared_prompt = recipe.train.shared_prompt
-        trainer.lowmem_merged_sampling = recipe.train.merged_sampling
-        trainer.lowmem_cpu_attention = recipe.train.cpu_attention
+        trainer.lowmem_shared_prompt = cpu.shared_prompt
+        trainer.lowmem_merged_sampling = cpu.merged
+        trainer.lowmem_cpu_attention = cpu.attention
         on, why = trainer.shared_prompt_status()
         log.info("shared-prompt log-prob pass: %s (%s)", "on" if on else "off", why)
         if sampling is not None:
             trainer.lowmem_sampling = sampling
-            trainer.lowmem_dynamic_sampling = recipe.train.dynamic_sampling
+            trainer.lowmem_dynamic_sampling = recipe.train.selection.dynamic_sampling
             trainer.lowmem_goal = goal_reward_name(recipe)
         NoSignalStepGuard.attach(trainer)  # always on: no optimizer step without an informative group
         PhaseTimer.attach(trainer)  # always on: time/<phase> keys in every log line (its cost is ~0.1 ms a step)

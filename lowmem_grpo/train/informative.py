@@ -4,11 +4,11 @@ GRPO learns only from groups whose rewards differ. With the pass rate p of a pro
 completions the goal reward accepted, lowmem_grpo.recipe.goal_reward), a group of G completions is informative with
 probability 1 - p^G - (1-p)^G: never at p = 0 or 1, most at p = 1/2. Two options of the recipe use that:
 
-- train.dynamic_sampling: problems are drawn with that probability as their weight (`PassRates.weight`), so
-  generation goes to problems the model sometimes solves; groups that still come out flat are kept out of
-  the loss (lowmem_grpo.train.trainer.LowmemGRPOTrainer).
-- train.curriculum: problems are drawn from the levels up to the current one (`Curriculum`), which moves up one
-  level once the recent pass rate on it reaches train.curriculum_promote_at.
+- train.selection.dynamic_sampling: problems are drawn with that probability as their weight
+  (`PassRates.weight`), so generation goes to problems the model sometimes solves; groups that still come out flat
+  are kept out of the loss (lowmem_grpo.train.trainer.LowmemGRPOTrainer).
+- train.selection.curriculum: problems are drawn from the levels up to the current one (`Curriculum`), which
+  moves up one level once the recent pass rate on it reaches train.selection.promote_at.
 
 `SamplingState` holds both and every chunk of prompts drawn so far, which makes a resumed run draw exactly what
 an uninterrupted one would (the trainer replays the sampler from the start of the epoch to skip what it already
@@ -259,25 +259,27 @@ class SamplingState:
 def sampling_state(train: Any, generated: Any, levels: Sequence[int]) -> SamplingState | None:
     """The SamplingState a recipe's train section asks for (None when neither dynamic sampling nor a curriculum
     is on); `generated` is its data.generated section, `levels` each training problem's level."""
-    if not (train.dynamic_sampling or train.curriculum):
+    selection = train.selection
+    if not (selection.dynamic_sampling or selection.curriculum):
         return None
     window = WINDOW_GROUPS * train.num_generations
-    rates = PassRates(train.num_generations, window, levels=levels) if train.dynamic_sampling else None
+    rates = PassRates(train.num_generations, window, levels=levels) if selection.dynamic_sampling else None
     curriculum = None
-    if train.curriculum:
+    if selection.curriculum:
         from lowmem_grpo.data.generated import parse_levels
 
         present = set(levels)
         spec = generated.grpo_levels or generated.levels
         wanted = [lv for lv in parse_levels(spec) if lv in present] or sorted(present)
-        curriculum = Curriculum(wanted, train.curriculum_promote_at, window)
+        curriculum = Curriculum(wanted, selection.promote_at, window)
     return SamplingState(levels, train.seed, rates, curriculum)
 
 
 def prepare_sampling(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], SamplingState | None]:
     """The GRPO examples and the SamplingState of a recipe: unchanged examples and None when neither
-    train.dynamic_sampling nor train.curriculum is on; else examples with `problem_id` and `level` columns."""
-    if not (recipe.train.dynamic_sampling or recipe.train.curriculum):
+    train.selection.dynamic_sampling nor train.selection.curriculum is on; else examples with `problem_id` and
+    `level` columns."""
+    if not (recipe.train.selection.dynamic_sampling or recipe.train.selection.curriculum):
         return examples, None
     from lowmem_grpo.data import with_problem_columns
 
@@ -287,5 +289,5 @@ def prepare_sampling(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[
         counts = {lv: sum(ex["level"] == lv for ex in examples) for lv in state.curriculum.levels}
         log.info("curriculum: levels %s (%s problems), starting at level %d, up a level at pass rate >= %.2f",
                  state.curriculum.levels, "/".join(map(str, counts.values())), state.level,
-                 recipe.train.curriculum_promote_at)
+                 recipe.train.selection.promote_at)
     return examples, state

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
-from lowmem_grpo.runtime import Runtime
+from lowmem_grpo.runtime import CpuPaths, Runtime
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.completions import CompletionRecorder
 from lowmem_grpo.rundir.report import write_report
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 
 def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Path | None = None,
-          explicit: set[str] | None = None, cuda: CudaFacts | Callable[[], CudaFacts] | None = None) -> Path:
+          explicit: set[str] | None = None, cuda: CudaFacts | Callable[[], CudaFacts] | None = None,
+          cpu: CpuPaths | None = None) -> Path:
     """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
     The adapter starts fresh, or from lora.init_adapter (then priming, when on, continues from it).
 
@@ -47,9 +49,12 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     its last complete checkpoint. `explicit` are the dotted keys the user set on the command line; auto-fit
     never changes them. `cuda` is what is known about the GPU (lowmem_grpo.device.CudaFacts), or the function that
     reads it (None: lowmem_grpo.device.cuda_facts, called after the backend is imported): a GPU recipe stops
-    without a usable one, and auto-fit fits its free memory.
+    without a usable one, and auto-fit fits its free memory. `cpu`, when given, replaces the CPU speed paths the
+    Runtime resolved from train.cpu.fast (lowmem_grpo.runtime.CpuPaths): one path off alone, for a caller that
+    measures or checks it.
     """
     runtime, cuda = setup(recipe, cuda)
+    runtime = runtime if cpu is None else dataclasses.replace(runtime, cpu=cpu)
     if not cuda.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
         rss.limit_heap_retention()
     peaks = rss.StagePeaks(trim=not cuda.available)  # the process's peak RSS in each stage, peak_rss.json, report
@@ -86,7 +91,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         with peaks.stage("prime"):
             prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, loaded.runtime)
         stages.measure(loaded.model, "primed")
-    if recipe.train.preflight and resume is None:  # a resumed run already passed it
+    if recipe.train.preflight.enabled and resume is None:  # a resumed run already passed it
         with peaks.stage("preflight"):
             require_reward_signal(recipe, loaded, grpo_set)
 
@@ -128,7 +133,7 @@ def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None
     recipe as it is on CPU and on resume."""
     if resume_dir is not None:  # the resumed recipe.yaml holds the batch its first run planned
         return MemoryFit(recipe)
-    if recipe.train.auto_fit is False or distributed.world_size() > 1:
+    if recipe.train.memory.auto_fit is False or distributed.world_size() > 1:
         return MemoryFit(eval_batch_to_device(recipe, explicit, facts=cuda))
     return MemoryFit(*fit_to_device(recipe, explicit, facts=cuda))
 
@@ -178,7 +183,7 @@ def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkp
 
 
 class _NoStageEvals:
-    """train.stage_eval=0, or not rank 0: nothing is measured."""
+    """train.eval.stage.problems=0, or not rank 0: nothing is measured."""
 
     def measure(self, model: Any, stage: str) -> None:
         return None
@@ -186,26 +191,27 @@ class _NoStageEvals:
 
 def stage_evals(recipe: Recipe, loaded: LoadedModel, run_dir: Path, peaks: rss.StagePeaks | None = None
                 ) -> StageEvals | _NoStageEvals:
-    """The per-stage held-out evaluation (rank 0, train.stage_eval problems), or a stand-in that measures nothing;
-    each evaluation's peak RSS goes into `peaks` as stage "eval <stage>"."""
-    if not recipe.train.stage_eval or not distributed.is_main_process():
+    """The per-stage held-out evaluation (rank 0, train.eval.stage.problems problems), or a stand-in that measures
+    nothing; each evaluation's peak RSS goes into `peaks` as stage "eval <stage>"."""
+    if not recipe.train.eval.stage.problems or not distributed.is_main_process():
         return _NoStageEvals()
-    return StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks)
+    return StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks, cpu=loaded.runtime.cpu)
 
 
 def require_reward_signal(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]]) -> Any:
     """The reward preflight: would GRPO get any signal? NoSignalError (exit 3) when the goal reward varies in no
     group or the total in almost none, judged on at least PREFLIGHT_MIN_PROMPTS prompts, unless
-    train.allow_no_signal; a thin signal (fewer than half the groups) is a warning and the run goes on."""
-    check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight_prompts,
+    train.preflight.allow_no_signal; a thin signal (fewer than half the groups) is a warning and the run goes on."""
+    check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight.prompts,
                                        refusal_prompts=reward_preflight.PREFLIGHT_MIN_PROMPTS)
     text = reward_preflight.render(check, recipe).rstrip()
-    if check.weak or (check.no_signal and recipe.train.allow_no_signal):
+    if check.weak or (check.no_signal and recipe.train.preflight.allow_no_signal):
         log.warning("%s", text)
     else:
         log.info("%s", text)
-    if check.no_signal and not recipe.train.allow_no_signal:
-        fix = "; ".join(reward_preflight.fixes(recipe, check)[:3]) + "; train.allow_no_signal=true trains anyway"
+    if check.no_signal and not recipe.train.preflight.allow_no_signal:
+        fix = ("; ".join(reward_preflight.fixes(recipe, check)[:3])
+               + "; train.preflight.allow_no_signal=true trains anyway")
         if check.format_only:
             raise NoSignalError(f"reward preflight: {check.shares()}: the only signal is format, so GRPO would "
                                 "learn the format, not the task", fix=fix)
@@ -229,8 +235,8 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
                                   {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
     ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
                               goal=goal_reward_name(recipe))]
-    if recipe.train.eval_every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
-        ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir))
+    if recipe.train.eval.every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
+        ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir, loaded.runtime.cpu))
     examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off
     if sampling is not None:
         ours.append(SamplingStateCallback(sampling))

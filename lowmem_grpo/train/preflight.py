@@ -221,7 +221,8 @@ def _sample(recipe: Recipe, loaded: LoadedModel, chosen: list[dict[str, Any]], s
     generations = generate(loaded.model, loaded.tokenizer, [ex["prompt"] for ex in chosen],
                            max_new_tokens=t.max_completion_length, batch_size=max(k, t.per_device_train_batch_size),
                            num_samples=k, temperature=t.temperature, seed=seed, progress=True, desc="preflight",
-                           merged=t.merged_sampling, calculator=recipe.data.calculator, attention=t.cpu_attention)
+                           merged=loaded.runtime.cpu.merged, calculator=recipe.data.calculator,
+                           attention=loaded.runtime.cpu.attention)
     texts = [g.text for samples in generations for g in samples]
     columns = {key: [ex.get(key) for ex in chosen for _ in range(k)] for key in chosen[0]}
     columns["prompts"] = columns.pop("prompt")
@@ -342,7 +343,7 @@ def render(result: PreflightResult, recipe: Recipe) -> str:
                          "or nothing.")
         lines.append("Likely fixes, most effective first:")
         lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
-        lines.append("Train anyway with train.allow_no_signal=true.")
+        lines.append("Train anyway with train.preflight.allow_no_signal=true.")
         return "\n".join(lines) + "\n"
     if result.weak:
         lines.append(f"WEAK SIGNAL: {result.shares()}; fewer than {WEAK_SHARE:.0%} informative. GRPO learns from "

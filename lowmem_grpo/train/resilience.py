@@ -9,7 +9,7 @@
 - on a CUDA out-of-memory error releases the failed trainer, resets what Unsloth leaves set after an exception,
   frees the memory, lowers the settings (lowmem_grpo.train.oom), records the
   change in the run directory, rewinds to the last complete checkpoint (or the start) and trains again,
-  at most train.oom_retries times; then stops with what was tried;
+  at most train.memory.oom_retries times; then stops with what was tried;
 - on a full disk removes the checkpoint it could not finish and stops with DiskFullError (exit 2);
 - adds the resume command to a reward fault's fix;
 - on every trainer it builds (a resume, a retry), restores the checkpoint's policy adapter and keeps the run's
@@ -184,7 +184,7 @@ def _oom_stop(run_dir: Path, step: int, phase: str, retries: list[str], limit: i
         f"CUDA out of memory at step {step} ({phase}) and {reason}; tried: {tried}; "
         f"last complete checkpoint: {_last_complete_text(run_dir)}",
         fix=f"lower memory in {run_dir / layout.RECIPE_FILE} (model.load_in_4bit=true, a smaller "
-            f"train.max_completion_length, train.num_generations or lora.r; train.oom_retries={limit} now) and "
+            f"train.max_completion_length, train.num_generations or lora.r; train.memory.oom_retries={limit} now) and "
             f"continue with {_resume_hint(run_dir)}, or see `lowmem-grpo plan`")
 
 
@@ -282,7 +282,7 @@ def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[
 
 class OomRetries:
     """What a CUDA out-of-memory error leads to: lowered settings, the rewind to the last complete checkpoint
-    (or the LoRA weights at the start), the record in the run directory; at most train.oom_retries times."""
+    (or the LoRA weights at the start), the record in the run directory; at most train.memory.oom_retries times."""
 
     def __init__(self, run_dir: Path, model: Any, fresh_start: bool, use_planner: bool) -> None:
         self.run_dir = run_dir
@@ -295,13 +295,13 @@ class OomRetries:
     def recover(self, step: int, recipe: Any, error: str, phase: str) -> tuple[Any, Path | None]:
         """The lowered recipe and the checkpoint to continue from, after an OOM at `step` (the failed trainer
         already released and unreferenced); OutOfMemoryError when no retry is left."""
-        run_dir, limit = self.run_dir, recipe.train.oom_retries
+        run_dir, limit = self.run_dir, recipe.train.memory.oom_retries
         log.error("CUDA out of memory at step %d (%s): %s", step, phase, error)
         if distributed.is_distributed():
             raise _oom_stop(run_dir, step, phase, self.tried, limit,
                             "retries need a single process (the ranks would have to agree on new settings)")
         if len(self.tried) >= limit:
-            raise _oom_stop(run_dir, step, phase, self.tried, limit, f"train.oom_retries={limit} is used up")
+            raise _oom_stop(run_dir, step, phase, self.tried, limit, f"train.memory.oom_retries={limit} is used up")
         lowering = oom.lower(recipe, use_planner=self.use_planner, phase=phase)
         if lowering is None:
             raise _oom_stop(run_dir, step, phase, self.tried, limit, "every memory setting is already at its floor")

@@ -211,21 +211,21 @@ class LowmemGRPOTrainer(GRPOTrainer):
 
 class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
     """LowmemGRPOTrainer for the hf backend without a GPU. Log-probs: lowmem_grpo.train.cpu_logprobs (TRL 1.15's
-    log-prob kernel is Triton only; shared prompts unless `lowmem_shared_prompt`, from train.shared_prompt, is off;
-    logs `shared_prompt/tokens_saved`, the share of token positions a log-prob pass did not run). Sampling: TRL's
-    generation runs inside lowmem_grpo.sampling.generate.fast_sampling (`lowmem_merged_sampling`,
-    train.merged_sampling: from the adapter merged into the weights, logged once; `lowmem_cpu_attention`,
-    train.cpu_attention: lowmem_grpo.sampling.attention.cpu_attention, in the log-prob passes too)."""
+    log-prob kernel is Triton only; shared prompts unless `lowmem_shared_prompt` is off; logs
+    `shared_prompt/tokens_saved`, the share of token positions a log-prob pass did not run). Sampling: TRL's
+    generation runs inside lowmem_grpo.sampling.generate.fast_sampling (`lowmem_merged_sampling`: from the adapter
+    merged into the weights, logged once; `lowmem_cpu_attention`: lowmem_grpo.sampling.attention.cpu_attention, in
+    the log-prob passes too). The three are the Runtime's CPU paths (lowmem_grpo.runtime.CpuPaths)."""
 
     lowmem_shared_prompt: bool = True
     lowmem_merged_sampling: bool = True
-    lowmem_cpu_attention: bool = True  # train.cpu_attention (lowmem_grpo.sampling.attention)
+    lowmem_cpu_attention: bool = True
     _lowmem_merge_logged = False
 
     def shared_prompt_status(self) -> tuple[bool, str]:
         """Whether the log-prob passes share prompts, and why (logged once when the trainer starts)."""
         if not self.lowmem_shared_prompt:
-            return False, "train.shared_prompt is false"
+            return False, "not among the run's CPU speed paths: train.cpu.fast=false"
         reason = cpu_logprobs.unsupported(self.model)
         if reason:
             return False, reason
