@@ -16,7 +16,8 @@ REWARD_NAMES = ["correctness", "xml_count", "length_reward"]
 
 
 def run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    # REPO too: `python recipes/NAME.py` imports this checkout's package, not whichever one is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
