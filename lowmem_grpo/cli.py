@@ -86,10 +86,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not source_exists(recipe.data.source):
         raise BadInputError(f"data.source {recipe.data.source!r}: no such file or folder",
                             fix="give an existing path, or use hub or embedded")
-    from lowmem_grpo.backends import on_hub, resolve_model_path
+    from lowmem_grpo.backends import on_hub, locate_model
     from lowmem_grpo.data.budget import check_recipe_budget
 
-    check_recipe_budget(recipe, lambda: resolve_model_path(recipe.model.name), hub_model=on_hub(recipe.model.name))
+    check_recipe_budget(recipe, lambda: locate_model(recipe.model.name), hub_model=on_hub(recipe.model.name))
     if args.trainer_fields and recipe.train.extra:  # only extra train keys need TRL's GRPOConfig (and its imports)
         from lowmem_grpo.backends import prepare
 

@@ -291,7 +291,7 @@ def _flat_keyword(path: Path, exc: TypeError) -> RecipeError | None:
                        fix=f"write TrainConfig({argument(TrainConfig, new.split('.'))}) (lowmem_grpo.recipe)")
 
 
-def resolve_recipe_path(spec: str) -> Path:
+def locate_recipe(spec: str) -> Path:
     """A recipe path, or a shipped recipe's bare name (`smollm2_135m_gsm8k_cpu`)."""
     path = Path(spec)
     if path.exists():
@@ -306,7 +306,7 @@ def resolve_recipe_path(spec: str) -> Path:
 
 def load_recipe(spec: str, overrides: list[str] | None = None) -> Recipe:
     """Load a recipe module (its `recipe()` function) or a recipe.yaml, then apply overrides."""
-    path = resolve_recipe_path(spec)
+    path = locate_recipe(spec)
     if path.is_dir() and (path / "recipe.yaml").exists():
         path = path / "recipe.yaml"
     if path.suffix in (".yaml", ".yml"):
