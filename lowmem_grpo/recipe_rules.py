@@ -1,13 +1,11 @@
-"""The rules that reject a bad recipe before any model loads: `validate` names the key and the fix (RecipeError,
-exit 2). It imports nothing heavy.
-"""
+"""The rules that reject a bad recipe before any model loads, naming the key and the fix (RecipeError, exit 2)."""
 
 from __future__ import annotations
 
 import math
 
 from lowmem_grpo.data.format import check_prefill
-from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.errors import DataError, RecipeError
 from lowmem_grpo.recipe import MANAGED_TRAINER_FIELDS, GeneratedDataConfig, Recipe, goal_reward
 
 
@@ -58,7 +56,6 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
 
 def _validate_train(recipe: Recipe, num_processes: int) -> None:
     m, d, t = recipe.model, recipe.data, recipe.train
-
     _require(t.num_generations >= 2, "train.num_generations", f"is {t.num_generations}; GRPO compares completions "
              "inside a group and needs at least 2", "set train.num_generations=2 or more (8 is typical)")
     gen_batch = t.generation_batch_size(num_processes)
@@ -119,11 +116,10 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
 
 def _validate_generated(g: GeneratedDataConfig) -> None:
     from lowmem_grpo.data.generated import TASKS, parse_levels, parse_operations
-    from lowmem_grpo.errors import DataError
 
     _require(g.task in TASKS, "data.generated.task", f"is {g.task!r}", f"use one of {', '.join(TASKS)}")
     try:
-        parse_levels(g.levels)
+        levels = parse_levels(g.levels)
     except DataError as exc:
         raise RecipeError(f"data.generated.levels: {exc}", fix='e.g. data.generated.levels="1-3"') from exc
     if g.grpo_levels is not None:
@@ -131,7 +127,7 @@ def _validate_generated(g: GeneratedDataConfig) -> None:
             grpo = parse_levels(g.grpo_levels)
         except DataError as exc:
             raise RecipeError(f"data.generated.grpo_levels: {exc}", fix='e.g. data.generated.grpo_levels="2"') from exc
-        outside = sorted(set(grpo) - set(parse_levels(g.levels)))
+        outside = sorted(set(grpo) - set(levels))
         _require(not outside, "data.generated.grpo_levels",
                  f"names level(s) {', '.join(map(str, outside))} that data.generated.levels ({g.levels}) does not draw",
                  "name some of data.generated.levels, or add the level there")
