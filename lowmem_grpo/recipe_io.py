@@ -211,13 +211,11 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
     return recipe_from_dict(data)
 
 
-def _load_module(path: Path) -> types.ModuleType:
+def _from_module(path: Path) -> Recipe:
+    """The Recipe a module's `recipe()` returns; a flat train key given to TrainConfig is named with its section."""
     module_name = f"lowmem_grpo_recipe_{path.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RecipeError(f"{path}: cannot be imported as a Python module", fix="give a .py or .yaml recipe")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
+    spec = importlib.util.spec_from_file_location(module_name, path)  # a .py file: a spec with a loader
+    module = sys.modules[module_name] = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
@@ -226,12 +224,7 @@ def _load_module(path: Path) -> types.ModuleType:
     except Exception as exc:
         raise RecipeError(f"{path}: importing the recipe module failed: {type(exc).__name__}: {exc}",
                           fix="run `python` on the file to see the traceback") from exc
-    return module
-
-
-def _from_module(path: Path) -> Recipe:
-    """The Recipe a module's `recipe()` returns; a flat train key given to TrainConfig is named with its section."""
-    build = getattr(_load_module(path), "recipe", None)
+    build = getattr(module, "recipe", None)
     if not callable(build):
         raise RecipeError(f"{path}: defines no recipe() function",
                           fix="add `def recipe() -> Recipe:` returning the Recipe")
