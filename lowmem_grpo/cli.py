@@ -13,6 +13,7 @@ from typing import Any
 
 from lowmem_grpo import DEFAULT_RECIPE
 from lowmem_grpo.errors import EXIT_FAILURE, EXIT_NO_SIGNAL, EXIT_OK, BadInputError, LowmemError
+from lowmem_grpo.recipe_io import dump_yaml, explicit_keys, load_recipe, shipped_recipes
 
 log = logging.getLogger("lowmem_grpo")
 
@@ -38,7 +39,6 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from lowmem_grpo.recipe_io import explicit_keys, load_recipe
     from lowmem_grpo.rundir import checkpoints, layout
     from lowmem_grpo.train.pipeline import train
 
@@ -61,7 +61,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from lowmem_grpo.combinations import check
     from lowmem_grpo.data import source_exists
     from lowmem_grpo.data.budget import check_recipe_budget
-    from lowmem_grpo.recipe_io import dump_yaml, load_recipe
     from lowmem_grpo.runtime import before_cuda, resolve
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -83,8 +82,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from lowmem_grpo.recipe_io import load_recipe, shipped_recipes
-
     rows = [("recipe", "model", "task", "GPU memory", "description")]
     for path in shipped_recipes():
         recipe = load_recipe(str(path))
@@ -124,7 +121,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_check_rewards(args: argparse.Namespace) -> int:
     from lowmem_grpo.train.preflight import check_rewards, render
-    from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     result = check_rewards(recipe, recipe.train.preflight.prompts if args.prompts is None else args.prompts)
@@ -167,7 +163,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from lowmem_grpo.memory.fit import plan_with_proposal
     from lowmem_grpo.memory.plan import default_budget, format_plan, parse_size
-    from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.recipe_rules import validate
     from lowmem_grpo.runtime import planned
 
