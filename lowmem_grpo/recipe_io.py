@@ -41,10 +41,7 @@ FLAT_TRAIN_KEYS = {
     "curriculum_promote_at": "selection.promote_at",
     "auto_fit": "memory.auto_fit",
     "oom_retries": "memory.oom_retries",
-    "shared_prompt": "cpu.fast",
-    "merged_sampling": "cpu.fast",
-    "cpu_attention": "cpu.fast",
-    "sampling_engine": "cpu.fast",
+    **dict.fromkeys(("shared_prompt", "merged_sampling", "cpu_attention", "sampling_engine"), "cpu.fast"),
 }
 """Flat train keys -> their key under train. The four CPU speed switches read as train.cpu.fast: false when a file
 turns any of them off."""
@@ -74,14 +71,12 @@ def train_keys() -> dict[str, str]:
 
 def _sectioned(data: Any) -> Any:
     """`data` with the train section's flat keys moved to their sections; RecipeError for a key given both ways."""
-    train = data.get("train") if isinstance(data, dict) else None
-    keys = [k for k, v in train.items() if k in FLAT_TRAIN_KEYS and not isinstance(v, dict)] if isinstance(
-        train, dict) else []
-    if not keys:
+    if not isinstance(data, dict) or not isinstance(data.get("train"), dict):
         return data
     data = copy.deepcopy(data)
     train = data["train"]
-    flat = {key: train.pop(key) for key in keys}  # first: `preflight: true` gives way to its section
+    # popped first: `preflight: true` gives way to its section
+    flat = {k: train.pop(k) for k in list(train) if k in FLAT_TRAIN_KEYS and not isinstance(train[k], dict)}
     moved = set()
     for key, value in flat.items():
         *sections, leaf = flat_train_key(["train", key], value)[1:]
