@@ -696,13 +696,13 @@ class StepProfiler(Callback):
 
 
 def _eval_setup(args: argparse.Namespace) -> tuple[Any, list[str], Any]:
-    from lowmem_grpo.backends import load, resolve_model_path, start
+    from lowmem_grpo.backends import load, locate_model, start
     from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(RECIPE, list(args.set))
-    loaded = load(recipe, start(recipe, Launch())[0], model_path=resolve_model_path(recipe.model.name))
+    loaded = load(recipe, start(recipe, Launch())[0], model_path=locate_model(recipe.model.name))
     rows = load_eval_rows(recipe.data)[:args.problems]
     return loaded, [e["prompt"] for e in recipe_examples(rows, loaded.tokenizer, recipe.data)], recipe
 

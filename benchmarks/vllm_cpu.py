@@ -72,7 +72,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowmem_grpo.backends import resolve_model_path
+    from lowmem_grpo.backends import locate_model
     from lowmem_grpo.evaluation.command import find_adapter
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.sampling.sampler_check import SamplerCheck, figures, policy_logprobs
@@ -82,7 +82,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
     run = Path(args.run)
     trained, primed = find_adapter(run), run / "primed_adapter"
     recipe = load_recipe(RECIPE)
-    path = resolve_model_path(recipe.model.name)
+    path = locate_model(recipe.model.name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)),
                                       str(trained)).eval()

@@ -1,11 +1,10 @@
 """The `lowmem-grpo` command: argument parsing and exit codes only; each command calls one function.
-
-Exit codes: 0 success, 1 failure while running, 2 bad input (usage, recipe, data), 3 no reward signal.
-"""
+Exit codes: 0 success, 1 failure while running, 2 bad input (usage, recipe, data), 3 no reward signal."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -13,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo import DEFAULT_RECIPE
-from lowmem_grpo.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInputError, LowmemError
+from lowmem_grpo.errors import EXIT_FAILURE, EXIT_NO_SIGNAL, EXIT_OK, BadInputError, LowmemError
+from lowmem_grpo.recipe_io import dump_yaml, explicit_keys, load_recipe, shipped_recipes
 
 log = logging.getLogger("lowmem_grpo")
 
 
-# Third-party start-up lines that say nothing to a user of this tool, by logger name: only these messages are
-# dropped, everything else those loggers say still shows.
+# Third-party start-up lines that say nothing to a user of this tool, by logger name (only these messages).
 KNOWN_NOISE = {
     # torchao registers enums with torch's pytree at import; torch 2.14 deprecates that, one line per enum
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
@@ -28,33 +27,18 @@ KNOWN_NOISE = {
 }
 
 
-class DropKnownNoise(logging.Filter):
-    """A logger filter that drops records whose message contains one of `fragments`."""
-
-    def __init__(self, fragments: Sequence[str]) -> None:
-        super().__init__()
-        self.fragments = tuple(fragments)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(fragment in record.getMessage() for fragment in self.fragments)
-
-
-def quiet_known_noise() -> None:
-    """Filter KNOWN_NOISE before anything heavy is imported, so that the first screen a user sees is ours."""
-    for name, fragments in KNOWN_NOISE.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, DropKnownNoise) for f in logger.filters):
-            logger.addFilter(DropKnownNoise(fragments))
+def _not_known_noise(record: logging.LogRecord) -> bool:
+    return not any(fragment in record.getMessage() for fragment in KNOWN_NOISE.get(record.name, ()))
 
 
 def _setup_logging(verbose: bool) -> None:
-    quiet_known_noise()
+    for name in KNOWN_NOISE:  # before anything heavy is imported: the first screen a user sees is ours
+        logging.getLogger(name).addFilter(_not_known_noise)  # added once: addFilter skips a filter it has
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from lowmem_grpo.recipe_io import explicit_keys, load_recipe
     from lowmem_grpo.rundir import checkpoints, layout
     from lowmem_grpo.train.pipeline import train
 
@@ -73,26 +57,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from lowmem_grpo import distributed
+    from lowmem_grpo.backends import locate_model, on_hub, prepare
     from lowmem_grpo.combinations import check
-    from lowmem_grpo.recipe_io import dump_yaml, load_recipe
+    from lowmem_grpo.data import source_exists
+    from lowmem_grpo.data.budget import check_recipe_budget
     from lowmem_grpo.runtime import before_cuda, resolve
 
     recipe = load_recipe(args.recipe, args.overrides)
     environ = distributed.launcher_environment(args.accelerate_config) if args.accelerate_config else None
     target = resolve(recipe, distributed.launch(recipe.train.extra, environ), before_cuda(recipe))
     check(recipe, target)  # what `train` checks before any model loads, on the Runtime it would run with
-    from lowmem_grpo.data import source_exists
-
     if not source_exists(recipe.data.source):
         raise BadInputError(f"data.source {recipe.data.source!r}: no such file or folder",
                             fix="give an existing path, or use hub or embedded")
-    from lowmem_grpo.backends import on_hub, resolve_model_path
-    from lowmem_grpo.data.budget import check_recipe_budget
-
-    check_recipe_budget(recipe, lambda: resolve_model_path(recipe.model.name), hub_model=on_hub(recipe.model.name))
+    check_recipe_budget(recipe, lambda: locate_model(recipe.model.name), hub_model=on_hub(recipe.model.name))
     if args.trainer_fields and recipe.train.extra:  # only extra train keys need TRL's GRPOConfig (and its imports)
-        from lowmem_grpo.backends import prepare
-
         prepare(target.backend)  # trl is imported next: Unsloth first when it is the backend
         from lowmem_grpo.train.grpo import check_trainer_fields
 
@@ -103,8 +82,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from lowmem_grpo.recipe_io import load_recipe, shipped_recipes
-
     rows = [("recipe", "model", "task", "GPU memory", "description")]
     for path in shipped_recipes():
         recipe = load_recipe(str(path))
@@ -143,9 +120,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_check_rewards(args: argparse.Namespace) -> int:
-    from lowmem_grpo.errors import EXIT_NO_SIGNAL
     from lowmem_grpo.train.preflight import check_rewards, render
-    from lowmem_grpo.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     result = check_rewards(recipe, recipe.train.preflight.prompts if args.prompts is None else args.prompts)
@@ -186,11 +161,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import json
-
     from lowmem_grpo.memory.fit import plan_with_proposal
     from lowmem_grpo.memory.plan import default_budget, format_plan, parse_size
-    from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.recipe_rules import validate
     from lowmem_grpo.runtime import planned
 
@@ -223,18 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", action="store_true", help="print the resolved recipe as YAML")
     p.add_argument("--no-trainer-fields", dest="trainer_fields", action="store_false",
                    help="skip checking extra train keys against TRL's GRPOConfig (which imports trl)")
-    p.add_argument("--accelerate-config", metavar="FILE",
-                   help="check the recipe as `accelerate launch --config_file FILE` would run it (its processes and "
-                        "DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero3.yaml; default: this process's launcher")
+    p.add_argument("--accelerate-config", metavar="FILE", help="check the recipe as `accelerate launch --config_file "
+                   "FILE` would run it (its processes and DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero3.yaml; "
+                   "default: this process's launcher")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("recipes", help="list the shipped recipes")
-    p.set_defaults(func=cmd_recipes)
+    sub.add_parser("recipes", help="list the shipped recipes").set_defaults(func=cmd_recipes)
+    sub.add_parser("doctor", help="print the environment and known-bad combinations").set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("doctor", help="print the environment and known-bad combinations")
-    p.set_defaults(func=cmd_doctor)
-
-    p = sub.add_parser("eval", help="GSM8K accuracy and format rates of a model, adapter or run (--compare: base vs adapter)")
+    p = sub.add_parser("eval", help="GSM8K accuracy and format rates of a model, adapter or run (--compare: base vs "
+                       "adapter)")
     p.add_argument("--model", required=True, help="hub id, local folder, embedded:NAME, or a run directory")
     p.add_argument("--adapter", help="adapter folder or run directory (default: the run directory's adapter/)")
     p.add_argument("--recipe", help="recipe whose prompts and model settings to use (default: the run's recipe.yaml)")
@@ -269,21 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=["lora", "merged-16bit", "merged-4bit", "gguf"])
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="export checkpoint-STEP instead of the final adapter")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only once the export succeeded)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out (only once the export succeeded)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="precision of the merge and its proof (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--tolerance", type=float,
-                   help="max |logit diff| allowed, judged alone (default: max(floor, share x max |logit|) per "
-                        "dtype: float32 1e-4 / 1e-5, float16 1e-2 / 2e-2, bfloat16 5e-2 / 0.1, 4-bit 0.1 / 0.15, "
-                        "and at most a quarter of the adapter's own effect on the logits)")
-    p.add_argument("--gguf-type", default="f16", choices=["f16", "bf16", "q8_0", "q4_k_m"],
-                   help="--format gguf: f16 or bf16 (proven by greedy texts / logits), q8_0 or q4_k_m (llama.cpp's "
-                        "quantization, proven by accuracy); default f16")
+    p.add_argument("--tolerance", type=float, help="max |logit diff| allowed, judged alone (default: max(floor, share "
+                   "x max |logit|) per dtype: float32 1e-4 / 1e-5, float16 1e-2 / 2e-2, bfloat16 5e-2 / 0.1, 4-bit "
+                   "0.1 / 0.15, and at most a quarter of the adapter's own effect on the logits)")
+    p.add_argument("--gguf-type", default="f16", choices=["f16", "bf16", "q8_0", "q4_k_m"], help="--format gguf: f16 "
+                   "or bf16 (proven by greedy texts / logits), q8_0 or q4_k_m (llama.cpp's quantization, proven by "
+                   "accuracy); default f16")
     p.add_argument("--llama-cpp", metavar="DIR", help="--format gguf: a llama.cpp folder whose convert_hf_to_gguf.py "
                    "to use (default: $LLAMA_CPP_DIR, else the one `make install-gguf` keeps)")
-    p.add_argument("--no-score", action="store_true",
-                   help="skip answering the run's held-out problems with a merged export (a gguf export answers "
-                        "them for its proof)")
+    p.add_argument("--no-score", action="store_true", help="skip answering the run's held-out problems with a merged "
+                   "export (a gguf export answers them for its proof)")
     p.add_argument("--base", help="base model to merge into (default: the recipe's model.name)")
     p.add_argument("--cpu-4bit", action="store_true",
                    help="let merged-4bit run on bitsandbytes' CPU backend when no GPU is visible (slow)")
@@ -304,11 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, *, callbacks: Sequence[Any] = ()) -> int:
-    """Run one command; returns its exit code.
-
-    `callbacks` are extra transformers TrainerCallbacks for `train` (a Python caller's seam, e.g. a test's fault
-    injector or a custom logger); the command line passes none.
-    """
+    """Run one command; returns its exit code. `callbacks`: extra TrainerCallbacks for `train` (a Python seam)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -318,10 +283,7 @@ def main(argv: list[str] | None = None, *, callbacks: Sequence[Any] = ()) -> int
     _setup_logging(args.verbose)
     try:
         return args.func(args)
-    except BadInputError as exc:
-        log.error("%s", exc)
-        return EXIT_BAD_INPUT
-    except LowmemError as exc:
+    except LowmemError as exc:  # bad input (BadInputError) exits 2
         log.error("%s", exc)
         return exc.exit_code
     except KeyboardInterrupt as exc:

@@ -1,13 +1,11 @@
-"""The rules that reject a bad recipe before any model loads: `validate` names the key and the fix (RecipeError,
-exit 2). It imports nothing heavy.
-"""
+"""The rules that reject a bad recipe before any model loads, naming the key and the fix (RecipeError, exit 2)."""
 
 from __future__ import annotations
 
 import math
 
 from lowmem_grpo.data.format import check_prefill
-from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.errors import DataError, RecipeError
 from lowmem_grpo.recipe import MANAGED_TRAINER_FIELDS, GeneratedDataConfig, Recipe, goal_reward
 
 
@@ -27,30 +25,26 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
     _require(lo.alpha > 0, "lora.alpha", f"is {lo.alpha}", "use a positive alpha, e.g. lora.alpha=32")
     _require(0 <= lo.dropout < 1, "lora.dropout", f"is {lo.dropout}", "use 0 <= dropout < 1")
     _require(bool(lo.target_modules), "lora.target_modules", "is empty", "name at least one module")
-    if lo.init_adapter is not None:  # the folder itself is checked by train, before the model loads
-        _require(bool(lo.init_adapter.strip()), "lora.init_adapter", "is empty",
-                 "give an adapter folder, or leave it unset (null) for a fresh LoRA")
-    if lo.max_lora_rank is not None:
-        _require(lo.max_lora_rank >= lo.r, "lora.max_lora_rank", f"{lo.max_lora_rank} is below lora.r={lo.r}",
-                 f"set lora.max_lora_rank>={lo.r} or leave it unset")
+    # the adapter folder itself is checked by train, before the model loads
+    _require(lo.init_adapter is None or bool(lo.init_adapter.strip()), "lora.init_adapter", "is empty",
+             "give an adapter folder, or leave it unset (null) for a fresh LoRA")
+    _require(lo.max_lora_rank is None or lo.max_lora_rank >= lo.r, "lora.max_lora_rank",
+             f"{lo.max_lora_rank} is below lora.r={lo.r}", f"set lora.max_lora_rank>={lo.r} or leave it unset")
     _require(d.max_prompt_length > 0, "data.max_prompt_length", "must be positive", "e.g. data.max_prompt_length=256")
-    if d.limit is not None:
-        _require(d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
+    _require(d.limit is None or d.limit > 0, "data.limit", f"is {d.limit}", "use a positive number or leave it unset")
     if d.source == "generated":
         _validate_generated(d.generated)
-        if d.generated.eval_stories == "heldout":
-            _require(d.eval_split == "test", "data.generated.eval_stories", f"is heldout, but data.eval_split is "
-                     f"{d.eval_split!r}: only the test split tells problems in held-out wording",
-                     "set data.eval_split=test, or data.generated.eval_stories=all")
+        _require(d.generated.eval_stories != "heldout" or d.eval_split == "test", "data.generated.eval_stories",
+                 f"is heldout, but data.eval_split is {d.eval_split!r}: only the test split tells problems in "
+                 "held-out wording", "set data.eval_split=test, or data.generated.eval_stories=all")
     else:
         _require(d.generated.grpo_levels is None, "data.generated.grpo_levels",
                  f"chooses among generated problems, but data.source is {d.source!r}",
                  "use data.source=generated, or leave data.generated.grpo_levels unset")
-    if d.calculator:  # every source's rows are GSM8K solutions (sources.check_rows); other tasks' are not
-        _require(recipe.task == "gsm8k", "data.calculator", f"completes GSM8K's `<<a-b=` calculator annotations, "
-                 f"but task is {recipe.task!r}, whose data has none",
-                 "set data.calculator=false, or task=gsm8k with data.source=generated, embedded, hub (openai/gsm8k) "
-                 "or a file of GSM8K rows")
+    # every source's rows are GSM8K solutions (sources.check_rows); other tasks' are not
+    _require(not d.calculator or recipe.task == "gsm8k", "data.calculator", "completes GSM8K's `<<a-b=` calculator "
+             f"annotations, but task is {recipe.task!r}, whose data has none", "set data.calculator=false, or "
+             "task=gsm8k with data.source=generated, embedded, hub (openai/gsm8k) or a file of GSM8K rows")
     _validate_train(recipe, num_processes)
     _validate_prime(recipe)
     _validate_rewards(recipe)
@@ -58,7 +52,6 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
 
 def _validate_train(recipe: Recipe, num_processes: int) -> None:
     m, d, t = recipe.model, recipe.data, recipe.train
-
     _require(t.num_generations >= 2, "train.num_generations", f"is {t.num_generations}; GRPO compares completions "
              "inside a group and needs at least 2", "set train.num_generations=2 or more (8 is typical)")
     gen_batch = t.generation_batch_size(num_processes)
@@ -100,30 +93,27 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
     for key, value in (("eval.stage.samples", e.stage.samples), ("eval.samples", e.samples)):
         _require(value == 0 or value >= 2, f"train.{key}", f"is {value}; mean@k and pass@k need k >= 2 samples",
                  f"use 0 (greedy only) or e.g. train.{key}=4")
-    if e.batch_size is not None:
-        _require(e.batch_size >= 1, "train.eval.batch_size", f"is {e.batch_size}",
-                 "use a positive number of sequences, or leave it unset (null) for the memory plan's")
+    _require(e.batch_size is None or e.batch_size >= 1, "train.eval.batch_size", f"is {e.batch_size}",
+             "use a positive number of sequences, or leave it unset (null) for the memory plan's")
     _require(t.memory.oom_retries >= 0, "train.memory.oom_retries", f"is {t.memory.oom_retries}",
              "use 0 (stop at the first OOM) or more")
     _require(0 <= t.max_truncated_targets <= 1, "train.max_truncated_targets", f"is {t.max_truncated_targets}",
              "use a share in [0, 1], e.g. 0.02 (1 = never check)")
     _require(0 < t.selection.promote_at <= 1, "train.selection.promote_at", f"is {t.selection.promote_at}",
              "use a pass rate in (0, 1], e.g. 0.6")
-    if t.selection.curriculum:
-        _require(d.source == "generated", "train.selection.curriculum", f"moves through data.generated.levels, but "
-                 f"data.source is {d.source!r}",
-                 "set data.source=generated, or train.selection.dynamic_sampling=true for any data")
+    _require(not t.selection.curriculum or d.source == "generated", "train.selection.curriculum",
+             f"moves through data.generated.levels, but data.source is {d.source!r}",
+             "set data.source=generated, or train.selection.dynamic_sampling=true for any data")
     for key, owner in MANAGED_TRAINER_FIELDS.items():
         _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
 
 
 def _validate_generated(g: GeneratedDataConfig) -> None:
     from lowmem_grpo.data.generated import TASKS, parse_levels, parse_operations
-    from lowmem_grpo.errors import DataError
 
     _require(g.task in TASKS, "data.generated.task", f"is {g.task!r}", f"use one of {', '.join(TASKS)}")
     try:
-        parse_levels(g.levels)
+        levels = parse_levels(g.levels)
     except DataError as exc:
         raise RecipeError(f"data.generated.levels: {exc}", fix='e.g. data.generated.levels="1-3"') from exc
     if g.grpo_levels is not None:
@@ -131,7 +121,7 @@ def _validate_generated(g: GeneratedDataConfig) -> None:
             grpo = parse_levels(g.grpo_levels)
         except DataError as exc:
             raise RecipeError(f"data.generated.grpo_levels: {exc}", fix='e.g. data.generated.grpo_levels="2"') from exc
-        outside = sorted(set(grpo) - set(parse_levels(g.levels)))
+        outside = sorted(set(grpo) - set(levels))
         _require(not outside, "data.generated.grpo_levels",
                  f"names level(s) {', '.join(map(str, outside))} that data.generated.levels ({g.levels}) does not draw",
                  "name some of data.generated.levels, or add the level there")
@@ -159,20 +149,18 @@ def _validate_rewards(recipe: Recipe) -> None:
         _require(recipe.goal_reward in rewards, "goal_reward", f"{recipe.goal_reward!r} is not one of the rewards "
                  f"({', '.join(rewards)})", f"add rewards.{recipe.goal_reward}, or name one of "
                  f"{', '.join(rewards)} as goal_reward")
-    if recipe.train.selection.curriculum:  # the level moves on the goal reward's pass rate
-        _require(goal_reward(recipe) is not None, "train.selection.curriculum",
-                 "moves up a level on the goal reward's pass rate, but the recipe has no goal reward",
-                 "add rewards.correctness (e.g. rewards.correctness=2.0) or name one as goal_reward, or set "
-                 "train.selection.curriculum=false")
+    _require(not recipe.train.selection.curriculum or goal_reward(recipe) is not None, "train.selection.curriculum",
+             "moves up a level on the goal reward's pass rate, but the recipe has no goal reward",
+             "add rewards.correctness (e.g. rewards.correctness=2.0) or name one as goal_reward, or set "
+             "train.selection.curriculum=false")
 
 
 def _validate_prime(recipe: Recipe) -> None:
     p = recipe.prime
     for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"):
         _require(getattr(p, key) > 0, f"prime.{key}", f"is {getattr(p, key)}", "use a positive integer")
-    if p.num_examples is not None:
-        _require(p.num_examples > 0, "prime.num_examples", f"is {p.num_examples}",
-                 "use a positive number or leave it unset (all training problems)")
+    _require(p.num_examples is None or p.num_examples > 0, "prime.num_examples", f"is {p.num_examples}",
+             "use a positive number or leave it unset (all training problems)")
     _require(p.learning_rate > 0 and math.isfinite(p.learning_rate), "prime.learning_rate",
              f"is {p.learning_rate}", "use a positive learning rate, e.g. prime.learning_rate=2e-4")
     _require(0 <= p.warmup_ratio < 1, "prime.warmup_ratio", f"is {p.warmup_ratio}", "use 0 <= warmup_ratio < 1")

@@ -97,11 +97,11 @@ def test_without_data_or_tokenizer_here_the_check_is_skipped_with_a_log_line(cap
 @pytest.mark.parametrize("name", ["smollm2_135m_arith_cpu", "smollm2_135m_gsm8k_cpu"])
 def test_the_shipped_cpu_recipes_budgets_fit_their_worked_solutions(name):
     """The recipes whose data is here (embedded, generated) pass the check with the embedded model's tokenizer."""
-    from lowmem_grpo.backends import resolve_model_path
+    from lowmem_grpo.backends import locate_model
     from lowmem_grpo.data import load_train_rows
 
     recipe = load_recipe(str(RECIPES / f"{name}.py"))
-    fit = check_budget(recipe, load_train_rows(recipe.data), load_tokenizer(resolve_model_path(recipe.model.name)))
+    fit = check_budget(recipe, load_train_rows(recipe.data), load_tokenizer(locate_model(recipe.model.name)))
     assert fit is not None and fit.fits, fit
     assert recipe.data.max_prompt_length + recipe.train.max_completion_length <= recipe.model.max_seq_length
 

@@ -80,6 +80,12 @@ def test_wrong_types_name_the_key(override, key):
         load_recipe(CPU_RECIPE, [override])
 
 
+def test_a_wrong_type_of_an_optional_field_gives_one_fix():
+    with pytest.raises(RecipeError, match=r"data\.limit: expected int, got str 'many'") as info:
+        load_recipe(CPU_RECIPE, ["data.limit=many"])
+    assert str(info.value).count("fix:") == 1 and info.value.fix == "give data.limit a value of type int"
+
+
 @pytest.mark.parametrize("overrides, key, fix", [
     (["train.num_generations=1"], "train.num_generations", "2 or more"),
     (["train.num_generations=3", "train.per_device_train_batch_size=8"], "train.num_generations", "multiple of 3"),

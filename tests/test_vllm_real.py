@@ -14,7 +14,7 @@ vllm = pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm_cpu
 
-from lowmem_grpo.backends import resolve_model_path  # noqa: E402
+from lowmem_grpo.backends import locate_model  # noqa: E402
 from lowmem_grpo.errors import SamplerMismatchError  # noqa: E402
 from lowmem_grpo.sampling.engine import Calculator  # noqa: E402
 from lowmem_grpo.sampling.generate import generate, inference_mode  # noqa: E402
@@ -55,7 +55,7 @@ def parts(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(MODEL)
+    path = locate_model(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)
     root = tmp_path_factory.mktemp("adapters")
     stale = _lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), seed=1, scale=0.02)
@@ -148,7 +148,7 @@ def test_the_grpo_rollout_through_the_real_engine(parts, tmp_path):
 
     llm, tokenizer, model, _, _ = parts
     check = SamplerCheck("float32")
-    spec = EngineSpec(str(Path(resolve_model_path(MODEL))), "float32", MAX_LEN, max_lora_rank=8)
+    spec = EngineSpec(str(Path(locate_model(MODEL))), "float32", MAX_LEN, max_lora_rank=8)
     rollout = OwnVllmRollout(spec, tokenizer, calculator=True, check=check, engine=llm)
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=24, temperature=0.7, learning_rate=1e-4, use_cpu=True, bf16=False,

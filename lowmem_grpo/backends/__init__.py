@@ -95,7 +95,7 @@ def is_unsloth_model(model: Any) -> bool:
     return hasattr(model, "for_inference") and hasattr(model, "for_training")
 
 
-def resolve_model_path(name: str) -> str:
+def locate_model(name: str) -> str:
     """A local folder or hub id to load; embedded models are converted to a cached folder first."""
     if is_embedded(name):
         return str(embedded_model_dir(name))
@@ -114,7 +114,7 @@ def on_hub(name: str) -> bool:
     """Whether model.name names a hub model (neither embedded nor a local path): loading it asks the hub."""
     if is_embedded(name) or Path(name).expanduser().exists():
         return False
-    return not name.startswith((".", "/", "~")) and name.count("/") <= 1  # resolve_model_path's rule for a hub id
+    return not name.startswith((".", "/", "~")) and name.count("/") <= 1  # locate_model's rule for a hub id
 
 
 def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
@@ -133,9 +133,9 @@ def load(recipe: Recipe, runtime: Runtime, *, with_lora: bool = True, adapter_pa
     `adapter_path`: trainable as the starting LoRA with `with_lora` (lora.init_adapter, checked first by
     backends.adapter), frozen without. The LoadedModel's Runtime has the dtype the model was really loaded in.
 
-    `model_path` is the already resolved `resolve_model_path(recipe.model.name)`, when the caller has it.
+    `model_path` is the already located `locate_model(recipe.model.name)`, when the caller has it.
     """
-    path = model_path or resolve_model_path(recipe.model.name)
+    path = model_path or locate_model(recipe.model.name)
     backend, dtype, cuda = runtime.backend, runtime.dtype, runtime.cuda
     if runtime.dtype_reason:
         log.info("model.dtype=auto -> %s: %s", dtype, runtime.dtype_reason)

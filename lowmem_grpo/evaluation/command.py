@@ -181,13 +181,13 @@ def load_model(recipe: Recipe, adapter: Path | None, opts: EvalOptions) -> tuple
     """(generator, tokenizer, LoRA request, info): a vLLM engine where vllm_device says so, else the backend's
     model."""
     from lowmem_grpo import distributed
-    from lowmem_grpo.backends import load, resolve_model_path, start
+    from lowmem_grpo.backends import load, locate_model, start
 
     device = vllm_device(opts.engine)
     if device is not None:
         from transformers import AutoTokenizer
 
-        path = resolve_model_path(recipe.model.name)
+        path = locate_model(recipe.model.name)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -212,7 +212,7 @@ def _clean(value: Any) -> Any:
 
 def run(opts: EvalOptions) -> dict[str, Any]:
     """Evaluate (or compare) and write eval.json + eval.jsonl; returns eval.json's content plus `out_dir`."""
-    from lowmem_grpo.backends import resolve_model_path
+    from lowmem_grpo.backends import locate_model
     from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, compare
     from lowmem_grpo.evaluation.evaluate import run_eval
@@ -222,7 +222,7 @@ def run(opts: EvalOptions) -> dict[str, Any]:
     split = opts.split or d.eval_split
     if opts.limit is not None and opts.limit < 1:
         raise BadInputError(f"--limit {opts.limit} must be at least 1", fix="give a positive number of problems")
-    resolve_model_path(recipe.model.name)  # a missing model is named before the data (whose hub may be unreachable)
+    locate_model(recipe.model.name)  # a missing model is named before the data (whose hub may be unreachable)
     rows = load_eval_rows(d, split=split, limit=opts.limit)  # bad data fails before the model loads
     max_new = opts.max_new_tokens or recipe.train.max_completion_length
     out_dir = Path(opts.out).expanduser() if opts.out else default_out(opts, run_dir, split)

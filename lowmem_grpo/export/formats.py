@@ -306,13 +306,13 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
     cuda = torch.cuda.is_available()
     if fmt == "merged-4bit":
         _check_4bit(cuda or cpu_4bit)
-    from lowmem_grpo.backends import resolve_model_path
+    from lowmem_grpo.backends import locate_model
     from lowmem_grpo.device import cuda_facts
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.runtime import auto_dtype
 
     recipe = load_recipe(str(run_dir / layout.RECIPE_FILE))
-    base_path = resolve_model_path(base or recipe.model.name)
+    base_path = locate_model(base or recipe.model.name)
     trust = recipe.model.trust_remote_code
     dtype = dtype or auto_dtype(cuda_facts())[0]
     result = ExportResult(out=out, format=fmt, source=src, step=step, gguf_type=gguf_type if script else None)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo import distributed
-from lowmem_grpo.backends import LoadedModel, load, resolve_model_path, start
+from lowmem_grpo.backends import LoadedModel, load, locate_model, start
 from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import budget, grpo_examples, load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts
@@ -141,7 +141,7 @@ def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None
 def model_path_once(recipe: Recipe) -> str:
     """The folder or hub id to load; an embedded model is converted once, by rank 0."""
     with distributed.main_process_first():
-        return resolve_model_path(recipe.model.name)
+        return locate_model(recipe.model.name)
 
 
 def check_completion_budget(recipe: Recipe, rows: list[dict[str, Any]], model_path: str) -> Any:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lowmem_grpo import distributed
-from lowmem_grpo.backends import LoadedModel, load, resolve_model_path, start
+from lowmem_grpo.backends import LoadedModel, load, locate_model, start
 from lowmem_grpo.backends.adapter import check_init_adapter
 from lowmem_grpo.data import load_train_rows, recipe_examples
 from lowmem_grpo.data.format import primed_count
@@ -366,7 +366,7 @@ def check_rewards(recipe: Recipe, n_prompts: int) -> PreflightResult:
         raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix=f"e.g. --prompts {PREFLIGHT_MIN_PROMPTS}")
     runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)  # Unsloth before CUDA
     rows = load_train_rows(recipe.data)  # bad data fails before the model loads
-    model_path = resolve_model_path(recipe.model.name)
+    model_path = locate_model(recipe.model.name)
     # a mismatched adapter stops here (exit 2) before any weights load, as in train
     adapter = check_init_adapter(recipe.lora, recipe.model.name, model_path) if recipe.lora.init_adapter else None
     loaded = load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None,
