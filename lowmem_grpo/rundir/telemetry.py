@@ -5,14 +5,11 @@ and the phase-timing keys time/<phase> (lowmem_grpo.train.callbacks.PhaseTimer) 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.rundir import layout
-
-log = logging.getLogger(__name__)
 
 PHASE_PREFIX = "time/"
 PHASES = ("generation", "rewards", "prepare_other", "loss_forward", "backward", "optimizer", "other",
