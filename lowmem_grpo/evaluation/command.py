@@ -74,21 +74,16 @@ def find_adapter(spec: str | Path) -> Path:
 
 def resolve(opts: EvalOptions) -> tuple[Any, Path | None, Path | None]:
     """The recipe to evaluate with, the adapter folder (or None) and the run directory (or None)."""
-    from lowmem_grpo.recipe import Recipe
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     run_dir = Path(opts.model).expanduser() if is_run_dir(opts.model) else None
     adapter_run = Path(opts.adapter).expanduser() if opts.adapter and is_run_dir(opts.adapter) else None
-    if opts.recipe:
-        recipe = load_recipe(opts.recipe)
-    elif run_dir or adapter_run:
-        recipe = load_recipe(str((run_dir or adapter_run) / layout.RECIPE_FILE))
-    else:
-        recipe = Recipe()
-    recipe = apply_overrides(recipe, list(opts.overrides))
+    from_run = run_dir or adapter_run
+    path = opts.recipe or (str(from_run / layout.RECIPE_FILE) if from_run else None)
+    recipe = apply_overrides(load_recipe(path) if path else Recipe(), list(opts.overrides))
     if run_dir is None:
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, name=opts.model))
-    adapter = find_adapter(opts.adapter) if opts.adapter else (find_adapter(run_dir) if run_dir else None)
+    adapter = find_adapter(opts.adapter or run_dir) if opts.adapter or run_dir else None
     changes = {"source": DATA_ALIASES.get(opts.data, opts.data) if opts.data else None, "prefill": opts.prefill,
                "system_prompt": opts.system_prompt}
     changes = {k: v for k, v in changes.items() if v is not None}
@@ -133,13 +128,11 @@ def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: in
 
 def _vllm_dtype(requested: str, device: str) -> str:
     """model.dtype for vLLM: auto on a CPU as the hf backend resolves it there (the CPU's native bf16)."""
-    if requested != "auto":
-        return requested
-    if device == "cpu":
+    if requested == "auto" and device == "cpu":
         from lowmem_grpo.device import cpu_auto_dtype
 
         return cpu_auto_dtype().dtype
-    return "auto"
+    return requested
 
 
 def vllm_device(engine: str) -> str | None:

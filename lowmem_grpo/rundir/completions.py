@@ -71,12 +71,11 @@ def collapse_stats(prompts: Sequence[str], texts: Sequence[str],
     distinct_golds = len(set(gold_of.values()))
     if len(modal) >= 2 and distinct_golds >= 2:
         stats["completions/distinct_answers"] = min(1.0, len(set(modal.values())) / distinct_golds)
+    n = min(len(prompts), len(texts))
     owners: dict[str, set[str]] = {}
-    for prompt, rows in by_prompt.items():
-        for i in rows:
-            owners.setdefault(texts[i].strip(), set()).add(prompt)
-    shared = sum(len(owners[texts[i].strip()]) > 1 for rows in by_prompt.values() for i in rows)
-    stats["completions/shared_across_prompts"] = shared / sum(len(rows) for rows in by_prompt.values())
+    for i in range(n):
+        owners.setdefault(texts[i].strip(), set()).add(prompts[i])
+    stats["completions/shared_across_prompts"] = sum(len(owners[texts[i].strip()]) > 1 for i in range(n)) / n
     return stats
 
 
@@ -159,8 +158,7 @@ class CompletionRecorder:
         lines = self.lines()
         if write and lines:
             with self.path.open("a", encoding="utf-8") as handle:
-                for line in lines:
-                    handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+                handle.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
         self.pending, self._batch = [], None
         return len(lines) if write else 0
 

@@ -116,8 +116,8 @@ def format_value(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def latest_eval(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The run's evaluation: RUN_DIR/eval.json, else the newest RUN_DIR/eval/*/eval.json (`lowmem-grpo eval`)."""
+def eval_lines(run_dir: Path) -> list[str]:
+    """Rows of the run's evaluation (RUN_DIR/eval.json, else the newest eval/*/eval.json); [] when none."""
     candidates = [run_dir / layout.EVAL_FILE] if (run_dir / layout.EVAL_FILE).is_file() else sorted(
         (run_dir / layout.EVAL_DIR).glob(f"*/{layout.EVAL_FILE}"), key=lambda p: p.stat().st_mtime)
     for path in reversed(candidates):
@@ -126,16 +126,9 @@ def latest_eval(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         except (OSError, json.JSONDecodeError):
             continue
         if isinstance(data, dict):
-            return path, data
-    return None
-
-
-def eval_lines(run_dir: Path) -> list[str]:
-    """Markdown rows of the latest evaluation's metrics (and its base-vs-adapter comparison); [] when none."""
-    found = latest_eval(run_dir)
-    if not found:
+            break
+    else:
         return []
-    path, data = found
     metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else data
     settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
     where = ", ".join(f"{k} {settings[k]}" for k in ("split", "num_problems") if k in settings)
