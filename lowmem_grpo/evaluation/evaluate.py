@@ -31,12 +31,8 @@ class EvalResult:
 
 def _record(index: int, example: dict[str, Any], verdicts: list[Verdict],
             rewards: list[dict[str, float]] | None) -> dict[str, Any]:
-    samples = []
-    for j, verdict in enumerate(verdicts):
-        sample = verdict.as_dict()
-        if rewards is not None:
-            sample["rewards"] = rewards[j]
-        samples.append(sample)
+    samples = [{**v.as_dict(), **({"rewards": rewards[j]} if rewards is not None else {})}
+               for j, v in enumerate(verdicts)]
     record = {"index": index, "question": example.get("question"), "gold": example["answer"], **samples[0]}
     if len(samples) > 1:
         record["samples"] = samples

@@ -14,14 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
-from lowmem_grpo.evaluation.metrics import (
-    BOOTSTRAP_RESAMPLES,
-    Verdict,
-    chain_shares,
-    outcome_shares,
-    paired_bootstrap,
-    problem_value,
-)
+from lowmem_grpo.evaluation.metrics import (BOOTSTRAP_RESAMPLES, Verdict, chain_shares, outcome_shares,
+                                            paired_bootstrap, problem_value)
 from lowmem_grpo.evaluation.progress import ProgressLog
 from lowmem_grpo.recipe import Recipe, TrainConfig
 from lowmem_grpo.rundir import layout

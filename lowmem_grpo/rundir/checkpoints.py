@@ -6,6 +6,7 @@ resume rewinds metrics.jsonl and completions.jsonl to the step it continues from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,16 +28,12 @@ _CKPT = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
 def _fsync(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on folders
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on folders
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
