@@ -136,8 +136,7 @@ def _vllm_dtype(requested: str, device: str) -> str:
 
 
 def vllm_device(engine: str) -> str | None:
-    """The device `--engine` evaluates on with vLLM (None: not vLLM): cuda where the CUDA build has a GPU; cpu only
-    when --engine vllm asks for the CPU build (transformers samples a LoRA adapter faster there)."""
+    """cuda or cpu: where `--engine` evaluates with vLLM (cpu only when asked: transformers is faster there); None."""
     if engine == "transformers":
         return None
     from lowmem_grpo.device import vllm_build

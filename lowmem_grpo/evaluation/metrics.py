@@ -93,8 +93,7 @@ def _shares(judged: list[str | None], names: Sequence[str]) -> dict[str, float]:
 
 
 def outcome_shares(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
-    """The share of problems in each of OUTCOMES, judged on each problem's first (greedy) sample; {} when none has
-    an outcome (verdicts saved before outcomes were judged are left out)."""
+    """The share of problems in each of OUTCOMES on each problem's first (greedy) sample; {} when none has one."""
     return _shares([samples[0].outcome for samples in per_problem if samples], OUTCOMES)
 
 
@@ -114,8 +113,7 @@ def problem_value(verdicts: Sequence[Verdict], metric: str) -> float:
 
 
 def aggregate(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
-    """Core metrics over problems (each a list of k sample verdicts; rates are means over all completions), plus
-    pass@k (a strictly correct sample among the k), mean@k and lenient_pass@k when k > 1."""
+    """Core metrics over problems (each k sample verdicts; means over all completions), pass@k and mean@k if k > 1."""
     flat = [v for samples in per_problem for v in samples]
     metrics = {name: _mean([float(getattr(v, VERDICT_OF[name])) for v in flat]) for name in CORE_METRICS}
     metrics["num_problems"] = len(per_problem)
@@ -130,8 +128,7 @@ def aggregate(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
 
 def weighted_rewards(reward_weights: dict[str, float], completions: list[str], kwargs: dict[str, list[Any]],
                      get: Callable[[str], Callable[..., list[Any]]] | None = None) -> dict[str, list[float]]:
-    """Each reward's raw scores on `completions` given the dataset columns TRL would pass, plus the weighted `total`
-    (None scores become NaN and count as 0 in the total, as in TRL)."""
+    """Each reward's raw scores (None as NaN) given TRL's dataset columns, plus the weighted `total` (NaN as 0)."""
     if get is None:
         from lowmem_grpo.rewards import get_reward as get
     scores: dict[str, list[float]] = {}

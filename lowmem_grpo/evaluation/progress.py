@@ -13,8 +13,7 @@ PROGRESS_EVERY = 10.0  # seconds between two progress lines
 
 
 class ProgressLog:
-    """An `on_progress(done, total)` callback of generate/run_eval that logs every `every` seconds and when done; its
-    rate counts from when it is made (make one right before the sampling it follows)."""
+    """An `on_progress(done, total)` callback; make it right before the sampling it follows (its rate starts then)."""
 
     def __init__(self, label: str, logger: logging.Logger | None = None, every: float = PROGRESS_EVERY,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -43,8 +43,7 @@ def mean_ci(values: list[float], *, confidence: float = 0.95, n_resamples: int =
 
 def problem_values(greedy: Sequence[Sequence[Verdict]], samples: Sequence[Sequence[Verdict]] | None = None
                    ) -> dict[str, list[float]]:
-    """Per problem, each stage metric: greedy strict accuracy and format, and from k samples mean@k, pass@k and
-    room@k = pass@k - greedy (a problem solved by some sample but not by the greedy answer counts 1)."""
+    """Per problem, each stage metric: greedy accuracy and format, and from k samples mean@k, pass@k, room@k."""
     values = {m: [problem_value(v, m) for v in greedy] for m in METRICS}
     if samples:
         if len(samples) != len(greedy):
@@ -143,8 +142,7 @@ def _summary(per_stage: dict[str, list[list[Verdict]]], seed: int, sampled: dict
 
 
 def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
-    """`settings` with a batch of at least 8 prompts' k samples (a batch counts sequences; on CPU each generate call's
-    fixed cost dominates)."""
+    """`settings` with a batch of at least 8 prompts' k samples (on CPU each generate call's fixed cost dominates)."""
     return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
 
 

@@ -102,10 +102,7 @@ def remove_incomplete(run_dir: Path) -> list[int]:
 
 
 def rotate(run_dir: Path, limit: int | None) -> list[int]:
-    """Keep the newest `limit` complete checkpoints, delete older folders; returns the steps deleted.
-
-    Incomplete folders newer than the newest complete one are left alone (one may be being written).
-    """
+    """Keep the newest `limit` complete checkpoints and any newer folder (being written); returns the steps deleted."""
     done = complete_checkpoints(run_dir)
     if not done:
         return []
@@ -141,10 +138,7 @@ def _step(record: dict[str, Any]) -> int:
 
 
 def rewind_logs(run_dir: Path, step: int | None) -> None:
-    """Drop the metrics and completions lines after `step` (all of them when None: a restart from scratch).
-
-    Prime-stage metrics stay (priming is not repeated); an interrupted attempt's closing summary line goes.
-    """
+    """Drop the metrics (but priming's) and completions lines after `step`; all of them when None (a restart)."""
     run_dir = Path(run_dir)
     dropped_metrics = _rewrite_jsonl(run_dir / METRICS_FILE, lambda r: step is not None and (
         r.get("stage") == PRIME_STAGE or (_step(r) <= step and "train_runtime" not in r)))

@@ -51,11 +51,8 @@ def _final_answer(text: str) -> str | None:
 
 def collapse_stats(prompts: Sequence[str], texts: Sequence[str],
                    golds: Sequence[Any] | None = None) -> dict[str, float]:
-    """How alike one batch's completions of different prompts are ({} with fewer than two prompts).
-
-    completions/distinct_answers: distinct modal answers per distinct correct answer (per prompt without `golds`),
-    at most 1; completions/shared_across_prompts: the share of completions also written for another prompt.
-    """
+    """How alike one batch's completions of different prompts are: distinct modal answers per distinct correct answer
+    (at most 1), and the share of completions also written for another prompt; {} with fewer than two prompts."""
     by_prompt: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts[:len(texts)]):
         by_prompt.setdefault(prompt, []).append(i)

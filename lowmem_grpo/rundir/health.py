@@ -87,8 +87,7 @@ def _goal_vs_total(steps: list[dict[str, Any]], goal: str | None, step: int) -> 
 
 
 def _template_collapse(steps: list[dict[str, Any]], step: int) -> HealthWarning | None:
-    """Different prompts answered with the same answer or the same completion, over the last COLLAPSE_STEPS steps
-    that logged collapse statistics (lowmem_grpo.rundir.completions.collapse_stats)."""
+    """Different prompts answered alike over the last COLLAPSE_STEPS steps with collapse statistics."""
     keys = ("completions/distinct_answers", "completions/shared_across_prompts")
     with_stats = [r for r in steps if any(_number(r, k) is not None for k in keys)][-COLLAPSE_STEPS:]
     if len(with_stats) < COLLAPSE_STEPS:
@@ -109,8 +108,7 @@ def _template_collapse(steps: list[dict[str, Any]], step: int) -> HealthWarning 
 
 
 def check(records: list[dict[str, Any]], *, goal: str | None = None) -> list[HealthWarning]:
-    """The warnings that hold at the newest training record (empty when the run looks healthy); `goal` is the
-    goal reward's name as logged (rewards/<goal>/mean), None when the run has none."""
+    """The warnings that hold at the newest training record; `goal`: the goal reward's logged name, if any."""
     steps = training_records(records)
     if not steps:
         return []

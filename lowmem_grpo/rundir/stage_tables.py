@@ -17,14 +17,13 @@ OUTCOMES_TITLE = ("What the answers got wrong (the greedy answer of each problem
                   "exact calculator):")
 
 
-def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str:
-    value = entry[key]
-    sign = "+" if signed and value > 0 else ""
-    return f"{sign}{value:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
-
-
 CHAINS_TITLE = ("Where the chains broke (the greedy answer's calculations against the worked solution's steps; a "
                 "step counts as reached when some calculation has its result):")
+
+
+def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str:
+    sign = "+" if signed and entry[key] > 0 else ""
+    return f"{sign}{entry[key]:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
 
 
 def group_label(group: str) -> str:
@@ -63,8 +62,7 @@ def _side_by_side(rows: dict[str, Any], metrics: list[str], groups: list[str], h
 
 
 def wording_lines(wording: dict[str, Any], k: int | None = None, temperature: Any = None) -> list[str]:
-    """Tables of a `wording` summary (lowmem_grpo.evaluation.stages.summarize): each stage and change on seen and
-    held-out wording side by side, and each group's outcomes; [] when there is none."""
+    """Tables of a `wording` summary: each stage and change on seen and held-out wording, and the outcomes."""
     counts = (wording or {}).get("num_problems") or {}
     groups = [g for g in WORDING_LABELS if counts.get(g)]
     if not groups:
@@ -87,8 +85,7 @@ def wording_lines(wording: dict[str, Any], k: int | None = None, temperature: An
 
 
 def steps_lines(data: dict[str, Any]) -> list[str]:
-    """Tables of stage_eval.json's `steps` (and `steps_wording`): each stage and change by step count (and wording),
-    and where the chains broke; [] when the problems had one step count."""
+    """Tables of stage_eval.json's `steps` (and `steps_wording`) and where the chains broke; [] without them."""
     steps = data.get("steps") or {}
     counts = steps.get("num_problems") or {}
     if not counts:
@@ -110,8 +107,7 @@ def steps_lines(data: dict[str, Any]) -> list[str]:
 
 
 def stage_lines(run_dir: Path) -> list[str]:
-    """Tables of stage_eval.json: each stage's metrics with 95% CIs, the paired changes, the outcomes, and the same by
-    wording and step count; [] when the run measured none."""
+    """report.md's tables of stage_eval.json; [] when the run measured no stage."""
     path = run_dir / layout.STAGE_EVAL_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -129,19 +125,16 @@ def stage_lines(run_dir: Path) -> list[str]:
                   for m in sampled})
     columns = ["strict_accuracy", "strict_format_rate", *sampled]
     lines = [f"The same {data.get('num_problems')} held-out problems at each stage, greedy"
-             + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", "",
-             "| stage | " + " | ".join(names[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    lines += ["| " + " | ".join([s] + [_ci(m[c]) if c in m else "-" for c in columns]) + " |"
-              for s, m in stages.items()]
+             + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", ""]
+    lines += _side_by_side({s: {"": m} for s, m in stages.items()}, columns, [""], [names[c] for c in columns],
+                           "stage")
     if sampled:
         lines += ["", "pass@k - greedy is the room GRPO has on the greedy answer: problems some sample solves and "
                   "the greedy answer does not."]
     if diffs:
         paired = [c for c in columns if not c.startswith("room@")]
-        lines += ["", "| change | " + " | ".join(f"{names[c]} (paired)" for c in paired) + " |",
-                  "|---" * (len(paired) + 1) + "|"]
-        lines += ["| " + " | ".join([pair] + [_ci(m[c], "diff", True) if c in m else "-" for c in paired]) + " |"
-                  for pair, m in diffs.items()]
+        lines += ["", *_side_by_side({pair: {"": m} for pair, m in diffs.items()}, paired, [""],
+                                     [f"{names[c]} (paired)" for c in paired], "change", "diff")]
     outcomes = data.get("outcomes") or {}
     if isinstance(outcomes, dict) and outcomes:
         lines += ["", *outcome_lines({s: outcomes.get(s) or {} for s in stages})]
