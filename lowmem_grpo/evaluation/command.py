@@ -1,12 +1,10 @@
-"""The `lowmem-grpo eval` flow: resolve model/adapter/recipe, load once, evaluate (or compare), write files.
-
-MODEL is a hub id, a local folder, `embedded:<name>`, or a run directory (then the base model, the
-adapter and the prompts come from its recipe.yaml). Writes eval.json (metrics, outcomes, settings, versions)
-and eval.jsonl (one line per problem and variant) into the output folder.
+"""The `lowmem-grpo eval` flow: resolve model/adapter/recipe (MODEL may be a run directory), load once, evaluate
+(or compare), write eval.json and eval.jsonl (one line per problem and variant) into the output folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -51,7 +49,7 @@ class EvalOptions:
     engine: str = "auto"
     progress: bool = True
     overrides: tuple[str, ...] = ()
-    """`key=value` recipe overrides applied to the recipe evaluated with, e.g. data.generated.eval_stories=heldout."""
+    """`key=value` overrides of the recipe evaluated with, e.g. data.generated.eval_stories=heldout."""
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -60,7 +58,7 @@ def is_run_dir(path: str | Path) -> bool:
 
 
 def find_adapter(spec: str | Path) -> Path:
-    """An adapter folder from an adapter folder, a run directory (adapter/, else the newest checkpoint)."""
+    """An adapter folder, or a run directory's adapter/ (else its newest checkpoint)."""
     path = Path(spec).expanduser()
     if (path / "adapter_config.json").is_file():
         return path
@@ -76,31 +74,21 @@ def find_adapter(spec: str | Path) -> Path:
 
 def resolve(opts: EvalOptions) -> tuple[Any, Path | None, Path | None]:
     """The recipe to evaluate with, the adapter folder (or None) and the run directory (or None)."""
-    from lowmem_grpo.recipe import Recipe
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     run_dir = Path(opts.model).expanduser() if is_run_dir(opts.model) else None
     adapter_run = Path(opts.adapter).expanduser() if opts.adapter and is_run_dir(opts.adapter) else None
-    if opts.recipe:
-        recipe = load_recipe(opts.recipe)
-    elif run_dir or adapter_run:
-        recipe = load_recipe(str((run_dir or adapter_run) / layout.RECIPE_FILE))
-    else:
-        recipe = Recipe()
-    recipe = apply_overrides(recipe, list(opts.overrides))
+    from_run = run_dir or adapter_run
+    path = opts.recipe or (str(from_run / layout.RECIPE_FILE) if from_run else None)
+    recipe = apply_overrides(load_recipe(path) if path else Recipe(), list(opts.overrides))
     if run_dir is None:
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, name=opts.model))
-    adapter = find_adapter(opts.adapter) if opts.adapter else (find_adapter(run_dir) if run_dir else None)
-    data = recipe.data
-    changes: dict[str, Any] = {}
-    if opts.data:
-        changes["source"] = DATA_ALIASES.get(opts.data, opts.data)
-    if opts.prefill is not None:
-        changes["prefill"] = opts.prefill
-    if opts.system_prompt is not None:
-        changes["system_prompt"] = opts.system_prompt
+    adapter = find_adapter(opts.adapter or run_dir) if opts.adapter or run_dir else None
+    changes = {"source": DATA_ALIASES.get(opts.data, opts.data) if opts.data else None, "prefill": opts.prefill,
+               "system_prompt": opts.system_prompt}
+    changes = {k: v for k, v in changes.items() if v is not None}
     if changes:
-        recipe = dataclasses.replace(recipe, data=dataclasses.replace(data, **changes))
+        recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, **changes))
     if opts.compare and adapter is None:
         raise BadInputError("--compare needs a trained adapter to compare with the base model",
                             fix="pass a run directory as --model, or --adapter RUN_DIR_OR_ADAPTER")
@@ -116,8 +104,7 @@ def default_out(opts: EvalOptions, run_dir: Path | None, split: str) -> Path:
 
 
 def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: int, device: str) -> tuple[Any, Any]:
-    """A vLLM engine on the base model, with the adapter as a LoRA request (lowmem_grpo.sampling.vllm_engine), on
-    `device`: cuda (the `vllm` extra) or cpu (vLLM's CPU build)."""
+    """A vLLM engine on the base model on `device` (cuda or cpu), with the adapter as a LoRA request."""
     from lowmem_grpo.sampling.vllm_engine import EngineSpec, adapter_rank, lora_request, start_engine
 
     share = recipe.model.gpu_memory_utilization
@@ -141,19 +128,15 @@ def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: in
 
 def _vllm_dtype(requested: str, device: str) -> str:
     """model.dtype for vLLM: auto on a CPU as the hf backend resolves it there (the CPU's native bf16)."""
-    if requested != "auto":
-        return requested
-    if device == "cpu":
+    if requested == "auto" and device == "cpu":
         from lowmem_grpo.device import cpu_auto_dtype
 
         return cpu_auto_dtype().dtype
-    return "auto"
+    return requested
 
 
 def vllm_device(engine: str) -> str | None:
-    """The device `--engine` evaluates on with vLLM: cuda where the CUDA build has a GPU; cpu where vLLM's CPU build
-    is installed and --engine vllm asks for it (auto keeps the transformers engine there: it samples a LoRA adapter
-    several times faster than vLLM's CPU build); None: not vLLM."""
+    """cuda or cpu: where `--engine` evaluates with vLLM (cpu only when asked: transformers is faster there); None."""
     if engine == "transformers":
         return None
     from lowmem_grpo.device import vllm_build
@@ -178,8 +161,7 @@ def vllm_device(engine: str) -> str | None:
 
 
 def load_model(recipe: Recipe, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
-    """(generator, tokenizer, LoRA request, info): a vLLM engine where vllm_device says so, else the backend's
-    model."""
+    """(generator, tokenizer, LoRA request, info): a vLLM engine where vllm_device says so, else the backend's."""
     from lowmem_grpo import distributed
     from lowmem_grpo.backends import load, locate_model, start
 
@@ -237,10 +219,7 @@ def run(opts: EvalOptions) -> dict[str, Any]:
                   temperature=opts.temperature, seed=opts.seed, progress=opts.progress, calculator=d.calculator)
     results = {}
     if opts.compare:
-        if lora is None:
-            with engine.disable_adapter():
-                results["base"] = run_eval(engine, tokenizer, examples, **kwargs)
-        else:
+        with engine.disable_adapter() if lora is None else contextlib.nullcontext():  # vLLM: no LoRA request
             results["base"] = run_eval(engine, tokenizer, examples, **kwargs)
         results["adapter"] = run_eval(engine, tokenizer, examples, lora_request=lora, **kwargs)
     else:
@@ -286,10 +265,7 @@ def render(report: dict[str, Any]) -> str:
     head = (f"{s['model']}" + (f" + adapter {s['adapter']}" if s["adapter"] else "") +
             f" on {s['data']}/{s['split']}: {s['num_problems']} problems, {s['num_samples']} sample(s), "
             f"temperature {s['temperature']}, seed {s['seed']}, max_new_tokens {s['max_new_tokens']}\n\n")
-    if "comparison" in report:
-        body = compare_table(report["comparison"])
-    else:
-        body = metrics_table(report["metrics"])
+    body = compare_table(report["comparison"]) if "comparison" in report else metrics_table(report["metrics"])
     speed = "; ".join(f"{name}: {r['problems_per_minute']:.1f} problems/min ({r['seconds']:.0f} s)"
                       for name, r in report["runs"].items())
     return head + body + f"\n{speed}\nwritten to {report['out_dir']}\n"

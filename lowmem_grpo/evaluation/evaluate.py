@@ -1,14 +1,7 @@
-"""GSM8K evaluation: `run_eval` (the shared API: training's periodic eval and `lowmem-grpo eval`).
-
-`run_eval(model, tokenizer, examples)` samples completions for prompts built by
-`lowmem_grpo.data.build_examples` with `lowmem_grpo.sampling.generate` (greedy by default, seeded
-sampling otherwise), scores prefill + generated text with `lowmem_grpo.evaluation.metrics`, and returns an
-EvalResult.
-"""
+"""`run_eval`: generate for evaluation prompts and score them (training's periodic eval and `lowmem-grpo eval`)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -19,28 +12,17 @@ from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.sampling.generate import choose_engine, generate
 from lowmem_grpo.evaluation.metrics import Verdict, aggregate, judge, outcome_shares, weighted_rewards
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class EvalResult:
     """Metrics over the problems, one record per problem, and how it was run."""
 
-    metrics: dict[str, float]
-    """strict_accuracy, lenient_accuracy, strict_format_rate, soft_format_rate, mean_completion_tokens,
-    truncated_rate, num_problems, num_completions; pass@k, mean@k, lenient_pass@k when k > 1;
-    reward (weighted total) and reward/<name> when reward_weights were given."""
-    records: list[dict[str, Any]]
-    """Per problem: index, question, gold, and the first sample's completion, extracted_answer,
-    last_number, verdicts, truncated, completion_tokens (and rewards); `samples` holds all k when k > 1."""
-    verdicts: list[list[Verdict]] = field(default_factory=list)
-    """Per problem, the verdict of each sample (what `eval_metrics.compare` takes)."""
-    settings: dict[str, Any] = field(default_factory=dict)
-    """max_new_tokens, batch_size, num_samples, temperature, seed, engine."""
-    seconds: float = 0.0
-    """Wall time of generation and scoring."""
-    outcomes: dict[str, float] = field(default_factory=dict)
-    """Share of problems per outcome of the first sample (metrics.outcome_shares): what the answers got wrong."""
+    metrics: dict[str, float]  # rates, lengths, counts; pass@k, mean@k when k > 1; reward(/<name>) with weights
+    records: list[dict[str, Any]]  # per problem: index, question, gold and the first sample's verdict (all k: samples)
+    verdicts: list[list[Verdict]] = field(default_factory=list)  # per problem, each sample's verdict
+    settings: dict[str, Any] = field(default_factory=dict)  # max_new_tokens, batch_size, num_samples, ...
+    seconds: float = 0.0  # wall time of generation and scoring
+    outcomes: dict[str, float] = field(default_factory=dict)  # metrics.outcome_shares: what the answers got wrong
 
     @property
     def problems_per_minute(self) -> float:
@@ -49,12 +31,8 @@ class EvalResult:
 
 def _record(index: int, example: dict[str, Any], verdicts: list[Verdict],
             rewards: list[dict[str, float]] | None) -> dict[str, Any]:
-    samples = []
-    for j, verdict in enumerate(verdicts):
-        sample = verdict.as_dict()
-        if rewards is not None:
-            sample["rewards"] = rewards[j]
-        samples.append(sample)
+    samples = [{**v.as_dict(), **({"rewards": rewards[j]} if rewards is not None else {})}
+               for j, v in enumerate(verdicts)]
     record = {"index": index, "question": example.get("question"), "gold": example["answer"], **samples[0]}
     if len(samples) > 1:
         record["samples"] = samples
@@ -69,17 +47,9 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
              engine: str = "auto", lora_request: Any = None, merged: bool = True,
              on_progress: Callable[[int, int], None] | None = None, calculator: bool = False,
              attention: bool = True) -> EvalResult:
-    """Generate for each example (from `build_examples`: prompt, answer, prefill, question) and score it.
-
-    Greedy when temperature is 0 (the default); seeded sampling of num_samples completions per
-    problem otherwise. batch_size counts sequences generated at once. The same seed and settings
-    give the same result. With reward_weights, each reward's mean and the weighted total
-    (`reward`) are added to the metrics, scored the way TRL calls rewards. `merged`: transformers samples from
-    the LoRA adapter merged into the weights where generate.merged_adapter applies. `on_progress(done, total)`:
-    called with the problems generated so far after each batch (generate's). `calculator`: the engine completes
-    `<<EXPR=` with the calculator's result (data.calculator; generate). `attention`: lowmem_grpo's CPU attention
-    (lowmem_grpo.runtime.CpuPaths; generate).
-    """
+    """Generate for each example (prompt, answer, prefill, question; `build_examples`) and score it: greedy at
+    temperature 0, else num_samples seeded samples per problem; the other options are `generate`'s. With
+    reward_weights, each reward's mean and the weighted total (`reward`) join the metrics, scored as TRL does."""
     if not examples:
         raise BadInputError("no problems to evaluate", fix="check the data source, split and --limit")
     started = time.monotonic()

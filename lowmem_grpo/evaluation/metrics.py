@@ -1,19 +1,7 @@
-"""Evaluation metrics as pure functions of text: verdicts per completion, aggregates, bootstrap CIs.
+"""Evaluation metrics as pure functions of text (no torch): verdicts per completion, aggregates, bootstrap CIs.
 
-No torch here: everything is testable on fixed strings. The rules are the reward set's own:
-
-- strict accuracy: the `correctness` reward (the answer block holds exactly one number, equal to gold);
-- lenient accuracy: the last number anywhere in the completion equals gold (compared as exact
-  decimals, with math-verify as a second opinion on the same two numbers);
-- strict / soft format rate: the `strict_format` / `soft_format` rewards score 1.0;
-- truncated: generation stopped at max_new_tokens without emitting EOS;
-- outcome: what a wrong answer got wrong, judged by the calculator on the last calculation of the
-  reasoning (lowmem_grpo.rewards.calculator.outcome): the operation, the arithmetic, both, or no
-  arithmetic written; `outcome_shares` counts them over the first (greedy) sample of each problem;
-- chain: against the worked solution, where a chain of calculations broke (lowmem_grpo.rewards.chain): the first
-  step, a later step, or stopped before the last; `chain_shares` counts them like the outcomes.
-
-Completions are scored as prefill + generated text, exactly as the rewards see them in training.
+The rules are the reward set's own (strict: the `correctness` reward; lenient: the last number equals gold), applied
+to prefill + generated text exactly as the rewards see it in training.
 """
 
 from __future__ import annotations
@@ -30,10 +18,8 @@ from lowmem_grpo.rewards.calculator import OUTCOMES, outcome
 from lowmem_grpo.rewards.chain import CHAIN_OUTCOMES, chain_outcome
 from lowmem_grpo.rewards.parsing import extract_answer_block, last_number, numbers_equal
 
-# The four headline metrics plus the length ones, in table order.
 CORE_METRICS = ["strict_accuracy", "lenient_accuracy", "strict_format_rate", "soft_format_rate",
                 "mean_completion_tokens", "truncated_rate"]
-# Per-completion verdict behind each rate metric.
 VERDICT_OF = {"strict_accuracy": "strict_correct", "lenient_accuracy": "lenient_correct",
               "strict_format_rate": "strict_format", "soft_format_rate": "soft_format",
               "mean_completion_tokens": "completion_tokens", "truncated_rate": "truncated"}
@@ -44,73 +30,45 @@ BOOTSTRAP_RESAMPLES = 2000
 class Verdict:
     """Everything judged about one completion (prefill + generated text)."""
 
-    completion: str
-    """The scored text: prefill + generated text."""
-    extracted_answer: str | None
-    """Stripped content of the last <answer>...</answer> block, None without one."""
-    last_number: str | None
-    """Last number anywhere in the completion (the lenient rule's pick)."""
-    strict_correct: bool
-    """`correctness` reward: the answer block holds exactly one number and it equals gold."""
-    lenient_correct: bool
-    """The last number anywhere equals gold."""
-    strict_format: bool
-    """`strict_format` reward is 1.0."""
-    soft_format: bool
-    """`soft_format` reward is 1.0."""
-    truncated: bool
-    """Generation hit max_new_tokens without EOS."""
-    completion_tokens: int
-    """Generated tokens (EOS included, prefill not)."""
-    outcome: str | None = None
-    """What the answer got wrong, one of lowmem_grpo.rewards.calculator.OUTCOMES (`correct` when strictly correct);
-    None in verdicts saved before outcomes were judged."""
-    chain: str | None = None
-    """Where the chain of calculations broke against the worked solution, one of
-    lowmem_grpo.rewards.chain.CHAIN_OUTCOMES; None without a worked solution with annotated steps."""
+    completion: str  # the scored text: prefill + generated text
+    extracted_answer: str | None  # stripped content of the last <answer>...</answer> block
+    last_number: str | None  # last number anywhere in the completion (the lenient rule's pick)
+    strict_correct: bool  # `correctness` reward: the answer block holds exactly one number and it equals gold
+    lenient_correct: bool  # the last number anywhere equals gold
+    strict_format: bool  # `strict_format` reward is 1.0
+    soft_format: bool  # `soft_format` reward is 1.0
+    truncated: bool  # generation hit max_new_tokens without EOS
+    completion_tokens: int  # generated tokens (EOS included, prefill not)
+    outcome: str | None = None  # what the answer got wrong (rewards.calculator.OUTCOMES); None in older verdicts
+    chain: str | None = None  # where the chain broke (rewards.chain.CHAIN_OUTCOMES); None without a worked solution
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-_MATH_VERIFY: Any = None
-
-
 def _math_verify_equal(token: str, gold: str) -> bool:
-    """math-verify's numeric equality of two number strings; False when it is unavailable or unsure."""
-    global _MATH_VERIFY
-    if _MATH_VERIFY is None:
-        try:
-            import math_verify
+    """math-verify's numeric equality of two number strings; False when it is unsure."""
+    import math_verify
 
-            _MATH_VERIFY = math_verify
-        except ImportError:  # pragma: no cover - a pinned dependency; lenient falls back to decimals
-            _MATH_VERIFY = False
-    if not _MATH_VERIFY:
-        return False
-    # math-verify's timeout is a SIGALRM, which only the main thread may set; the inputs here are two
-    # short number tokens, so elsewhere it runs without one.
+    # math-verify's timeout is a SIGALRM, which only the main thread may set; two short numbers need none
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
-        gold_parsed = _MATH_VERIFY.parse(gold.replace(",", ""), parsing_timeout=timeout)
-        pred_parsed = _MATH_VERIFY.parse(token.replace(",", ""), parsing_timeout=timeout)
-        return bool(gold_parsed and pred_parsed and _MATH_VERIFY.verify(gold_parsed, pred_parsed,
-                                                                         timeout_seconds=timeout))
+        gold_parsed = math_verify.parse(gold.replace(",", ""), parsing_timeout=timeout)
+        pred_parsed = math_verify.parse(token.replace(",", ""), parsing_timeout=timeout)
+        return bool(gold_parsed and pred_parsed and math_verify.verify(gold_parsed, pred_parsed,
+                                                                        timeout_seconds=timeout))
     except Exception:  # noqa: BLE001 - a parser failure is "not equal", never a crash
         return False
 
 
 def lenient_equal(token: str | None, gold: str) -> bool:
     """The lenient rule's equality: exact decimal equality, else math-verify on the same two numbers."""
-    if token is None:
-        return False
-    return numbers_equal(token, gold) or _math_verify_equal(token, gold)
+    return token is not None and (numbers_equal(token, gold) or _math_verify_equal(token, gold))
 
 
 def judge(completion: str, gold: str, *, truncated: bool = False, completion_tokens: int = 0,
           solution: str | None = None) -> Verdict:
-    """All verdicts for one completion (already prefill + generated text) against the gold number; with the worked
-    `solution`, also where its chain of calculations broke (`Verdict.chain`)."""
+    """All verdicts for one completion (prefill + generated text) against the gold number (and worked `solution`)."""
     block = extract_answer_block(completion)
     last = last_number(completion)
     strict = correctness([completion], answer=[gold])[0] == 1.0
@@ -129,23 +87,19 @@ def judge(completion: str, gold: str, *, truncated: bool = False, completion_tok
     )
 
 
+def _shares(judged: list[str | None], names: Sequence[str]) -> dict[str, float]:
+    judged = [j for j in judged if j is not None]
+    return {name: judged.count(name) / len(judged) for name in names} if judged else {}
+
+
 def outcome_shares(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
-    """The share of problems in each outcome (every one of OUTCOMES, in order), judged on each problem's first
-    sample: the greedy answer of a greedy eval. Problems whose verdict has no outcome (saved before outcomes were
-    judged) are left out; {} when none has one."""
-    judged = [samples[0].outcome for samples in per_problem if samples and samples[0].outcome is not None]
-    if not judged:
-        return {}
-    return {name: judged.count(name) / len(judged) for name in OUTCOMES}
+    """The share of problems in each of OUTCOMES on each problem's first (greedy) sample; {} when none has one."""
+    return _shares([samples[0].outcome for samples in per_problem if samples], OUTCOMES)
 
 
 def chain_shares(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
-    """The share of problems in each chain outcome (every one of CHAIN_OUTCOMES, in order), on each problem's first
-    sample, as `outcome_shares`; {} when no problem has one."""
-    judged = [samples[0].chain for samples in per_problem if samples and samples[0].chain is not None]
-    if not judged:
-        return {}
-    return {name: judged.count(name) / len(judged) for name in CHAIN_OUTCOMES}
+    """The share of problems in each of CHAIN_OUTCOMES, as `outcome_shares`."""
+    return _shares([samples[0].chain for samples in per_problem if samples], CHAIN_OUTCOMES)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -159,11 +113,7 @@ def problem_value(verdicts: Sequence[Verdict], metric: str) -> float:
 
 
 def aggregate(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
-    """Core metrics over problems (each a list of k sample verdicts), plus pass@k / mean@k when k > 1.
-
-    Rates are means over all completions; with k samples, strict_accuracy equals mean@k, pass@k is
-    the share of problems with at least one strictly correct sample, lenient_pass@k likewise.
-    """
+    """Core metrics over problems (each k sample verdicts; means over all completions), pass@k and mean@k if k > 1."""
     flat = [v for samples in per_problem for v in samples]
     metrics = {name: _mean([float(getattr(v, VERDICT_OF[name])) for v in flat]) for name in CORE_METRICS}
     metrics["num_problems"] = len(per_problem)
@@ -178,11 +128,7 @@ def aggregate(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
 
 def weighted_rewards(reward_weights: dict[str, float], completions: list[str], kwargs: dict[str, list[Any]],
                      get: Callable[[str], Callable[..., list[Any]]] | None = None) -> dict[str, list[float]]:
-    """Each reward's raw scores on `completions` (generated text, TRL's protocol) plus `total` (weighted).
-
-    `kwargs` are the dataset columns TRL would pass (answer, prefill, prompts, ...). None scores
-    become NaN and count as 0 in the total, as in TRL.
-    """
+    """Each reward's raw scores (None as NaN) given TRL's dataset columns, plus the weighted `total` (NaN as 0)."""
     if get is None:
         from lowmem_grpo.rewards import get_reward as get
     scores: dict[str, list[float]] = {}
@@ -200,11 +146,7 @@ def weighted_rewards(reward_weights: dict[str, float], completions: list[str], k
 
 def paired_bootstrap(base: Sequence[float], other: Sequence[float], *, n_resamples: int = BOOTSTRAP_RESAMPLES,
                      confidence: float = 0.95, seed: int = 0) -> dict[str, float]:
-    """Difference of means (other - base) over paired problems and its percentile bootstrap CI.
-
-    Problems are resampled with replacement, keeping each problem's pair together; the same seed
-    gives the same interval.
-    """
+    """Difference of means (other - base) over paired problems and its percentile bootstrap CI (seeded)."""
     if len(base) != len(other):
         raise ValueError(f"paired bootstrap needs equal lengths, got {len(base)} and {len(other)}")
     if not base:
@@ -219,8 +161,8 @@ def paired_bootstrap(base: Sequence[float], other: Sequence[float], *, n_resampl
     return {"diff": sum(diffs) / n, "low": low, "high": high}
 
 
-def compare(base: Sequence[Sequence[Verdict]], other: Sequence[Sequence[Verdict]], *, seed: int = 0,
-            n_resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = 0.95) -> dict[str, dict[str, float]]:
+def compare(base: Sequence[Sequence[Verdict]], other: Sequence[Sequence[Verdict]], *,
+            seed: int = 0) -> dict[str, dict[str, float]]:
     """Per core metric: base value, other value, difference and its paired-bootstrap CI."""
     if len(base) != len(other):
         raise ValueError(f"compare needs the same problems, got {len(base)} and {len(other)}")
@@ -228,8 +170,7 @@ def compare(base: Sequence[Sequence[Verdict]], other: Sequence[Sequence[Verdict]
     for metric in CORE_METRICS:
         a = [problem_value(s, metric) for s in base]
         b = [problem_value(s, metric) for s in other]
-        ci = paired_bootstrap(a, b, n_resamples=n_resamples, confidence=confidence, seed=seed)
-        result[metric] = {"base": _mean(a), "adapter": _mean(b), **ci}
+        result[metric] = {"base": _mean(a), "adapter": _mean(b), **paired_bootstrap(a, b, seed=seed)}
     return result
 
 
@@ -249,13 +190,11 @@ def metrics_table(metrics: dict[str, float]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare_table(comparison: dict[str, dict[str, float]], confidence: float = 0.95) -> str:
-    """A markdown table: metric, base, adapter, difference and its CI."""
-    pct = f"{confidence * 100:.0f}%"
-    lines = [f"| metric | base | adapter | diff | {pct} CI |", "|---|---|---|---|---|"]
+def compare_table(comparison: dict[str, dict[str, float]]) -> str:
+    """A markdown table: metric, base, adapter, difference and its 95% CI."""
+    lines = ["| metric | base | adapter | diff | 95% CI |", "|---|---|---|---|---|"]
     for metric, row in comparison.items():
-        diff = _fmt(metric, row["diff"])
         sign = "+" if row["diff"] > 0 else ""
         lines.append(f"| {metric} | {_fmt(metric, row['base'])} | {_fmt(metric, row['adapter'])} | "
-                     f"{sign}{diff} | [{_fmt(metric, row['low'])}, {_fmt(metric, row['high'])}] |")
+                     f"{sign}{_fmt(metric, row['diff'])} | [{_fmt(metric, row['low'])}, {_fmt(metric, row['high'])}] |")
     return "\n".join(lines) + "\n"

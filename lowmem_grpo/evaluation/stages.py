@@ -1,23 +1,6 @@
-"""What each stage of a run bought: held-out accuracy of the base model, the starting adapter (lora.init_adapter,
-when given), the primed adapter and the trained adapter on the SAME problems, with 95% CIs (per stage, and paired
-between stages).
-
-Each stage is measured greedy (the answer a user gets) and, with train.eval.stage.samples = k > 0, by k samples per
-problem at the training temperature (what GRPO itself sees and scores): mean@k (the share of correct samples) and
-pass@k (a correct sample among the k). `pass@k - greedy` is the room GRPO has on the greedy answer: problems the
-policy can already solve by sampling but does not solve greedily.
-
-`StageEvals(recipe, tokenizer, path)` holds the problems (the first train.eval.stage.problems of data.eval_split) and
-the results so far; `measure(model, stage)` evaluates the model as it is now (the base model with the adapter
-switched off) and rewrites RUN_DIR/stage_eval.json, so a resumed run keeps the stages it already measured. Each
-stage's `outcomes` there say what its greedy answers got wrong (the operation, the arithmetic, both, or no arithmetic).
-
-Generated problems are also summarized by wording (`wording` in stage_eval.json): the same metrics, paired
-differences and outcomes on the problems whose frame and phrasings the train split uses ("seen") and on those with
-a frame or a phrasing it never saw ("heldout", lowmem_grpo.data.wording), side by side. Problems with worked
-solutions of different lengths are also summarized by their number of calculations (`steps`: "1", "2", ...; and
-`steps_wording`: "1 seen", "2 heldout", ...), with `chains` per stage: where each greedy answer's chain of
-calculations broke (lowmem_grpo.rewards.chain: the first step, a later step, or stopped before the last).
+"""What each stage of a run bought: held-out accuracy of the base model, the starting adapter, the primed and the
+trained adapter on the SAME problems, greedy and (train.eval.stage.samples = k) sampled, with 95% CIs per stage and
+paired between stages, also by wording and by number of calculations; `StageEvals` writes RUN_DIR/stage_eval.json.
 """
 
 from __future__ import annotations
@@ -31,14 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
-from lowmem_grpo.evaluation.metrics import (
-    BOOTSTRAP_RESAMPLES,
-    Verdict,
-    chain_shares,
-    outcome_shares,
-    paired_bootstrap,
-    problem_value,
-)
+from lowmem_grpo.evaluation.metrics import (BOOTSTRAP_RESAMPLES, Verdict, chain_shares, outcome_shares,
+                                            paired_bootstrap, problem_value)
 from lowmem_grpo.evaluation.progress import ProgressLog
 from lowmem_grpo.recipe import Recipe, TrainConfig
 from lowmem_grpo.rundir import layout
@@ -48,8 +25,7 @@ log = logging.getLogger(__name__)
 
 STAGES = ("base", "start", "primed", "trained")  # start: the lora.init_adapter a run starts from, when it has one
 METRICS = ("strict_accuracy", "strict_format_rate")
-WORDING_GROUPS = ("seen", "heldout")
-"""The wording groups of generated problems: frame and phrasings seen in training, or a frame or phrasing not."""
+WORDING_GROUPS = ("seen", "heldout")  # generated problems' frame and phrasings: seen in training, or not
 
 
 def mean_ci(values: list[float], *, confidence: float = 0.95, n_resamples: int = BOOTSTRAP_RESAMPLES,
@@ -65,29 +41,22 @@ def mean_ci(values: list[float], *, confidence: float = 0.95, n_resamples: int =
             "high": means[min(n_resamples - 1, int((1.0 - alpha) * n_resamples))]}
 
 
-def sampled_values(samples: Sequence[Sequence[Verdict]], k: int) -> dict[str, list[float]]:
-    """Per problem, from its k samples: mean@k (share strictly correct) and pass@k (any strictly correct)."""
-    return {f"mean@{k}": [problem_value(s, "strict_accuracy") for s in samples],
-            f"pass@{k}": [float(any(v.strict_correct for v in s)) for s in samples]}
-
-
 def problem_values(greedy: Sequence[Sequence[Verdict]], samples: Sequence[Sequence[Verdict]] | None = None
                    ) -> dict[str, list[float]]:
-    """Per problem, each stage metric: greedy strict accuracy and format, and with samples mean@k, pass@k and
-    room@k = pass@k - greedy (a problem solved by some sample but not by the greedy answer counts 1)."""
+    """Per problem, each stage metric: greedy accuracy and format, and from k samples mean@k, pass@k, room@k."""
     values = {m: [problem_value(v, m) for v in greedy] for m in METRICS}
     if samples:
         if len(samples) != len(greedy):
             raise ValueError(f"sampled and greedy evals differ in problems: {len(samples)} vs {len(greedy)}")
         k = max(len(s) for s in samples)
-        values.update(sampled_values(samples, k))
+        values[f"mean@{k}"] = [problem_value(s, "strict_accuracy") for s in samples]
+        values[f"pass@{k}"] = [float(any(v.strict_correct for v in s)) for s in samples]
         values[f"room@{k}"] = [p - g for p, g in zip(values[f"pass@{k}"], values["strict_accuracy"])]
     return values
 
 
 def wording_groups(questions: Sequence[str | None]) -> list[str | None]:
-    """Per question its WORDING_GROUPS entry (lowmem_grpo.data.wording.wording_of), None for a question that is not
-    a generated one."""
+    """Per question its WORDING_GROUPS entry (lowmem_grpo.data.wording), None for one that is not generated."""
     from lowmem_grpo.data.wording import wording_of
 
     found = [wording_of(q) if isinstance(q, str) else None for q in questions]
@@ -95,8 +64,7 @@ def wording_groups(questions: Sequence[str | None]) -> list[str | None]:
 
 
 def step_groups(solutions: Sequence[str | None]) -> list[str | None]:
-    """Per worked solution its number of calculations as a group name ("1", "2", ...; lowmem_grpo.rewards.chain),
-    None for one without annotated steps."""
+    """Per worked solution its number of calculations as a group name ("1", "2", ...), None without annotated steps."""
     from lowmem_grpo.rewards.chain import steps_of
 
     counts = [steps_of(s) if isinstance(s, str) else 0 for s in solutions]
@@ -104,8 +72,7 @@ def step_groups(solutions: Sequence[str | None]) -> list[str | None]:
 
 
 def _group_names(groups: Sequence[str | None]) -> list[str]:
-    """The groups present, in order: wording groups in WORDING_GROUPS order, step counts in numeric order, and a
-    cross group "2 heldout" by step count then wording."""
+    """The groups present: wording groups in order, step counts numerically, "2 heldout" by steps then wording."""
     def key(name: str) -> tuple[int, int]:
         steps, _, wording = name.partition(" ")
         if not steps.isdigit():
@@ -116,8 +83,7 @@ def _group_names(groups: Sequence[str | None]) -> list[str]:
 
 def _by_groups(per_stage: dict[str, list[list[Verdict]]], sampled: dict[str, list[list[Verdict]]],
                groups: Sequence[str | None], seed: int) -> dict[str, Any]:
-    """The summary of each group's problems, regrouped: num_problems per group, and per stage (or stage pair) and
-    group the metrics, differences, outcomes and chain outcomes."""
+    """`_summary` of each group's problems, regrouped: num_problems per group, each section by key then group."""
     out: dict[str, Any] = {"num_problems": {}, "stages": {}, "differences": {}, "outcomes": {}, "chains": {}}
     for group in _group_names(groups):
         keep = [i for i, g in enumerate(groups) if g == group]
@@ -134,14 +100,9 @@ def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
               sampled: dict[str, list[list[Verdict]]] | None = None,
               groups: Sequence[str | None] | None = None,
               steps: Sequence[str | None] | None = None) -> dict[str, Any]:
-    """Per stage each metric's mean and CI; between consecutive measured stages (and base -> trained) the paired
-    difference and its CI. `sampled` (stage -> k sample verdicts per problem) adds mean@k, pass@k and room@k.
-    `outcomes`: per stage, what the greedy answers got wrong (metrics.outcome_shares; a stage saved before outcomes
-    were judged has none); `chains`: where their chains broke (metrics.chain_shares). `groups` (per problem a
-    WORDING_GROUPS entry or None, `wording_groups`) adds `wording`: the same on each group's problems
-    (`num_problems`, `stages`, `differences`, `outcomes`, `chains`, each by group). `steps` (per problem its number
-    of calculations, `step_groups`) adds `steps` the same way when the problems have more than one step count, and
-    with `groups` also `steps_wording` (groups such as "2 heldout")."""
+    """Per stage each metric's mean and CI, the paired differences between stages, the outcomes and chains of the
+    greedy answers; with `groups` (`wording_groups`) the same by wording, with `steps` (`step_groups`) by step count
+    when there are several (and `steps_wording` with both)."""
     sampled = sampled or {}
     out = _summary(per_stage, seed, sampled)
     for name, by in (("wording", groups), ("steps", steps)):
@@ -181,27 +142,21 @@ def _summary(per_stage: dict[str, list[list[Verdict]]], seed: int, sampled: dict
 
 
 def sampled_batch(settings: dict[str, Any], k: int) -> dict[str, Any]:
-    """`settings` with a batch of at least 8 prompts' k samples: a batch counts sequences, so k samples per prompt
-    at the greedy batch size would mean k times the generate calls, and on CPU each call's fixed cost dominates."""
+    """`settings` with a batch of at least 8 prompts' k samples (on CPU each generate call's fixed cost dominates)."""
     return {**settings, "batch_size": max(int(settings["batch_size"]), 8 * k)}
 
 
 def sampled_settings(train: TrainConfig, settings: dict[str, Any], k: int) -> dict[str, Any]:
-    """The batch of a k-sample evaluation: train.eval.batch_size as it is when set (the plan counted its k samples
-    of batch / k problems), else sampled_batch's 8 prompts' samples at least."""
+    """The batch of a k-sample evaluation: train.eval.batch_size as it is when set, else `sampled_batch`."""
     return dict(settings) if train.eval.batch_size else sampled_batch(settings, k)
 
 
 def periodic_settings(train: TrainConfig, calculator: bool = False, cpu: CpuPaths = CpuPaths()
                       ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """run_eval's settings of the periodic held-out evaluation (train.eval.every) from the train section and the
-    run's CPU paths (`cpu`, lowmem_grpo.runtime.cpu_paths): greedy, and with train.eval.samples = k its k samples per
-    problem at train.temperature (None when k is 0). One definition, so that an evaluation that reproduces a curve
-    point (benchmarks/learning_sweep.py eval-checkpoint) batches and seeds its generate calls as the run did: seeded
-    samples depend on the batch they were drawn in."""
-    greedy = {"max_new_tokens": train.max_completion_length, "batch_size": eval_batch_size(train), "seed": train.seed,
-              "progress": False, "engine": "auto", "merged": cpu.merged, "calculator": calculator,
-              "attention": cpu.attention}
+    """run_eval's settings of the periodic evaluation (train.eval.every): greedy, and with train.eval.samples = k its
+    k samples per problem at train.temperature (None when k is 0). Seeded samples depend on their batch, so an
+    evaluation that reproduces a curve point (benchmarks/learning_sweep.py) uses these too."""
+    greedy = {**greedy_settings(train, calculator, cpu), "engine": "auto"}
     k = train.eval.samples
     if not k:
         return greedy, None
@@ -209,9 +164,7 @@ def periodic_settings(train: TrainConfig, calculator: bool = False, cpu: CpuPath
 
 
 def greedy_settings(train: TrainConfig, calculator: bool, cpu: CpuPaths = CpuPaths()) -> dict[str, Any]:
-    """run_eval's settings of a stage's greedy evaluation (and of an export's score on the same problems:
-    lowmem_grpo.export.score): the completion budget, batch and seed of the train section, the transformers engine,
-    the calculator when the recipe uses it (data.calculator), the run's CPU paths (`cpu`)."""
+    """run_eval's settings of a stage's greedy evaluation (and of an export's score, lowmem_grpo.export.score)."""
     return {"max_new_tokens": train.max_completion_length, "batch_size": eval_batch_size(train), "seed": train.seed,
             "progress": False, "engine": "transformers", "merged": cpu.merged, "calculator": calculator,
             "attention": cpu.attention}
@@ -226,13 +179,6 @@ def _by_group(verdicts: list[list[Verdict]], groups: Sequence[str | None]) -> st
     return ", ".join(parts)
 
 
-def _disabled_adapter(model: Any, stage: str) -> Any:
-    """The base model is the adapter model with its adapter switched off (PEFT's disable_adapter)."""
-    if stage == "base" and hasattr(model, "disable_adapter"):
-        return model.disable_adapter()
-    return contextlib.nullcontext()
-
-
 def _load_verdicts(saved: dict[str, Any]) -> dict[str, list[list[Verdict]]]:
     return {s: [[Verdict(**v) for v in p] for p in ps] for s, ps in saved.items()}
 
@@ -242,8 +188,7 @@ def _dump_verdicts(verdicts: dict[str, list[list[Verdict]]]) -> dict[str, Any]:
 
 
 class StageEvals:
-    """Greedy (and, with train.eval.stage.samples, sampled) evaluation of the same held-out problems after each
-    stage, on the run's CPU paths (`cpu`); results in `path` (stage_eval.json)."""
+    """Greedy (and sampled) evaluation of the same held-out problems after each stage; results in `path`."""
 
     def __init__(self, recipe: Recipe, tokenizer: Any, path: Path, peaks: Any = None,
                  cpu: CpuPaths = CpuPaths()) -> None:
@@ -271,8 +216,7 @@ class StageEvals:
             self.sampled = _load_verdicts(saved.get("sampled_verdicts", {}))
 
     def measure(self, model: Any, stage: str) -> dict[str, float]:
-        """Evaluate `model` as `stage` (unless already measured, or not in train.eval.stage.stages) and rewrite
-        stage_eval.json."""
+        """Evaluate `model` as `stage` (unless measured or not wanted) and rewrite stage_eval.json."""
         if stage not in self.wanted:
             return {}
         if stage in self.results:
@@ -280,8 +224,8 @@ class StageEvals:
         k = self.settings["samples"]
         common = greedy_settings(self.train, self.settings["calculator"], self.cpu)
         watch = self.peaks.stage(f"eval {stage}") if self.peaks is not None else contextlib.nullcontext()
-        with watch, _disabled_adapter(model, stage):
-            # minutes without a bar: a progress line like training's (problems done, rate, eta) every ~10 s
+        base = stage == "base" and hasattr(model, "disable_adapter")  # the base model: the adapter switched off
+        with watch, (model.disable_adapter() if base else contextlib.nullcontext()):
             result = run_eval(model, self.tokenizer, self.examples,
                               on_progress=ProgressLog(f"stage eval {stage}: greedy", log), **common)
             sampled = (run_eval(model, self.tokenizer, self.examples, num_samples=k,

@@ -1,19 +1,12 @@
 """Complete checkpoints, their retention, and the run-directory rewind that resume needs. Torch-free.
 
-A checkpoint is `RUN_DIR/checkpoint-N/` as the trainer writes it (adapter, optimizer.pt, scheduler.pt,
-rng_state.pth, trainer_state.json). It counts only once `lowmem_complete.json` sits inside it: that
-marker is written last, after every file of the checkpoint was flushed to disk, and lists each file
-with its size. A folder without a valid marker (a kill -9 or a full disk mid-save) is incomplete:
-resume skips it and `rotate` never counts it, so an old complete checkpoint is deleted only after a
-newer one is complete.
-
-Resume rewinds the run's own logs to the checkpoint it continues from: metrics.jsonl and
-completions.jsonl keep the lines up to that step (prime-stage lines too, priming is not repeated)
-and drop everything after it, so that the resumed run appends with no duplicated or missing step.
+A checkpoint-N/ counts once its `lowmem_complete.json` marker (written last, listing each file and its size) is valid;
+resume rewinds metrics.jsonl and completions.jsonl to the step it continues from (prime-stage lines stay).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,16 +28,12 @@ _CKPT = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
 def _fsync(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on folders
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on folders
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -52,23 +41,15 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = []
-    for child in run_dir.iterdir():
-        match = _CKPT.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def _files(folder: Path) -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != CHECKPOINT_MARKER and not p.name.startswith(f".{CHECKPOINT_MARKER}")}
+    matches = ((_CKPT.match(child.name), child) for child in run_dir.iterdir())
+    return sorted((int(m.group(1)), child) for m, child in matches if m and child.is_dir())
 
 
 def write_marker(folder: Path, step: int) -> Path:
     """Flush the checkpoint's files to disk, then write its completion marker atomically (temp + rename)."""
     folder = Path(folder)
-    files = _files(folder)
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name != CHECKPOINT_MARKER and not p.name.startswith(f".{CHECKPOINT_MARKER}")}
     for name in files:
         _fsync(folder / name)
     record = {"step": step, "files": files, "written": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -93,13 +74,8 @@ def is_complete(folder: Path) -> bool:
     if not match or not isinstance(record, dict) or record.get("step") != int(match.group(1)):
         return False
     files = record.get("files")
-    if not isinstance(files, dict) or not files:
-        return False
-    for name, size in files.items():
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != size:
-            return False
-    return True
+    return isinstance(files, dict) and bool(files) and all(
+        (folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items())
 
 
 def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -113,11 +89,11 @@ def last_complete(run_dir: Path) -> tuple[int, Path] | None:
     return done[-1] if done else None
 
 
-def remove_incomplete(run_dir: Path, keep: Callable[[int], bool] = lambda step: False) -> list[int]:
-    """Delete checkpoint folders without a valid marker (except steps `keep` spares); returns their steps."""
+def remove_incomplete(run_dir: Path) -> list[int]:
+    """Delete checkpoint folders without a valid marker; returns their steps."""
     removed = []
     for step, path in checkpoint_dirs(run_dir):
-        if not keep(step) and not is_complete(path):
+        if not is_complete(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(step)
     if removed:
@@ -126,43 +102,34 @@ def remove_incomplete(run_dir: Path, keep: Callable[[int], bool] = lambda step: 
 
 
 def rotate(run_dir: Path, limit: int | None) -> list[int]:
-    """Keep the newest `limit` complete checkpoints and delete older ones, complete or not; returns the steps.
-
-    Incomplete folders newer than the newest complete one are left alone (one may be being written).
-    """
+    """Keep the newest `limit` complete checkpoints and any newer folder (being written); returns the steps deleted."""
     done = complete_checkpoints(run_dir)
     if not done:
         return []
-    newest = done[-1][0]
     keep = {step for step, _ in done[-limit:]} if limit else {step for step, _ in done}
-    removed = []
-    for step, path in checkpoint_dirs(run_dir):
-        if step in keep or step > newest:
-            continue
+    removed = [(step, path) for step, path in checkpoint_dirs(run_dir) if step not in keep and step <= done[-1][0]]
+    for _, path in removed:
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(step)
-    return removed
+    return [step for step, _ in removed]
 
 
-def rewrite_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> tuple[int, int]:
-    """Rewrite a .jsonl file atomically with the lines `keep` accepts (half-written lines dropped); (kept, dropped)."""
-    path = Path(path)
+def _rewrite_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Rewrite a .jsonl file atomically with the lines `keep` accepts (half-written lines dropped); lines dropped."""
     if not path.exists():
-        return 0, 0
+        return 0
     kept, dropped = [], 0
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
-            dropped += 1
-            continue
+            record = None
         if isinstance(record, dict) and keep(record):
             kept.append(line)
         else:
             dropped += 1
     if dropped:
         replace_text(path, "".join(f"{line}\n" for line in kept))
-    return len(kept), dropped
+    return dropped
 
 
 def _step(record: dict[str, Any]) -> int:
@@ -170,28 +137,15 @@ def _step(record: dict[str, Any]) -> int:
     return step if isinstance(step, int) else 0
 
 
-def rewind_logs(run_dir: Path, step: int | None) -> dict[str, int]:
-    """Drop the metrics and completions lines after `step` (all of them when None: a restart from scratch).
-
-    Prime-stage metrics stay when a checkpoint is resumed (priming is not repeated); the trainer's
-    closing summary line of an interrupted attempt goes (the resumed run writes its own).
-    """
+def rewind_logs(run_dir: Path, step: int | None) -> None:
+    """Drop the metrics (but priming's) and completions lines after `step`; all of them when None (a restart)."""
     run_dir = Path(run_dir)
-
-    def keep_metric(record: dict[str, Any]) -> bool:
-        if step is None:
-            return False
-        if record.get("stage") == PRIME_STAGE:
-            return True
-        return _step(record) <= step and "train_runtime" not in record
-
-    _, dropped_metrics = rewrite_jsonl(run_dir / METRICS_FILE, keep_metric)
-    _, dropped_completions = rewrite_jsonl(run_dir / COMPLETIONS_FILE,
-                                           lambda r: step is not None and _step(r) <= step)
+    dropped_metrics = _rewrite_jsonl(run_dir / METRICS_FILE, lambda r: step is not None and (
+        r.get("stage") == PRIME_STAGE or (_step(r) <= step and "train_runtime" not in r)))
+    dropped_completions = _rewrite_jsonl(run_dir / COMPLETIONS_FILE, lambda r: step is not None and _step(r) <= step)
     if dropped_metrics or dropped_completions:
         log.info("rewound the logs to step %s: dropped %d metrics and %d completions lines", step or 0,
                  dropped_metrics, dropped_completions)
-    return {"metrics": dropped_metrics, "completions": dropped_completions}
 
 
 @dataclass
@@ -215,8 +169,7 @@ def resume_point(run_dir: Path | str, max_steps: int) -> ResumePoint:
     if not (run_dir / RECIPE_FILE).is_file():
         raise BadInputError(f"--resume {run_dir}: holds no {RECIPE_FILE}, so it is not a run directory",
                             fix="give the folder a `lowmem-grpo train` run wrote, or start a new run without --resume")
-    last = last_complete(run_dir)
-    step, path = last if last else (None, None)
+    step, path = last_complete(run_dir) or (None, None)
     finished = step is not None and step >= max_steps and _adapter_matches(run_dir / ADAPTER_DIR, path)
     return ResumePoint(run_dir, step, path, finished)
 

@@ -1,13 +1,7 @@
-"""completions.jsonl: sampled completions with their score under each reward, every N steps.
+"""completions.jsonl: sampled completions with their score under each reward, every N steps, one line per prompt group.
 
-The reward functions are wrapped (the wrapper keeps `__name__`, which TRL logs rewards by), so
-nothing in TRL is patched: every wrapper sees the same batch of prompts and completions, records
-its own scores, and the training callback writes the batch when the step ends. One line per
-prompt group: {"step", "prompt", "question", "answer", "prefill", "completions": [{"text",
-"rewards": {name: score}, "total"}]}, where total is the weighted sum TRL trains on.
-The recorder also keeps the newest batch of every step (recorded or not) for `collapse_stats`: how alike
-the completions of different prompts are, which the training callback logs each step for the health
-check of template collapse (lowmem_grpo.rundir.health). Imports nothing heavy.
+Reward functions are wrapped (keeping `__name__`, which TRL logs rewards by), so nothing in TRL is patched; the
+recorder also keeps each step's newest batch for `collapse_stats` (the health check of template collapse).
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ def should_record(step: int, every: int, max_steps: int | None = None) -> bool:
 
 
 def _text(item: Any) -> str:
-    """A completion or prompt as text: a string, or the last message of a conversation."""
+    """A completion or prompt as text: the last message of a conversation."""
     if isinstance(item, str):
         return item
     if isinstance(item, list) and item and isinstance(item[-1], dict):
@@ -55,16 +49,10 @@ def _final_answer(text: str) -> str | None:
     return " ".join(answer.split()) if answer and answer.strip() else None
 
 
-def collapse_stats(prompts: Sequence[str], texts: Sequence[str], golds: Sequence[Any] | None = None) -> dict[str, float]:
-    """How alike one batch's completions of different prompts are (empty with fewer than two prompts):
-
-    - completions/distinct_answers: distinct answers the prompts got (each prompt's most common final answer) per
-      distinct correct answer among them (per prompt without `golds`), at most 1; 1/n when every prompt gets the
-      same answer although their correct answers differ. Absent when fewer than two prompts have an answer, or
-      their correct answers are all the same.
-    - completions/shared_across_prompts: the share of completions whose text (stripped) was also written for
-      another prompt of the batch.
-    """
+def collapse_stats(prompts: Sequence[str], texts: Sequence[str],
+                   golds: Sequence[Any] | None = None) -> dict[str, float]:
+    """How alike one batch's completions of different prompts are: distinct modal answers per distinct correct answer
+    (at most 1), and the share of completions also written for another prompt; {} with fewer than two prompts."""
     by_prompt: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts[:len(texts)]):
         by_prompt.setdefault(prompt, []).append(i)
@@ -80,12 +68,11 @@ def collapse_stats(prompts: Sequence[str], texts: Sequence[str], golds: Sequence
     distinct_golds = len(set(gold_of.values()))
     if len(modal) >= 2 and distinct_golds >= 2:
         stats["completions/distinct_answers"] = min(1.0, len(set(modal.values())) / distinct_golds)
+    n = min(len(prompts), len(texts))
     owners: dict[str, set[str]] = {}
-    for prompt, rows in by_prompt.items():
-        for i in rows:
-            owners.setdefault(texts[i].strip(), set()).add(prompt)
-    shared = sum(len(owners[texts[i].strip()]) > 1 for rows in by_prompt.values() for i in rows)
-    stats["completions/shared_across_prompts"] = shared / sum(len(rows) for rows in by_prompt.values())
+    for i in range(n):
+        owners.setdefault(texts[i].strip(), set()).add(prompts[i])
+    stats["completions/shared_across_prompts"] = sum(len(owners[texts[i].strip()]) > 1 for i in range(n)) / n
     return stats
 
 
@@ -122,7 +109,6 @@ class CompletionRecorder:
         return recorded
 
     def wrap_all(self, funcs: list[Callable[..., list[Any]]]) -> list[Callable[..., list[Any]]]:
-        """Every reward function wrapped."""
         return [self.wrap(f) for f in funcs]
 
     def record(self, name: str, step: int, prompts: Any, completions: Any, columns: dict[str, Any],
@@ -169,8 +155,7 @@ class CompletionRecorder:
         lines = self.lines()
         if write and lines:
             with self.path.open("a", encoding="utf-8") as handle:
-                for line in lines:
-                    handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+                handle.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
         self.pending, self._batch = [], None
         return len(lines) if write else 0
 

@@ -1,8 +1,5 @@
-"""RUN_DIR/export_scores.json: each export's accuracy on the run's held-out problems beside the adapter's.
-
-One entry per export folder (a new export to the same folder replaces its entry): the format, the file, and the
-`score` lowmem_grpo.export.score.summarize wrote (accuracies with 95% CIs, paired differences with the adapter and the
-base model). `table_lines` renders them for report.md ("The gain survives export") and the export's model card.
+"""RUN_DIR/export_scores.json: each export's accuracy on the run's held-out problems beside the adapter's, one entry
+per export folder (lowmem_grpo.export.score.summarize's `score`), rendered for report.md and the model card.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ def _ci(row: dict[str, Any] | None, key: str = "mean", signed: bool = False) -> 
 
 
 def table_lines(entries: list[dict[str, Any]]) -> list[str]:
-    """A markdown table: per export its strict accuracy, the paired difference with the adapter and with the base
-    model (95% CIs), led by the adapter's own row; [] when no entry has a score."""
+    """A markdown table of each export's accuracy and paired differences, led by the adapter's row; [] if none."""
     scored = [e for e in entries if e.get("score")]
     if not scored:
         return []

@@ -1,13 +1,7 @@
-"""Known GRPO failure patterns, found in metric records: a pure function of the metrics, no torch.
+"""Known GRPO failure patterns, found in metric records (metrics.jsonl lines, NaN written as null): no torch.
 
-Besides a flat or clipped reward and a NaN gradient: reward hacking (the goal reward falls while the total
-rises), credit without answers (the total rises while the goal reward does not: partial credit such as
-`chain_steps` or a format reward paid for something other than the goal) and template collapse (different
-prompts answered alike, from the per-step statistics of lowmem_grpo.rundir.completions.collapse_stats).
-
-`check(records)` looks at the newest records (the training callback calls it after every log);
-`scan(records)` replays a whole run and returns every warning with the step it first fired at
-(report.md lists those). A record is one metrics.jsonl line; NaN is written there as null.
+`check(records)` looks at the newest records (the training callback calls it after every log); `scan(records)`
+replays a whole run and returns every warning with the step it first fired at (report.md lists those).
 """
 
 from __future__ import annotations
@@ -16,33 +10,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-ZERO_STD_STEPS = 3
-"""reward_std at zero for this many logged steps in a row warns."""
-ZERO_STD_FRACTION = 0.9
-"""frac_reward_zero_std above this warns: most groups carry no gradient."""
-CLIPPED_RATIO = 0.5
-"""completions/clipped_ratio above this warns: most completions hit max_completion_length."""
-HACK_WINDOW = 10
-"""Logged steps the reward-hacking check compares (their older half against their newer half)."""
+ZERO_STD_STEPS = 3  # reward_std at zero for this many logged steps in a row warns
+ZERO_STD_FRACTION = 0.9  # frac_reward_zero_std above this warns: most groups carry no gradient
+CLIPPED_RATIO = 0.5  # completions/clipped_ratio above this warns: most completions hit max_completion_length
+HACK_WINDOW = 10  # logged steps the goal-vs-total checks compare, older half against newer half
 HACK_MIN_STEPS = 6
-"""The reward-hacking check waits for this many logged steps."""
-HACK_GOAL_DROP = 0.05
-"""The goal reward's mean (unweighted) falling by this much between the halves, while the total rises, warns."""
+HACK_GOAL_DROP = 0.05  # the goal reward's mean falling this much while the total rises HACK_TOTAL_RISE: hacking
 HACK_TOTAL_RISE = 0.05
-"""...and the total reward's mean rising by at least this much."""
-CREDIT_TOTAL_RISE = 0.10
-"""The total reward's mean rising by this much between the halves while the goal reward's does not rise warns."""
-COLLAPSE_STEPS = 3
-"""Logged steps with collapse statistics the template-collapse check averages over."""
-DISTINCT_ANSWERS = 0.5
-"""completions/distinct_answers at or below this (mean over COLLAPSE_STEPS) warns: prompts with different correct
-answers get the same answer."""
-SHARED_COMPLETIONS = 0.25
-"""completions/shared_across_prompts at or above this (mean over COLLAPSE_STEPS) warns: the same completion text
-answers different prompts."""
+CREDIT_TOTAL_RISE = 0.10  # the total rising this much while the goal reward does not: credit without answers
+COLLAPSE_STEPS = 3  # logged steps with collapse statistics the template-collapse check averages over
+DISTINCT_ANSWERS = 0.5  # completions/distinct_answers at or below this warns (prompts get the same answer)
+SHARED_COMPLETIONS = 0.25  # completions/shared_across_prompts at or above this warns (same text, other prompts)
 ZERO_EPS = 1e-8
-SCAN_WINDOW = max(ZERO_STD_STEPS, HACK_WINDOW, COLLAPSE_STEPS)
-"""Records `scan` hands `check` at each step: enough for every check's window."""
+SCAN_WINDOW = max(ZERO_STD_STEPS, HACK_WINDOW, COLLAPSE_STEPS)  # records `scan` hands `check` at each step
 
 
 @dataclass(frozen=True)
@@ -69,22 +49,13 @@ def _number(record: dict[str, Any], key: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _is_nan(record: dict[str, Any], key: str) -> bool:
-    """True for a NaN/inf value, or a null one (metrics.jsonl stores non-finite floats as null)."""
-    if key not in record:
-        return False
-    value = record[key]
-    return value is None or (isinstance(value, float) and not math.isfinite(value))
-
-
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _halves(steps: list[dict[str, Any]], goal: str | None
-            ) -> tuple[tuple[float, float], tuple[float, float], int] | None:
-    """((goal old, goal new), (total old, total new), steps compared): the means of the goal reward and the total
-    over the older and the newer half of the last HACK_WINDOW logged steps; None without a goal or enough steps."""
+def _goal_vs_total(steps: list[dict[str, Any]], goal: str | None, step: int) -> HealthWarning | None:
+    """Reward hacking (the goal reward falls while the total rises) or credit without answers (the total rises while
+    the goal reward does not), over the older and newer half of the last HACK_WINDOW logged steps."""
     if goal is None:
         return None
     key = f"rewards/{goal}/mean"
@@ -92,36 +63,18 @@ def _halves(steps: list[dict[str, Any]], goal: str | None
     pairs = [(g, t) for g, t in pairs if g is not None and t is not None]
     if len(pairs) < HACK_MIN_STEPS:
         return None
-    half = len(pairs) // 2
+    half, n = len(pairs) // 2, len(pairs)
     old, new = pairs[:half], pairs[-half:]
-    return ((_mean([g for g, _ in old]), _mean([g for g, _ in new])),
-            (_mean([t for _, t in old]), _mean([t for _, t in new])), len(pairs))
-
-
-def reward_hacking(steps: list[dict[str, Any]], goal: str | None, step: int) -> HealthWarning | None:
-    """The goal reward's mean falls while the total reward rises, over the last HACK_WINDOW logged steps."""
-    halves = _halves(steps, goal)
-    if halves is None:
-        return None
-    (goal_old, goal_new), (total_old, total_new), n = halves
-    if goal_old - goal_new < HACK_GOAL_DROP or total_new - total_old < HACK_TOTAL_RISE:
-        return None
-    return HealthWarning(
-        "reward_hacking", step,
-        f"the goal reward {goal} fell from {goal_old:.2f} to {goal_new:.2f} while the total reward rose from "
-        f"{total_old:.2f} to {total_new:.2f} (the last {n} logged steps, older half vs newer half): the "
-        "policy is learning to earn the other rewards instead of the goal",
-        "weigh the goal reward above the others together (e.g. lower the format rewards' weights), anchor the "
-        "policy with train.beta > 0, or lower train.learning_rate")
-
-
-def credit_without_goal(steps: list[dict[str, Any]], goal: str | None, step: int) -> HealthWarning | None:
-    """The total reward rises while the goal reward does not (flat or falling less than reward hacking's drop),
-    over the last HACK_WINDOW logged steps: the other rewards are being earned without the goal."""
-    halves = _halves(steps, goal)
-    if halves is None:
-        return None
-    (goal_old, goal_new), (total_old, total_new), n = halves
+    goal_old, goal_new = _mean([g for g, _ in old]), _mean([g for g, _ in new])
+    total_old, total_new = _mean([t for _, t in old]), _mean([t for _, t in new])
+    if goal_old - goal_new >= HACK_GOAL_DROP and total_new - total_old >= HACK_TOTAL_RISE:
+        return HealthWarning(
+            "reward_hacking", step,
+            f"the goal reward {goal} fell from {goal_old:.2f} to {goal_new:.2f} while the total reward rose from "
+            f"{total_old:.2f} to {total_new:.2f} (the last {n} logged steps, older half vs newer half): the "
+            "policy is learning to earn the other rewards instead of the goal",
+            "weigh the goal reward above the others together (e.g. lower the format rewards' weights), anchor the "
+            "policy with train.beta > 0, or lower train.learning_rate")
     if goal_new > goal_old or goal_old - goal_new >= HACK_GOAL_DROP or total_new - total_old < CREDIT_TOTAL_RISE:
         return None
     return HealthWarning(
@@ -133,24 +86,19 @@ def credit_without_goal(steps: list[dict[str, Any]], goal: str | None, step: int
         "is learnt; check rewards/<name>/mean in metrics.jsonl for the one that climbs")
 
 
-def template_collapse(steps: list[dict[str, Any]], step: int) -> HealthWarning | None:
-    """Different prompts answered with the same answer or the same completion, over the last COLLAPSE_STEPS steps
-    that logged collapse statistics (lowmem_grpo.rundir.completions.collapse_stats)."""
-    with_stats = [r for r in steps if _number(r, "completions/distinct_answers") is not None
-                  or _number(r, "completions/shared_across_prompts") is not None][-COLLAPSE_STEPS:]
+def _template_collapse(steps: list[dict[str, Any]], step: int) -> HealthWarning | None:
+    """Different prompts answered alike over the last COLLAPSE_STEPS steps with collapse statistics."""
+    keys = ("completions/distinct_answers", "completions/shared_across_prompts")
+    with_stats = [r for r in steps if any(_number(r, k) is not None for k in keys)][-COLLAPSE_STEPS:]
     if len(with_stats) < COLLAPSE_STEPS:
         return None
-    distinct = [v for v in (_number(r, "completions/distinct_answers") for r in with_stats) if v is not None]
-    shared = [v for v in (_number(r, "completions/shared_across_prompts") for r in with_stats) if v is not None]
+    distinct, shared = ([v for v in (_number(r, k) for r in with_stats) if v is not None] for k in keys)
     same_answer = len(distinct) == COLLAPSE_STEPS and _mean(distinct) <= DISTINCT_ANSWERS
     same_text = len(shared) == COLLAPSE_STEPS and _mean(shared) >= SHARED_COMPLETIONS
     if not (same_answer or same_text):
         return None
-    seen = []
-    if distinct:
-        seen.append(f"distinct answers per distinct correct answer {_mean(distinct):.2f}")
-    if shared:
-        seen.append(f"{_mean(shared):.0%} of completions also written for another prompt")
+    seen = ([f"distinct answers per distinct correct answer {_mean(distinct):.2f}"] if distinct else []) + (
+        [f"{_mean(shared):.0%} of completions also written for another prompt"] if shared else [])
     return HealthWarning(
         "template_collapse", step,
         f"the policy answers different prompts alike ({'; '.join(seen)}, mean of the last {COLLAPSE_STEPS} logged "
@@ -159,67 +107,55 @@ def template_collapse(steps: list[dict[str, Any]], step: int) -> HealthWarning |
         "more prompts into each step (train.per_device_train_batch_size)")
 
 
-def check(records: list[dict[str, Any]], *, zero_std_steps: int = ZERO_STD_STEPS,
-          zero_std_fraction: float = ZERO_STD_FRACTION, clipped_ratio: float = CLIPPED_RATIO,
-          goal: str | None = None) -> list[HealthWarning]:
-    """The warnings that hold at the newest training record (empty when the run looks healthy); `goal` is the
-    goal reward's name as logged (rewards/<goal>/mean), None when the run has none."""
+def check(records: list[dict[str, Any]], *, goal: str | None = None) -> list[HealthWarning]:
+    """The warnings that hold at the newest training record; `goal`: the goal reward's logged name, if any."""
     steps = training_records(records)
     if not steps:
         return []
     last = steps[-1]
     step = int(last.get("step", len(steps)))
     found = []
-    window = steps[-zero_std_steps:]
+    window = steps[-ZERO_STD_STEPS:]
     stds = [_number(r, "reward_std") for r in window]
-    if len(window) == zero_std_steps and all(s is not None and abs(s) <= ZERO_EPS for s in stds):
+    if len(window) == ZERO_STD_STEPS and all(s is not None and abs(s) <= ZERO_EPS for s in stds):
         found.append(HealthWarning(
             "reward_std_zero", step,
-            f"reward_std has been 0 for {zero_std_steps} logged steps: every completion scores the same, "
+            f"reward_std has been 0 for {ZERO_STD_STEPS} logged steps: every completion scores the same, "
             "so GRPO has no gradient (loss and grad_norm stay at 0)",
             "give the model a way to score: prefill the format (data.prefill), show a filled-in example in "
             "data.system_prompt, add a graded reward, raise train.num_generations or train.temperature"))
     frac = _number(last, "frac_reward_zero_std")
-    if frac is not None and frac > zero_std_fraction:
+    if frac is not None and frac > ZERO_STD_FRACTION:
         found.append(HealthWarning(
             "frac_reward_zero_std", step,
-            f"frac_reward_zero_std is {frac:.2f} (> {zero_std_fraction}): in most groups all completions "
+            f"frac_reward_zero_std is {frac:.2f} (> {ZERO_STD_FRACTION}): in most groups all completions "
             "score the same and those groups teach nothing",
             "raise train.num_generations, use graded rewards (xml_count, soft_format), or easier problems"))
     clipped = _number(last, "completions/clipped_ratio")
-    if clipped is not None and clipped > clipped_ratio:
+    if clipped is not None and clipped > CLIPPED_RATIO:
         found.append(HealthWarning(
             "clipped_ratio", step,
-            f"{clipped:.0%} of completions hit max_completion_length (> {clipped_ratio:.0%}): answers are cut "
+            f"{clipped:.0%} of completions hit max_completion_length (> {CLIPPED_RATIO:.0%}): answers are cut "
             "off before they can be scored",
             "raise train.max_completion_length, or add a length reward that favours finishing"))
-    if _is_nan(last, "grad_norm"):
+    grad_norm = last.get("grad_norm", 0.0)  # metrics.jsonl stores non-finite floats as null
+    if grad_norm is None or (isinstance(grad_norm, float) and not math.isfinite(grad_norm)):
         found.append(HealthWarning(
             "grad_norm_nan", step, "grad_norm is NaN: the update is broken and the adapter may be corrupted",
             "lower train.learning_rate, keep train.max_grad_norm set, use fp32 or bf16 instead of fp16, "
             "and check rewards for NaN"))
-    found += [w for w in (reward_hacking(steps, goal, step), credit_without_goal(steps, goal, step),
-                          template_collapse(steps, step)) if w is not None]
-    return found
+    return found + [w for w in (_goal_vs_total(steps, goal, step), _template_collapse(steps, step)) if w is not None]
 
 
-def scan(records: list[dict[str, Any]], **thresholds: Any) -> list[HealthWarning]:
+def scan(records: list[dict[str, Any]], goal: str | None = None) -> list[HealthWarning]:
     """Replay a run: each warning when it starts to hold (again after it cleared), oldest first."""
     steps = training_records(records)
-    active: set[str] = set()
-    fired = []
-    window = max(SCAN_WINDOW, int(thresholds.get("zero_std_steps", ZERO_STD_STEPS)))
-    for end in range(1, len(steps) + 1):
-        now = check(steps[max(0, end - window):end], **thresholds)
-        codes = {w.code for w in now}
-        fired += [w for w in now if w.code not in active]
-        active = codes
-    return fired
+    latch = WarningLatch(goal)
+    return [w for end in range(1, len(steps) + 1) for w in latch.update(steps[max(0, end - SCAN_WINDOW):end])]
 
 
 class WarningLatch:
-    """Reports each warning once when it starts to hold, again only after it cleared (for the callback); `goal` is
-    the goal reward's logged name."""
+    """Reports each warning once when it starts to hold, again only after it cleared; `goal` as in `check`."""
 
     def __init__(self, goal: str | None = None) -> None:
         self.active: set[str] = set()

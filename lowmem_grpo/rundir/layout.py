@@ -1,25 +1,4 @@
-"""The run directory: every file name in it, and how it is chosen, checked, created and resumed.
-
-    RUN_DIR/
-      recipe.yaml            the resolved recipe (rewritten with a note by an OOM retry)
-      env.json               package versions, backend, device
-      memory_plan.json       the predicted peak auto-fit chose (CUDA runs)
-      metrics.jsonl          one line per logged step, tagged with its stage (prime, grpo, eval)
-      completions.jsonl      sampled completions with their per-reward scores
-      oom_retries.jsonl      each CUDA out-of-memory retry and what it lowered
-      distributed.json       each rank's adapter digest (several processes)
-      primed_adapter/        the adapter after priming, before GRPO
-      checkpoint-N/          a trainer checkpoint; complete once lowmem_complete.json is inside
-                             (lowmem_sampling.json: what dynamic sampling / the curriculum had learned)
-      adapter/               the final adapter
-      eval.json, eval/       evaluation results (`lowmem-grpo eval`)
-      stage_eval.json        base / primed / trained accuracy on the same held-out problems (train.eval.stage)
-      export_scores.json     each export's accuracy on those problems beside the adapter's (`lowmem-grpo export`)
-      peak_rss.json          the process's peak resident memory in each stage (load, evals, priming, GRPO, save)
-      eval_steps.jsonl       per-problem greedy (and sampled) values of each periodic evaluation (train.eval.every)
-      plots/, report.md      the report
-Torch-free.
-"""
+"""The run directory: every file name in it, and how it is chosen, checked, created and written. Torch-free."""
 
 from __future__ import annotations
 
@@ -32,23 +11,23 @@ from typing import Any
 
 from lowmem_grpo.errors import BadInputError
 
-RECIPE_FILE = "recipe.yaml"
-ENV_FILE = "env.json"
-PLAN_FILE = "memory_plan.json"
-METRICS_FILE = "metrics.jsonl"
-COMPLETIONS_FILE = "completions.jsonl"
-OOM_FILE = "oom_retries.jsonl"
-DISTRIBUTED_FILE = "distributed.json"
-PRIMED_ADAPTER_DIR = "primed_adapter"
-CHECKPOINT_PREFIX = "checkpoint-"
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe (rewritten with a note by an OOM retry)
+ENV_FILE = "env.json"  # package versions, backend, device
+PLAN_FILE = "memory_plan.json"  # the predicted peak auto-fit chose (CUDA runs)
+METRICS_FILE = "metrics.jsonl"  # one line per logged step, tagged with its stage (prime, grpo, eval)
+COMPLETIONS_FILE = "completions.jsonl"  # sampled completions with their per-reward scores
+OOM_FILE = "oom_retries.jsonl"  # each CUDA out-of-memory retry and what it lowered
+DISTRIBUTED_FILE = "distributed.json"  # each rank's adapter digest (several processes)
+PRIMED_ADAPTER_DIR = "primed_adapter"  # the adapter after priming, before GRPO
+CHECKPOINT_PREFIX = "checkpoint-"  # a trainer checkpoint, complete once CHECKPOINT_MARKER is inside
 CHECKPOINT_MARKER = "lowmem_complete.json"
 SAMPLING_STATE_FILE = "lowmem_sampling.json"  # inside checkpoint-N/: pass rates, curriculum level, prompts drawn
-ADAPTER_DIR = "adapter"
-EVAL_FILE = "eval.json"
-STAGE_EVAL_FILE = "stage_eval.json"
-EXPORT_SCORES_FILE = "export_scores.json"
-PEAK_RSS_FILE = "peak_rss.json"
-EVAL_STEPS_FILE = "eval_steps.jsonl"
+ADAPTER_DIR = "adapter"  # the final adapter
+EVAL_FILE = "eval.json"  # evaluation results (`lowmem-grpo eval`), also under EVAL_DIR
+STAGE_EVAL_FILE = "stage_eval.json"  # base / primed / trained accuracy on the same held-out problems
+EXPORT_SCORES_FILE = "export_scores.json"  # each export's accuracy on those problems beside the adapter's
+PEAK_RSS_FILE = "peak_rss.json"  # the process's peak resident memory in each stage
+EVAL_STEPS_FILE = "eval_steps.jsonl"  # per-problem values of each periodic evaluation (train.eval.every)
 EVAL_DIR = "eval"
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"
@@ -58,32 +37,25 @@ GRPO_STAGE = "grpo"
 _WRITABLE_FIX = "set output.dir (or output.root) to a writable folder"
 
 
-def describe_run_dir(run_dir: Path) -> str:
-    """A short listing of what a run directory holds, for error messages."""
-    names = sorted(p.name for p in Path(run_dir).iterdir())
-    return ", ".join(names[:6]) + (f", ... ({len(names)} entries)" if len(names) > 6 else "")
-
-
 def choose_run_dir(output_dir: str | None, root: str, name: str) -> Path:
     """output.dir, or <root>/<name>-<timestamp>; refuses a folder that already holds a run or other files."""
     if output_dir:
         run_dir = Path(output_dir).expanduser()
     else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(root).expanduser() / f"{name}-{stamp}"
+        run_dir = Path(root).expanduser() / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if run_dir.is_dir() and any(run_dir.iterdir()):
         holds_run = (run_dir / RECIPE_FILE).exists()
-        raise BadInputError(f"run directory {run_dir} already holds {'a run' if holds_run else 'files'} "
-                            f"({describe_run_dir(run_dir)})",
+        names = sorted(p.name for p in run_dir.iterdir())
+        listing = ", ".join(names[:6]) + (f", ... ({len(names)} entries)" if len(names) > 6 else "")
+        raise BadInputError(f"run directory {run_dir} already holds {'a run' if holds_run else 'files'} ({listing})",
                             fix=(f"continue that run with `lowmem-grpo train --resume {run_dir}`, or " if holds_run
                                  else "") + "choose another output.dir, or leave it unset for a new timestamped one")
-    check_writable(run_dir)  # created only once the inputs are checked: bad input leaves nothing
+    _check_writable(run_dir)  # created only once the inputs are checked: bad input leaves nothing
     return run_dir
 
 
-def check_writable(run_dir: Path) -> None:
+def _check_writable(run_dir: Path) -> None:
     """BadInputError unless `run_dir` can be created and written; probes with a temporary file, leaves nothing."""
-    run_dir = Path(run_dir)
     existing = run_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -99,7 +71,7 @@ def check_writable(run_dir: Path) -> None:
 
 
 def create_run_dir(run_dir: Path, recipe_yaml: str) -> Path:
-    """Create the run directory checked by `check_writable` and write its recipe.yaml."""
+    """Create the run directory `choose_run_dir` checked and write its recipe.yaml."""
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -115,8 +87,7 @@ def write_json(path: Path, data: dict[str, Any]) -> Path:
 
 
 def replace_text(path: Path, text: str) -> Path:
-    """Write a file whole or not at all: a hidden temporary beside it, then renamed over it, so that a reader (or
-    a crash) never sees it half-written."""
+    """Write a file whole or not at all (a hidden temporary renamed over it): readers never see it half-written."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -125,8 +96,7 @@ def replace_text(path: Path, text: str) -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The lines of a run's .jsonl file (metrics, completions), oldest first; [] when it does not exist yet. A
-    half-written line (the file read while the run writes it) is skipped."""
+    """The lines of a run's .jsonl file, oldest first ([] before it exists); a half-written line is skipped."""
     path = Path(path)
     if not path.exists():
         return []

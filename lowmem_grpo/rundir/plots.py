@@ -1,6 +1,5 @@
-"""The plots of a run's training records (metrics.jsonl): plots/*.png, drawn with matplotlib's Figure (no pyplot,
-no display needed) and replaced atomically. `plot_all(records, out_dir)` draws them; rundir/report.py puts them in
-report.md.
+"""plots/*.png of a run's training records, drawn with matplotlib's Figure (no pyplot, no display) and replaced
+atomically; rundir/report.py puts them in report.md.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from typing import Any
 
 from lowmem_grpo.rundir import telemetry
 
-SMOOTHING = 0.8
-"""Weight of the past in the exponential moving average drawn over the raw curves."""
+SMOOTHING = 0.8  # weight of the past in the exponential moving average drawn over the raw curves
+UNIT = (-0.05, 1.05)  # y range of a share
 
 
 def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
@@ -80,8 +79,7 @@ def _figure(title: str, rows: int) -> tuple[Any, list[Any]]:
 
     height = 2.6 * rows
     fig = Figure(figsize=(8, height))
-    # fixed margins (inches), not layout="constrained": that layout draws each figure twice to measure it, which
-    # was half of the ~2 s the report added to the end of every run
+    # fixed margins: layout="constrained" draws each figure twice to measure it
     fig.subplots_adjust(left=0.11, right=0.97, top=1 - 0.45 / height, bottom=0.5 / height, hspace=0.12)
     axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     fig.suptitle(title)
@@ -110,63 +108,47 @@ def _time_figure(records: list[dict[str, Any]]) -> Any:
     return fig
 
 
+def _plot(records: list[dict[str, Any]], path: Path, title: str, panels: list[tuple[Any, ...]]) -> Path:
+    """One figure of stacked panels, each (keys, ylabel, smoothed, ylim or None)."""
+    fig, ax = _figure(title, len(panels))
+    for axis, (keys, ylabel, smoothed, ylim) in zip(ax, panels):
+        _panel(axis, records, keys, ylabel, smoothed=smoothed)
+        if ylim:
+            axis.set_ylim(*ylim)
+    _save(fig, path)
+    return path
+
+
 def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """The PNG plots of one run's training records; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     names = reward_names(records)
-    written = []
-
-    fig, ax = _figure("Reward (total and per reward function)", 2)
-    _panel(ax[0], records, [("total reward", "reward")], "total reward mean", smoothed=True)
-    _panel(ax[1], records, [(n, f"rewards/{n}/mean") for n in names], "per-reward mean", smoothed=True)
-    written.append(out_dir / "rewards.png")
-    _save(fig, written[-1])
-
-    fig, ax = _figure("Reward spread (no spread = no GRPO gradient)", 2)
-    _panel(ax[0], records, [("reward_std", "reward_std")], "reward_std")
-    _panel(ax[1], records, [("frac_reward_zero_std", "frac_reward_zero_std")], "frac zero std")
-    ax[1].set_ylim(-0.05, 1.05)
-    written.append(out_dir / "reward_spread.png")
-    _save(fig, written[-1])
-
-    fig, ax = _figure("Completions", 2)
-    _panel(ax[0], records, [("mean", "completions/mean_length"), ("min", "completions/min_length"),
-                            ("max", "completions/max_length")], "length (tokens)")
-    _panel(ax[1], records, [("clipped ratio", "completions/clipped_ratio")], "clipped ratio")
-    ax[1].set_ylim(-0.05, 1.05)
-    written.append(out_dir / "completions.png")
-    _save(fig, written[-1])
-
-    fig, ax = _figure("Optimisation", 3)
-    _panel(ax[0], records, [("loss", "loss")], "loss")
-    _panel(ax[1], records, [("grad_norm", "grad_norm")], "grad norm")
-    _panel(ax[2], records, [("learning rate", "learning_rate")], "learning rate")
-    written.append(out_dir / "optimization.png")
-    _save(fig, written[-1])
-
+    figures = [
+        ("rewards", "Reward (total and per reward function)",
+         [([("total reward", "reward")], "total reward mean", True, None),
+          ([(n, f"rewards/{n}/mean") for n in names], "per-reward mean", True, None)]),
+        ("reward_spread", "Reward spread (no spread = no GRPO gradient)",
+         [([("reward_std", "reward_std")], "reward_std", False, None),
+          ([("frac_reward_zero_std", "frac_reward_zero_std")], "frac zero std", False, UNIT)]),
+        ("completions", "Completions",
+         [([("mean", "completions/mean_length"), ("min", "completions/min_length"),
+            ("max", "completions/max_length")], "length (tokens)", False, None),
+          ([("clipped ratio", "completions/clipped_ratio")], "clipped ratio", False, UNIT)]),
+        ("optimization", "Optimisation",
+         [([("loss", "loss")], "loss", False, None), ([("grad_norm", "grad_norm")], "grad norm", False, None),
+          ([("learning rate", "learning_rate")], "learning rate", False, None)]),
+    ]
     if series(records, "groups/informative")[0]:  # dynamic sampling / curriculum runs
-        written.append(_plot_groups(records, out_dir / "groups.png"))
-
+        groups = [([("total reward", "groups/informative"), ("goal reward", "groups/informative_goal")],
+                   "informative share", True, UNIT)]
+        if series(records, "curriculum/level")[0]:
+            groups.append(([("curriculum level", "curriculum/level")], "level", False, None))
+        figures.append(("groups", "Groups that teach (informative = the group's rewards vary)", groups))
+    written = [_plot(records, out_dir / f"{name}.png", title, panels) for name, title, panels in figures]
     if telemetry.phase_records(records):
         written.append(out_dir / "time.png")
         _save(_time_figure(records), written[-1])
-
     if series(records, "kl")[0]:
-        fig, ax = _figure("KL to the reference model", 1)
-        _panel(ax[0], records, [("kl", "kl")], "kl")
-        written.append(out_dir / "kl.png")
-        _save(fig, written[-1])
+        kl = [([("kl", "kl")], "kl", False, None)]
+        written.append(_plot(records, out_dir / "kl.png", "KL to the reference model", kl))
     return written
-
-
-def _plot_groups(records: list[dict[str, Any]], path: Path) -> Path:
-    """groups.png: the share of informative groups (total reward and goal reward) and the curriculum level."""
-    level = bool(series(records, "curriculum/level")[0])
-    fig, ax = _figure("Groups that teach (informative = the group's rewards vary)", 2 if level else 1)
-    _panel(ax[0], records, [("total reward", "groups/informative"),
-                            ("goal reward", "groups/informative_goal")], "informative share", smoothed=True)
-    ax[0].set_ylim(-0.05, 1.05)
-    if level:
-        _panel(ax[1], records, [("curriculum level", "curriculum/level")], "level")
-    _save(fig, path)
-    return path

@@ -1,9 +1,6 @@
 """Plots and report.md from a run directory: works mid-run and on a run that only has metrics.jsonl.
 
-`write_report(run_dir)` reads metrics.jsonl (and completions.jsonl, eval.json, stage_eval.json, recipe.yaml when
-present) and writes plots/*.png (rundir/plots.py's) and report.md; the tables of what each stage
-bought are rundir/stage_tables.py's. Files are replaced atomically, so reading the report while a run writes it
-never shows a half-written file.
+`write_report(run_dir)` reads the run's files and replaces plots/*.png (rundir/plots.py) and report.md atomically.
 """
 
 from __future__ import annotations
@@ -16,10 +13,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from lowmem_grpo.rundir import layout
-from lowmem_grpo.rundir import health
-from lowmem_grpo.rundir import export_scores, rss
-from lowmem_grpo.rundir import telemetry
+from lowmem_grpo.rundir import export_scores, health, layout, rss, telemetry
 from lowmem_grpo.rundir.completions import read_completions
 from lowmem_grpo.rundir.plots import plot_all, reward_names, series
 from lowmem_grpo.rundir.stage_tables import outcome_lines, stage_lines
@@ -55,18 +49,8 @@ def summary_table(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def skipped_lines(records: list[dict[str, Any]]) -> list[str]:
-    """A bullet on the optimizer steps skipped because no group of their batch varied; [] when none was."""
-    _, skipped = series(records, "optimizer/skipped_no_signal")
-    count = round(sum(skipped))
-    if not count:
-        return []
-    return ["", f"- optimizer steps skipped (no group of the batch varied, nothing to learn): {count} of "
-                f"{len(skipped)} logged steps"]
-
-
 def groups_lines(records: list[dict[str, Any]]) -> list[str]:
-    """Markdown bullets on the groups GRPO learned from (dynamic sampling / curriculum runs); [] otherwise."""
+    """Bullets on the groups GRPO learned from (dynamic sampling / curriculum runs); [] otherwise."""
     _, informative = series(records, "groups/informative")
     if not informative:
         return []
@@ -84,7 +68,7 @@ def groups_lines(records: list[dict[str, Any]]) -> list[str]:
 
 
 def time_lines(records: list[dict[str, Any]]) -> list[str]:
-    """The summary's line on where the time went (mean shares of the phases); [] when no phase timing was logged."""
+    """The summary's line on where the time went (mean shares of the phases); [] without phase timing."""
     means = telemetry.phase_means(health.training_records(records))
     if not means:
         return []
@@ -97,11 +81,6 @@ def time_lines(records: list[dict[str, Any]]) -> list[str]:
     return ["", f"Time per step: {_num(means[telemetry.STEP_KEY])} s ({shares}); "
                 f"{means.get(telemetry.TOKENS_KEY, 0.0):.1f} generated tokens/s{after}. "
                 f"Plot: `{layout.PLOTS_DIR}/time.png`; keys `time/*` in {layout.METRICS_FILE}."]
-
-
-def _fence(text: str) -> str:
-    longest = max((len(m) for m in re.findall(r"~+", text)), default=0)
-    return "~" * max(4, longest + 1)
 
 
 def sample_completions(rows: list[dict[str, Any]], last_steps: int = 2, count: int = 3
@@ -125,7 +104,7 @@ def _sample_md(c: dict[str, Any]) -> list[str]:
     question = str(c.get("question", ""))
     question = question if len(question) <= 400 else question[:400] + " ..."
     text = f"{c.get('prefill') or ''}{c.get('text', '')}"
-    fence = _fence(text)
+    fence = "~" * max(4, max((len(m) for m in re.findall(r"~+", text)), default=0) + 1)
     return [f"**step {c.get('step')}, total {_num(c.get('total'))}** ({scores}); gold answer: `{c.get('answer')}`",
             "", f"> {' '.join(question.split())}", "", f"{fence}text", text, fence, ""]
 
@@ -137,8 +116,8 @@ def format_value(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def latest_eval(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The run's evaluation: RUN_DIR/eval.json, else the newest RUN_DIR/eval/*/eval.json (`lowmem-grpo eval`)."""
+def eval_lines(run_dir: Path) -> list[str]:
+    """Rows of the run's evaluation (RUN_DIR/eval.json, else the newest eval/*/eval.json); [] when none."""
     candidates = [run_dir / layout.EVAL_FILE] if (run_dir / layout.EVAL_FILE).is_file() else sorted(
         (run_dir / layout.EVAL_DIR).glob(f"*/{layout.EVAL_FILE}"), key=lambda p: p.stat().st_mtime)
     for path in reversed(candidates):
@@ -147,16 +126,9 @@ def latest_eval(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         except (OSError, json.JSONDecodeError):
             continue
         if isinstance(data, dict):
-            return path, data
-    return None
-
-
-def eval_lines(run_dir: Path) -> list[str]:
-    """Markdown rows of the latest evaluation's metrics (and its base-vs-adapter comparison); [] when none."""
-    found = latest_eval(run_dir)
-    if not found:
+            break
+    else:
         return []
-    path, data = found
     metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else data
     settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
     where = ", ".join(f"{k} {settings[k]}" for k in ("split", "num_problems") if k in settings)
@@ -168,8 +140,8 @@ def eval_lines(run_dir: Path) -> list[str]:
         lines += ["", "| metric | base | adapter | diff (95% CI) |", "|---|---|---|---|"]
         for k, v in comparison.items():
             if isinstance(v, dict) and {"base", "adapter", "diff"} <= set(v):
-                lines.append(f"| {k} | {format_value(v['base'])} | {format_value(v['adapter'])} | {format_value(v['diff'])} "
-                             f"({format_value(v.get('low'))} to {format_value(v.get('high'))}) |")
+                cells = [format_value(x) for x in (v["base"], v["adapter"], v["diff"], v.get("low"), v.get("high"))]
+                lines.append("| {} | {} | {} | {} ({} to {}) |".format(k, *cells))
     runs = data.get("runs") if isinstance(data.get("runs"), dict) else {}
     by_run = {name: r.get("outcomes") for name, r in runs.items() if isinstance(r, dict)}
     outcomes = outcome_lines(by_run) or outcome_lines({"answers": data.get("outcomes")})
@@ -177,8 +149,7 @@ def eval_lines(run_dir: Path) -> list[str]:
 
 
 def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
-    """The process's peak RSS in each stage (peak_rss.json), and in each phase of a GRPO step (the rss/<phase> keys
-    of metrics.jsonl: their largest logged value); [] when neither was recorded."""
+    """The peak RSS in each stage (peak_rss.json) and each phase of a GRPO step (rss/<phase>); [] without either."""
     data = rss.read(run_dir / layout.PEAK_RSS_FILE) or {}
     stages = data.get("stages") or []
     lines: list[str] = []
@@ -199,18 +170,6 @@ def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _recipe_info(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / layout.RECIPE_FILE
-    if not path.exists():
-        return {}
-    import yaml
-
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError:
-        return {}
-
-
 def goal_name(run_dir: Path) -> str | None:
     """The logged name of the run's goal reward (from its recipe.yaml); None without one, or an unreadable recipe."""
     from lowmem_grpo.errors import LowmemError
@@ -218,28 +177,23 @@ def goal_name(run_dir: Path) -> str | None:
     from lowmem_grpo.recipe_io import load_recipe
 
     path = run_dir / layout.RECIPE_FILE
-    if not path.exists():
-        return None
     try:
-        return goal_reward_name(load_recipe(str(path)))
+        return goal_reward_name(load_recipe(str(path))) if path.exists() else None
     except (LowmemError, KeyError, ValueError, ImportError):
         return None
-
-
-def start_line(info: dict[str, Any]) -> list[str]:
-    """Where the adapter started, when not from a fresh LoRA (lora.init_adapter in recipe.yaml)."""
-    lora = info.get("lora") if isinstance(info.get("lora"), dict) else {}
-    adapter = lora.get("init_adapter")
-    if not adapter:
-        return []
-    primed = " (then primed)" if (info.get("prime") or {}).get("enabled") else ""
-    return [f"- started from adapter `{adapter}`{primed}"]
 
 
 def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Path],
                    completions: list[dict[str, Any]]) -> str:
     """report.md's text."""
-    info = _recipe_info(run_dir)
+    import yaml
+
+    try:
+        info = yaml.safe_load((run_dir / layout.RECIPE_FILE).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        info = {}
+    lora = info.get("lora") if isinstance(info.get("lora"), dict) else {}
+    primed = " (then primed)" if (info.get("prime") or {}).get("enabled") else ""
     steps = health.training_records(records)
     done = [r for r in records if "train_runtime" in r]
     max_steps = (info.get("train") or {}).get("max_steps")
@@ -249,29 +203,22 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     lines = [f"# Run report: {info.get('name', run_dir.name)}", "",
              f"- run directory: `{run_dir}`",
              f"- model: `{(info.get('model') or {}).get('name', '?')}`",
-             *start_line(info),
+             *([f"- started from adapter `{lora['init_adapter']}`{primed}"] if lora.get("init_adapter") else []),
              f"- steps logged: {len(steps)} (last step {last} of {max_steps or '?'}), {state}",
              f"- written: {time.strftime('%Y-%m-%d %H:%M:%S')}", "", "## Summary", ""]
     lines += summary_table(steps) if steps else ["No training step logged yet."]
-    lines += skipped_lines(steps)
+    _, skipped = series(steps, "optimizer/skipped_no_signal")
+    if round(sum(skipped)):
+        lines += ["", f"- optimizer steps skipped (no group of the batch varied, nothing to learn): "
+                      f"{round(sum(skipped))} of {len(skipped)} logged steps"]
     lines += time_lines(records)
     groups = groups_lines(steps)
-    if groups:
-        lines += ["", "## Groups that teach", ""] + groups
-    lines += ["", "## Warnings", ""]
+    lines += ["", "## Groups that teach", "", *groups] if groups else []
     warnings = health.scan(steps, goal=goal_name(run_dir))
-    lines += [f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."]
-    by_stage = stage_lines(run_dir)
-    if by_stage:
-        lines += ["", "## What each stage bought", ""] + by_stage
-    evaluation = eval_lines(run_dir)
-    if evaluation:
-        lines += ["", "## Evaluation", ""] + evaluation
-    exported = export_scores.report_lines(run_dir)
-    lines += ["", *exported] if exported else []
-    memory = memory_lines(run_dir, records)
-    if memory:
-        lines += ["", "## Memory", ""] + memory
+    lines += ["", "## Warnings", ""] + ([f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."])
+    for title, body in (("## What each stage bought", stage_lines(run_dir)), ("## Evaluation", eval_lines(run_dir)),
+                        (None, export_scores.report_lines(run_dir)), ("## Memory", memory_lines(run_dir, records))):
+        lines += ["", *([title, ""] if title else []), *body] if body else []
     lines += ["", "## Plots", ""]
     lines += [f"![{p.stem}]({layout.PLOTS_DIR}/{p.name})" for p in plots]
     lines += ["", "## Sample completions", ""]

@@ -1,21 +1,6 @@
-"""Peak resident memory (RSS) of this process per stage of a run and per phase of a step, and the glibc allocator
-settings that keep it near the memory in use. Standard library only.
-
-A span's peak comes from two sources. The kernel keeps the process's high-water mark (VmHWM in /proc/self/status,
-what ru_maxrss reports): when it rises during a span, the span holds the process's peak so far and its value is
-exact (`exact`). Otherwise the peak is the largest RSS a background thread sampled during the span, every
-SAMPLE_SECONDS: a lower bound, off by at most what one interval allocates. The mark is never reset (resetting it
-through /proc/self/clear_refs would also reset the ru_maxrss that `time -v` and benchmarks read).
-
-    peaks = StagePeaks()
-    with peaks.stage("load"): ...             # peaks.records: [{"stage", "peak_rss_bytes", "exact", "seconds"}]
-    with Watch() as w: ...; w.peak_bytes      # one span (PhaseTimer times each phase of a GRPO step in one)
-
-glibc keeps freed memory: a block above M_MMAP_THRESHOLD is mmapped and unmapped when freed, but the threshold
-rises to the size of each large block freed (up to 32 MiB), so afterwards the many tensors of a few MiB that a CPU
-forward/backward makes come from the heap, which fragments and does not shrink. `limit_heap_retention` pins the
-threshold (every block of that size or more goes back to the OS when freed) and `release_free_memory` returns the
-heap's free pages (malloc_trim) between stages. Neither changes what is computed.
+"""Peak resident memory (RSS) per stage of a run and per phase of a step, and glibc allocator settings that keep it
+near the memory in use. A span's peak is exact when it raised the kernel's high-water mark (VmHWM, never reset), else
+the largest RSS a background thread sampled every SAMPLE_SECONDS. Standard library only.
 """
 
 from __future__ import annotations
@@ -46,14 +31,6 @@ SAMPLE_SECONDS = 0.01  # the sampling interval of a span that does not raise the
 RSS_PREFIX = "rss/"  # metrics.jsonl keys: rss/<phase>, the peak RSS (GiB) of each phase of the logged step
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        match = re.search(rf"^{field}:\s+(\d+) kB", STATUS.read_text(), re.M)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
 def current_bytes() -> int:
     """This process's resident set now (0 where /proc is not there)."""
     try:
@@ -64,65 +41,40 @@ def current_bytes() -> int:
 
 def high_water_bytes() -> int:
     """The kernel's high-water mark of this process's resident set (its peak since it started)."""
-    kib = _status_kib("VmHWM")
-    if kib is not None:
-        return kib * 1024
+    try:
+        match = re.search(r"^VmHWM:\s+(\d+) kB", STATUS.read_text(), re.M)
+    except OSError:
+        match = None
+    if match:
+        return int(match.group(1)) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-class _Sampler:
-    """The open watches, and the thread that samples the RSS into them while any is open."""
-
-    def __init__(self) -> None:
-        self.open: list[Watch] = []
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
-
-    def add(self, watch: Watch) -> None:
-        with self.lock:
-            self.open.append(watch)
-            if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(target=self._run, name="lowmem-rss", daemon=True)
-                self.thread.start()
-
-    def remove(self, watch: Watch) -> None:
-        with self.lock:
-            self.open.remove(watch)
-
-    def _run(self) -> None:
-        while True:
-            with self.lock:
-                watches = list(self.open)
-                if not watches:
-                    self.thread = None
-                    return
-            now = current_bytes()
-            for watch in watches:
-                watch.peak_bytes = max(watch.peak_bytes, now)
-            time.sleep(SAMPLE_SECONDS)
-
-
-SAMPLER = _Sampler()
-
-
 class Watch:
-    """The peak RSS of the span of a `with` block, in bytes (`peak_bytes`); `exact` when the span raised the
-    process's high-water mark (its value), else sampled (module doc)."""
+    """The peak RSS of a `with` block in bytes (`peak_bytes`); `exact` when it raised the high-water mark."""
 
     def __init__(self) -> None:
         self.peak_bytes = 0
         self.exact = False
         self._mark = 0
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while not self._done.wait(SAMPLE_SECONDS):
+            self.peak_bytes = max(self.peak_bytes, current_bytes())
 
     def __enter__(self) -> Watch:
         self._mark = high_water_bytes()
         self.peak_bytes = current_bytes()
-        SAMPLER.add(self)
+        self._thread = threading.Thread(target=self._sample, name="lowmem-rss", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        SAMPLER.remove(self)
+        self._done.set()
+        self._thread.join()
         self.peak_bytes = max(self.peak_bytes, current_bytes())
         mark = high_water_bytes()
         if mark > self._mark:  # the process's peak so far was reached inside this span: the exact value
@@ -166,9 +118,8 @@ class StagePeaks:
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 2 << 20
-"""Blocks of 2 MiB and more are mmapped (each freed one leaves the process), smaller ones reuse the heap. At 64 KiB
-a CPU loss pass of 8 rows page-faulted ~1.2 M times and ran 2x slower (benchmarks/cpu_speed.py allocator); 6 GRPO steps
-of the CPU default ran as fast at 2 MiB as at 8 MiB and peaked at 3.41 GB instead of 3.55 GB."""
+"""Blocks of 2 MiB and more are mmapped (freed ones leave the process); lower thresholds page-fault far more often
+(benchmarks/cpu_speed.py allocator)."""
 
 
 def _glibc() -> Any:
@@ -182,7 +133,8 @@ def _glibc() -> Any:
 
 
 def limit_heap_retention(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Pin glibc's mmap threshold at `threshold` bytes (module doc); False where the C library is not glibc."""
+    """Pin glibc's mmap threshold at `threshold` bytes, so that large freed blocks leave the process instead of
+    fragmenting the heap (glibc raises it to each large block freed); False where the C library is not glibc."""
     libc = _glibc()
     ok = bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1)
     if ok:

@@ -1,10 +1,5 @@
-"""report.md's tables of what each stage bought (stage_eval.json), what the answers got wrong, and both by wording.
-
-`stage_lines(run_dir)` renders stage_eval.json: each stage's greedy accuracy and format rate (and, when sampled,
-mean@k, pass@k and pass@k - greedy) with 95% CIs, the paired difference between stages, the outcomes of each
-stage's greedy answers, and for generated problems the same side by side on seen and held-out wording
-(`wording_lines`, also printed by benchmarks/calculator_gain.py), and for problems of several step counts each
-stage on one-, two-, ... step problems side by side, also by wording, with where the chains broke (`steps_lines`).
+"""report.md's tables of stage_eval.json: what each stage bought, what the answers got wrong, by wording and by
+number of calculations (`wording_lines` and `steps_lines` are also printed by benchmarks/calculator_gain.py).
 """
 
 from __future__ import annotations
@@ -17,24 +12,22 @@ from lowmem_grpo.rewards.calculator import OUTCOME_DESCRIPTIONS, OUTCOMES
 from lowmem_grpo.rewards.chain import CHAIN_DESCRIPTIONS, CHAIN_OUTCOMES
 from lowmem_grpo.rundir import layout
 
-WORDING_LABELS = {"seen": "seen", "heldout": "held-out"}
-"""Column labels of the wording groups (lowmem_grpo.evaluation.stages.WORDING_GROUPS)."""
+WORDING_LABELS = {"seen": "seen", "heldout": "held-out"}  # of lowmem_grpo.evaluation.stages.WORDING_GROUPS
 OUTCOMES_TITLE = ("What the answers got wrong (the greedy answer of each problem; its last calculation checked by an "
                   "exact calculator):")
-
-
-def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str:
-    value = entry[key]
-    sign = "+" if signed and value > 0 else ""
-    return f"{sign}{value:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
 
 
 CHAINS_TITLE = ("Where the chains broke (the greedy answer's calculations against the worked solution's steps; a "
                 "step counts as reached when some calculation has its result):")
 
 
+def _ci(entry: dict[str, float], key: str = "mean", signed: bool = False) -> str:
+    sign = "+" if signed and entry[key] > 0 else ""
+    return f"{sign}{entry[key]:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+
 def group_label(group: str) -> str:
-    """"1 step", "2 steps", "2 steps: held-out", "seen": a column label of a step or wording group."""
+    """"1 step", "2 steps: held-out", "seen": a column label of a step or wording group."""
     steps, _, wording = group.partition(" ")
     if not steps.isdigit():
         return WORDING_LABELS.get(group, group)
@@ -43,9 +36,8 @@ def group_label(group: str) -> str:
 
 
 def outcome_lines(by_column: dict[str, Any], title: str = OUTCOMES_TITLE, chains: bool = False) -> list[str]:
-    """A markdown table of what the answers got wrong: one row per outcome, one column per stage (or variant), each
-    cell the share of problems; [] when no column has outcomes. A column without them (saved before outcomes were
-    judged) shows "-". `chains`: the rows are where the chains broke (lowmem_grpo.rewards.chain.CHAIN_OUTCOMES)."""
+    """A table of the share of problems per outcome (row) and stage or variant (column); [] when no column has
+    outcomes. `chains`: the rows are where the chains broke (lowmem_grpo.rewards.chain.CHAIN_OUTCOMES)."""
     names, descriptions = (CHAIN_OUTCOMES, CHAIN_DESCRIPTIONS) if chains else (OUTCOMES, OUTCOME_DESCRIPTIONS)
     columns = {name: shares for name, shares in by_column.items() if isinstance(shares, dict)}
     if not any(columns.values()):
@@ -58,10 +50,9 @@ def outcome_lines(by_column: dict[str, Any], title: str = OUTCOMES_TITLE, chains
     return lines
 
 
-def _side_by_side(rows: dict[str, Any], metrics: list[str], groups: list[str], names: dict[str, str], first: str,
+def _side_by_side(rows: dict[str, Any], metrics: list[str], groups: list[str], header: list[str], first: str,
                   key: str = "mean") -> list[str]:
-    """One table: a row per stage (or change), for each metric a column per wording group."""
-    header = [f"{names[m]}: {WORDING_LABELS[g]}" for m in metrics for g in groups]
+    """A row per stage (or change), for each metric a column per group."""
     lines = [f"| {first} | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for name, by_group in rows.items():
         cells = [_ci(by_group[g][m], key, signed=key == "diff") if m in by_group.get(g, {}) else "-"
@@ -71,9 +62,7 @@ def _side_by_side(rows: dict[str, Any], metrics: list[str], groups: list[str], n
 
 
 def wording_lines(wording: dict[str, Any], k: int | None = None, temperature: Any = None) -> list[str]:
-    """Markdown tables of a `wording` summary (lowmem_grpo.evaluation.stages.summarize): per stage greedy accuracy
-    and (sampled) mean@k and pass@k on seen and on held-out wording side by side with 95% CIs, the paired change
-    between stages in each group, and each group's outcomes; [] when there is none."""
+    """Tables of a `wording` summary: each stage and change on seen and held-out wording, and the outcomes."""
     counts = (wording or {}).get("num_problems") or {}
     groups = [g for g in WORDING_LABELS if counts.get(g)]
     if not groups:
@@ -85,9 +74,10 @@ def wording_lines(wording: dict[str, Any], k: int | None = None, temperature: An
             "heldout": f"{counts.get('heldout', 0)} with a frame or a phrasing training never saw (held-out)"}
     lines = ["By wording, the same problems split: " + " and ".join(told[g] for g in groups) + " (95% bootstrap "
              "CIs; the paired changes pair each group's problems between stages):", ""]
-    lines += _side_by_side(wording.get("stages", {}), metrics, groups, names, "stage")
+    header = [f"{names[m]}: {WORDING_LABELS[g]}" for m in metrics for g in groups]
+    lines += _side_by_side(wording.get("stages", {}), metrics, groups, header, "stage")
     if wording.get("differences"):
-        lines += [""] + _side_by_side(wording["differences"], metrics, groups, names, "change (paired)", key="diff")
+        lines += [""] + _side_by_side(wording["differences"], metrics, groups, header, "change (paired)", key="diff")
     outcomes = {f"{stage} {WORDING_LABELS[g]}": by_group.get(g) or {}
                 for stage, by_group in (wording.get("outcomes") or {}).items() for g in groups}
     title = "What the answers got wrong, by wording (the greedy answer's last calculation, as above):"
@@ -95,9 +85,7 @@ def wording_lines(wording: dict[str, Any], k: int | None = None, temperature: An
 
 
 def steps_lines(data: dict[str, Any]) -> list[str]:
-    """Markdown tables of stage_eval.json's `steps` (and `steps_wording`): per stage greedy strict accuracy on one-,
-    two-, ... step problems side by side, also each by wording, with 95% CIs; the paired change between stages in
-    each group; and per stage and step count where the chains broke. [] when the problems had one step count."""
+    """Tables of stage_eval.json's `steps` (and `steps_wording`) and where the chains broke; [] without them."""
     steps = data.get("steps") or {}
     counts = steps.get("num_problems") or {}
     if not counts:
@@ -111,24 +99,15 @@ def steps_lines(data: dict[str, Any]) -> list[str]:
              "CIs; also by wording; the paired changes pair each group's problems between stages):", ""]
     header = [group_label(g) for g in groups]
     for rows, first, key in ((merged["stages"], "stage", "mean"), (merged["differences"], "change (paired)", "diff")):
-        if not rows:
-            continue
-        lines += ["| " + " | ".join([first, *header]) + " |", "|---" * (len(header) + 1) + "|"]
-        for name, by_group in rows.items():
-            cells = [_ci(by_group[g]["strict_accuracy"], key, signed=key == "diff") if g in by_group else "-"
-                     for g in groups]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines.append("")
+        if rows:
+            lines += _side_by_side(rows, ["strict_accuracy"], groups, header, first, key) + [""]
     chains = {f"{stage} {group_label(g)}": shares for stage, by_group in (steps.get("chains") or {}).items()
               for g, shares in by_group.items()}
     return lines + outcome_lines(chains, CHAINS_TITLE, chains=True) if chains else lines[:-1]
 
 
 def stage_lines(run_dir: Path) -> list[str]:
-    """Markdown tables of stage_eval.json: each stage's greedy accuracy and format rate (and, when sampled, mean@k,
-    pass@k and pass@k - greedy) with 95% CIs, the paired difference between stages, what each stage's answers
-    got wrong (`outcome_lines`), and all by wording for generated problems (`wording_lines`); [] when the run
-    measured none."""
+    """report.md's tables of stage_eval.json; [] when the run measured no stage."""
     path = run_dir / layout.STAGE_EVAL_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -146,19 +125,16 @@ def stage_lines(run_dir: Path) -> list[str]:
                   for m in sampled})
     columns = ["strict_accuracy", "strict_format_rate", *sampled]
     lines = [f"The same {data.get('num_problems')} held-out problems at each stage, greedy"
-             + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", "",
-             "| stage | " + " | ".join(names[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    lines += ["| " + " | ".join([s] + [_ci(m[c]) if c in m else "-" for c in columns]) + " |"
-              for s, m in stages.items()]
+             + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", ""]
+    lines += _side_by_side({s: {"": m} for s, m in stages.items()}, columns, [""], [names[c] for c in columns],
+                           "stage")
     if sampled:
         lines += ["", "pass@k - greedy is the room GRPO has on the greedy answer: problems some sample solves and "
                   "the greedy answer does not."]
     if diffs:
         paired = [c for c in columns if not c.startswith("room@")]
-        lines += ["", "| change | " + " | ".join(f"{names[c]} (paired)" for c in paired) + " |",
-                  "|---" * (len(paired) + 1) + "|"]
-        lines += ["| " + " | ".join([pair] + [_ci(m[c], "diff", True) if c in m else "-" for c in paired]) + " |"
-                  for pair, m in diffs.items()]
+        lines += ["", *_side_by_side({pair: {"": m} for pair, m in diffs.items()}, paired, [""],
+                                     [f"{names[c]} (paired)" for c in paired], "change", "diff")]
     outcomes = data.get("outcomes") or {}
     if isinstance(outcomes, dict) and outcomes:
         lines += ["", *outcome_lines({s: outcomes.get(s) or {} for s in stages})]

@@ -1,30 +1,20 @@
-"""Run telemetry: metrics.jsonl (every key the trainer logs), env.json, one console line per step (written by
-lowmem_grpo.train.callbacks.TelemetryCallback), and the phase-timing keys (time/<phase>, logged by
-lowmem_grpo.train.callbacks.PhaseTimer) with `phase_table(records)`, which prints them.
-
-File names come from lowmem_grpo.rundir.layout.
+"""Run telemetry: metrics.jsonl, env.json, the console line per step (lowmem_grpo.train.callbacks.TelemetryCallback)
+and the phase-timing keys time/<phase> (lowmem_grpo.train.callbacks.PhaseTimer) with `phase_table`, which prints them.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.rundir import layout
 
-log = logging.getLogger(__name__)
-
 PHASE_PREFIX = "time/"
 PHASES = ("generation", "rewards", "prepare_other", "loss_forward", "backward", "optimizer", "other",
           "checkpoint_telemetry")
-"""A GRPO step's phases, logged as time/<phase> seconds (lowmem_grpo.train.callbacks.PhaseTimer); they sum to
-time/step. generation: sampling (tokenize, generate, decode); rewards: the reward functions; prepare_other: the
-rest of the batch preparation (old/reference log-probs, advantages); loss_forward: the policy log-prob forward and
-the loss; backward; optimizer: optimizer.step; other: clipping, scheduler, zero_grad; checkpoint_telemetry: the gap
-after the previous step (its log line, callbacks, checkpoint, periodic eval)."""
+"""A GRPO step's phases, logged as time/<phase> seconds that sum to time/step (PHASE_LABELS says what each holds)."""
 STEP_KEY = "time/step"
 SHARE_KEY = "time/sampling_share"
 TOKENS_KEY = "tokens_per_s"
@@ -32,11 +22,9 @@ PHASE_LABELS = {"generation": "generation", "rewards": "reward scoring",
                 "prepare_other": "old/ref log-probs, advantages", "loss_forward": "log-prob + loss forward",
                 "backward": "backward", "optimizer": "optimizer step", "other": "clip, scheduler, callbacks",
                 "checkpoint_telemetry": "checkpoint, telemetry (prev. step)"}
-"""How phase_table names each phase."""
 
-# report_to value -> (module that must be importable, pip package that provides it)
 REPORT_TO_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-                      "trackio": ("trackio", "trackio")}
+                      "trackio": ("trackio", "trackio")}  # report_to -> (module to import, pip package)
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -65,8 +53,7 @@ def check_report_to(report_to: str) -> None:
 
 
 def write_env(run_dir: Path, backend: str, dtype: str | None = None) -> dict[str, Any]:
-    """env.json: package versions, backend, device, GPU name and memory, the dtype the model was loaded in and,
-    on CPU, what `model.dtype=auto` resolves to here and why."""
+    """env.json: package versions, backend, device, GPU, the dtype loaded and, on CPU, what dtype=auto resolves to."""
     from lowmem_grpo.device import cpu_auto_dtype, describe
 
     info = describe()
@@ -83,17 +70,8 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
-def _phase_brief(logs: dict[str, Any]) -> str:
-    """'gen 62%, 17 tok/s': the sampling share of the step and the sampling speed."""
-    share, speed = logs.get(SHARE_KEY), logs.get(TOKENS_KEY)
-    return f"gen {_fmt(share * 100 if isinstance(share, (int, float)) else None, '.0f')}%, {_fmt(speed, '.0f')} tok/s"
-
-
 def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: float, reward_names: list[str]) -> str:
-    """step/total, reward mean +- std (or the loss, for a stage without rewards such as prime), each reward's
-    mean, the informative share of groups and the curriculum level (when logged), length and the share cut off at
-    the budget, a skipped optimizer step, KL, step time (with the
-    sampling share and generated tokens/s when phase timing is logged), ETA, peak GPU memory."""
+    """The console line of one logged step: progress, rewards (or the loss), groups, lengths, KL, time, ETA, memory."""
     parts = [f"step {step}/{max_steps}"]
     if "reward" in logs or "loss" not in logs:
         parts.append(f"reward {_fmt(logs.get('reward'))} +- {_fmt(logs.get('reward_std'))}")
@@ -103,12 +81,10 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
         value = logs.get(f"rewards/{name}/mean")
         if value is not None:
             parts.append(f"{name} {_fmt(value)}")
-    if "groups/informative" in logs:  # dynamic sampling / curriculum: the share of groups GRPO learns from
-        parts.append(f"informative {_fmt(logs['groups/informative'], '.2f')}")
-    if "curriculum/level" in logs:
-        parts.append(f"level {_fmt(logs['curriculum/level'], '.0f')}")
-    if "completions/mean_length" in logs:
-        parts.append(f"len {_fmt(logs['completions/mean_length'], '.0f')}")
+    for key, label, spec in (("groups/informative", "informative", ".2f"), ("curriculum/level", "level", ".0f"),
+                             ("completions/mean_length", "len", ".0f")):
+        if key in logs:
+            parts.append(f"{label} {_fmt(logs[key], spec)}")
     clipped = logs.get("completions/clipped_ratio")  # completions cut off at max_completion_length
     if isinstance(clipped, (int, float)):
         parts.append(f"cut {100 * clipped:.0f}%")
@@ -118,7 +94,9 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
     if "kl" in logs:
         parts.append(f"kl {_fmt(logs['kl'], '.4f')}")
     if STEP_KEY in logs:
-        parts.append(f"{_fmt(logs[STEP_KEY], '.1f')}s/step ({_phase_brief(logs)})")
+        share = logs.get(SHARE_KEY)
+        share = _fmt(share * 100 if isinstance(share, (int, float)) else None, ".0f")
+        parts.append(f"{_fmt(logs[STEP_KEY], '.1f')}s/step (gen {share}%, {_fmt(logs.get(TOKENS_KEY), '.0f')} tok/s)")
     elif "step_time" in logs:
         parts.append(f"{_fmt(logs['step_time'], '.1f')}s/step")
     if step > 0 and max_steps > step:
@@ -139,17 +117,12 @@ def phase_means(records: list[dict[str, Any]] | dict[str, Any]) -> dict[str, flo
     """Mean of each time/* key, tokens_per_s and the sampling share over the records with phase timing; {} if none."""
     timed = phase_records(records)
     keys = [f"{PHASE_PREFIX}{p}" for p in PHASES] + [STEP_KEY, SHARE_KEY, TOKENS_KEY]
-    means = {}
-    for key in keys:
-        values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
-        if values:
-            means[key] = sum(values) / len(values)
-    return means
+    values = {key: [r[key] for r in timed if isinstance(r.get(key), (int, float))] for key in keys}
+    return {key: sum(v) / len(v) for key, v in values.items() if v}
 
 
 def phase_table(records: list[dict[str, Any]] | dict[str, Any]) -> str:
-    """Where a step's time went, as a fixed-width text table: seconds per step and share of the step for each
-    phase (means over the given metrics records that carry time/step), then tokens/s and the sampling share."""
+    """Where a step's time went, as a fixed-width text table: mean seconds and share of the step per phase."""
     means, count = phase_means(records), len(phase_records(records))
     if not means:
         return "no phase timing in these records (time/step not logged)\n"
