@@ -1,7 +1,5 @@
-"""The attention of the CPU passes (docs/performance.md, "Sampling on CPU"): sdpa with grouped key/value heads never
-repeat_kv'd, and in bfloat16/float16 a float32 matmul attention instead of PyTorch's flash kernel for CPU (~2 ms a
-call per layer whatever the work). Imports torch and transformers inside the functions.
-"""
+"""The CPU passes' attention (docs/performance.md): grouped heads never repeat_kv'd, and in bfloat16/float16 a
+float32 matmul instead of PyTorch's flash kernel for CPU (~2 ms a call per layer whatever the work)."""
 
 from __future__ import annotations
 
@@ -24,11 +22,8 @@ def low_precision_cpu(query: Any) -> bool:
 
 def matmul_attention(query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None,
                      is_causal: bool) -> Any:
-    """softmax(query @ key^T * scaling + mask) @ value in float32, in the query's dtype and SDPA's output layout.
-    Query head h reads key/value head h // groups (repeat_kv's order). `attention_mask`: bool (True = attend) or
-    additive, or None (then `is_causal` aligns the causal pattern to the last key). Masked scores get float32's
-    lowest value, not -inf, so a fully masked (left-padding) row stays finite instead of reaching the gradients as
-    NaN."""
+    """SDPA in float32 with grouped heads (repeat_kv's order), returned in the query's dtype. Masked scores get
+    float32's lowest value, not -inf, so a fully masked (padding) row stays finite instead of NaN in the gradients."""
     import torch
 
     batch, heads, q_len, dim = query.shape
@@ -58,8 +53,7 @@ def matmul_attention(query: Any, key: Any, value: Any, attention_mask: Any, scal
 def cpu_attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
                           scaling: float | None = None, is_causal: bool | None = None,
                           **kwargs: Any) -> tuple[Any, None]:
-    """transformers' sdpa attention (same signature and output), bfloat16/float16 on CPU by matmul_attention,
-    grouped heads with a mask by SDPA's enable_gqa; dropout, a position bias or attention weights take sdpa's path."""
+    """transformers' sdpa attention with matmul_attention for bfloat16/float16 on CPU and SDPA's enable_gqa."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -79,8 +73,7 @@ def cpu_attention_forward(module: Any, query: Any, key: Any, value: Any, attenti
 
 
 def cache_dtype(model: Any) -> Any:
-    """float32 for a decode cache read by matmul_attention (bfloat16/float16 weights on CPU under CPU_ATTENTION:
-    each new position converted once, exactly), else None (the model's dtype)."""
+    """float32 for a decode cache that matmul_attention reads (converted once, exactly), else None."""
     import torch
 
     config = getattr(model, "config", None)
@@ -93,8 +86,8 @@ def cache_dtype(model: Any) -> Any:
 
 @contextlib.contextmanager
 def cpu_attention(model: Any, enabled: bool = True) -> Iterator[bool]:
-    """The model's sdpa attention switched to cpu_attention_forward while the block runs; yields whether it switched:
-    on CPU, for an sdpa model (not Unsloth's) with grouped key/value heads or bfloat16/float16 weights."""
+    """cpu_attention_forward while the block runs, for a non-Unsloth sdpa model on CPU with grouped heads or
+    bfloat16/float16 weights; yields whether it switched."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -1,7 +1,5 @@
-"""The decode loop every transformers sampling path runs (GRPO rollouts, evaluation, the preflight): one completion
-per prompt, greedy or sampled by inverse CDF, each distinct prompt prefilled once, ended rows dropped as they gather,
-and the calculator's `RESULT>>` forced after `<<EXPR=` and marked as forced (docs/performance.md).
-"""
+"""The decode loop of every transformers sampling path (docs/performance.md), with the calculator's `RESULT>>`
+forced after `<<EXPR=` and marked as forced."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ GRAPHED_MODEL_TYPES = frozenset({"llama", "qwen3"})
 """The model families Unsloth's CUDA-graph decode serves (`_SUPPORTED_MODEL_TYPES` in its _decode_graphs.py)."""
 
 COMPACT_SHARE = 0.25
-"""Drop the ended rows once this share of the batch has ended: each drop copies the cache, each ended row wastes
-compute."""
+"""Drop ended rows once this share of the batch has ended (each drop copies the cache)."""
 
 
 @dataclass
@@ -45,8 +42,7 @@ class Sampled:
 
 
 class Calculator:
-    """Completes `<<EXPR=` with the calculator's `RESULT>>` as ids of `tokenizer`; only after a trigger (a token
-    ending in "=") is a row's tail decoded."""
+    """Completes `<<EXPR=` with `RESULT>>`; a row's tail is decoded only after a token ending in "=" (a trigger)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -64,8 +60,7 @@ class Calculator:
 
 
 def next_tokens(logits: Any, temperature: float, generator: Any = None) -> Any:
-    """One token per row: the argmax at temperature 0, else a draw from softmax(logits / temperature) by inverse
-    CDF (one uniform per row from `generator`, or torch's global RNG)."""
+    """One token per row: the argmax at temperature 0, else drawn by inverse CDF (`generator`, or torch's RNG)."""
     import torch
 
     if temperature <= 0:
@@ -79,8 +74,7 @@ def next_tokens(logits: Any, temperature: float, generator: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class DecodeContract:
-    """How a model keeps its KV cache between forwards. The loop always feeds back the `past_key_values` a forward
-    returned (transformers writes into its Cache, Unsloth's fast forward returns a tuple of its own)."""
+    """How a model keeps its KV cache; the loop always feeds back the `past_key_values` a forward returned."""
 
     fixed_batch: bool = False
     """Unsloth sizes its decode buffers by the batch at the first decode: rows stay until the next prefill."""
@@ -124,8 +118,7 @@ def release_decode_buffers(model: Any) -> None:
 
 @contextlib.contextmanager
 def _decoding(model: Any, contract: DecodeContract, max_len: int) -> Iterator[None]:
-    """inference_mode; for an Unsloth model also fresh decode buffers, autocast, and its RL generation scope for
-    `max_len` positions (contract.graphs) or else UNSLOTH_GRAPHS_ENV held at "0" (put back afterwards)."""
+    """inference_mode; for Unsloth also fresh decode buffers, autocast, and its graph scope or its eager step."""
     import torch
 
     with contextlib.ExitStack() as stack:
@@ -140,7 +133,10 @@ def _decoding(model: Any, contract: DecodeContract, max_len: int) -> Iterator[No
             else:
                 saved = os.environ.get(UNSLOTH_GRAPHS_ENV)
                 os.environ[UNSLOTH_GRAPHS_ENV] = "0"
-                stack.callback(_put_back_env, saved)
+                if saved is None:
+                    stack.callback(os.environ.pop, UNSLOTH_GRAPHS_ENV)
+                else:
+                    stack.callback(os.environ.__setitem__, UNSLOTH_GRAPHS_ENV, saved)
             stack.callback(release_decode_buffers, model)
         stack.enter_context(torch.inference_mode())
         if contract.autocast is not None:
@@ -148,18 +144,10 @@ def _decoding(model: Any, contract: DecodeContract, max_len: int) -> Iterator[No
         yield
 
 
-def _put_back_env(saved: str | None) -> None:
-    if saved is None:
-        del os.environ[UNSLOTH_GRAPHS_ENV]
-    else:
-        os.environ[UNSLOTH_GRAPHS_ENV] = saved
-
-
 def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
                 eos_ids: set[int], pad_id: int, calculator: Calculator | None = None,
                 generator: Any = None, contract: DecodeContract | None = None) -> list[Sampled]:
-    """One completion per entry of `prompt_ids`, under inference mode and `contract` (default: the model's); the
-    model's own mode (eval, merged weights) is the caller's."""
+    """One completion per prompt under `contract` (default: the model's); the model's mode is the caller's."""
     import torch
 
     if not prompt_ids:
@@ -213,8 +201,7 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
 
 
 def _new_cache(model: Any, contract: DecodeContract, capacity: int) -> Any:
-    """The prefill's cache: preallocated for `capacity` positions in attention.cache_dtype where the contract and
-    the model's layers allow it, else a DynamicCache."""
+    """A cache preallocated for `capacity` positions where the contract and layers allow it, else a DynamicCache."""
     from transformers import DynamicCache
 
     config = getattr(model, "config", None)
@@ -230,8 +217,8 @@ def _new_cache(model: Any, contract: DecodeContract, capacity: int) -> Any:
 
 def _advance(results: list[Sampled], rows: list[int], b: int, sampled: int, queued: dict[int, list[int]],
              eos_ids: set[int], calculator: Calculator | None) -> int:
-    """Write batch position b's next token (a queued forced one, else the sampled one); end the row at a sampled
-    EOS; queue the calculator's result. Returns the token to feed next (a placeholder for an ended row)."""
+    """Write position b's next token (a queued forced one first), end at a sampled EOS, queue the calculator's
+    result; returns the token to feed next."""
     row = rows[b]
     if row < 0:
         return sampled

@@ -1,7 +1,5 @@
-"""The one entry for sampling completions of rendered prompts (evaluation, the reward preflight, the periodic eval):
-vLLM when the model has a vLLM engine (the calculator through vllm_calculator), else the engine
-(lowmem_grpo.sampling.engine) in inference mode on a private RNG stream.
-"""
+"""The one entry for sampling completions of rendered prompts: vLLM when the model has a vLLM engine, else the
+sampling engine in inference mode on a private RNG stream."""
 
 from __future__ import annotations
 
@@ -31,16 +29,14 @@ LIVE_ADAPTER = "lowmem_grpo_live_lora"
 
 
 def vllm_engine_of(model: Any) -> Any:
-    """A vllm.LLM itself, or the engine Unsloth attached as `model.vllm_engine`; None otherwise (not
-    `fast_generate`: without vLLM it is a wrapper around transformers' generate)."""
+    """A vllm.LLM itself, or Unsloth's `model.vllm_engine` (not `fast_generate`, which every Unsloth model has)."""
     if type(model).__module__.split(".")[0] == "vllm":
         return model
     return getattr(model, "vllm_engine", None)
 
 
 def live_adapter_request(model: Any) -> Any:
-    """A LoRARequest for the adapter as it is now, as Unsloth's GRPO asks for it (Unsloth's vLLM engine holds the
-    base weights only); None for a model without a PEFT adapter."""
+    """A LoRARequest for the adapter as it is now (Unsloth's engine holds the base weights); None without one."""
     load = getattr(model, "load_lora", None)
     if load is None or not hasattr(model, "peft_config"):
         return None
@@ -81,36 +77,6 @@ def _required_eos(model: Any, tokenizer: Any) -> set[int]:
         raise BadInputError("the tokenizer has no EOS token, so truncation cannot be told from an end",
                             fix="set tokenizer.eos_token (and the model's generation_config.eos_token_id)")
     return eos
-
-
-def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
-                           batch_size: int, num_samples: int, temperature: float, seed: int,
-                           bar: Any, merged: bool, calculator: bool, attention: bool = True,
-                           on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
-    import torch
-
-    from lowmem_grpo.sampling.engine import Calculator, sample_rows
-
-    eos = _required_eos(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    tool = Calculator(tokenizer) if calculator else None
-    device = next(model.parameters()).device
-    per_batch = max(1, batch_size // num_samples)  # batch_size counts sequences generated at once
-    results: list[list[Generation]] = []
-    # a private RNG stream: repeatable samples without touching the stream training's sampling and dropout draw from
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with inference_mode(model), fast_sampling(model, merged, attention), torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        for start in range(0, len(prompts), per_batch):
-            batch = prompts[start:start + per_batch]
-            ids = tokenizer(batch)["input_ids"]
-            rows = sample_rows(model, [p for p in ids for _ in range(num_samples)], max_new_tokens=max_new_tokens,
-                               temperature=temperature, eos_ids=eos, pad_id=pad_id, calculator=tool)
-            results += _grouped(tokenizer, rows, eos, num_samples)
-            bar.update(len(batch))
-            if on_progress is not None:
-                on_progress(len(results), len(prompts))
-    return results
 
 
 def _grouped(tokenizer: Any, rows: list[Any], eos: set[int], num_samples: int) -> list[list[Generation]]:
@@ -159,9 +125,8 @@ def _merge_problem(module: Any, lora_linear: type, linear: type, identity: type)
 
 @contextlib.contextmanager
 def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
-    """While the block runs, every LoRA Linear swapped for a plain Linear of base weight plus delta (float32, cast
-    once), put back afterwards (docs/performance.md, train.cpu.fast). All or none: on CPU, plain LoRA only (no
-    variant, bias or hooks), LoRA dropout inactive; otherwise the model is left as it is."""
+    """Every LoRA Linear swapped for a Linear of the merged weight while the block runs (docs/performance.md): all or
+    none, on CPU, plain LoRA without dropout; otherwise the model is left as it is."""
     if not enabled:
         yield MergeResult(0, "off")
         return
@@ -182,8 +147,20 @@ def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
     if problems:
         yield MergeResult(0, problems[0])
         return
+    swaps = []
     with torch.no_grad():
-        swaps = [(parent, name, module, _merged_linear(module, torch)) for parent, name, module in found]
+        for parent, name, module in found:
+            base = module.base_layer
+            weight = base.weight.float()  # the delta added in float32, cast once
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = weight.addmm(module.lora_B[adapter].weight.float(), module.lora_A[adapter].weight.float(),
+                                          alpha=module.scaling[adapter])
+            merged = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+            merged.weight = torch.nn.Parameter(weight.to(base.weight.dtype), requires_grad=False)
+            merged.bias = base.bias
+            merged.train(module.training)
+            swaps.append((parent, name, module, merged))
     try:
         for parent, name, _, merged in swaps:
             setattr(parent, name, merged)
@@ -191,21 +168,6 @@ def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
     finally:
         for parent, name, module, _ in swaps:
             setattr(parent, name, module)
-
-
-def _merged_linear(module: Any, torch: Any) -> Any:
-    """A plain Linear computing `module` (a PEFT LoRA Linear) with its active adapters merged, in float32."""
-    base = module.base_layer
-    weight = base.weight.float()
-    for name in module.active_adapters:
-        if name in module.lora_A:
-            a, b = module.lora_A[name].weight.float(), module.lora_B[name].weight.float()
-            weight = weight.addmm(b, a, alpha=module.scaling[name])
-    merged = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
-    merged.weight = torch.nn.Parameter(weight.to(base.weight.dtype), requires_grad=False)
-    merged.bias = base.bias
-    merged.train(module.training)
-    return merged
 
 
 @contextlib.contextmanager
@@ -217,8 +179,8 @@ def fast_sampling(model: Any, merged: bool = True, attention: bool = True) -> It
 
 @contextlib.contextmanager
 def inference_mode(model: Any) -> Iterator[None]:
-    """The model in inference mode, then back in its mode. Unsloth's for_inference / for_training also switch
-    gradient checkpointing and its generation flag, which `model.train()` alone would leave half switched."""
+    """The model in inference mode, then back; Unsloth's through for_inference / for_training, which also switch
+    gradient checkpointing."""
     was_training = model.training
     unsloth = is_unsloth_model(model)
     checkpointing = getattr(model, "_unsloth_gradient_checkpointing", None)
@@ -238,8 +200,7 @@ def inference_mode(model: Any) -> Iterator[None]:
 def _generate_vllm(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int, num_samples: int,
                    temperature: float, seed: int, lora_request: Any, calculator: bool,
                    params_class: Callable[..., Any] | None) -> list[list[Generation]]:
-    """vLLM generation with `lora_request` (else the live adapter); with the calculator in rounds, the prompts
-    tokenized as the transformers path tokenizes them, every row seeded from `seed`."""
+    """vLLM generation; with the calculator in rounds over the prompts' token ids, every row seeded from `seed`."""
     engine, request = vllm_target(model, lora_request)
     settings = {"temperature": temperature, "top_p": 1.0, "top_k": -1 if temperature else 1}
     if not calculator:
@@ -267,9 +228,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
              on_progress: Callable[[int, int], None] | None = None,
              sampling_params_class: Callable[..., Any] | None = None) -> list[list[Generation]]:
     """num_samples completions per prompt: on vLLM from `lora_request` (else the live adapter), else through the
-    engine inside fast_sampling (`merged`, `attention`). `calculator` completes each `<<EXPR=`;
-    `sampling_params_class` builds vLLM's per-request settings (None: vllm.SamplingParams); `on_progress(done,
-    total)` runs after each batch (vLLM: once)."""
+    engine inside fast_sampling. `on_progress(done, total)` runs after each batch (vLLM: once)."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")
@@ -290,8 +249,27 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
             if on_progress is not None:
                 on_progress(len(prompts), len(prompts))
             return out
-        return _generate_transformers(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                      batch_size=batch_size, num_samples=num_samples, temperature=temperature,
-                                      seed=seed, bar=bar, merged=merged, calculator=calculator,
-                                      attention=attention, on_progress=on_progress)
+        import torch
 
+        from lowmem_grpo.sampling.engine import Calculator, sample_rows
+
+        eos = _required_eos(model, tokenizer)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        tool = Calculator(tokenizer) if calculator else None
+        device = next(model.parameters()).device
+        per_batch = max(1, batch_size // num_samples)  # batch_size counts sequences generated at once
+        results: list[list[Generation]] = []
+        # a private RNG stream: repeatable samples without touching the one training's sampling and dropout draw from
+        devices = [device.index or 0] if device.type == "cuda" else []
+        with inference_mode(model), fast_sampling(model, merged, attention), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), per_batch):
+                batch = prompts[start:start + per_batch]
+                rows = sample_rows(model, [p for p in tokenizer(batch)["input_ids"] for _ in range(num_samples)],
+                                   max_new_tokens=max_new_tokens, temperature=temperature, eos_ids=eos, pad_id=pad_id,
+                                   calculator=tool)
+                results += _grouped(tokenizer, rows, eos, num_samples)
+                bar.update(len(batch))
+                if on_progress is not None:
+                    on_progress(len(results), len(prompts))
+    return results

@@ -1,6 +1,4 @@
-"""A KV cache whose layers are allocated once per batch for prompt plus budget and written in place, where
-DynamicCache copies the whole cache at every decode step (docs/performance.md). Imports transformers at module level.
-"""
+"""A KV cache allocated once per batch and written in place (DynamicCache copies itself at every decode step)."""
 
 from __future__ import annotations
 
@@ -11,9 +9,8 @@ from transformers import Cache, DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A DynamicLayer whose keys/values are views into buffers of `capacity` positions (doubled when outgrown).
-    `dtype` keeps them wider than the model writes (float32 for the CPU attention, which would otherwise convert
-    the whole cache of every layer at every step)."""
+    """A DynamicLayer over buffers of `capacity` positions (doubled when outgrown), kept in `dtype` (float32 for
+    the CPU attention, which would otherwise convert the whole cache at every step)."""
 
     def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -65,8 +62,7 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocated_cache(config: Any, capacity: int, dtype: torch.dtype | None = None) -> Cache | None:
-    """A Cache of PreallocatedLayers for a model with `config`; None unless every layer is full attention (sliding
-    windows and linear attention keep a window or a state, which DynamicCache's own layers handle)."""
+    """A Cache of PreallocatedLayers; None unless every layer is full attention (DynamicCache handles the rest)."""
     layers = getattr(config, "num_hidden_layers", None)
     types = getattr(config, "layer_types", None) or ["full_attention"] * (layers or 0)
     if not layers or getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \

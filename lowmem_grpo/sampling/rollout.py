@@ -1,7 +1,5 @@
-"""GRPO's rollouts through TRL's `rollout_func(prompts, trainer)`: the engine's decode loop, or vLLM in calculator
-rounds (vllm_calculator) with its log-probs for TRL's importance sampling. Forced tokens return as TRL's `env_mask`
-(0 = forced), out of the loss and the KL. lowmem_grpo.runtime.rollout_plan decides which rollout a run takes.
-"""
+"""GRPO's rollouts by TRL's `rollout_func(prompts, trainer)` seam, through the engine or vLLM (runtime.rollout_plan
+decides); forced tokens return as TRL's `env_mask` (0), which keeps them out of the loss and the KL."""
 
 from __future__ import annotations
 
@@ -21,14 +19,8 @@ from lowmem_grpo.sampling.vllm_calculator import ClientRounds, EngineRounds, cal
 log = logging.getLogger(__name__)
 
 
-def prompt_token_ids(prompts: list[Any], trainer: Any) -> list[list[int]]:
-    """The token ids of TRL's rendered prompts, by the trainer's own tokenizer."""
-    return trainer.processing_class(text=prompts)["input_ids"]
-
-
 def trl_output(prompt_ids: list[list[int]], rows: list[Any], *, logprobs: bool, env_mask: bool) -> dict[str, Any]:
-    """TRL's rollout_func keys: `logprobs` None for the whole batch without the sampler's (no importance sampling),
-    None for a forced token; `env_mask` each row's policy mask."""
+    """TRL's rollout_func keys; `logprobs` None without the sampler's (then TRL makes no importance correction)."""
     output: dict[str, Any] = {"prompt_ids": prompt_ids, "completion_ids": [r.ids for r in rows],
                               "logprobs": [r.logprobs for r in rows] if logprobs else None}
     if env_mask:
@@ -37,8 +29,8 @@ def trl_output(prompt_ids: list[list[int]], rows: list[Any], *, logprobs: bool, 
 
 
 class EngineRollout:
-    """One sample per prompt (TRL repeated them) from the live policy through the engine, inside fast_sampling
-    (`merged`, `attention`), on torch's global RNG so a resumed run draws what an uninterrupted one would."""
+    """One sample per prompt through the engine inside fast_sampling, on torch's global RNG (a resumed run draws
+    what an uninterrupted one would)."""
 
     def __init__(self, tokenizer: Any, calculator: bool, merged: bool = True, attention: bool = True) -> None:
         self.calculator = Calculator(tokenizer) if calculator else None
@@ -48,7 +40,7 @@ class EngineRollout:
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         tokenizer = trainer.processing_class
-        prompt_ids = prompt_token_ids(prompts, trainer)
+        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
         model = trainer.accelerator.unwrap_model(trainer.model)
         eos = set(trainer.eos_token_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
@@ -63,18 +55,15 @@ class EngineRollout:
 
 
 class VllmRollout:
-    """data.calculator on the trainer's vLLM, sampled as TRL's VLLMGeneration.generate samples (its settings,
-    generation_kwargs, sleep mode), after its weight sync. Colocate: each rank its own rows, with the live adapter's
-    LoRA request on an engine sharing the training weights (Unsloth's). Server: the main process samples every rank's
-    rows through TRL's VLLMClient and hands each rank its share. `sampling_params_class`: None for
-    vllm.SamplingParams."""
+    """data.calculator on the trainer's vLLM, as TRL's VLLMGeneration.generate samples. Colocate: each rank its own
+    rows; server: the main process samples every rank's rows and hands each rank its share."""
 
     def __init__(self, tokenizer: Any, sampling_params_class: Callable[..., Any] | None = None) -> None:
         self.calculator = Calculator(tokenizer)
         self.params_class = sampling_params_class
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        prompt_ids = prompt_token_ids(prompts, trainer)
+        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
         generation = getattr(trainer, "vllm_generation", None)
         if not getattr(trainer, "use_vllm", False) or generation is None:
             raise RecipeError("data.calculator on vLLM, but the trainer has no vLLM engine (TRL's use_vllm is off)",
@@ -110,8 +99,7 @@ class VllmRollout:
 
 @contextlib.contextmanager
 def awake(generation: Any) -> Iterator[None]:
-    """vLLM's sleep mode around the rounds, as TRL's colocate mode runs it: slept weights re-pushed, the KV cache
-    woken, and all back to sleep (level 2) afterwards so training gets the memory back."""
+    """vLLM's sleep mode around the rounds as TRL's colocate mode runs it; back to sleep (level 2) afterwards."""
     if generation.mode != "colocate" or not getattr(generation, "enable_sleep_mode", False):
         yield
         return
@@ -126,9 +114,8 @@ def awake(generation: Any) -> Iterator[None]:
 
 
 class OwnVllmRollout:
-    """train.vllm_sampling (docs/vllm.md): on an engine started at the first call (or `engine`), the live adapter as
-    a new folder's LoRARequest each step, TRL's sampling settings, every row seeded from torch's global RNG, the
-    calculator's rounds when `calculator`; `check` compares vLLM's log-probs with the policy's at the first steps."""
+    """train.vllm_sampling (docs/vllm.md): an engine started at the first call (or `engine`), the live adapter as a
+    new folder each step, rows seeded from torch's RNG; `check` judges vLLM's log-probs at the first steps."""
 
     def __init__(self, spec: EngineSpec, tokenizer: Any, calculator: bool, check: SamplerCheck | None = None,
                  engine: Any = None) -> None:
@@ -142,7 +129,7 @@ class OwnVllmRollout:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         import torch
 
-        prompt_ids = prompt_token_ids(prompts, trainer)
+        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
         model = trainer.accelerator.unwrap_model(trainer.model)
         if self.llm is None:
             self.llm = start_engine(self.spec)
@@ -162,8 +149,7 @@ class OwnVllmRollout:
 
 def make_rollout(plan: RolloutPlan, tokenizer: Any, merged: bool = True, attention: bool = True,
                  vllm_spec: EngineSpec | None = None, check: SamplerCheck | None = None) -> Any:
-    """The rollout_func `plan` names (OwnVllmRollout on an engine from `vllm_spec`, VllmRollout, EngineRollout), or
-    None for TRL's own generation."""
+    """The rollout_func `plan` names, or None for TRL's own generation."""
     if plan.own_vllm:
         if vllm_spec is None:
             raise ValueError("train.vllm_sampling needs the engine's EngineSpec")

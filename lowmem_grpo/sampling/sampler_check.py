@@ -1,7 +1,5 @@
-"""The sampler samples the policy (docs/vllm.md): at GRPO's first steps the log-probs the sampler gave its samples
-against the policy's. A sampler on other weights (the base model, a stale adapter) raises no error of its own: GRPO
-would train on another model's rollouts. Figures from TRL's logs (train.callbacks) or lowmem_grpo's rollout.
-"""
+"""At GRPO's first steps the sampler's log-probs of its samples against the policy's (docs/vllm.md): a sampler on
+other weights raises no error of its own, and GRPO would train on another model's rollouts."""
 
 from __future__ import annotations
 
@@ -89,8 +87,7 @@ class SamplerCheck:
 
 def policy_logprobs(model: Any, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
                     temperature: float, batch_size: int = 8) -> list[list[float]]:
-    """log softmax(logits / temperature) of each completion token under `model` as it is, rows right-padded in
-    batches: the policy's per-token log-probs as TRL's GRPOTrainer computes them."""
+    """The policy's per-token log-probs of the completions, as TRL's GRPOTrainer computes them."""
     import torch
     from torch.nn.utils.rnn import pad_sequence
 

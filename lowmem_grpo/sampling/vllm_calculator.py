@@ -1,8 +1,6 @@
-"""The calculator on vLLM, in rounds (docs/rewards.md, "The calculator"): each row is sampled with the trigger tokens
-(text ending in "=") as stops; after an open `<<EXPR=` that evaluates, the result is appended (forced: mask 0, no
-log-prob) and the row resubmitted as token ids with what is left of its budget. The last of `max_rounds` samples
-without the triggers, so the loop always ends. vllm is imported only inside functions.
-"""
+"""The calculator on vLLM in rounds (docs/rewards.md): rows stop at the trigger tokens; after an open `<<EXPR=` the
+result is appended (forced, no log-prob) and the row resubmitted with what is left of its budget. The last round
+samples without the triggers, so the loop always ends."""
 
 from __future__ import annotations
 
@@ -60,8 +58,7 @@ def row_seed(seed: int | None, row: int, round_: int) -> int | None:
 def calculator_rows(sample: Sample, prompt_ids: Sequence[Sequence[int]], *, max_tokens: int,
                     calculator: Calculator | None, eos_ids: Iterable[int], seed: int | None = None,
                     max_rounds: int = MAX_ROUNDS) -> list[Completion]:
-    """One completion of at most `max_tokens` tokens (forced ones included) per prompt, sampled by `sample` in
-    rounds; without a calculator each row takes one round."""
+    """One completion of at most `max_tokens` tokens per prompt, in rounds; without a calculator in one round."""
     if max_tokens < 1 or max_rounds < 1:
         raise ValueError(f"max_tokens={max_tokens} and max_rounds={max_rounds} must be at least 1")
     eos = set(eos_ids)
@@ -110,9 +107,7 @@ def _logprob(item: Any) -> float | None:
 
 
 class EngineRounds:
-    """`sample` on a vllm.LLM's `generate` (Unsloth's fast_inference engine, TRL's colocated one, lowmem_grpo's own):
-    one TokensPrompt and SamplingParams per row (n=1, logprobs=0), `lora_request` for all. `settings` are the other
-    SamplingParams fields; `params_class` builds them (None: vllm.SamplingParams)."""
+    """`sample` on a vllm.LLM: one TokensPrompt and SamplingParams (`params_class`, default vllm's) per row."""
 
     def __init__(self, llm: Any, settings: dict[str, Any], lora_request: Any = None,
                  params_class: Callable[..., Any] | None = None) -> None:
@@ -141,8 +136,8 @@ class EngineRounds:
 
 
 class ClientRounds:
-    """`sample` on TRL's VLLMClient (server mode): one call per distinct (budget, seed), n=1, logprobs=0, the stop
-    ids in generation_kwargs. `settings` are the client's sampling arguments plus extra generation_kwargs."""
+    """`sample` on TRL's VLLMClient (server mode): one call per distinct (budget, seed), the stops in
+    generation_kwargs."""
 
     SIGNATURE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     """The settings VLLMClient.generate takes as arguments; the others go in its generation_kwargs."""

@@ -1,6 +1,4 @@
-"""A vLLM engine lowmem_grpo starts itself on the base model, the adapter handed to it as a LoRA request for a folder
-(eval --engine vllm, train.vllm_sampling; docs/vllm.md). vllm is imported inside the functions only.
-"""
+"""A vLLM engine lowmem_grpo starts itself on the base model, the adapter as a LoRA request (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -39,9 +37,8 @@ class EngineSpec:
 
 
 def engine_arguments(spec: EngineSpec, device: str) -> dict[str, Any]:
-    """vllm.LLM's arguments on `device` (cpu or cuda). Log-probs after the temperature, as TRL's policy computes
-    them. On CPU eager (its compile takes ~90 s) and every prefill in one scheduler step: its CPU runner kills its
-    worker when a seeded prefill is split ("CPU Generator does not use offset")."""
+    """vllm.LLM's arguments on `device`. On CPU eager (compiling takes ~90 s), every prefill in one step (a split
+    seeded prefill kills its CPU worker)."""
     args: dict[str, Any] = {"model": spec.model_path, "dtype": spec.dtype, "max_model_len": spec.max_model_len,
                             "seed": spec.seed, "max_num_seqs": spec.max_num_seqs,
                             "logprobs_mode": "processed_logprobs", "trust_remote_code": spec.trust_remote_code}
@@ -55,8 +52,7 @@ def engine_arguments(spec: EngineSpec, device: str) -> dict[str, Any]:
 
 
 def cpu_environment(environ: Mapping[str, str], threads: int) -> dict[str, str]:
-    """What vLLM's CPU build reads at start, where the user has not set it: its KV cache size and its OpenMP threads
-    bound to this process's `threads` cores."""
+    """vLLM's CPU KV cache size and OpenMP thread binding, where the user has not set them."""
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(CPU_KVCACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(threads, 1) - 1}"}
     return {k: v for k, v in wanted.items() if k not in environ}
 
@@ -93,8 +89,7 @@ def lora_request(name: str, number: int, folder: str | Path) -> Any:
 
 
 class AdapterFolders:
-    """The live adapter saved to a new temporary folder per call, as a LoRARequest with a new lora_int_id; the
-    previous folder goes once the next is written (vLLM has loaded it by then), the rest with the object."""
+    """The live adapter saved to a new folder per call as a new LoRARequest; a folder goes once the next is written."""
 
     def __init__(self, prefix: str = "lowmem_grpo_live_lora_") -> None:
         self.root = Path(tempfile.mkdtemp(prefix=prefix))
@@ -116,8 +111,7 @@ class AdapterFolders:
 
 
 def grpo_engine_spec(recipe: Any, loaded: Any) -> EngineSpec:
-    """The engine train.vllm_sampling starts: the base model in the policy's dtype, the run's sequence length, room
-    for the adapter's rank and for the rows TRL generates at once."""
+    """The engine train.vllm_sampling starts for a run of `recipe` on `loaded`."""
     t = recipe.train
     return EngineSpec(model_path=loaded.model_path, dtype=loaded.dtype, max_model_len=recipe.model.max_seq_length,
                       max_lora_rank=recipe.lora.max_lora_rank or recipe.lora.r,
