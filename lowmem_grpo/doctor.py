@@ -45,17 +45,17 @@ def requirement_conflicts() -> list[str]:
     return problems
 
 
-def torchvision_loads() -> str | None:
+def torchvision_problems() -> list[str]:
     """torchvision's ops fail against another torch than theirs, and Unsloth then fails to import."""
     if not is_installed("torchvision"):
-        return None
-    code = "import torchvision, torch; torch.ops.torchvision.nms"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return []
+    done = subprocess.run([sys.executable, "-c", "import torchvision, torch; torch.ops.torchvision.nms"],
+                          capture_output=True, text=True, timeout=120)
     if done.returncode == 0:
-        return None
+        return []
     last = (done.stderr.strip().splitlines() or ["unknown error"])[-1]
-    return (f"torchvision {package_version('torchvision')} does not load with torch {package_version('torch')} "
-            f"({last}); install the pinned pair from constraints.txt")
+    return [f"torchvision {package_version('torchvision')} does not load with torch {package_version('torch')} "
+            f"({last}); install the pinned pair from constraints.txt"]
 
 
 def gpu_lines(facts: CudaFacts) -> tuple[list[str], list[str]]:
@@ -134,8 +134,7 @@ def report(facts: CudaFacts | None = None) -> tuple[str, list[str]]:
     info = describe()
     facts = facts or cuda_facts()
     lines = [f"python        {info['python']} ({info['platform']})"]
-    for name, version in info["packages"].items():
-        lines.append(f"{name:<13} {version or 'not installed'}")
+    lines += [f"{name:<13} {version or 'not installed'}" for name, version in info["packages"].items()]
     lines.append(f"torch CUDA    build {facts.torch_cuda or 'none'}, available={facts.available}")
     if info["cuda_available"]:
         lines.append(f"GPU           {info['gpu_name']} x{info['gpu_count']}, "
@@ -150,10 +149,7 @@ def report(facts: CudaFacts | None = None) -> tuple[str, list[str]]:
     lines.append(f"backend auto  -> {backend_for('auto', cuda=facts.available, launch=Launch())} (one process)")
     vllm, vllm_problems = vllm_line(facts.available and not problems)
     lines.append(vllm)
-    problems += cpu_problems + requirement_conflicts() + vllm_problems
-    tv = torchvision_loads()
-    if tv:
-        problems.append(tv)
+    problems += cpu_problems + requirement_conflicts() + vllm_problems + torchvision_problems()
     note = xformers_note()
     if note:
         lines.append(f"note          {note}")

@@ -149,6 +149,7 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
                 generator: Any = None, contract: DecodeContract | None = None) -> list[Sampled]:
     """One completion per prompt under `contract` (default: the model's); the model's mode is the caller's."""
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
     if not prompt_ids:
         return []
@@ -158,14 +159,9 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
     source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
     results = [Sampled() for _ in prompt_ids]
     with _decoding(model, contract, max(len(p) for p in distinct) + max_new_tokens):
-        width = max(len(p) for p in distinct)
-        ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(distinct), width), dtype=torch.long)
-        for i, p in enumerate(distinct):
-            if p:  # left-padded
-                ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                mask[i, width - len(p):] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        prompts = [torch.tensor(p, dtype=torch.long) for p in distinct]
+        ids = pad_sequence(prompts, batch_first=True, padding_value=pad_id, padding_side="left").to(device)
+        mask = pad_sequence([torch.ones_like(p) for p in prompts], batch_first=True, padding_side="left").to(device)
         # the position ids transformers' generate gives left-padded rows
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
         cache = _new_cache(model, contract, ids.size(1) + max_new_tokens)

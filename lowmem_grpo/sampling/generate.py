@@ -127,11 +127,8 @@ def _merge_problem(module: Any, lora_linear: type, linear: type, identity: type)
 def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
     """Every LoRA Linear swapped for a Linear of the merged weight while the block runs (docs/performance.md): all or
     none, on CPU, plain LoRA without dropout; otherwise the model is left as it is."""
-    if not enabled:
-        yield MergeResult(0, "off")
-        return
-    if is_unsloth_model(model):
-        yield MergeResult(0, "an Unsloth model samples through its own fused LoRA kernels")
+    if not enabled or is_unsloth_model(model):
+        yield MergeResult(0, "an Unsloth model samples through its own fused LoRA kernels" if enabled else "off")
         return
     import torch
     from peft.tuners.lora import Linear as LoraLinear
@@ -140,12 +137,12 @@ def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, BaseTunerLayer)]
     if not found or any(m.disable_adapters or m.merged for _, _, m in found):
-        yield MergeResult(0, "no LoRA layers, or their adapters are disabled or already merged")
-        return
-    problems = [p for p in (_merge_problem(m, LoraLinear, torch.nn.Linear, torch.nn.Identity) for _, _, m in found)
-                if p]
-    if problems:
-        yield MergeResult(0, problems[0])
+        reason = "no LoRA layers, or their adapters are disabled or already merged"
+    else:
+        reason = next(filter(None, (_merge_problem(m, LoraLinear, torch.nn.Linear, torch.nn.Identity)
+                                    for _, _, m in found)), "")
+    if reason:
+        yield MergeResult(0, reason)
         return
     swaps = []
     with torch.no_grad():
