@@ -150,6 +150,7 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
     """One completion per prompt under `contract` (default: the model's); the model's mode is the caller's."""
     import torch
     from torch.nn.utils.rnn import pad_sequence
+    from transformers import DynamicCache
 
     if not prompt_ids:
         return []
@@ -164,7 +165,14 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
         mask = pad_sequence([torch.ones_like(p) for p in prompts], batch_first=True, padding_side="left").to(device)
         # the position ids transformers' generate gives left-padded rows
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
-        cache = _new_cache(model, contract, ids.size(1) + max_new_tokens)
+        cache = None
+        if contract.preallocate and getattr(model, "config", None) is not None:  # else a DynamicCache
+            from lowmem_grpo.sampling.attention import cache_dtype
+            from lowmem_grpo.sampling.kv_cache import preallocated_cache
+
+            cache = preallocated_cache(model.config, ids.size(1) + max_new_tokens, cache_dtype(model))
+        if cache is None:
+            cache = DynamicCache(config=getattr(model, "config", None))
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
@@ -194,21 +202,6 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
             cache = out.past_key_values
             logits = out.logits[:, -1, :]
     return results
-
-
-def _new_cache(model: Any, contract: DecodeContract, capacity: int) -> Any:
-    """A cache preallocated for `capacity` positions where the contract and layers allow it, else a DynamicCache."""
-    from transformers import DynamicCache
-
-    config = getattr(model, "config", None)
-    if contract.preallocate and config is not None:
-        from lowmem_grpo.sampling.attention import cache_dtype
-        from lowmem_grpo.sampling.kv_cache import preallocated_cache
-
-        cache = preallocated_cache(config, capacity, cache_dtype(model))
-        if cache is not None:
-            return cache
-    return DynamicCache(config=config)
 
 
 def _advance(results: list[Sampled], rows: list[int], b: int, sampled: int, queued: dict[int, list[int]],
