@@ -74,8 +74,7 @@ def gpu_lines(facts: CudaFacts) -> tuple[list[str], list[str]]:
 
 
 def vllm_line(cuda_ok: bool, build: tuple[str, str] | None = None) -> tuple[str, list[str]]:
-    """vLLM's version and build (`build`: device.vllm_build()'s, None: this environment's), what it serves:
-    (line, problems)."""
+    """vLLM's version and build (None: this environment's) and what it serves: (line, problems)."""
     build = build or vllm_build()
     if build is None:
         return (f"vllm          not installed: fast_inference unavailable ({VLLM_INSTALL}); vLLM's CPU build: "
