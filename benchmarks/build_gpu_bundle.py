@@ -1,4 +1,4 @@
-"""Build the slimmed wheel bundle that benchmarks/memory_gpu.py needs on the lent GPU machine.
+"""Build the slimmed wheel bundle that benchmarks/gpu_check.py needs on the lent GPU machine.
 
     python benchmarks/build_gpu_bundle.py            # -> .whl/ (gitignored), prints sizes, fails at >= 64 MiB
 

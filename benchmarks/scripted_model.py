@@ -1,23 +1,27 @@
-"""A model whose greedy continuations follow a script, for checking lowmem_grpo's sampling engine against a reference
-decoder on any backend (benchmarks/gpu_check.py runs it on Unsloth; tests/test_gpu_path.py on CPU transformers).
+"""The models the GPU check builds on the machine, none downloaded: a model whose greedy continuations follow a script,
+for checking lowmem_grpo's sampling engine against a reference decoder on any backend (benchmarks/gpu_check.py runs
+it on Unsloth; tests/test_gpu_path.py on CPU transformers), and a shipped recipe's architecture with random weights
+(`build_model_dir`: the real shapes, so the real memory).
 
-The model is a small decoder of a real family (llama, qwen3, gemma3_text) with random layers and two planted
-matrices: orthogonal token embeddings much larger than what the layers add, and an lm_head whose row for token s
-points at the embeddings of the tokens SCRIPT continues with s. So the next token is SCRIPT's, by a wide margin,
-while attention over the context (the KV cache) still moves every logit by a measurable amount: a decode loop
-that mishandles the cache changes the logits well beyond bf16 noise, without changing which tokens win. Its word
-tokenizer splits `<<`, `>>`, digits and operators, and its decoder joins tokens without spaces, so the rows write
-`<<7*6=` (the calculator forces `42>>`), end at EOS after different numbers of tokens, or never end.
+The scripted model is a small decoder of a real family (llama, qwen3, gemma3_text) with random layers and two
+planted matrices: orthogonal token embeddings much larger than what the layers add, and an lm_head whose row for
+token s points at the embeddings of the tokens SCRIPT continues with s. So the next token is SCRIPT's, by a wide
+margin, while attention over the context (the KV cache) still moves every logit by a measurable amount: a decode
+loop that mishandles the cache changes the logits well beyond bf16 noise, without changing which tokens win. Its
+word tokenizer splits `<<`, `>>`, digits and operators, and its decoder joins tokens without spaces, so the rows
+write `<<7*6=` (the calculator forces `42>>`), end at EOS after different numbers of tokens, or never end.
 
-`compare(model, tokenizer, max_new_tokens)` runs the script's prompts through the engine (engine.sample_rows, with the
-calculator) and through the model's own `generate` (greedy, the calculator's tokens forced by CalculatorForcing,
+`compare(model, tokenizer, max_new_tokens)` runs the script's prompts through the engine (engine.sample_rows, with
+the calculator) and through the model's own `generate` (greedy, the calculator's tokens forced by CalculatorForcing,
 output_logits), and reports whether tokens and forced tokens agree, the largest logit difference, and how far the
-logits move without the prompt's context (the size of the effect the check could miss). Torch and transformers
-are imported inside the functions.
+logits move without the prompt's context (the size of the effect the check could miss). Torch and transformers are
+imported inside the functions.
 """
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ CALC_TOKENS = ["<<", ">>", "=", "+", "-", "*", "/", *"0123456789"]
 VOCAB_SIZE = 512
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPT_OVERHEAD = 5  # a chat prompt's tokens besides the question: <|im_start|> user, <|im_end|> <|im_start|> assistant
 EOS = "<|im_end|>"
 SCRIPT = {
     # a chat prompt ends in "assistant": every GRPO row writes a calculation, gets 42>> forced, and ends
@@ -49,19 +54,24 @@ FAMILIES = {
 }
 
 
-def words() -> list[str]:
+def random_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward that varies whatever the model writes, so every step has advantages and a gradient."""
+    return [random.random() for _ in completions]
+
+
+def words(vocab_size: int = VOCAB_SIZE) -> list[str]:
     """The vocabulary in id order: specials, calculator tokens, role words, w0, w1, ..."""
     head = SPECIALS + CALC_TOKENS + ["system", "user", "assistant"]
-    return head + [f"w{i}" for i in range(VOCAB_SIZE - len(head))]
+    return head + [f"w{i}" for i in range(vocab_size - len(head))]
 
 
-def build_tokenizer(target: Path):
-    """The word tokenizer (saved to `target`): whitespace-separated words, `<<`, `>>`, digits and operators split off,
-    decoded without spaces."""
+def build_tokenizer(target: Path, vocab_size: int = VOCAB_SIZE):
+    """The word tokenizer of exactly `vocab_size` tokens (saved to `target`): whitespace-separated words, `<<`, `>>`,
+    digits and operators split off, decoded without spaces."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {word: i for i, word in enumerate(words())}
+    vocab = {word: i for i, word in enumerate(words(vocab_size))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS[0]))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.WhitespaceSplit(),
@@ -161,12 +171,39 @@ def build_scripted_model(family: str, target: Path) -> Path:
     return target
 
 
-def write_rows(path: Path, count: int = 32, length: int = 20) -> Path:
-    """GSM8K-shaped training rows in the scripted vocabulary (words the script does not continue): as chat prompts
-    they end in "assistant", so every rollout writes the script's calculation."""
-    import json
-    import random
+def build_model_dir(recipe_name: str, target: Path) -> Path:
+    """Random bfloat16 weights of the shipped config of a recipe's model (lowmem_grpo/resources/configs), with a word
+    tokenizer of the same vocabulary size, built on the GPU once and saved to `target`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lowmem_grpo.memory.arch import shipped_config_path
+    from lowmem_grpo.recipe_io import load_recipe
+
+    if (target / ".complete").exists():
+        return target
+    recipe = load_recipe(recipe_name)
+    data = {k: v for k, v in json.loads(shipped_config_path(recipe.model.name).read_text()).items()
+            if not k.startswith("_")}
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(target, data["vocab_size"])
+    config = AutoConfig.for_model(**data)
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(target)
+    (target / ".complete").write_text(recipe.model.name + "\n")
+    del model
+    torch.cuda.empty_cache()
+    return target
+
+
+def write_rows(path: Path, count: int = 32, length: int = 20) -> Path:
+    """GSM8K-shaped training rows of `length` words the script does not continue: as chat prompts of
+    length + PROMPT_OVERHEAD tokens they end in "assistant", so every scripted rollout writes the calculation."""
     rng = random.Random(0)
     with path.open("w") as handle:
         for _ in range(count):
