@@ -13,15 +13,12 @@ model, the prompts, the eval split (the first --problems problems), data.calcula
 the stages are its adapter switched off (base), RUN_DIR/primed_adapter (primed, when the run primed) and the
 trained adapter (trained: RUN_DIR/adapter, else the newest checkpoint).
 
-Prints per stage greedy strict accuracy, mean@k, pass@k and strict format (95% bootstrap CIs); the paired
-differences primed->trained (GRPO's own) and base->trained; the greedy answers' outcomes (correct, wrong_operation,
-...: lowmem_grpo.rewards.calculator.outcome) and the share of wrong answers that chose the wrong operation. For
-generated problems the same side by side on seen wording (frames and phrasings the train split uses) and held-out
-wording (a frame or a phrasing it never used): the recipe's eval split holds both, half each
-(data.generated.eval_stories=all); --stories seen or heldout evaluates only one kind, --levels other levels than
-the run trained on (generated data only). Problems of several step counts (--levels 1,2; a --data file's worked
-solutions) are also shown side by side by number of calculations, each also by wording, with where the greedy
-answers' chains broke (lowmem_grpo.rundir.stage_tables.steps_lines).
+Prints report.md's stage tables (lowmem_grpo.rundir.stage_tables: per stage greedy strict accuracy, strict format,
+mean@k and pass@k with 95% bootstrap CIs; the paired differences, primed->trained being GRPO's own; the greedy
+answers' outcomes; for generated problems all of it on seen and on held-out wording side by side, the recipe's eval
+split holding both, half each; for problems of several step counts, by number of calculations with where the chains
+broke) and the share of wrong answers that chose the wrong operation. --stories seen or heldout evaluates one kind
+of wording only, --levels other levels than the run trained on (generated data only).
 
 --data PATH measures the stages on the problems of a JSONL file in GSM8K's format (question, and an answer ending in
 `#### N`) instead of the recipe's eval split, the same way; rows that carry `operation` (add, sub, mul, div: a
@@ -102,21 +99,11 @@ def eval_settings(recipe: Any, samples: int) -> dict[str, Any]:
                                           "temperature": t.temperature}}
 
 
-def wrong_operation_share(verdicts: list[list[Any]]) -> float | None:
-    """Of the greedy answers that are wrong, the share that did right arithmetic on the wrong operation or operands."""
-    wrong = [p[0] for p in verdicts if p and not p[0].strict_correct and p[0].outcome is not None]
-    return sum(v.outcome == "wrong_operation" for v in wrong) / len(wrong) if wrong else None
-
-
-def wrong_operation_by_wording(verdicts: list[list[Any]], groups: list[str | None] | None
-                               ) -> dict[str, float | None]:
-    """`wrong_operation_share` on each wording group's problems ({} without groups)."""
-    from lowmem_grpo.evaluation.stages import WORDING_GROUPS
-
-    if not groups or len(groups) != len(verdicts):
-        return {}
-    return {g: wrong_operation_share([v for v, mine in zip(verdicts, groups) if mine == g])
-            for g in WORDING_GROUPS if g in groups}
+def wrong_share(outcomes: dict[str, float] | None) -> float | None:
+    """Of the greedy answers that are wrong, the share that did right arithmetic on the wrong operation or operands
+    (from a stage's outcome shares: an outcome is `correct` exactly when the answer is); None without wrong ones."""
+    wrong = 1 - (outcomes or {}).get("correct", 1.0)
+    return outcomes["wrong_operation"] / wrong if wrong > 1e-12 else None
 
 
 def file_problems(path: Path, limit: int) -> tuple[list[dict[str, str]], dict[str, list[str | None]]]:
@@ -159,7 +146,7 @@ def breakdown(verdicts: dict[str, list[list[Any]]], sampled: dict[str, list[list
             pick = lambda by_stage: {s: [p[i] for i in keep] for s, p in by_stage.items()}  # noqa: E731
             part = summarize(pick(verdicts), seed=seed, sampled=pick(sampled))
             out[grouping][label] = {"num_problems": len(keep), **part, "wrong_operation_share": {
-                s: wrong_operation_share(v) for s, v in pick(verdicts).items()}}
+                s: wrong_share(part["outcomes"].get(s)) for s in verdicts}}
     return out
 
 
@@ -183,7 +170,7 @@ class Results:
                 for s, entry in self.data["stages"].items() if entry.get(kind)}
 
     def write(self, seed: int) -> None:
-        from lowmem_grpo.evaluation.stages import summarize
+        from lowmem_grpo.evaluation.stages import WORDING_GROUPS, summarize
 
         greedy = self.verdicts("verdicts")
         ordered = {s: greedy[s] for s in STAGES if s in greedy}
@@ -193,11 +180,13 @@ class Results:
         steps = self.data.get("problem_steps")
         if steps and any(len(v) != len(steps) for v in ordered.values()):
             steps = None
-        self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"), groups=groups,
-                                         steps=steps)
-        self.data["wrong_operation_share"] = {s: wrong_operation_share(v) for s, v in ordered.items()}
-        self.data["wrong_operation_share_by_wording"] = {s: wrong_operation_by_wording(v, groups)
-                                                         for s, v in ordered.items()}
+        summary = self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"),
+                                                   groups=groups, steps=steps)
+        self.data["wrong_operation_share"] = {s: wrong_share(summary["outcomes"].get(s)) for s in ordered}
+        by_wording = (summary.get("wording") or {}).get("outcomes") or {}
+        self.data["wrong_operation_share_by_wording"] = {s: {g: wrong_share(by_wording.get(s, {}).get(g))
+                                                             for g in WORDING_GROUPS if g in (groups or ())}
+                                                         for s in ordered}
         labels = {g: v for g, v in (self.data.get("problem_groups") or {}).items()
                   if all(len(p) == len(v) for p in ordered.values())}  # else of other problems than the verdicts
         if labels:
@@ -259,79 +248,42 @@ def _ci(entry: dict[str, float], key: str = "mean") -> str:
     return f"{entry[key]:{spec}} [{entry['low']:{spec}}, {entry['high']:{spec}}]"
 
 
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.3f}"
+
+
 def table(data: dict[str, Any]) -> str:
-    """The per-stage table, the paired differences, the outcomes and the wrong-operation shares, as text."""
-    from lowmem_grpo.rewards.calculator import OUTCOMES
+    """The stage tables of report.md (lowmem_grpo.rundir.stage_tables.summary_lines: stages, paired differences,
+    outcomes, by wording, by number of steps), each stage's wrong-operation share, and the breakdown of a --data
+    file's problems, as text."""
+    from lowmem_grpo.rundir.stage_tables import WORDING_LABELS, summary_lines
 
-    summary, k = data["summary"], data["settings"]["samples"]
-    metrics = [m.format(k=k) for m in TABLE_METRICS if k or "{k}" not in m]
-    n = data["settings"]["num_problems"]
-    told = (f"problems of {data['settings']['data']}" if data["settings"].get("data") else
-            f"held-out problems ({data['settings']['stories']} stories)")
-    lines = [f"{data['run_dir']}: {n} {told}, greedy and {k} "
-             f"samples at T {data['settings']['temperature']}, calculator {data['settings']['calculator']}",
-             "", "| stage | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
-    for stage, values in summary["stages"].items():
-        lines.append(f"| {stage} | " + " | ".join(_ci(values[m]) if m in values else "-" for m in metrics) + " |")
-    lines += ["", "| paired difference | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
-    for pair in PAIRS:
-        diffs = summary["differences"].get(pair)
-        if diffs:
-            lines.append(f"| {pair} | " + " | ".join(_ci(diffs[m], "diff") if m in diffs else "-" for m in metrics)
-                         + " |")
-    stages = list(summary["outcomes"])
-    lines += ["", "| greedy outcome | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
-    for name in OUTCOMES:
-        lines.append(f"| {name} | " + " | ".join(f"{summary['outcomes'][s][name]:.3f}" for s in stages) + " |")
-    shares = data["wrong_operation_share"]
-    lines.append("| wrong_operation / wrong | " + " | ".join("-" if shares.get(s) is None else f"{shares[s]:.3f}"
-                                                           for s in stages) + " |")
-    from lowmem_grpo.rundir.stage_tables import steps_lines
-
-    by_steps = steps_lines(summary)
-    return "\n".join(lines + _wording_table(data) + (["", *by_steps] if by_steps else []) + _breakdown_table(data))
-
-
-def _breakdown_table(data: dict[str, Any]) -> list[str]:
-    """Per grouping of a --data file (GROUPINGS), each label's stages and paired differences and each stage's
-    wrong-operation share; [] without a breakdown."""
-    k = data["settings"]["samples"]
+    settings, k = data["settings"], data["settings"]["samples"]
+    told = (f"problems of {settings['data']}" if settings.get("data") else
+            f"held-out problems ({settings['stories']} stories)")
+    lines = [f"{data['run_dir']}: {settings['num_problems']} {told}, greedy and {k} samples at T "
+             f"{settings['temperature']}, calculator {settings['calculator']}", "",
+             *summary_lines({**data["summary"], "num_problems": settings["num_problems"], "settings": settings})]
+    shares, by_wording = data["wrong_operation_share"], data.get("wrong_operation_share_by_wording") or {}
+    groups = [g for g in WORDING_LABELS if any(g in by_group for by_group in by_wording.values())]
+    rows = [["wrong_operation / wrong", "all problems", *(WORDING_LABELS[g] for g in groups)]]
+    rows += [[stage, _share(share), *(_share(by_wording.get(stage, {}).get(g)) for g in groups)]
+             for stage, share in shares.items()]
+    lines += ["", "| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|",
+              *("| " + " | ".join(row) + " |" for row in rows[1:])]
     metrics = [m.format(k=k) for m in TABLE_METRICS[:3] if k or "{k}" not in m]
-    cell = lambda share: "-" if share is None else f"{share:.3f}"  # noqa: E731
-    lines: list[str] = []
     for grouping, parts in (data.get("breakdown") or {}).items():
         lines += ["", f"{GROUPINGS[grouping]} (95% bootstrap CIs; the paired differences pair the same problems):",
                   "", f"| {grouping} | n | stage | " + " | ".join(metrics) + " | wrong_operation / wrong |",
                   "|---" * (len(metrics) + 4) + "|"]
         for label, part in parts.items():
-            head = f"| {label} | {part['num_problems']} | "
-            for stage, values in part["stages"].items():
-                lines.append(head + f"{stage} | " + " | ".join(_ci(values[m]) if m in values else "-" for m in metrics)
-                             + f" | {cell(part['wrong_operation_share'].get(stage))} |")
-            for pair in PAIRS:
-                if pair in part["differences"]:
-                    diffs = part["differences"][pair]
-                    lines.append(head + f"{pair} | " + " | ".join(_ci(diffs[m], "diff") if m in diffs else "-"
-                                                                   for m in metrics) + " | - |")
-    return lines
-
-
-def _wording_table(data: dict[str, Any]) -> list[str]:
-    """The stage tables on seen and held-out wording side by side, and the wrong-operation share of each; [] when
-    the problems are not generated ones."""
-    from lowmem_grpo.rundir.stage_tables import WORDING_LABELS, wording_lines
-
-    settings = data["settings"]
-    lines = wording_lines(data["summary"].get("wording") or {}, settings["samples"], settings["temperature"])
-    by_wording = data.get("wrong_operation_share_by_wording") or {}
-    groups = [g for g in WORDING_LABELS if any(g in shares for shares in by_wording.values())]
-    if not lines or not groups:
-        return lines
-    cell = lambda share: "-" if share is None else f"{share:.3f}"  # noqa: E731
-    return ["", *lines, "", "| wrong_operation / wrong | " + " | ".join(WORDING_LABELS[g] for g in groups) + " |",
-            "|---" * (len(groups) + 1) + "|",
-            *(f"| {stage} | " + " | ".join(cell(shares.get(g)) for g in groups) + " |"
-              for stage, shares in by_wording.items())]
+            rows = [(stage, values, "mean", _share(part["wrong_operation_share"].get(stage)))
+                    for stage, values in part["stages"].items()]
+            rows += [(pair, part["differences"][pair], "diff", "-") for pair in PAIRS if pair in part["differences"]]
+            lines += [f"| {label} | {part['num_problems']} | {name} | " + " | ".join(
+                _ci(values[m], key) if m in values else "-" for m in metrics) + f" | {share} |"
+                for name, values, key, share in rows]
+    return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
