@@ -546,21 +546,19 @@ def cmd_step(args: argparse.Namespace) -> int:
     """A GRPO step like for like: lowmem_grpo's train() before and after its CPU switches, and a plain TRL + PEFT
     script, all three built from the CPU default recipe, each in its own process.
 
-The spec is the recipe itself (load_recipe); the benchmark changes only the model (tiny, or the embedded SmolLM2),
-model.dtype when --dtypes names one, train.max_steps, and leaves out the preflight and every evaluation (--set
-changes the recipe for all three sides). With --start primed (the default) the recipe's priming runs once, through
-train(), and all three sides start from its adapter. The plain side derives its GRPOConfig from the recipe's train
-section (plain_grpo_values) and uses the CPU-safe GRPOTrainer with lowmem_grpo's CPU changes off.
-  plain   the plain TRL + PEFT script; "plain pinned": the same with MALLOC_MMAP_THRESHOLD_ at train()'s threshold
+The benchmark changes only the model (tiny, or the embedded SmolLM2), model.dtype (--dtypes), train.max_steps, and
+leaves out the preflight and every evaluation (--set changes the recipe for all three sides); with --start primed the
+recipe's priming runs once and all three sides start from its adapter.
+  plain   a TRL + PEFT script from the same recipe (plain_grpo_values), the CPU-safe GRPOTrainer with our CPU
+          changes off; "plain pinned": the same with MALLOC_MMAP_THRESHOLD_ at train()'s threshold
   before  our train() with --before's switches off (default train.cpu.fast=false: the CPU speed paths off)
   after   our train() as shipped
-Before any timing each worker records, from inside its trainer, a fingerprint (GRPOConfig minus output paths, LoRA
-config, parameter dtypes, hashes of the rows and of the initial LoRA weights, rewards, trainer and optimizer
-classes, torch threads); a side that differs from plain stops the run with exit 1, naming the keys. --check-only
-stops there (priming one step). Printed per side (medians over --repeats, rotating order): s/step and CPU s/step
-between step ends, TRL's step_time, start-up, teardown, minor faults and kernel seconds per step, peak RSS; the
-ratios; the completions per step (the same draws show as the same numbers); PhaseTimer's time/<phase> means (steps
-after the first); our layer's own per-step cost; the phase timer's own cost."""
+Each worker first records, from inside its trainer, a fingerprint (GRPOConfig minus output paths, LoRA config, dtypes,
+hashes of the rows and of the initial LoRA weights, rewards, trainer and optimizer classes, torch threads); a side
+that differs from plain stops the run with exit 1, naming the keys (--check-only stops there). Printed per side
+(medians over --repeats, rotating order): s/step and CPU s/step between step ends, TRL's step_time, start-up,
+teardown, minor faults and kernel seconds per step, peak RSS; the ratios; the completions per step; PhaseTimer's
+time/<phase> means (steps after the first); our layer's own per-step cost; the phase timer's own cost."""
     work = Path(args.work or tempfile.mkdtemp(prefix="step_cpu-"))
     if args.worker:
         step_worker(args.worker[0], Path(args.worker[1]), work, args.check_only)
@@ -678,12 +676,11 @@ def compare_decode(args: argparse.Namespace) -> str:
 def cmd_profile(args: argparse.Namespace) -> int:
     """torch.profiler tables of one GRPO step and one evaluation of the CPU default, as the package runs them.
 
---what step: train() of the CPU default (no preflight, no stage evaluation, its priming as shipped), profiled over
-GRPO step --profile-step (a later step: the first pays one-off costs); the operators with the most self CPU time go
-to stdout and OUT/step.txt. eval: greedy + --samples samples at the training temperature on --problems test problems
-through lowmem_grpo.sampling.generate (the base model), at the stage evaluation's batch size; OUT/eval.txt. decode:
-the engine's decode loop with transformers' DynamicCache and with the preallocated cache, alternating in one process
-on the same prompts and seeds, with whether their rows are identical; OUT/decode.txt. --set changes the recipe."""
+--what step: train() (no preflight, no stage evaluation) profiled over GRPO step --profile-step; OUT/step.txt. eval:
+greedy + --samples samples on --problems test problems through lowmem_grpo.sampling.generate (the base model);
+OUT/eval.txt. decode: the engine's decode loop with transformers' DynamicCache and with the preallocated cache,
+alternating on the same prompts and seeds, and whether their rows are identical; OUT/decode.txt. --set changes the
+recipe."""
     args.out.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(f"before: {load_line()}\n")
     if args.what == "step":
@@ -809,16 +806,13 @@ def sampling_dtype(dtype: str, args: argparse.Namespace) -> None:
 def cmd_sampling(args: argparse.Namespace) -> int:
     """GRPO sampling before vs after, in one process: tokens/s of TRL's generation from the CPU default's trainer.
 
-The trainer is built as train() builds it (trainer_factory), its LoRA B drawn at random (seeded) so that the adapter
-moves the outputs as a primed one does. Per repeat, in alternating order, each configuration samples the same --rows
-completions (--rows / --group prompts x --group) of up to --tokens tokens through the trainer's own
-`_generate_single_turn`, from the same seed: unmerged (PEFT's unmerged LoRA layers, transformers' sdpa), merged (the
-adapter merged into the weights) and merged+grouped (grouped-query attention without copying the key/value heads).
-Printed per configuration: completion tokens, wall and CPU seconds and tokens/s of each repeat, the best and the
-median, the ratio of tokens/s to unmerged (best wall, median, best CPU), the completions equal to unmerged's (rows,
-and tokens position by position), the merged copy's size and the longest completion. In a 16-bit dtype each
-configuration's logits are compared with the same model in float32, unmerged. --profile: torch.profiler's top
-operators of one more pass."""
+The trainer is built as train() builds it, its LoRA B drawn at random (seeded) so that the adapter moves the outputs.
+Per repeat, in alternating order, each configuration samples the same --rows completions (--group per prompt) of up
+to --tokens tokens through the trainer's `_generate_single_turn` from the same seed: unmerged (PEFT's LoRA layers,
+transformers' sdpa), merged (the adapter merged into the weights), merged+grouped (grouped-query attention without
+copying the key/value heads). Printed: seconds and tokens/s (wall and CPU, best and median) and their ratio to
+unmerged, the completions equal to unmerged's; in a 16-bit dtype each one's logits against float32, unmerged.
+--profile: torch.profiler's top operators of one more pass."""
     if args.rows % args.group:
         raise SystemExit("--rows must be a multiple of --group")
     for dtype in args.dtypes.split(","):
@@ -907,15 +901,12 @@ def float32_errors(trainer: Any, loaded: Any, ids: Any, mask: Any, width: int, l
 def cmd_shared_prompt(args: argparse.Namespace) -> int:
     """The loss pass's forward + backward with the shared-prompt log-prob pass on and off, like for like.
 
-The CPU default's trainer (lowmem_grpo's own, hf backend) scores one micro-batch shaped like the default's: --prompts
-x --generations rows, prompts left-padded to --prompt-length tokens (some a few tokens shorter), completions of
---completion-min..--completion-max tokens right-padded. Each repeat runs both configurations in alternating order
-through the trainer's own log-prob pass (with the entropy, as TRL's loss calls it) and a GRPO-style loss, then
-backward. Printed per configuration: forward, backward and total seconds (median and minimum; wall and CPU), the rise
-of peak RSS over the RSS before the pass (VmHWM, reset before each pass; the mmap threshold is set to 64 KiB so that
-large blocks go straight back to the OS and the peak follows live memory), the token positions forwarded; the ratios
-full/shared; the largest log-prob difference between the two; in a 16-bit dtype both passes' error against the
-full-row pass in float32. One thread (OMP_NUM_THREADS=1) keeps other processes' load from turning into spin-waits."""
+The CPU default's trainer scores one micro-batch of --prompts x --generations rows (prompts left-padded to
+--prompt-length tokens, completions of --completion-min..--completion-max tokens) through its own log-prob pass and a
+GRPO-style loss, then backward, both configurations alternating. Printed: forward, backward and total seconds (median
+and minimum; wall and CPU), the rise of peak RSS over the pass (VmHWM, reset before each pass, with the mmap
+threshold at 64 KiB so that the peak follows live memory), the token positions forwarded, the ratios full/shared,
+the largest log-prob difference, and in a 16-bit dtype both passes' error against float32."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # peak RSS that follows live memory (see above)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         os.execv(sys.executable, [sys.executable, *sys.argv])
@@ -966,12 +957,10 @@ full-row pass in float32. One thread (OMP_NUM_THREADS=1) keeps other processes' 
 def cmd_allocator(args: argparse.Namespace) -> int:
     """What glibc's mmap threshold costs a CPU loss pass: seconds, page faults and peak RSS at several thresholds.
 
-Each threshold runs in its own process (the threshold is process-wide and its history matters): the CPU default's
-trainer runs one warm-up pass, then --repeats forward + backward passes of one micro-batch (--prompts x --rows /
---prompts completions of 25-35 tokens after an 83-token prompt, the default's shape) with the shared-prompt pass
-on. Printed per threshold: the fastest forward and backward (wall and CPU seconds), kernel CPU seconds and minor
-page faults per pass, and the process's peak RSS. 0 = glibc's own dynamic threshold
-(lowmem_grpo.rundir.rss.limit_heap_retention not called)."""
+Each threshold (0 = glibc's own dynamic one) in its own process: the CPU default's trainer, one warm-up pass, then
+--repeats forward + backward passes of one micro-batch (--prompts prompts, --rows completions of 25-35 tokens after
+83 prompt tokens). Printed per threshold: the fastest forward and backward (wall and CPU), kernel seconds and minor
+page faults per pass, and the process's peak RSS."""
     if args.worker is not None:
         import torch
 
@@ -1016,74 +1005,35 @@ def overrides(args: argparse.Namespace, load: str, run_dir: Path) -> list[str]:
             *LOADS[load], *args.overrides]
 
 
-def summary(run_dir: Path) -> dict:
-    """What a run directory says about its memory: per stage (peak_rss.json) and per GRPO phase (metrics.jsonl)."""
-    from lowmem_grpo.rundir import layout, rss
-
-    stages = (rss.read(run_dir / layout.PEAK_RSS_FILE) or {}).get("stages", [])
-    phases: dict[str, float] = {}
-    for record in layout.read_jsonl(run_dir / layout.METRICS_FILE):
-        for key, value in record.items() if record.get("stage") == layout.GRPO_STAGE else ():
-            if key.startswith(rss.RSS_PREFIX) and isinstance(value, (int, float)):
-                phases[key[len(rss.RSS_PREFIX):]] = max(phases.get(key[len(rss.RSS_PREFIX):], 0.0), value * GIB)
-    return {"stages": {r["stage"]: r["peak_rss_bytes"] for r in stages}, "phases": phases,
-            "sampled": [r["stage"] for r in stages if not r.get("exact")]}
-
-
-def _gib(value: Any) -> str:
-    return f"{value / GIB:.2f}" if isinstance(value, (int, float)) and value else "-"
-
-
-def table(results: list[dict]) -> str:
-    """Peak RSS per stage (GiB) with one column per load, then the GRPO phases, wall seconds and the load average."""
-    stages = list(dict.fromkeys(s for r in results for s in r.get("stages", {})))
-    phases = list(dict.fromkeys(p for r in results for p in r.get("phases", {})))
-    rows = [["peak RSS GiB", *[r["load"] for r in results]]]
-    rows += [[stage, *[("~" if stage in r.get("sampled", []) else "") + _gib(r.get("stages", {}).get(stage))
-                       for r in results]] for stage in stages]
-    rows += [[f"grpo: {phase}", *[_gib(r.get("phases", {}).get(phase)) for r in results]] for phase in phases]
-    rows.append(["whole run (ru_maxrss)", *[_gib(r.get("process_peak")) for r in results]])
-    rows.append(["wall s", *[str(r.get("seconds", "-")) for r in results]])
-    rows.append(["load avg before/after", *[f"{r['loadavg'][0]}/{r['loadavg'][1]}" if r.get("loadavg") else "-"
-                                            for r in results]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row))
-             for row in rows]
-    for r in results:
-        lines.append(f"{r['load']}: {r.get('command', '')}")
-        lines += [f"  failed (exit {r.get('returncode')}): {r['error']}"] if r.get("error") else []
-    lines.append("(~: sampled every 10 ms, a lower bound; the others are the process's high-water mark, exact; "
-                 "grpo phases: the rss/<phase> keys, the largest logged step)")
-    return "\n".join(lines) + "\n"
-
-
 def cmd_rss(args: argparse.Namespace) -> int:
     """Peak resident memory (RSS) of CPU training, per stage and per GRPO phase: the CPU default, short, and 4
     prompts x 8 completions x 64 tokens.
 
-Each load is one `lowmem-grpo train recipes/smollm2_135m_arith_cpu.py` in its own process, shortened to --steps GRPO
-steps, --prime-steps priming steps and --stage-eval held-out problems per stage evaluation (extra arguments are
-recipe overrides for every load). Printed per load: the process's peak RSS (ru_maxrss of the child), the peak of
-each stage (RUN_DIR/peak_rss.json: exact where the stage raised the process's high-water mark, else sampled), the
-peak of each phase of a GRPO step (the rss/<phase> keys of metrics.jsonl, largest step), wall seconds and the load
-average. Writes the numbers to --out (JSON) when given."""
-    results = []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+Each load is one `lowmem-grpo train recipes/smollm2_135m_arith_cpu.py` process, shortened to --steps GRPO steps,
+--prime-steps priming steps and --stage-eval problems per stage evaluation (extra arguments: recipe overrides).
+Printed per load: the command, wall seconds, the load average, the process's peak RSS (ru_maxrss) and its run
+directory's memory tables as report.md has them (per stage, per GRPO phase). --out: the numbers as JSON."""
+    from lowmem_grpo.rundir import layout, report, rss
+
+    results, env = [], {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="lowmem-rss-") as work:
         for load in args.loads.split(","):
-            print(f"== {load}", flush=True)
             run_dir, before, started = Path(work) / f"run-{load}", os.getloadavg()[0], time.monotonic()
             code, _, stderr, usage = run_child([sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE,
                                                 *overrides(args, load, run_dir)], env, cwd=REPO)
-            results.append({"load": load, "returncode": code, "seconds": round(time.monotonic() - started, 1),
-                            "command": " ".join(["lowmem-grpo train", RECIPE, *overrides(args, load, Path("RUN"))]),
-                            "loadavg": [round(before, 2), round(os.getloadavg()[0], 2)],
-                            "process_peak": usage.ru_maxrss * 1024,  # KiB on Linux
-                            **({"error": stderr[-400:].strip()} if code else {}), **summary(run_dir)})
-    sys.stdout.write(table(results))
+            r = {"load": load, "command": " ".join(["lowmem-grpo train", RECIPE, *overrides(args, load, Path("RUN"))]),
+                 "returncode": code, "seconds": round(time.monotonic() - started, 1),
+                 "loadavg": [round(before, 2), round(os.getloadavg()[0], 2)], "process_peak": usage.ru_maxrss * 1024,
+                 "peak_rss": rss.read(run_dir / layout.PEAK_RSS_FILE)}
+            r.update({"error": stderr[-400:].strip()} if code else {})
+            results.append(r)
+            print(f"\n== {load}: {r['command']}\nexit {code}, {r['seconds']} s, load average "
+                  f"{r['loadavg'][0]}/{r['loadavg'][1]}, whole run (ru_maxrss) {r['process_peak'] / GIB:.2f} GiB"
+                  + (f"\n{r['error']}" if code else ""))
+            print("\n".join(report.memory_lines(run_dir, layout.read_jsonl(run_dir / layout.METRICS_FILE))), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
-    return 0 if all(r.get("returncode") == 0 for r in results) else 1
+    return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 
 # ---- the command line -------------------------------------------------------------------------------------------

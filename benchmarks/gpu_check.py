@@ -1,36 +1,32 @@
 """The first check of the CUDA path on a GPU machine, in one call of at most 8 minutes, offline.
 
-Every check runs in its own process, in this order, until --time-budget (what does not fit is listed as skipped; a
-second call runs it with --variants). The models are built on the machine, none is downloaded
-(benchmarks/scripted_model.py): the recipe's real architecture with random weights (the real shapes, so the real
-memory), or a small scripted model whose greedy rows write `<<7*6=`, end at EOS or run out.
+Every check runs in its own process, in this order, until --time-budget (the rest is listed as skipped; --variants
+runs it in a second call), on models built on the machine (benchmarks/scripted_model.py): the recipe's architecture
+with random weights (the real shapes, so the real memory), or a small scripted model whose greedy rows write
+`<<7*6=`, end at EOS or run out.
 
-  unsloth-4bit       GRPO steps through train() on the recipe's architecture, backend unsloth, 4-bit, with the reward
-                     preflight on (train.preflight.allow_no_signal: random rewards) and a stage evaluation of the
-                     trained adapter through the engine, on a --card-gib card: auto-fit plans the evaluation batch
-                     for it.
-                     Peak allocated memory before, during and after GRPO against the plan's phases, and the
-                     evaluation batch the plan chose, the run's recipe.yaml wrote and the stage evaluation used.
-  engine-logits      lowmem_grpo's sampling engine against Unsloth's own generate (output_logits, the calculator's
-                     tokens forced by a logits processor) on scripted llama and qwen3 models (FastLanguageModel) and
-                     gemma3 (FastModel), loaded as a run loads them: tokens, forced tokens, the largest logit
-                     difference within --logit-tolerance, rows ending early, the calculator firing.
+  unsloth-4bit       GRPO steps through train(), backend unsloth, 4-bit, with the reward preflight (random rewards)
+                     and a stage evaluation of the trained adapter, auto-fit to a --card-gib card: peak allocated
+                     memory before, during and after GRPO against the plan's phases, and the evaluation batch the
+                     plan chose, the run's recipe.yaml holds and the stage evaluation used
+  engine-logits      lowmem_grpo's sampling engine against Unsloth's own generate (the calculator's tokens forced by a
+                     logits processor) on scripted llama, qwen3 (FastLanguageModel) and gemma3 (FastModel): tokens,
+                     forced tokens, the largest logit difference within --logit-tolerance, rows ending early
   unsloth-calc       two GRPO steps with data.calculator on Unsloth, on the scripted llama: every rollout writes
-                     `<<7*6=` and gets `42>>` forced by the engine.
-  gemma3-fastmodel   GRPO steps on Gemma 3's architecture (gemma3_1b_gsm8k), which Unsloth loads through FastModel,
-                     with the preflight and a small stage evaluation before and after; memory against the plan.
+                     `<<7*6=` and gets `42>>` forced by the engine
+  gemma3-fastmodel   GRPO steps on Gemma 3's architecture (FastModel), preflight and stage evaluations; memory vs plan
   hf-4bit            backend hf (transformers + PEFT + bitsandbytes nf4), with the preflight and a small evaluation
   hf-4bit-shared     hf without gradient checkpointing, where the shared-prompt pass can run the loss pass
   hf-4bit-unshared   the same with train.cpu.fast=false (every row forwarded whole)
   unsloth-4bit-vllm  vLLM generation (fast_inference), when vllm imports there
   shipped, plain-trl (not in the default list) the recipe as shipped through train(), and a plain TRL + PEFT +
-                     bitsandbytes script of the same settings: `--recipe all --variants shipped,plain-trl` compares
-                     every GPU recipe's memory with the planner's prediction and with plain TRL's.
+                     bitsandbytes script of its settings: `--recipe all --variants shipped,plain-trl` compares every
+                     GPU recipe's memory with the planner's prediction and with plain TRL's
 
-Tables: per GRPO variant peak allocated memory against the plan, device memory, tokens per second, seconds per step
-and the per-phase timings; the evaluation batch and the peaks around GRPO against the plan's phases; the engine
-against generate per model family; the calculator's GRPO steps; the shared-prompt pass on vs off. Random weights
-never emit EOS: every GRPO completion runs to max_completion_length, the planner's worst case.
+Tables: per GRPO variant peak allocated memory against the plan, device memory, tokens/s, s/step and the phase
+timings; the evaluation batch and the peaks around GRPO; the engine against generate per family; the calculator's
+steps; the shared-prompt pass on vs off. Random weights never emit EOS: every completion runs to
+max_completion_length, the planner's worst case.
 
 On the lent GPU machine (the wheels from benchmarks/build_gpu_bundle.py; one `run` call, carry [".whl"]):
 
@@ -38,9 +34,9 @@ On the lent GPU machine (the wheels from benchmarks/build_gpu_bundle.py; one `ru
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
     python3 benchmarks/gpu_check.py --recipe qwen2_5_1_5b_gsm8k --time-budget 420
 
-vLLM is not in the bundle (its wheel alone is 321 MB, over the 64 MiB a call carries, and it pins torch 2.13.0
-while that machine has 2.11): its row says so unless vllm imports. CI never runs this script; tests/test_gpu_path.py
-checks its arguments, its bookkeeping and tables, and runs the engine comparison on CPU transformers.
+vLLM is not in the bundle (its 321 MB wheel is over the 64 MiB a call carries, and it pins torch 2.13.0): its row
+says so unless vllm imports. CI never runs this script; tests/test_gpu_path.py checks its arguments, bookkeeping and
+tables, and runs the engine comparison on CPU transformers.
 """
 
 from __future__ import annotations
