@@ -370,13 +370,17 @@ def model_path(name: str, work: Path) -> str:
 
 def summarize(probe: Probe, started: tuple[float, float], done: tuple[float, float]) -> dict[str, Any]:
     """Start-up, s/step (wall and CPU, between step ends), teardown and the logged phase records of one run."""
-    ends, median = probe.ends, statistics.median
+    ends = probe.ends
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
     gaps = [[b[i] - a[i] for a, b in zip(ends, ends[1:])] for i in range(4)]
     steps = [r for r in probe.logs if "step_time" in r]
     return {
         "s_per_step": median(gaps[0] or [ends[0][0] - probe.begins[0][0]]),
         "cpu_per_step": median(gaps[1] or [ends[0][1] - probe.begins[0][1]]), "steps": len(ends),
-        "minflt_per_step": median(gaps[2]) if gaps[2] else None, "sys_per_step": median(gaps[3]) if gaps[3] else None,
+        "minflt_per_step": median(gaps[2]), "sys_per_step": median(gaps[3]),
         "trl_step_time": median([r["step_time"] for r in steps[1:] or steps]),
         "startup_wall": probe.begins[0][0] - started[0], "startup_cpu": probe.begins[0][1],
         "teardown_wall": done[0] - ends[-1][0], "teardown_cpu": done[1] - ends[-1][1],

@@ -71,10 +71,10 @@ def save_queue(queue: Path, configs: list[dict]) -> None:
     tmp.replace(queue)
 
 
-def train_logged(overrides: list[str], log_path: Path) -> dict[str, Any]:
-    """One `lowmem-grpo train` process under the lock, logged to `log_path`: its exit code, wall seconds from its first
+def train_logged(overrides: list[str], log_path: Path, lock: list[str] = LOCK) -> dict[str, Any]:
+    """One `lowmem-grpo train` process under `lock`, logged to `log_path`: its exit code, wall seconds from its first
     logged line, the 1-minute load average then and at its end, and its peak RSS (ru_maxrss of the process tree)."""
-    cmd = [*LOCK, sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE, *overrides]
+    cmd = [*lock, sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE, *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     waited, started, load_before = time.time(), None, None
@@ -99,7 +99,8 @@ def next_pending(configs: list[dict], only: str | None = None) -> dict | None:
     return next((c for c in configs if c["status"] in ("pending", "running") and only in (None, c["name"])), None)
 
 
-def run_next(queue: Path, runs: Path, steps: list[Step] = (), only: str | None = None) -> dict | None:
+def run_next(queue: Path, runs: Path, steps: list[Step] = (), only: str | None = None,
+             lock: list[str] = LOCK) -> dict | None:
     """Train the next configuration of `queue` (next_pending) into RUNS/NAME, record it, then run `steps` on it,
     saving the queue after each; the entry, or None when nothing is pending."""
     configs = load_queue(queue)
@@ -109,7 +110,7 @@ def run_next(queue: Path, runs: Path, steps: list[Step] = (), only: str | None =
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run starts again from scratch
     entry["status"] = "running"
     save_queue(queue, configs)
-    done = train_logged([*entry["overrides"], f"output.dir={run_dir}"], runs / f"{name}.log")
+    done = train_logged([*entry["overrides"], f"output.dir={run_dir}"], runs / f"{name}.log", lock)
     configs = load_queue(queue)  # read again: another session may have queued more meanwhile
     entry = next(c for c in configs if c["name"] == name)
     code = done.pop("returncode")

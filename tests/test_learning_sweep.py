@@ -83,6 +83,21 @@ def test_the_sweep_is_a_queue_that_primes_first_and_a_rerun_skips_what_finished(
     assert sweep.load_queue(tmp_path / "queue.json") == queue
 
 
+def test_the_runner_records_a_failed_run_and_moves_on(sweep, tmp_path):
+    """A configuration whose training stops at once (an unknown recipe key: exit 2 before any model loads) is
+    recorded as failed, with its exit code, wall time and log; the steps of a finished run do not run on it."""
+    queue = tmp_path / "queue.json"
+    sweep.save_queue(queue, [{"name": "bad", "why": "x", "status": "pending", "overrides": ["train.no_such_key=1"]},
+                             {"name": "next", "why": "y", "status": "pending", "overrides": []}])
+    called = []
+    entry = sweep.run_next(queue, tmp_path / "runs", [lambda c, run_dir: called.append(c) or {}], lock=[])
+    assert entry["name"] == "bad" and entry["status"] == "failed" and entry["returncode"] == 2 and not called
+    assert entry["wall_s"] >= 0 and entry["peak_rss_bytes"] > 0 and "finished" in entry
+    assert "no_such_key" in (tmp_path / "runs" / "bad.log").read_text()
+    saved = sweep.load_queue(queue)
+    assert saved[0] == entry and saved[1]["status"] == "pending" and sweep.next_pending(saved)["name"] == "next"
+
+
 def test_goal_thirds_informative_share_and_distinct_share(sweep):
     steps = [{"rewards/correctness/mean": v} for v in (0.1, 0.2, 0.3, 0.0, 0.5, 0.6, 0.7)]
     first, last = sweep.goal_thirds(steps)
