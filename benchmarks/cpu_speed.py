@@ -10,10 +10,8 @@
     OMP_NUM_THREADS=2 python benchmarks/cpu_speed.py allocator --thresholds 0,65536,8388608
     python benchmarks/cpu_speed.py rss --loads default
 
-`--help` lists the sub-commands; `SUB-COMMAND --help` says what one measures and prints. Every sub-command prints the
-load average: a figure taken on busy shared cores is noise, read the CPU columns and the ratios there.
-The step commands above are checked by tests/test_step_cpu_check.py (--check-only, parsed from this docstring; the
-real model for the first, the tiny one for the others).
+`SUB-COMMAND --help` says what one measures. Every one prints the load average (busy shared cores: read the CPU
+columns). tests/test_step_cpu_check.py checks the step commands above (--check-only, parsed from this docstring).
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ def _ratio(a: Any, b: Any) -> float | None:
 
 def run_child(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
               ) -> tuple[int, str, str, Any]:
-    """A child process: exit code, stdout, the tail of stderr, and its own rusage (wait4: its own peak RSS)."""
+    """A child process: exit code, stdout, the tail of stderr, and its own rusage (its own peak RSS)."""
     with tempfile.TemporaryFile("w+") as errors:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, env=env, cwd=cwd)
         stdout = proc.stdout.read()
@@ -67,9 +65,8 @@ def run_child(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | Non
 
 
 def cpu_trainer(overrides: list[str], run_dir: Path, moved_lora: bool = False) -> tuple[Any, Any, list[dict]]:
-    """(trainer, loaded model, training examples) of the CPU default with `overrides`, built as train() builds them
-    (trainer_factory, hf backend); `moved_lora`: LoRA B drawn at random (seeded), so that the adapter moves the
-    outputs as a primed one does."""
+    """(trainer, loaded model, training examples) of the CPU default as train() builds them; `moved_lora`: LoRA B
+    drawn at random (seeded), so that the adapter moves the outputs as a primed one does."""
     from lowmem_grpo import backends
     from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe_io import load_recipe
@@ -99,7 +96,6 @@ def cpu_trainer(overrides: list[str], run_dir: Path, moved_lora: bool = False) -
 
 
 def profile_table(prof: Any, title: str, rows: int = 30) -> str:
-    """torch.profiler's operators with the most self CPU time."""
     return f"{title}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
@@ -138,8 +134,7 @@ def compare(ours: dict[str, Any], plain: dict[str, Any]) -> list[str]:
 
 
 def check_same(ours: dict[str, Any], plain: dict[str, Any], label: str, show: bool = True) -> None:
-    """Print both configurations (unless `show` is off and they agree); exit 1 naming the differing keys when they
-    are not the same. `label` names the pair (e.g. "tiny float32 after")."""
+    """Print both configurations (unless `show` is off and they agree); exit 1 naming the keys that differ."""
     diffs = compare(ours, plain)
     if show or diffs:
         sys.stdout.write(f"config {label} lowmem: {json.dumps(ours, sort_keys=True)}\n")
@@ -165,9 +160,8 @@ def side_overrides(spec: dict[str, Any], side: str, path: str, out: Path) -> lis
 
 
 def plain_grpo_values(recipe: Any) -> dict[str, Any]:
-    """The GRPOConfig values a plain script gets from the recipe: every train field that is a GRPOConfig field, the
-    extra fields, and those lowmem_grpo resolves (warmup_ratio is TRL 1.x's float warmup_steps; optim auto is
-    adamw_torch on CPU; precision auto is neither bf16 nor fp16 on CPU; lowmem_grpo keeps its own checkpoints)."""
+    """The GRPOConfig values a plain script gets from the recipe: its GRPOConfig fields, the extra fields, and those
+    lowmem_grpo resolves (warmup_ratio is TRL 1.x's float warmup_steps; optim and precision auto as on CPU)."""
     from trl import GRPOConfig
 
     fields, t = {f.name for f in dataclasses.fields(GRPOConfig)}, recipe.train
@@ -325,8 +319,7 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
 
 
 def timer_cost_s(steps: int = 2000) -> float:
-    """The phase timer's own seconds per step, at most: what a step asks of it (its four events, the timed phases,
-    the token count, the backward's open and close) around phases that do nothing; best of 5 runs of `steps`."""
+    """The phase timer's own seconds per step, at most: a step's events and spans around phases that do nothing."""
     from lowmem_grpo.train.callbacks import PhaseTimer
 
     trainer = SimpleNamespace(accelerator=SimpleNamespace(device=SimpleNamespace(type="cpu")),
@@ -547,22 +540,17 @@ def measure(spec: dict[str, Any], work: Path, pinned: bool, repeats: int, check_
 
 
 def cmd_step(args: argparse.Namespace) -> int:
-    """A GRPO step like for like: lowmem_grpo's train() before and after its CPU switches, and a plain TRL + PEFT
-    script, all three built from the CPU default recipe, each in its own process.
+    """A GRPO step like for like: our train() before and after its CPU switches, and a plain TRL + PEFT script, all
+    built from the CPU default recipe, each in its own process.
 
-The benchmark changes only the model (tiny, or the embedded SmolLM2), model.dtype (--dtypes), train.max_steps, and
-leaves out the preflight and every evaluation (--set changes the recipe for all three sides); with --start primed the
-recipe's priming runs once and all three sides start from its adapter.
-  plain   a TRL + PEFT script from the same recipe (plain_grpo_values), the CPU-safe GRPOTrainer with our CPU
-          changes off; "plain pinned": the same with MALLOC_MMAP_THRESHOLD_ at train()'s threshold
-  before  our train() with --before's switches off (default train.cpu.fast=false: the CPU speed paths off)
-  after   our train() as shipped
-Each worker first records, from inside its trainer, a fingerprint (GRPOConfig minus output paths, LoRA config, dtypes,
-hashes of the rows and of the initial LoRA weights, rewards, trainer and optimizer classes, torch threads); a side
-that differs from plain stops the run with exit 1, naming the keys (--check-only stops there). Printed per side
-(medians over --repeats, rotating order): s/step and CPU s/step between step ends, TRL's step_time, start-up,
-teardown, minor faults and kernel seconds per step, peak RSS; the ratios; the completions per step; PhaseTimer's
-time/<phase> means (steps after the first); our layer's own per-step cost; the phase timer's own cost."""
+Only the model, model.dtype (--dtypes), train.max_steps change, without preflight or evaluation (--set: all sides);
+--start primed: all sides start from the recipe's primed adapter. plain: TRL + PEFT from the same recipe
+(plain_grpo_values), the CPU-safe GRPOTrainer; "plain pinned": with MALLOC_MMAP_THRESHOLD_ at train()'s threshold.
+before: --before's switches off (default train.cpu.fast=false). after: as shipped. Each worker's fingerprint
+(GRPOConfig, LoRA, dtypes, row and LoRA hashes, rewards, optimizer, threads) must equal plain's, else exit 1 naming
+the keys (--check-only stops there). Printed (medians over --repeats, rotating order): s/step and CPU s/step,
+TRL's step_time, start-up, teardown, faults, kernel s, peak RSS, ratios, completions, time/<phase> means, our
+layer's and the phase timer's own cost."""
     work = Path(args.work or tempfile.mkdtemp(prefix="step_cpu-"))
     if args.worker:
         step_worker(args.worker[0], Path(args.worker[1]), work, args.check_only)
@@ -680,11 +668,9 @@ def compare_decode(args: argparse.Namespace) -> str:
 def cmd_profile(args: argparse.Namespace) -> int:
     """torch.profiler tables of one GRPO step and one evaluation of the CPU default, as the package runs them.
 
---what step: train() (no preflight, no stage evaluation) profiled over GRPO step --profile-step; OUT/step.txt. eval:
-greedy + --samples samples on --problems test problems through lowmem_grpo.sampling.generate (the base model);
-OUT/eval.txt. decode: the engine's decode loop with transformers' DynamicCache and with the preallocated cache,
-alternating on the same prompts and seeds, and whether their rows are identical; OUT/decode.txt. --set changes the
-recipe."""
+--what step: GRPO step --profile-step of train() (OUT/step.txt); eval: greedy + --samples samples on --problems
+problems (OUT/eval.txt); decode: the engine's decode with DynamicCache vs the preallocated cache, alternating, and
+whether their rows agree (OUT/decode.txt). --set changes the recipe."""
     args.out.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(f"before: {load_line()}\n")
     if args.what == "step":
@@ -810,13 +796,10 @@ def sampling_dtype(dtype: str, args: argparse.Namespace) -> None:
 def cmd_sampling(args: argparse.Namespace) -> int:
     """GRPO sampling before vs after, in one process: tokens/s of TRL's generation from the CPU default's trainer.
 
-The trainer is built as train() builds it, its LoRA B drawn at random (seeded) so that the adapter moves the outputs.
-Per repeat, in alternating order, each configuration samples the same --rows completions (--group per prompt) of up
-to --tokens tokens through the trainer's `_generate_single_turn` from the same seed: unmerged (PEFT's LoRA layers,
-transformers' sdpa), merged (the adapter merged into the weights), merged+grouped (grouped-query attention without
-copying the key/value heads). Printed: seconds and tokens/s (wall and CPU, best and median) and their ratio to
-unmerged, the completions equal to unmerged's; in a 16-bit dtype each one's logits against float32, unmerged.
---profile: torch.profiler's top operators of one more pass."""
+The trainer as train() builds it (LoRA B random, seeded) samples --rows completions (--group per prompt, up to
+--tokens) per configuration, alternating: unmerged, merged (adapter merged), merged+grouped (GQA without copying
+heads). Printed: wall and CPU s and tok/s (best, median), ratios to unmerged, identical completions; in 16-bit each
+one's logits against float32. --profile: torch.profiler's top operators."""
     if args.rows % args.group:
         raise SystemExit("--rows must be a multiple of --group")
     for dtype in args.dtypes.split(","):
@@ -905,12 +888,10 @@ def float32_errors(trainer: Any, loaded: Any, ids: Any, mask: Any, width: int, l
 def cmd_shared_prompt(args: argparse.Namespace) -> int:
     """The loss pass's forward + backward with the shared-prompt log-prob pass on and off, like for like.
 
-The CPU default's trainer scores one micro-batch of --prompts x --generations rows (prompts left-padded to
---prompt-length tokens, completions of --completion-min..--completion-max tokens) through its own log-prob pass and a
-GRPO-style loss, then backward, both configurations alternating. Printed: forward, backward and total seconds (median
-and minimum; wall and CPU), the rise of peak RSS over the pass (VmHWM, reset before each pass, with the mmap
-threshold at 64 KiB so that the peak follows live memory), the token positions forwarded, the ratios full/shared,
-the largest log-prob difference, and in a 16-bit dtype both passes' error against float32."""
+One micro-batch of --prompts x --generations rows (prompts of --prompt-length, completions of --completion-min..max
+tokens) through the trainer's log-prob pass, a GRPO loss and backward, alternating. Printed: seconds (median, min;
+wall, CPU), peak RSS rise (VmHWM, mmap threshold 64 KiB), tokens forwarded, ratios, the largest log-prob difference,
+and in 16-bit both against float32."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # peak RSS that follows live memory (see above)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         os.execv(sys.executable, [sys.executable, *sys.argv])
@@ -961,10 +942,8 @@ the largest log-prob difference, and in a 16-bit dtype both passes' error agains
 def cmd_allocator(args: argparse.Namespace) -> int:
     """What glibc's mmap threshold costs a CPU loss pass: seconds, page faults and peak RSS at several thresholds.
 
-Each threshold (0 = glibc's own dynamic one) in its own process: the CPU default's trainer, one warm-up pass, then
---repeats forward + backward passes of one micro-batch (--prompts prompts, --rows completions of 25-35 tokens after
-83 prompt tokens). Printed per threshold: the fastest forward and backward (wall and CPU), kernel seconds and minor
-page faults per pass, and the process's peak RSS."""
+Each threshold (0 = glibc's dynamic one) in its own process: --repeats forward + backward passes of one micro-batch
+(--prompts prompts, --rows rows) after a warm-up; printed: the fastest passes, kernel s, faults, peak RSS."""
     if args.worker is not None:
         import torch
 
@@ -1010,13 +989,10 @@ def overrides(args: argparse.Namespace, load: str, run_dir: Path) -> list[str]:
 
 
 def cmd_rss(args: argparse.Namespace) -> int:
-    """Peak resident memory (RSS) of CPU training, per stage and per GRPO phase: the CPU default, short, and 4
-    prompts x 8 completions x 64 tokens.
+    """Peak resident memory (RSS) of CPU training, per stage and GRPO phase: the CPU default, short, and 4x8x64.
 
-Each load is one `lowmem-grpo train recipes/smollm2_135m_arith_cpu.py` process, shortened to --steps GRPO steps,
---prime-steps priming steps and --stage-eval problems per stage evaluation (extra arguments: recipe overrides).
-Printed per load: the command, wall seconds, the load average, the process's peak RSS (ru_maxrss) and its run
-directory's memory tables as report.md has them (per stage, per GRPO phase). --out: the numbers as JSON."""
+Each load is one `lowmem-grpo train` process with --steps, --prime-steps and --stage-eval (extra arguments: recipe
+overrides); printed: the command, seconds, load, ru_maxrss and report.md's memory tables. --out: JSON."""
     from lowmem_grpo.rundir import layout, report, rss
 
     results, env = [], {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

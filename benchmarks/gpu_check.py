@@ -1,42 +1,30 @@
 """The first check of the CUDA path on a GPU machine, in one call of at most 8 minutes, offline.
 
-Every check runs in its own process, in this order, until --time-budget (the rest is listed as skipped; --variants
-runs it in a second call), on models built on the machine (benchmarks/scripted_model.py): the recipe's architecture
-with random weights (the real shapes, so the real memory), or a small scripted model whose greedy rows write
-`<<7*6=`, end at EOS or run out.
+Every check runs in its own process until --time-budget (the rest is listed as skipped), on models built on the
+machine (benchmarks/scripted_model.py): the recipe's architecture with random weights (the real memory), or a small
+scripted model whose greedy rows write `<<7*6=`, end at EOS or run out.
 
-  unsloth-4bit       GRPO steps through train(), backend unsloth, 4-bit, with the reward preflight (random rewards)
-                     and a stage evaluation of the trained adapter, auto-fit to a --card-gib card: peak allocated
-                     memory before, during and after GRPO against the plan's phases, and the evaluation batch the
-                     plan chose, the run's recipe.yaml holds and the stage evaluation used
-  engine-logits      lowmem_grpo's sampling engine against Unsloth's own generate (the calculator's tokens forced by a
-                     logits processor) on scripted llama, qwen3 (FastLanguageModel) and gemma3 (FastModel): tokens,
-                     forced tokens, the largest logit difference within --logit-tolerance, rows ending early
-  unsloth-calc       two GRPO steps with data.calculator on Unsloth, on the scripted llama: every rollout writes
-                     `<<7*6=` and gets `42>>` forced by the engine
-  gemma3-fastmodel   GRPO steps on Gemma 3's architecture (FastModel), preflight and stage evaluations; memory vs plan
+  unsloth-4bit       GRPO through train() (unsloth, 4-bit, preflight, a stage evaluation) auto-fit to a --card-gib
+                     card: peaks before, during and after GRPO against the plan, and the evaluation batch
+  engine-logits      the sampling engine against Unsloth's generate (calculator tokens forced) on scripted llama,
+                     qwen3 and gemma3: tokens, forced tokens, the largest logit difference, rows ending early
+  unsloth-calc       two GRPO steps with data.calculator on the scripted llama: `42>>` forced in every rollout
+  gemma3-fastmodel   GRPO on Gemma 3's architecture (FastModel), preflight and stage evaluations; memory vs plan
   hf-4bit            backend hf (transformers + PEFT + bitsandbytes nf4), with the preflight and a small evaluation
   hf-4bit-shared     hf without gradient checkpointing, where the shared-prompt pass can run the loss pass
   hf-4bit-unshared   the same with train.cpu.fast=false (every row forwarded whole)
   unsloth-4bit-vllm  vLLM generation (fast_inference), when vllm imports there
-  shipped, plain-trl (not in the default list) the recipe as shipped through train(), and a plain TRL + PEFT +
-                     bitsandbytes script of its settings: `--recipe all --variants shipped,plain-trl` compares every
-                     GPU recipe's memory with the planner's prediction and with plain TRL's
+  shipped, plain-trl (not by default) the recipe as shipped, and a plain TRL + PEFT + bitsandbytes script of it:
+                     `--recipe all --variants shipped,plain-trl` compares every GPU recipe with the plan and plain TRL
 
-Tables: per GRPO variant peak allocated memory against the plan, device memory, tokens/s, s/step and the phase
-timings; the evaluation batch and the peaks around GRPO; the engine against generate per family; the calculator's
-steps; the shared-prompt pass on vs off. Random weights never emit EOS: every completion runs to
-max_completion_length, the planner's worst case.
-
+Random weights never emit EOS: every completion runs to max_completion_length, the planner's worst case.
 On the lent GPU machine (the wheels from benchmarks/build_gpu_bundle.py; one `run` call, carry [".whl"]):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
     python3 benchmarks/gpu_check.py --recipe qwen2_5_1_5b_gsm8k --time-budget 420
 
-vLLM is not in the bundle (its 321 MB wheel is over the 64 MiB a call carries, and it pins torch 2.13.0): its row
-says so unless vllm imports. CI never runs this script; tests/test_gpu_path.py checks its arguments, bookkeeping and
-tables, and runs the engine comparison on CPU transformers.
+tests/test_gpu_path.py checks its arguments, bookkeeping and tables, and the engine comparison on CPU.
 """
 
 from __future__ import annotations
@@ -67,8 +55,7 @@ HF = ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false
 
 @dataclass(frozen=True)
 class Variant:
-    """One check: what it runs (kind train, plain, logits or calc), its overrides, and where it differs from the
-    defaults."""
+    """One check: its kind (train, plain, logits or calc), its overrides, and where it differs from the defaults."""
 
     kind: str
     overrides: list[str] = field(default_factory=list)
@@ -153,8 +140,7 @@ def variant_recipe(args: argparse.Namespace, variant: str, model_dir: Path, rows
     overrides = [f"model.name={model_dir}", f"data.source={rows}", "data.system_prompt=", "data.prefill=",
                  RANDOM_REWARD, f"train.max_steps={spec.steps or args.steps}", "train.save_steps=100000",
                  "train.logging_steps=1", "train.preflight.enabled=false", "train.completions_every=0",
-                 "train.eval.every=0",
-                 f"output.dir={run_dir}", *spec.overrides]
+                 "train.eval.every=0", f"output.dir={run_dir}", *spec.overrides]
     c = 24 if spec.kind == "calc" else args.max_completion_length  # a scripted row ends after 11 tokens
     if c:
         overrides += [f"train.max_completion_length={c}", f"model.max_seq_length={recipe.data.max_prompt_length + c}"]
@@ -197,9 +183,8 @@ def _ignore(*args, **kwargs) -> None:
 
 
 class PhaseProbe:
-    """A trainer callback (TrainerCallback's events by name, so this module needs no transformers) that records the
-    peak allocated memory before GRPO (load, preflight, stage evaluations before it), during GRPO, and after it (the
-    trained adapter's stage evaluation, up to `finish`), the device memory in use at each, and the trainer's logs."""
+    """A trainer callback (events by name: no transformers import) recording peak allocated and device memory before
+    GRPO (load, preflight, evaluations), during it and after it (up to `finish`), and the trainer's logs."""
 
     def __init__(self, memory=None) -> None:
         self.memory = memory or CudaMemory()
@@ -251,7 +236,7 @@ def _backend_first(args: argparse.Namespace) -> str:
 
 
 def _model_and_rows(args: argparse.Namespace) -> tuple[str, Path, Path]:
-    """The recipe's architecture with random weights and 64 prompts of its planned length (built once a workdir)."""
+    """The recipe's architecture with random weights and 64 prompts of its planned length."""
     from scripted_model import PROMPT_OVERHEAD, build_model_dir, write_rows
 
     from lowmem_grpo.recipe_io import load_recipe
@@ -285,9 +270,7 @@ def train_worker(args: argparse.Namespace) -> dict:
     plan_dict = saved or predicted.to_dict()
     stages = json.loads(stage_path.read_text()) if stage_path.exists() else {}
     logs, phases = layout.read_jsonl(run_dir / layout.METRICS_FILE), predicted_phases(plan_dict)
-    return {**probe.peaks, "max_allocated": probe.peaks.get("grpo"), "device_used": probe.peaks.get("grpo_device"),
-            **speed(logs, fitted.train.generation_batch_size()), "phases": phase_times(logs), "steps": probe.steps,
-            "predicted_allocated": phases["grpo"], "predicted_total": plan_dict["total_bytes"],
+    return {**measured(probe, logs, fitted.train.generation_batch_size()), "predicted_allocated": phases["grpo"], "predicted_total": plan_dict["total_bytes"],
             "predicted_phases": phases, "peak_phase": plan_dict["peak_phase"],
             "prompt_sharing": predicted.sharing_dict(), **predicted_sharing(predicted),
             "evaluation": evaluation_check(plan_dict, fitted.train.eval.batch_size,
@@ -295,9 +278,13 @@ def train_worker(args: argparse.Namespace) -> dict:
             "card_gib": args.card_gib if spec.card else None, **unsloth_facts()}
 
 
+def measured(probe: PhaseProbe, logs: list[dict], generation_batch: int) -> dict:
+    return {**probe.peaks, "max_allocated": probe.peaks.get("grpo"), "device_used": probe.peaks.get("grpo_device"),
+            **speed(logs, generation_batch), "phases": phase_times(logs), "steps": probe.steps}
+
+
 def plain_worker(args: argparse.Namespace) -> dict:
-    """plain-trl: the recipe's GRPO settings in a plain TRL + PEFT + bitsandbytes nf4 script (no Unsloth), against
-    the planner's prediction for the hf backend."""
+    """plain-trl: the recipe's settings in a plain TRL + PEFT + bitsandbytes nf4 script, against the hf plan."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -337,8 +324,7 @@ def plain_worker(args: argparse.Namespace) -> dict:
     GRPOTrainer(model=model, reward_funcs=[random_reward], args=config, processing_class=tokenizer,
                 train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), callbacks=[probe]).train()
     plan_dict = plan(recipe).to_dict()
-    return {**probe.peaks, "max_allocated": probe.peaks.get("grpo"), "device_used": probe.peaks.get("grpo_device"),
-            **speed(probe.logs, t.generation_batch_size()), "phases": phase_times(probe.logs), "steps": probe.steps,
+    return {**measured(probe, probe.logs, t.generation_batch_size()),
             "predicted_allocated": predicted_phases(plan_dict)["grpo"], "predicted_total": plan_dict["total_bytes"]}
 
 
@@ -411,14 +397,9 @@ def _error(exc: Exception) -> str:
 
 def unsloth_facts() -> dict:
     """What Unsloth chose at run time: xformers, and which log-prob kernel paths ran (memory term 5)."""
-    facts = {}
-    utils = sys.modules.get("unsloth.models._utils")
-    if utils is not None:
-        facts["xformers"] = getattr(utils, "xformers_version", None) or "off (PyTorch attention)"
-    fused = sys.modules.get("unsloth_zoo.fused_losses.fused_linear")
-    if fused is not None:
-        facts["logprob_kernel_calls"] = dict(getattr(fused, "CALLS", {}))
-    return facts
+    utils, fused = (sys.modules.get(m) for m in ("unsloth.models._utils", "unsloth_zoo.fused_losses.fused_linear"))
+    return {**({"xformers": getattr(utils, "xformers_version", None) or "off (PyTorch attention)"} if utils else {}),
+            **({"logprob_kernel_calls": dict(getattr(fused, "CALLS", {}))} if fused else {})}
 
 
 def predicted_sharing(predicted) -> dict:
@@ -445,8 +426,7 @@ def predicted_phases(plan_dict: dict) -> dict[str, int]:
 
 
 def evaluation_check(plan_dict: dict, recipe_batch: int | None, used_batch: int | None, peaks: dict) -> dict:
-    """The evaluation batch the plan chose, the one the run's recipe.yaml holds and the stage evaluation used, and
-    the peak after GRPO (the trained stage evaluation) against the plan's evaluation phase."""
+    """The evaluation batch planned, in recipe.yaml and used, and the peak after GRPO against the plan's."""
     e = plan_dict.get("evaluation", {})
     return {"planned_batch": e.get("batch") if e.get("counted") else None, "recipe_batch": recipe_batch,
             "used_batch": used_batch, "eval_kv_bytes": e.get("kv_bytes"),
@@ -456,8 +436,7 @@ def evaluation_check(plan_dict: dict, recipe_batch: int | None, used_batch: int 
 
 
 def _steps(logs: list[dict], timed: bool = False) -> list[dict]:
-    """The logged GRPO steps (with step_time, or `timed`: also any time/<phase> key) after the first, which also
-    compiles kernels (all of them when there is one)."""
+    """The logged GRPO steps (with step_time, or `timed`: any time/<phase>) after the first, which compiles."""
     steps = [log for log in logs if log.get("stage", "grpo") == "grpo"
              and any(k == "step_time" or (timed and k.startswith("time/")) for k in log)]
     return steps[1:] or steps
@@ -471,8 +450,7 @@ def phase_times(logs: list[dict]) -> dict[str, float]:
 
 
 def speed(logs: list[dict], generation_batch: int) -> dict[str, float | None]:
-    """Seconds per step and generated tokens per second: completion tokens of the step over the generation
-    phase's time when it is logged (time/generation), else over the whole step."""
+    """Seconds per step and generated tokens per second of time/generation when logged, else of the step."""
     timed = _steps(logs)
     if not timed:
         return {"step_s": None, "tokens_per_s": None}
@@ -498,8 +476,7 @@ def _ratio(on, off) -> str:
 
 
 def _columns(rows: list[list[str]], indent: str = "") -> list[str]:
-    """Rows as wide as the first aligned (first cell left, the rest right); others as their cells one after another
-    (a variant and why it has no figures)."""
+    """Rows as wide as the first aligned (first cell left, the rest right); others (a variant, why) as they are."""
     width = len(rows[0])
     widths = [max(len(row[i]) for row in rows if len(row) == width) for i in range(width)]
     return [indent + ("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row))
@@ -511,7 +488,7 @@ def _label(r: dict, many: bool) -> str:
 
 
 def table(results: list[dict]) -> str:
-    """One row per GRPO variant (and every skipped or failed one); the `time/<phase>` columns any result has."""
+    """One row per GRPO variant (and every skipped or failed one), with the time/<phase> columns any has."""
     shown = [r for r in results if "error" in r or "skipped" in r or "predicted_allocated" in r]
     many = len({r.get("recipe") for r in shown}) > 1
     phases = sorted({k for r in shown for k in r.get("phases", {})})
@@ -524,15 +501,12 @@ def table(results: list[dict]) -> str:
             _gib(r.get("predicted_total")), _gib(r.get("device_used")), str(r.get("tokens_per_s") or "-"),
             str(r.get("step_s") or "-"), *[str(r.get("phases", {}).get(p, "-")) for p in phases]])
     return "\n".join(_columns(rows)) + (
-        "\n(GiB; err = (predicted - measured) / measured; max alloc is GRPO's peak, pred alloc the plan's resident "
-        "terms + the step's larger phase; pred total adds what torch does not count: CUDA context, vLLM's pool, "
-        "allocator slack; tok/s = generated tokens per second of generation time when time/generation is logged, "
-        "else of step time)\n")
+        "\n(GiB; err = (predicted - measured) / measured; max alloc: GRPO's peak; pred alloc: resident terms + the "
+        "step's larger phase; pred total adds CUDA context, vLLM's pool, allocator slack; tok/s of generation time)\n")
 
 
 def evaluation_table(results: list[dict]) -> str:
-    """The evaluation batch (planned, in recipe.yaml, used by the stage evaluation) and the peaks around GRPO
-    against the plan's phases; empty without such a result."""
+    """The evaluation batch and the peaks around GRPO against the plan's phases; empty without such a result."""
     shown = [r for r in results if "evaluation" in r and "error" not in r]
     if not shown:
         return ""
@@ -547,10 +521,8 @@ def evaluation_table(results: list[dict]) -> str:
                      _err(e.get("measured_eval_allocated"), e.get("predicted_eval_allocated")),
                      _gib(p.get("before_grpo")), _gib(r.get("before_grpo"))])
     return "evaluation batch and memory\n" + "\n".join(_columns(rows)) + (
-        "\n(evaluation batch in sequences: the plan's, the run's recipe.yaml, the stage evaluation's; GiB allocated: "
-        "the plan's resident terms + its evaluation phase against the peak from GRPO's end to the end of the run (the "
-        "trained adapter's stage evaluation); before GRPO: load, preflight, earlier stage evaluations, against the "
-        "plan's larger phase)\n")
+        "\n(batch in sequences: planned, recipe.yaml, used; GiB allocated: resident + evaluation phase against the "
+        "peak after GRPO; before GRPO: load, preflight, evaluations, against the plan's larger phase)\n")
 
 
 def logits_table(results: list[dict]) -> str:
@@ -566,9 +538,8 @@ def logits_table(results: list[dict]) -> str:
             str(f["max_logit_diff"]), str(f["context_effect"]), "ok" if f["ok"] else "FAIL"])
     tolerance = next((f.get("tolerance") for f in found[0]["families"].values() if "tolerance" in f), None)
     return "engine against generate\n" + "\n".join(_columns(rows)) + (
-        f"\n(greedy rows of the scripted prompts, the calculator on; max diff: the largest |engine - generate| logit "
-        f"over every token, tolerance {tolerance}; context: how far the first logits move without the prompt, which a "
-        f"lost cache would get wrong; lengths: tokens per row, a row of 24 ran out)\n")
+        f"\n(greedy scripted rows, calculator on; max diff: largest |engine - generate| logit, tolerance {tolerance}; "
+        f"context: how far the first logits move without the prompt; lengths: tokens per row, 24 ran out)\n")
 
 
 def calc_table(results: list[dict]) -> str:
@@ -583,8 +554,8 @@ def calc_table(results: list[dict]) -> str:
 
 
 def sharing_table(results: list[dict]) -> str:
-    """The shared-prompt pass on vs off (SHARED_PAIR): peak allocated memory, measured and predicted, the loss
-    forward, backward and step seconds, and on/off ratios; empty unless both variants ran."""
+    """The shared-prompt pass on vs off (SHARED_PAIR): memory measured and predicted, seconds, ratios; empty unless
+    both variants ran."""
     by = {r["variant"]: r for r in results if "error" not in r and "skipped" not in r}
     if not all(v in by for v in SHARED_PAIR):
         return ""
@@ -600,9 +571,7 @@ def sharing_table(results: list[dict]) -> str:
 
 
 def report(results: list[dict]) -> str:
-    """Every table, separated by blank lines."""
-    parts = [table(results), evaluation_table(results), logits_table(results), calc_table(results),
-             sharing_table(results)]
+    parts = [f(results) for f in (table, evaluation_table, logits_table, calc_table, sharing_table)]
     return "\n".join(p for p in parts if p)
 
 
