@@ -2,19 +2,10 @@
 
     python benchmarks/build_gpu_bundle.py            # -> .whl/ (gitignored), prints sizes, fails at >= 64 MiB
 
-That machine's image has torch 2.11 (CUDA 13.0), transformers 5.17, peft, accelerate, triton,
-pyarrow, pandas, xxhash, fsspec and huggingface-hub, but no trl, unsloth, unsloth_zoo,
-bitsandbytes or datasets, and nothing can be fetched there (docs: shared/environment.md). The plain
-wheels are too big together, so two are slimmed here, keeping their file names:
-
-- unsloth: without its Studio web app, the wheel's top-level `studio/` package (most of the 29 MB
-  wheel; `import unsloth` never imports it);
-- bitsandbytes: with only `libbitsandbytes_cuda130.so` of its per-CUDA-version libraries.
-
-On the GPU machine (one `run` call, carry [".whl"]):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+That machine has torch, transformers, peft and accelerate but no trl, unsloth, unsloth_zoo, bitsandbytes or
+datasets, and fetches nothing (shared/environment.md). Two wheels are slimmed, keeping their names: unsloth without
+its top-level `studio/` web app (never imported), bitsandbytes with only `libbitsandbytes_cuda130.so`.
+Install there as benchmarks/gpu_check.py says.
 """
 
 from __future__ import annotations

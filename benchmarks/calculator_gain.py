@@ -5,31 +5,14 @@ held-out problems, greedy and sampled, with paired 95% CIs and what the answers 
     python benchmarks/calculator_gain.py RUN_DIR --data lowmem_grpo/resources/checking/arith_checking.jsonl
     python benchmarks/calculator_gain.py RUN_DIR --levels 2        (two-step generated problems only)
 
-RUN_DIR is a finished training run (after `make demo`: the newest folder under runs/). Its recipe.yaml decides
-everything else, read the way `lowmem-grpo eval RUN_DIR` reads it (lowmem_grpo.evaluation.command.resolve): the
-model, the prompts, the eval split (the first --problems problems), data.calculator (the sampling engine completes
-`<<EXPR=` as in training), and the stage evaluation's settings (lowmem_grpo.evaluation.stages): greedy, then
---samples k samples per problem at train.temperature in batches of `sampled_batch`. The base model is loaded once;
-the stages are its adapter switched off (base), RUN_DIR/primed_adapter (primed, when the run primed) and the
-trained adapter (trained: RUN_DIR/adapter, else the newest checkpoint).
-
-Prints report.md's stage tables (lowmem_grpo.rundir.stage_tables: per stage greedy strict accuracy, strict format,
-mean@k and pass@k with 95% bootstrap CIs; the paired differences, primed->trained being GRPO's own; the greedy
-answers' outcomes; for generated problems all of it on seen and on held-out wording side by side, the recipe's eval
-split holding both, half each; for problems of several step counts, by number of calculations with where the chains
-broke) and the share of wrong answers that chose the wrong operation. --stories seen or heldout evaluates one kind
-of wording only, --levels other levels than the run trained on (generated data only).
-
---data PATH measures the stages on the problems of a JSONL file in GSM8K's format (question, and an answer ending in
-`#### N`) instead of the recipe's eval split, the same way; rows that carry `operation` (add, sub, mul, div: a
-one-step problem's) and `steps` (how many calculations) add the same per stage on each operation's problems and on
-each step count's (`breakdown`), as lowmem_grpo/resources/checking/arith_checking.jsonl does.
-
-Writes everything to --out (default RUN_DIR/calculator_gain.json, calculator_gain-seen/-heldout.json, or with --data
-calculator_gain-STEM.json after the file's name), with the command, the CPU's dtype
-(lowmem_grpo.device.cpu_auto_dtype), the load average before and after and the wall time.
-Each stage's verdicts are written as soon as it is measured; a rerun reuses every stage measured with the same
-settings (same problems, adapter weights, samples, temperature, seed, budget, calculator) and measures the rest.
+RUN_DIR's recipe.yaml decides the model, prompts, eval split, data.calculator and the stage evaluation's settings,
+read as `lowmem-grpo eval RUN_DIR` reads it; the base model loads once and each stage switches adapters: base (off),
+primed (RUN_DIR/primed_adapter) and trained (RUN_DIR/adapter, else the newest checkpoint). Prints report.md's stage
+tables (lowmem_grpo.rundir.stage_tables: greedy, mean@k, pass@k with CIs, paired differences, outcomes, by wording
+and by number of steps) and the share of wrong answers that chose the wrong operation. --data PATH measures the
+problems of a GSM8K-format JSONL file instead; rows with `operation` or `steps` add a breakdown by each.
+Writes --out (default RUN_DIR/calculator_gain[-seen|-heldout|-levelsL|-STEM].json) with the command, the CPU's dtype,
+the load average and wall time; a rerun reuses every stage measured with the same settings and adapter weights.
 """
 
 from __future__ import annotations
@@ -100,17 +83,14 @@ def eval_settings(recipe: Any, samples: int) -> dict[str, Any]:
 
 
 def wrong_share(outcomes: dict[str, float] | None) -> float | None:
-    """Of the greedy answers that are wrong, the share that did right arithmetic on the wrong operation or operands
-    (from a stage's outcome shares: an outcome is `correct` exactly when the answer is); None without wrong ones."""
+    """Of the wrong greedy answers, the share with right arithmetic on the wrong operation or operands."""
     wrong = 1 - (outcomes or {}).get("correct", 1.0)
     return outcomes["wrong_operation"] / wrong if wrong > 1e-12 else None
 
 
 def file_problems(path: Path, limit: int) -> tuple[list[dict[str, str]], dict[str, list[str | None]]]:
-    """The first `limit` problems of a JSONL file (checked as `lowmem-grpo eval --data` checks them: question, and an
-    answer ending in '#### N') and per GROUPINGS field each problem's label: `operation` when it names one of add,
-    sub, mul, div, `steps` when it is a whole number (None where a row has no such field; a field no row has is
-    left out)."""
+    """The first `limit` problems of a JSONL file (checked as `lowmem-grpo eval --data` checks them) and
+    per GROUPINGS field each problem's label (None where a row has none; a field no row has is left out)."""
     from lowmem_grpo.data.generated import OPERATIONS
     from lowmem_grpo.data.sources import load_rows
 
@@ -123,8 +103,7 @@ def file_problems(path: Path, limit: int) -> tuple[list[dict[str, str]], dict[st
 
 def groups_of(groups: dict[str, list[str | None]], rows: list[dict[str, str]], questions: list[str]
               ) -> dict[str, list[str | None]]:
-    """`groups` (per problem of `rows`) for the problems asking `questions` (the examples evaluated: a prompt too
-    long for the recipe is left out)."""
+    """`groups` (per problem of `rows`) for the problems asking `questions` (too long prompts are left out)."""
     index: dict[str, int] = {}
     for i, row in enumerate(rows):
         index.setdefault(row["question"], i)
@@ -133,9 +112,7 @@ def groups_of(groups: dict[str, list[str | None]], rows: list[dict[str, str]], q
 
 def breakdown(verdicts: dict[str, list[list[Any]]], sampled: dict[str, list[list[Any]]],
               groups: dict[str, list[str | None]], seed: int) -> dict[str, dict[str, Any]]:
-    """Per grouping and label (in the order the problems first name it): num_problems, the stage summary of those
-    problems (lowmem_grpo.evaluation.stages.summarize: stages, differences, outcomes) and each stage's
-    wrong-operation share."""
+    """Per grouping and label: num_problems, the stage summary of those problems, the wrong-operation shares."""
     from lowmem_grpo.evaluation.stages import summarize
 
     out: dict[str, dict[str, Any]] = {}
@@ -234,8 +211,7 @@ def measure(model: Any, tokenizer: Any, examples: list[dict[str, Any]], stage: s
 
 def stage_keys(recipe: Any, rows: list[dict[str, str]], adapters: dict[str, Path | None],
                settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per stage what its measurement depends on (the problems and prompts, the model, the evaluation settings and
-    the adapter's weights): a stage saved under the same key is reused."""
+    """Per stage what its measurement depends on: a stage saved under the same key is reused."""
     d = recipe.data
     problems = digest(json.dumps(rows, sort_keys=True).encode(), d.system_prompt.encode(), d.prefill.encode())
     common_key = {"problems": problems, "num_problems": len(rows), "model": recipe.model.name,
@@ -253,9 +229,7 @@ def _share(share: float | None) -> str:
 
 
 def table(data: dict[str, Any]) -> str:
-    """The stage tables of report.md (lowmem_grpo.rundir.stage_tables.summary_lines: stages, paired differences,
-    outcomes, by wording, by number of steps), each stage's wrong-operation share, and the breakdown of a --data
-    file's problems, as text."""
+    """The stage tables of report.md, each stage's wrong-operation share and a --data file's breakdown."""
     from lowmem_grpo.rundir.stage_tables import WORDING_LABELS, summary_lines
 
     settings, k = data["settings"], data["settings"]["samples"]
@@ -310,8 +284,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _problems(parser: argparse.ArgumentParser, args: argparse.Namespace, data: Any
               ) -> tuple[list[dict[str, str]], dict[str, list[str | None]], str]:
-    """The problems measured (the recipe's eval split, or the --data file's), their GROUPINGS labels ({} for the
-    eval split) and the default name of the results file. Bad data is named before the model loads."""
+    """The problems measured, their GROUPINGS labels and the results file's default name; bad data is
+    named before the model loads."""
     from lowmem_grpo.data import load_eval_rows
     from lowmem_grpo.errors import DataError
 

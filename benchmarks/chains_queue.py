@@ -4,17 +4,10 @@
     python benchmarks/chains_queue.py table [--queue results/chains-bf16/queue.json]
     python benchmarks/chains_queue.py rejudge --only NAME   (chain outcomes of a finished run, judged anew)
 
-The queue and its runner are benchmarks/learning_sweep.py's (`run_next`): `run` trains the first pending
-configuration (or --only NAME) end to end into runs/chains/NAME under `flock /tmp/heavy.lock`, records its wall time,
-load average and peak RSS, then copies report.md, stage_eval.json (without the per-problem verdicts), metrics.jsonl,
-recipe.yaml, peak_rss.json and env.json into the queue's folder under NAME/ (no adapters), and records in the queue
-each stage's greedy accuracy on one- and two-step problems (stage_eval.json's `steps`). Then it measures GRPO's own
-gain on 300 held-out problems of one step and of two steps (`calculator_gain.py RUN --levels L --problems 300
---samples 0 --stages primed,trained`, greedy), copies each calculator_gain-levelsL.json beside the report and records
-the paired differences in the queue (`gain300`). `table` prints the queue as markdown. `rejudge` judges the saved
-greedy completions of runs/chains/NAME again against the worked solutions of the same held-out problems
-(lowmem_grpo.rewards.chain as it is now), summarizes them again and rewrites both stage_eval.json files and the
-report.
+`run` trains the next configuration with learning_sweep's runner into runs/chains/NAME, copies its report, slimmed
+stage_eval.json and small files under the queue's folder, records each stage's accuracy on one- and two-step
+problems, then GRPO's own gain on 300 held-out problems of each (calculator_gain.py, greedy; `gain300`). `table`
+prints the queue as markdown. `rejudge` judges the saved greedy completions again (lowmem_grpo.rewards.chain).
 """
 
 from __future__ import annotations
@@ -39,8 +32,7 @@ def _r(value: float) -> float:
 
 
 def _accuracy(stage_eval: dict) -> dict:
-    """Per stage the greedy strict accuracy on all problems and per step count ("1", "2", ...), GRPO's change per
-    step count, and where the two-step chains broke."""
+    """Per stage greedy accuracy on all problems and per step count, GRPO's change, where 2-step chains broke."""
     steps = stage_eval.get("steps") or {}
     out: dict = {stage: {"all": _r(m["strict_accuracy"]["mean"]),
                          **{g: _r(x["strict_accuracy"]["mean"]) for g, x in (steps.get("stages", {}).get(stage)
@@ -66,8 +58,7 @@ def _collect(run_dir: Path, into: Path) -> dict:
 
 
 def _gain300(run_dir: Path, level: int, into: Path) -> dict:
-    """GRPO's own gain (trained - primed) on GAIN_PROBLEMS held-out problems of `level` steps, greedy: accuracy per
-    stage and the paired difference with its 95% CI (calculator_gain.py, under the heavy lock)."""
+    """GRPO's own gain on GAIN_PROBLEMS held-out problems of `level` steps (calculator_gain.py, heavy lock)."""
     out = run_dir / f"calculator_gain-levels{level}.json"
     cmd = ["flock", "/tmp/heavy.lock", sys.executable, "benchmarks/calculator_gain.py", str(run_dir.relative_to(ROOT)),
            "--levels", str(level), "--problems", str(GAIN_PROBLEMS), "--samples", "0", "--stages", "primed,trained",
@@ -126,8 +117,7 @@ def rejudge(queue: Path, name: str) -> int:
 
 
 def _gain_cell(folder: Path, level: int) -> str:
-    """`primed -> trained (gain [95% CI])` on GAIN_PROBLEMS problems of `level` steps, from the folder's
-    calculator_gain json; "-" when it was not measured."""
+    """`primed -> trained (gain [95% CI])` of `level` steps from the folder's calculator_gain json, or "-"."""
     saved = folder / f"calculator_gain-levels{level}.json"
     if not saved.exists():
         return "-"

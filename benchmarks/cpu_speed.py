@@ -241,8 +241,7 @@ def _calling_trainer() -> Any:
 
 
 class Callback:
-    """A trainer callback, duck-typed so that this script imports no transformers outside the workers: every event
-    a subclass does not define does nothing."""
+    """A trainer callback, duck-typed (no transformers import here): undefined events do nothing."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("on_"):
@@ -499,8 +498,8 @@ def check_sides(checks: dict[str, dict[str, Any]], label: str, show: bool = True
 
 
 def measure(spec: dict[str, Any], work: Path, pinned: bool, repeats: int, check_only: bool) -> None:
-    """Prime once (--start primed), check the three sides' configurations, then run each `repeats` times in
-    rotating order (and the plain side once more with the allocator pinned); print."""
+    """Prime once, check the three sides' configurations, run each `repeats` times in rotating order (the
+    plain side once more pinned), print."""
     tag = f"{spec['model']}-{spec['dtype']}"
     spec_path, env = work / f"spec-{tag}.json", dict(os.environ)
     spec_path.write_text(json.dumps(spec))
@@ -707,8 +706,7 @@ def sample(trainer: Any, prompt_ids: list[list[int]], group: int, merged: bool, 
 
 
 def logit_errors(trainer: Any, prompt_ids: list[list[int]]) -> str:
-    """Each configuration's logits at every prompt position against the same model in float32, unmerged (loaded
-    afresh: a cast copy keeps computing in the dtype its config records)."""
+    """Each configuration's logits against the model loaded afresh in float32, unmerged."""
     import torch
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
@@ -816,8 +814,7 @@ def _status_kib(field: str) -> int:
 
 def make_batch(tokenizer: Any, prompts: int, generations: int, prompt_length: int, completion: tuple[int, int],
                seed: int) -> tuple[Any, Any, int]:
-    """Rows as TRL builds them: each prompt left-padded to the longest, repeated `generations` times, completions
-    right-padded with their masks; random token ids (the timing depends on the shapes only)."""
+    """Rows as TRL builds them (left-padded prompts, right-padded completions) of random token ids."""
     import torch
 
     gen, pad, width = torch.Generator().manual_seed(seed), tokenizer.pad_token_id, completion[1]
@@ -835,8 +832,7 @@ def make_batch(tokenizer: Any, prompts: int, generations: int, prompt_length: in
 
 
 def one_pass(trainer: Any, ids: Any, mask: Any, width: int, share: bool, advantages: Any) -> dict:
-    """Forward (log-probs + entropy + loss) and backward of one micro-batch: seconds (wall and CPU), the rise of peak
-    RSS, kernel seconds and minor page faults, the token positions forwarded, the log-probs and the mean entropy."""
+    """Forward and backward of one micro-batch: seconds, peak RSS rise, kernel s, faults, tokens, log-probs."""
     trainer.lowmem_shared_prompt = share
     trainer._metrics["train"].clear()
     trainer.model.zero_grad(set_to_none=True)
@@ -866,8 +862,7 @@ def one_pass(trainer: Any, ids: Any, mask: Any, width: int, share: bool, advanta
 
 
 def float32_errors(trainer: Any, loaded: Any, ids: Any, mask: Any, width: int, logps: dict[str, Any]) -> list[str]:
-    """Each pass's log-probs against the full-row pass of the model loaded afresh in float32 (the LoRA
-    initialisation is seeded, so the adapters are equal)."""
+    """Each pass's log-probs against the full-row pass of the model loaded afresh in float32."""
     import torch
     from trl.trainer.utils import selective_log_softmax
 

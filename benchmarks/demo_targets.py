@@ -1,5 +1,5 @@
-"""What GRPO itself buys on the CPU default, measured: train a recipe afresh, then measure its base model, primed
-adapter and trained adapter on the same held-out problems (greedy; benchmarks/calculator_gain.py), with 95% CIs.
+"""What GRPO itself buys on the CPU default: train a recipe afresh, then measure its base model, primed adapter and
+trained adapter on the same held-out problems (greedy; benchmarks/calculator_gain.py), with 95% CIs.
 
     python benchmarks/demo_targets.py                                  # the CPU default (what make demo trains)
     python benchmarks/demo_targets.py --limit 300                      # more held-out problems
@@ -7,10 +7,8 @@ adapter and trained adapter on the same held-out problems (greedy; benchmarks/ca
     python benchmarks/demo_targets.py --run-dir runs/X                 # measure an existing run directory
     python benchmarks/demo_targets.py train.max_steps=10               # recipe overrides for the fresh run
 
-Prints calculator_gain's tables (RUN_DIR/calculator_gain-demo.json), the wall and CPU time of the whole train() call
-with the load average around it, GRPO's mean share of informative groups (1 - frac_reward_zero_std) and its
-correctness reward over the first vs the last third of the steps, and whether each target is met (trained - primed
->= +0.10 with a CI above 0). Writes the numbers to RUN_DIR/demo_targets.json.
+Prints calculator_gain's tables, the train() call's wall and CPU time and load, GRPO's informative share and its
+correctness reward's first vs last third, and whether each target is met; writes RUN_DIR/demo_targets.json.
 """
 
 from __future__ import annotations

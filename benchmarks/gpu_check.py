@@ -183,8 +183,8 @@ def _ignore(*args, **kwargs) -> None:
 
 
 class PhaseProbe:
-    """A trainer callback (events by name: no transformers import) recording peak allocated and device memory before
-    GRPO (load, preflight, evaluations), during it and after it (up to `finish`), and the trainer's logs."""
+    """A trainer callback (events by name) recording peak allocated and device memory before GRPO, during it
+    and after it (up to `finish`), and the trainer's logs."""
 
     def __init__(self, memory=None) -> None:
         self.memory = memory or CudaMemory()
@@ -554,8 +554,7 @@ def calc_table(results: list[dict]) -> str:
 
 
 def sharing_table(results: list[dict]) -> str:
-    """The shared-prompt pass on vs off (SHARED_PAIR): memory measured and predicted, seconds, ratios; empty unless
-    both variants ran."""
+    """The shared-prompt pass on vs off (SHARED_PAIR); empty unless both variants ran."""
     by = {r["variant"]: r for r in results if "error" not in r and "skipped" not in r}
     if not all(v in by for v in SHARED_PAIR):
         return ""

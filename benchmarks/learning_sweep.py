@@ -8,31 +8,14 @@ the runner of queued training runs that this sweep and benchmarks/chains_queue.p
     python benchmarks/learning_sweep.py eval-checkpoint RUN_DIR STEP     # a curve point from checkpoint-STEP
     python benchmarks/learning_sweep.py row NAME RUN_DIR STEP --sweep-dir SWEEP --reference-run START_RUN
 
-The runner: a queue is a JSON list of configurations (`name`, `overrides` of recipes/smollm2_135m_arith_cpu.py,
-`why`, `status` pending / running / done / failed). `run_next` trains the first pending one end to end,
-`lowmem-grpo train RECIPE OVERRIDES output.dir=RUNS/NAME` under `flock /tmp/heavy.lock` (one heavy process at a time
-on a shared machine), logged to RUNS/NAME.log, and records in the queue its wall time (from its first logged line:
-the wait for the lock is not the run's), the load average before and after, its peak RSS and its status; then each
-of the caller's steps adds what it measured. A configuration left `running` by an interrupted session is run again
-from scratch.
-
-`run` writes SWEEP/queue.json (unless it exists): the shared priming run `prime` first (the recipe's format priming,
-then one GRPO step, the primed adapter measured on the held-out problems), then every variant, each from that primed
-adapter (lora.init_adapter, prime.enabled=false), so every variant starts from the same policy and the primed stage
-is measured once; only a variant that changes priming primes anew (and is compared with its own primed stage). It
-runs the queue to its end, one variant at a time; each finished variant's row lands in SWEEP/results/NAME.json and
-SWEEP/table.md is rewritten. A rerun skips the finished ones.
-
-The table: for the trained adapter, greedy strict accuracy and mean@k / pass@k at the training temperature on the
-same held-out problems as the primed adapter, each with the paired 95% CI of trained - primed (GRPO's own change);
-train time; peak RSS of the process; the informative share (groups whose goal reward, correctness, varies); the goal
-reward's mean over the first and the last third of the steps; and the share of distinct greedy completions across
-problems (near 0 = one template for every question).
-
-`curve RUN_DIR` prints a run's held-out accuracy at step 0 and at each periodic evaluation (eval_steps.jsonl,
-train.eval.every with train.eval.samples), each step paired with step 0. Step 0 is the same stage of stage_eval.json
-in the table and the curve (reference_stage): the last one measured before GRPO, primed, else start, else base.
-Run directories' recipe.yaml files are read with lowmem_grpo.recipe_io, as `lowmem-grpo train --resume` reads them.
+A queue is a JSON list of configurations (`name`, `overrides` of recipes/smollm2_135m_arith_cpu.py, `why`, `status`).
+`run_next` trains the first pending (or interrupted) one under `flock /tmp/heavy.lock`, logged to RUNS/NAME.log,
+records its wall time (from its first logged line), load average and peak RSS, then the caller's steps.
+`run` queues the shared priming run, then every variant from its primed adapter (a priming variant primes anew),
+and writes each finished variant's row to SWEEP/results/NAME.json and SWEEP/table.md: greedy, mean@k and pass@k of
+the trained adapter with the paired CI against the primed one, train time, peak RSS, the informative share, the goal
+reward's first vs last third and the share of distinct greedy completions. `curve` pairs each periodic evaluation
+(eval_steps.jsonl) with step 0: the last stage measured before GRPO (primed, else start, else base).
 """
 
 from __future__ import annotations
@@ -72,8 +55,8 @@ def save_queue(queue: Path, configs: list[dict]) -> None:
 
 
 def train_logged(overrides: list[str], log_path: Path, lock: list[str] = LOCK) -> dict[str, Any]:
-    """One `lowmem-grpo train` process under `lock`, logged to `log_path`: its exit code, wall seconds from its first
-    logged line, the 1-minute load average then and at its end, and its peak RSS (ru_maxrss of the process tree)."""
+    """One `lowmem-grpo train` process under `lock`, logged to `log_path`: exit code, wall seconds from its
+    first logged line, the load average then and at its end, and its peak RSS."""
     cmd = [*lock, sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE, *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,15 +77,13 @@ Step = Callable[[dict, Path], dict]
 
 
 def next_pending(configs: list[dict], only: str | None = None) -> dict | None:
-    """The configuration to run next: the first pending one (or left running by an interrupted session), of `only`
-    when given."""
+    """The first pending configuration (or one left running by an interrupted session), of `only` if given."""
     return next((c for c in configs if c["status"] in ("pending", "running") and only in (None, c["name"])), None)
 
 
 def run_next(queue: Path, runs: Path, steps: list[Step] = (), only: str | None = None,
              lock: list[str] = LOCK) -> dict | None:
-    """Train the next configuration of `queue` (next_pending) into RUNS/NAME, record it, then run `steps` on it,
-    saving the queue after each; the entry, or None when nothing is pending."""
+    """Train the next configuration of `queue` into RUNS/NAME, record it, then run `steps` on it; None if none."""
     configs = load_queue(queue)
     if (entry := next_pending(configs, only)) is None:
         return None
@@ -189,9 +170,8 @@ def variant_by_name(name: str) -> Variant:
 
 def overrides_for(variant: Variant | None, *, steps: int, problems: int, samples: int,
                   primed_adapter: Path | None) -> list[str]:
-    """The `key=value` overrides of one run (the runner adds output.dir). variant None: the shared priming run
-    (prime, then one GRPO step, the primed adapter measured). A variant starts from `primed_adapter` unless it
-    primes itself."""
+    """The `key=value` overrides of one run (the runner adds output.dir); variant None: the shared
+    priming run. A variant starts from `primed_adapter` unless it primes itself."""
     values = dict(BASE)
     values.update({"train.max_steps": str(steps), "train.eval.stage.problems": str(problems),
                    "train.eval.stage.samples": str(samples), "train.preflight.enabled": "false",
@@ -235,8 +215,7 @@ def goal_thirds(steps: list[dict[str, Any]], key: str = "rewards/correctness/mea
 
 
 def informative_share(groups: list[dict[str, Any]], reward: str = "correctness") -> float | None:
-    """Share of recorded prompt groups in which the goal reward varies (a group where it does not teaches GRPO
-    nothing about the goal)."""
+    """Share of recorded prompt groups in which the goal reward varies."""
     scores = [[s for c in g.get("completions", []) if (s := c.get("rewards", {}).get(reward)) is not None]
               for g in groups]
     varied = [float(max(s) > min(s)) for s in scores if len(s) >= 2]
@@ -276,9 +255,8 @@ def stage_values(stage_eval: dict[str, Any], stage: str | None = None) -> tuple[
 
 def sweep_row(reference: dict[str, Any], run_dir: Path, trained: tuple[dict[str, list[float]], list[str] | None],
               samples: int, up_to: int | None = None) -> dict[str, Any]:
-    """One variant's row: the trained adapter's per-problem values against step 0 of `reference` (a stage_eval.json)
-    on the same problems (each mean with its CI, the paired change of each shared metric), and what the GRPO steps
-    (up to step `up_to`) logged: steps, train time, informative share, goal reward, KL, distinct greedy answers."""
+    """One variant's row: the trained adapter's values against step 0 of `reference` (paired changes) and what
+    the GRPO steps (up to `up_to`) logged."""
     from lowmem_grpo.evaluation.metrics import paired_bootstrap
     from lowmem_grpo.evaluation.stages import mean_ci
 
@@ -304,9 +282,8 @@ def sweep_row(reference: dict[str, Any], run_dir: Path, trained: tuple[dict[str,
 
 def summarize_from_curve(curve_dir: Path, step: int, samples: int,
                          reference: Path | None = None) -> dict[str, Any] | None:
-    """A row from a run's evaluation at `step` (eval_steps.jsonl: train.eval.every, or eval-checkpoint) against
-    step 0 of `reference` (a stage_eval.json; default the run's own): a variant evaluated at a checkpoint, or the
-    base configuration's row from a longer run (the learning curve). None until that evaluation exists."""
+    """A row from a run's evaluation at `step` (eval_steps.jsonl) against step 0 of `reference`
+    (default the run's own stage_eval.json); None until that evaluation exists."""
     at_step = [r for r in _jsonl(curve_dir / "eval_steps.jsonl") if r.get("step") == step]
     if not at_step:
         return None
@@ -406,8 +383,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def curve_rows(stage_eval: dict[str, Any], steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Step 0 (reference_stage) and each periodic evaluation's step, each metric with its paired change from step 0
-    on the same problems."""
+    """Step 0 and each periodic evaluation's step, each metric with its paired change from step 0."""
     from lowmem_grpo.evaluation.metrics import paired_bootstrap
 
     zero, _ = stage_values(stage_eval)
@@ -458,10 +434,9 @@ def run_recipe(run_dir: Path) -> Any:
 
 def eval_checkpoint_commands(run_dir: Path, step: int, problems: int | None = None, samples: int | None = None,
                              sample_batch_size: int | None = None) -> dict[str, list[str]]:
-    """The `lowmem-grpo eval` arguments (after `eval`) that evaluate RUN_DIR/checkpoint-STEP as the run's periodic
-    evaluation did: its problems (train.eval.problems), samples (train.eval.samples), seed, temperature and, from
-    lowmem_grpo.evaluation.stages.periodic_settings, its batch sizes: seeded samples depend on the batch they were
-    drawn in. `sample_batch_size` trades that for speed (other draws of the same distribution)."""
+    """The `lowmem-grpo eval` arguments that evaluate RUN_DIR/checkpoint-STEP as the periodic
+    evaluation did (problems, samples, seed, temperature, batch sizes: seeded samples depend on the batch);
+    `sample_batch_size` trades that for speed."""
     from lowmem_grpo.evaluation.stages import periodic_settings
 
     train = run_recipe(run_dir).train
@@ -480,8 +455,7 @@ def eval_checkpoint_commands(run_dir: Path, step: int, problems: int | None = No
 
 
 def cmd_eval_checkpoint(args: argparse.Namespace) -> int:
-    """Evaluate RUN_DIR/checkpoint-STEP as the periodic evaluation would (eval_checkpoint_commands: greedy, then
-    samples at train.temperature) and append the point to eval_steps.jsonl."""
+    """Evaluate RUN_DIR/checkpoint-STEP as the periodic evaluation would; append it to eval_steps.jsonl."""
     run_dir = Path(args.run_dir).resolve()
     commands = eval_checkpoint_commands(run_dir, args.step, args.problems, args.samples, args.sample_batch_size)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -1,21 +1,11 @@
-"""The models the GPU check builds on the machine, none downloaded: a model whose greedy continuations follow a script,
-for checking lowmem_grpo's sampling engine against a reference decoder on any backend (benchmarks/gpu_check.py runs
-it on Unsloth; tests/test_gpu_path.py on CPU transformers), and a shipped recipe's architecture with random weights
-(`build_model_dir`: the real shapes, so the real memory).
+"""The models the GPU check builds on the machine, none downloaded: a scripted model for checking the sampling engine
+against a reference decoder (benchmarks/gpu_check.py on Unsloth, tests/test_gpu_path.py on CPU transformers), and a
+shipped recipe's architecture with random weights (`build_model_dir`: the real shapes, so the real memory).
 
-The scripted model is a small decoder of a real family (llama, qwen3, gemma3_text) with random layers and two
-planted matrices: orthogonal token embeddings much larger than what the layers add, and an lm_head whose row for
-token s points at the embeddings of the tokens SCRIPT continues with s. So the next token is SCRIPT's, by a wide
-margin, while attention over the context (the KV cache) still moves every logit by a measurable amount: a decode
-loop that mishandles the cache changes the logits well beyond bf16 noise, without changing which tokens win. Its
-word tokenizer splits `<<`, `>>`, digits and operators, and its decoder joins tokens without spaces, so the rows
-write `<<7*6=` (the calculator forces `42>>`), end at EOS after different numbers of tokens, or never end.
-
-`compare(model, tokenizer, max_new_tokens)` runs the script's prompts through the engine (engine.sample_rows, with
-the calculator) and through the model's own `generate` (greedy, the calculator's tokens forced by CalculatorForcing,
-output_logits), and reports whether tokens and forced tokens agree, the largest logit difference, and how far the
-logits move without the prompt's context (the size of the effect the check could miss). Torch and transformers are
-imported inside the functions.
+The scripted model is a small decoder of a real family with random layers, orthogonal token embeddings much larger
+than what the layers add, and an lm_head that points each token at SCRIPT's next one: SCRIPT's token wins by a wide
+margin while attention over the cache still moves every logit measurably. Its word tokenizer splits `<<`, `>>`,
+digits and operators, so rows write `<<7*6=` (the calculator forces `42>>`), end at EOS early, or never end.
 """
 
 from __future__ import annotations
@@ -66,8 +56,7 @@ def words(vocab_size: int = VOCAB_SIZE) -> list[str]:
 
 
 def build_tokenizer(target: Path, vocab_size: int = VOCAB_SIZE):
-    """The word tokenizer of exactly `vocab_size` tokens (saved to `target`): whitespace-separated words, `<<`, `>>`,
-    digits and operators split off, decoded without spaces."""
+    """The word tokenizer of `vocab_size` tokens, saved to `target`: `<<`, `>>`, digits and operators split."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,8 +74,7 @@ def build_tokenizer(target: Path, vocab_size: int = VOCAB_SIZE):
 
 
 def next_token_table() -> dict[int, int]:
-    """SCRIPT as token ids, completed so every other word continues with the next unused word (a cycle), so no
-    token is the scripted continuation of more than a few others."""
+    """SCRIPT as token ids; every other word continues with the next unused word (a cycle)."""
     ids = {w: i for i, w in enumerate(words())}
     table = {ids[a]: ids[b] for a, b in SCRIPT.items()}
     used = set(SCRIPT) | set(SCRIPT.values()) | {w for p in PROMPTS for w in p}
@@ -116,8 +104,7 @@ def _embed_scale(model: Any) -> float:
 
 
 def plant(model: Any, context_share: float = CONTEXT_SHARE, seed: int = 0) -> dict[str, float]:
-    """Plant the script into `model` (float32, on CPU): orthogonal embeddings scaled so the layers add
-    `context_share` of their size to the residual stream, and the lm_head of next_token_table. Returns the scale."""
+    """Plant the script into `model` (float32, CPU): scaled orthogonal embeddings and next_token_table's lm_head."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -172,8 +159,8 @@ def build_scripted_model(family: str, target: Path) -> Path:
 
 
 def build_model_dir(recipe_name: str, target: Path) -> Path:
-    """Random bfloat16 weights of the shipped config of a recipe's model (lowmem_grpo/resources/configs), with a word
-    tokenizer of the same vocabulary size, built on the GPU once and saved to `target`."""
+    """Random bfloat16 weights of a recipe's shipped model config with a word tokenizer of its vocabulary,
+    saved to `target` once."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -202,8 +189,7 @@ def build_model_dir(recipe_name: str, target: Path) -> Path:
 
 
 def write_rows(path: Path, count: int = 32, length: int = 20) -> Path:
-    """GSM8K-shaped training rows of `length` words the script does not continue: as chat prompts of
-    length + PROMPT_OVERHEAD tokens they end in "assistant", so every scripted rollout writes the calculation."""
+    """GSM8K-shaped rows of `length` words: chat prompts ending in "assistant" (the script's calculation)."""
     rng = random.Random(0)
     with path.open("w") as handle:
         for _ in range(count):
@@ -221,9 +207,8 @@ def prompt_ids(tokenizer: Any) -> list[list[int]]:
 
 
 class CalculatorForcing:
-    """A generate() logits processor that writes what lowmem_grpo's engine forces: after a row's generated text ends in
-    an open `<<EXPR=`, the calculator's result and `>>`, one token a step (sampling.engine.Calculator decides them).
-    `forced[row]` holds the steps at which it forced that row's token."""
+    """A generate() logits processor forcing what the engine's calculator forces after `<<EXPR=`, one
+    token a step; `forced[row]` holds the steps it forced."""
 
     def __init__(self, calculator: Any, prompt_width: int, rows: int) -> None:
         self.calculator = calculator
@@ -247,8 +232,7 @@ class CalculatorForcing:
 
 
 class LogitRecorder:
-    """Stands in for the model in engine.sample_rows: forwards every call and keeps the logits of the last position of
-    each call (float32, on CPU), in call order."""
+    """Stands in for the model in engine.sample_rows, keeping each call's last-position logits."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -267,9 +251,8 @@ class LogitRecorder:
 
 
 def rows_of_calls(call_sizes: list[int], lengths: list[int]) -> list[list[int]]:
-    """Which row each batch position of each engine call holds, from the calls' batch sizes and each row's completion
-    length: the prefill holds every row; a later call of the same size holds the same rows; a smaller one holds the
-    rows still writing at that step, in order (the engine drops ended rows). ValueError when that does not add up."""
+    """Which row each batch position of each engine call holds (the engine drops ended rows);
+    ValueError when that does not add up."""
     members = list(range(len(lengths)))
     out = []
     for step, size in enumerate(call_sizes):
@@ -305,8 +288,7 @@ def _left_padded(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
 
 
 def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
-    """The model's own greedy generate with the calculator's tokens forced: per row its tokens (up to and with EOS),
-    which it forced, and its raw logits per step."""
+    """The model's own greedy generate with the calculator's tokens forced: tokens, forced marks, logits."""
     import torch
     from transformers import LogitsProcessorList
 
@@ -332,8 +314,7 @@ def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_toke
 
 
 def through_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
-    """The engine's greedy rows with the calculator, as evaluation samples them (inference mode, the model's own
-    weights): tokens, forced marks, and the logits it read for each token."""
+    """The engine's greedy rows with the calculator, as evaluation samples them, and their logits."""
     from lowmem_grpo.sampling.engine import Calculator, sample_rows
     from lowmem_grpo.sampling.generate import fast_sampling, inference_mode
 
@@ -348,8 +329,7 @@ def through_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_new
 
 
 def context_effect(model: Any, prompts: list[list[int]]) -> float:
-    """How far the first logits move when each row sees only its last prompt token: the size of what attention over
-    the cache contributes, which a broken cache would get wrong."""
+    """How far the first logits move when each row sees only its last prompt token."""
     import torch
 
     from lowmem_grpo.sampling.generate import inference_mode
@@ -362,10 +342,9 @@ def context_effect(model: Any, prompts: list[list[int]]) -> float:
 
 
 def compare(model: Any, tokenizer: Any, max_new_tokens: int = 24, tolerance: float = 0.5) -> dict[str, Any]:
-    """The engine against the model's own generate on the script's prompts (module docstring): the numbers, and
-    `ok` when tokens and forced tokens agree, the calculator fired, rows ended early and one ran out, the largest
-    logit difference is within `tolerance`, and the context moves the logits by 4 tolerances at least (so a decode
-    loop that lost the cache would fail it)."""
+    """The engine against the model's own generate on the script's prompts; `ok` when tokens and forced tokens
+    agree, the calculator fired, rows ended early and ran out, the logits agree within `tolerance` and the context
+    moves them by 4 tolerances at least (a lost cache would fail it)."""
     prompts = prompt_ids(tokenizer)
     ref = reference(model, tokenizer, prompts, max_new_tokens)
     eng = through_engine(model, tokenizer, prompts, max_new_tokens)

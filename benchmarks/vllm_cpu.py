@@ -2,17 +2,10 @@
 
     flock /tmp/heavy.lock .venv-vllm/bin/python benchmarks/vllm_cpu.py --run RUN_DIR --dtypes bfloat16 float32
 
-RUN_DIR: a run of recipes/smollm2_135m_arith_cpu.py (its primed_adapter/ and its trained adapter/, or newest
-checkpoint). Per dtype, in one process: the embedded SmolLM2-135M with the trained adapter (PEFT, as GRPO holds it)
-and a vLLM engine on the base model (lowmem_grpo.sampling.vllm_engine, as train.vllm_sampling starts it), then
-- speed: --prompts training prompts x --samples completions of up to --tokens tokens at --temperature, with the
-  calculator (the demo's rollout), through the engine (merged LoRA weights, as GRPO samples) and through vLLM with
-  the trained adapter as a LoRARequest (the calculator's rounds); completion tokens / wall seconds, best of
-  --repeats, and each engine's start time;
-- the sampler check's figures (lowmem_grpo.sampling.sampler_check): |sampler - policy| log-prob, mean and max over
-  the sampled tokens, where the policy is the trained adapter and vLLM samples with the trained adapter (the
-  correct path), with none (the base weights) and with the primed adapter (a stale one).
-Prints one table per dtype and the load average.
+RUN_DIR: a run of the CPU default. Per dtype: speed (completion tokens / wall s, best of --repeats, and start time)
+of --prompts x --samples calculator rollouts through the engine (merged LoRA) and through vLLM (the trained adapter
+as a LoRARequest); and the sampler check's |sampler - policy| log-prob (mean, max) with vLLM sampling under the
+trained adapter, none, and the primed one (stale). Prints one table per dtype and the load average.
 """
 
 from __future__ import annotations
