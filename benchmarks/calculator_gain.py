@@ -74,12 +74,9 @@ def eval_settings(recipe: Any, samples: int) -> dict[str, Any]:
     """run_eval's settings of the greedy and (samples > 0) the sampled evaluation, as the stage evaluation uses them."""
     from lowmem_grpo.evaluation.stages import greedy_settings, sampled_batch
 
-    t = recipe.train
-    greedy = greedy_settings(t, recipe.data.calculator)
-    if not samples:
-        return {"greedy": greedy, "sampled": None}
+    greedy = greedy_settings(recipe.train, recipe.data.calculator)
     return {"greedy": greedy, "sampled": {**sampled_batch(greedy, samples), "num_samples": samples,
-                                          "temperature": t.temperature}}
+                                          "temperature": recipe.train.temperature} if samples else None}
 
 
 def wrong_share(outcomes: dict[str, float] | None) -> float | None:
@@ -132,9 +129,7 @@ class Results:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.data: dict[str, Any] = {}
-        if path.exists():
-            self.data = json.loads(path.read_text(encoding="utf-8"))
+        self.data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
         self.data.setdefault("stages", {})
 
     def cached(self, stage: str, key: dict[str, Any]) -> bool:
@@ -151,12 +146,9 @@ class Results:
 
         greedy = self.verdicts("verdicts")
         ordered = {s: greedy[s] for s in STAGES if s in greedy}
-        groups = self.data.get("problem_wording")
-        if groups and any(len(v) != len(groups) for v in ordered.values()):
-            groups = None  # the verdicts are of other problems than the groups (a file of an earlier setting)
-        steps = self.data.get("problem_steps")
-        if steps and any(len(v) != len(steps) for v in ordered.values()):
-            steps = None
+        # groups of other problems than the verdicts (a file of an earlier setting) are left out
+        groups, steps = (g if g and all(len(v) == len(g) for v in ordered.values()) else None
+                         for g in (self.data.get("problem_wording"), self.data.get("problem_steps")))
         summary = self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"),
                                                    groups=groups, steps=steps)
         self.data["wrong_operation_share"] = {s: wrong_share(summary["outcomes"].get(s)) for s in ordered}
@@ -166,10 +158,9 @@ class Results:
                                                          for s in ordered}
         labels = {g: v for g, v in (self.data.get("problem_groups") or {}).items()
                   if all(len(p) == len(v) for p in ordered.values())}  # else of other problems than the verdicts
+        self.data.pop("breakdown", None)
         if labels:
             self.data["breakdown"] = breakdown(ordered, self.verdicts("sampled_verdicts"), labels, seed)
-        else:
-            self.data.pop("breakdown", None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1), encoding="utf-8")

@@ -22,12 +22,6 @@ sys.path.insert(0, str(REPO))
 RECIPE = str(REPO / "recipes" / "smollm2_135m_arith_cpu.py")
 
 
-def prompts(recipe: Any, tokenizer: Any, count: int) -> list[str]:
-    from lowmem_grpo.data import load_train_rows, recipe_examples
-
-    return [ex["prompt"] for ex in recipe_examples(load_train_rows(recipe.data), tokenizer, recipe.data)[:count]]
-
-
 def vllm_rows(llm: Any, tokenizer: Any, ids: list[list[int]], request: Any, args: argparse.Namespace,
               seed: int) -> list[Any]:
     from lowmem_grpo.sampling.engine import Calculator
@@ -50,8 +44,7 @@ def engine_rows(model: Any, tokenizer: Any, ids: list[list[int]], args: argparse
 
 def timed(fn: Any, repeats: int) -> tuple[float, int]:
     """(best tokens/s, completion tokens) of `repeats` calls of fn() -> rows."""
-    best = 0.0
-    tokens = 0
+    best, tokens = 0.0, 0
     for _ in range(repeats):
         start = time.perf_counter()
         rows = fn()
@@ -66,6 +59,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowmem_grpo.backends import locate_model
+    from lowmem_grpo.data import load_train_rows, recipe_examples
     from lowmem_grpo.evaluation.command import find_adapter
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.sampling.sampler_check import SamplerCheck, figures, policy_logprobs
@@ -79,8 +73,8 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)),
                                       str(trained)).eval()
-    ids = [p for p in tokenizer(text=prompts(recipe, tokenizer, args.prompts))["input_ids"]
-           for _ in range(args.samples)]
+    examples = recipe_examples(load_train_rows(recipe.data), tokenizer, recipe.data)[:args.prompts]
+    ids = [p for p in tokenizer(text=[ex["prompt"] for ex in examples])["input_ids"] for _ in range(args.samples)]
     start = time.perf_counter()
     llm = start_engine(EngineSpec(path, dtype, recipe.model.max_seq_length, max_lora_rank=adapter_rank(trained),
                                   max_num_seqs=len(ids)))
