@@ -254,9 +254,7 @@ class Probe(Callback):
 
     def __init__(self, check_only: bool) -> None:
         self.check_only, self.fingerprint, self.layer, self.timer = check_only, {}, {}, None
-        self.begins: list[tuple[float, float]] = []
-        self.ends: list[tuple[float, float, int, float]] = []
-        self.logs: list[dict[str, Any]] = []
+        self.begins, self.ends, self.logs = [], [], []  # (wall, cpu); (wall, cpu, minor faults, sys s); records
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
@@ -754,9 +752,7 @@ def sampling_dtype(dtype: str, args: argparse.Namespace) -> None:
                   f"{'greedy' if args.greedy else f'temperature {trainer.temperature}'}, "
                   f"torch threads {torch.get_num_threads()}, merged copy {merged_mib:.0f} MiB\n")
         sample(trainer, prompt_ids, args.group, False, False)  # warm-up: allocator, first-call paths
-        times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        texts: dict[str, list[list[int]]] = {}
+        times, cpu, texts = {name: [] for name in CONFIGS}, {name: [] for name in CONFIGS}, {}
         for r in range(args.repeats):
             for name in list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS)):
                 seconds, cpu_seconds, texts[name] = sample(trainer, prompt_ids, args.group, *CONFIGS[name])

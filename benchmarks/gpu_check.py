@@ -270,9 +270,10 @@ def train_worker(args: argparse.Namespace) -> dict:
     plan_dict = saved or predicted.to_dict()
     stages = json.loads(stage_path.read_text()) if stage_path.exists() else {}
     logs, phases = layout.read_jsonl(run_dir / layout.METRICS_FILE), predicted_phases(plan_dict)
-    return {**measured(probe, logs, fitted.train.generation_batch_size()), "predicted_allocated": phases["grpo"], "predicted_total": plan_dict["total_bytes"],
-            "predicted_phases": phases, "peak_phase": plan_dict["peak_phase"],
-            "prompt_sharing": predicted.sharing_dict(), **predicted_sharing(predicted),
+    return {**measured(probe, logs, fitted.train.generation_batch_size()), "predicted_allocated": phases["grpo"],
+            "predicted_total": plan_dict["total_bytes"], "predicted_phases": phases,
+            "peak_phase": plan_dict["peak_phase"], "prompt_sharing": predicted.sharing_dict(),
+            **predicted_sharing(predicted),
             "evaluation": evaluation_check(plan_dict, fitted.train.eval.batch_size,
                                            stages.get("settings", {}).get("batch_size"), probe.peaks),
             "card_gib": args.card_gib if spec.card else None, **unsloth_facts()}
