@@ -98,11 +98,6 @@ def _config(family: str, tokenizer: Any):
                                 bos_token_id=None, **spec)
 
 
-def _embed_scale(model: Any) -> float:
-    """What the family multiplies its embeddings by (Gemma: sqrt(hidden)): the planted rows are what the layers see."""
-    return float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))
-
-
 def plant(model: Any, context_share: float = CONTEXT_SHARE, seed: int = 0) -> dict[str, float]:
     """Plant the script into `model` (float32, CPU): scaled orthogonal embeddings and next_token_table's lm_head."""
     import torch
@@ -112,10 +107,12 @@ def plant(model: Any, context_share: float = CONTEXT_SHARE, seed: int = 0) -> di
     basis, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))
     units = basis[: model.config.vocab_size]  # orthonormal rows: one direction per token
     with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(units / _embed_scale(model))
+        # divided by what the family multiplies embeddings by (Gemma: sqrt(hidden)): the layers see the planted rows
+        embed = model.get_input_embeddings()
+        embed.weight.copy_(units / float(getattr(embed, "embed_scale", 1.0)))
         added = _layer_contribution(model)  # what the layers add to a unit-norm embedding, on the script's prompts
         scale = added / context_share
-        model.get_input_embeddings().weight.mul_(scale)
+        embed.weight.mul_(scale)
         head = torch.zeros_like(model.get_output_embeddings().weight)
         for t, s in next_token_table().items():
             head[s] += units[t] * (LOGIT_MARGIN / hidden ** 0.5)
@@ -198,11 +195,6 @@ def write_rows(path: Path, count: int = 32, length: int = 20) -> Path:
     return path
 
 
-def prompt_ids(tokenizer: Any) -> list[list[int]]:
-    """PROMPTS as token ids."""
-    return [tokenizer.convert_tokens_to_ids(p) for p in PROMPTS]
-
-
 # --- the reference: the model's own generate, with the calculator's tokens forced -------------------------------
 
 
@@ -275,18 +267,6 @@ def engine_logits(calls: list[Any], lengths: list[int]) -> list[list[Any]]:
     return per_row
 
 
-def _left_padded(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
-    import torch
-
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
 def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
     """The model's own greedy generate with the calculator's tokens forced: tokens, forced marks, logits."""
     import torch
@@ -294,7 +274,9 @@ def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_toke
 
     from lowmem_grpo.sampling.engine import Calculator
 
-    ids, mask = _left_padded(prompts, tokenizer.pad_token_id)
+    width = max(len(r) for r in prompts)  # left-padded
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in prompts])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompts])
     device = next(model.parameters()).device
     forcing = CalculatorForcing(Calculator(tokenizer), ids.shape[1], len(prompts))
     with torch.no_grad():
@@ -345,7 +327,7 @@ def compare(model: Any, tokenizer: Any, max_new_tokens: int = 24, tolerance: flo
     """The engine against the model's own generate on the script's prompts; `ok` when tokens and forced tokens
     agree, the calculator fired, rows ended early and ran out, the logits agree within `tolerance` and the context
     moves them by 4 tolerances at least (a lost cache would fail it)."""
-    prompts = prompt_ids(tokenizer)
+    prompts = [tokenizer.convert_tokens_to_ids(p) for p in PROMPTS]
     ref = reference(model, tokenizer, prompts, max_new_tokens)
     eng = through_engine(model, tokenizer, prompts, max_new_tokens)
     diffs = [float((a - b).abs().max()) for ra, rb in zip(eng["logits"], ref["logits"]) for a, b in zip(ra, rb)]
