@@ -255,21 +255,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a training run directory (holds recipe.yaml and adapter/)")
     parser.add_argument("--problems", type=int, default=300, help="first N problems of the eval split (default 300)")
-    parser.add_argument("--samples", type=int, default=4, help="samples per problem at train.temperature; 0 = greedy "
-                        "only (default 4)")
+    parser.add_argument("--samples", type=int, default=4, help="samples per problem; 0 = greedy only (default 4)")
     parser.add_argument("--stories", choices=("all", "seen", "heldout"),
-                        help="generated problems' wording: half seen, half held-out (all), or only one kind (default: "
-                             "the recipe's data.generated.eval_stories)")
-    parser.add_argument("--levels", help="generated problems' levels to measure instead of the run's "
-                        "data.generated.levels, e.g. 2 for two-step problems only (lowmem_grpo.data.generated.LEVELS)")
+                        help="generated problems' wording (default: the recipe's data.generated.eval_stories)")
+    parser.add_argument("--levels", help="generated problems' levels instead of the run's, e.g. 2 (two steps)")
     parser.add_argument("--data", help="a JSONL file of problems (question, answer ending in '#### N'; optional "
-                        "operation and steps fields) to measure instead of the recipe's eval split, e.g. "
-                        "lowmem_grpo/resources/checking/arith_checking.jsonl")
-    parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain.json; with --data "
-                        "RUN_DIR/calculator_gain-STEM.json)")
+                        "operation and steps) instead of the eval split")
+    parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain[-STEM].json)")
     parser.add_argument("--stages", default=",".join(STAGES),
-                        help="stages to measure, comma-separated (default base,primed,trained; GRPO's own gain needs "
-                             "primed,trained)")
+                        help="stages to measure (default base,primed,trained; GRPO's own gain: primed,trained)")
     return parser
 
 

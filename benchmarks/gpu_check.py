@@ -89,16 +89,14 @@ SHARED_PHASES = ("time/loss_forward", "time/backward")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="the CUDA path's first check: memory, the evaluation batch, the "
                                                  "engine against Unsloth's generate, the calculator, both backends")
-    parser.add_argument("--recipe", default="qwen2_5_1_5b_gsm8k", help="shipped GPU recipe(s), comma-separated, or "
-                        "all (every GPU recipe); default qwen2_5_1_5b_gsm8k")
+    parser.add_argument("--recipe", default="qwen2_5_1_5b_gsm8k", help="shipped GPU recipe(s), comma-separated, or all")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of "
                         f"{', '.join(VARIANTS)} (default: all but the last two)")
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps per variant (default 3)")
     parser.add_argument("--max-completion-length", type=int, default=256,
                         help="completion tokens (default 256, to fit the 8-minute call; 0 = the recipe's)")
-    parser.add_argument("--card-gib", type=float, default=5.0,
-                        help="the card auto-fit plans for in unsloth-4bit and gemma3-fastmodel (default 5: the plan "
-                             "cuts qwen2_5_1_5b's evaluation batch to 64 there)")
+    parser.add_argument("--card-gib", type=float, default=5.0, help="the card unsloth-4bit and gemma3-fastmodel fit "
+                        "(default 5: qwen2_5_1_5b's evaluation batch is cut to 64 there)")
     parser.add_argument("--logit-tolerance", type=float, default=0.5, help="largest |engine - generate| logit")
     parser.add_argument("--families", default="llama,qwen3,gemma3_text", help="scripted models for engine-logits")
     parser.add_argument("--time-budget", type=float, default=420, help="seconds for everything (default 420)")

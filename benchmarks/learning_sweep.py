@@ -499,16 +499,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list")
     p = sub.add_parser("curve")
     p.add_argument("run_dir")
-    p.add_argument("--reference-run", help="the run whose stage_eval.json measured the adapter RUN_DIR started from, "
-                   "on the same problems (default: RUN_DIR's own start or primed stage)")
+    p.add_argument("--reference-run", help="the run that measured RUN_DIR's start adapter (default: RUN_DIR)")
     p = sub.add_parser("eval-checkpoint", help="a curve point from a saved checkpoint, after or beside the run")
     p.add_argument("run_dir")
     p.add_argument("step", type=int)
-    p.add_argument("--problems", type=int, help="held-out problems (default: the run's train.eval.problems when it "
-                   "evaluated periodically, else 100)")
+    p.add_argument("--problems", type=int, help="held-out problems (default: the run's train.eval.problems, or 100)")
     p.add_argument("--samples", type=int, help="samples per problem (default: the run's train.eval.samples, else 4)")
-    p.add_argument("--sample-batch-size", type=int, help="sequences per generate call of the sampled eval instead "
-                   "of the periodic evaluation's: faster, but other draws than the run's own curve points")
+    p.add_argument("--sample-batch-size", type=int, help="the sampled eval's batch instead of the run's: faster, other "
+                   "draws")
     p.add_argument("--parallel", action="store_true", help="the greedy and the sampled eval as two processes")
     p = sub.add_parser("row", help="a variant's row from its evaluation at a checkpoint (eval-checkpoint)")
     p.add_argument("name")
