@@ -1,20 +1,11 @@
-"""Build the slimmed wheel bundle that benchmarks/memory_gpu.py needs on the lent GPU machine.
+"""Build the slimmed wheel bundle that benchmarks/gpu_check.py needs on the lent GPU machine.
 
     python benchmarks/build_gpu_bundle.py            # -> .whl/ (gitignored), prints sizes, fails at >= 64 MiB
 
-That machine's image has torch 2.11 (CUDA 13.0), transformers 5.17, peft, accelerate, triton,
-pyarrow, pandas, xxhash, fsspec and huggingface-hub, but no trl, unsloth, unsloth_zoo,
-bitsandbytes or datasets, and nothing can be fetched there (docs: shared/environment.md). The plain
-wheels are too big together, so two are slimmed here, keeping their file names:
-
-- unsloth: without its Studio web app, the wheel's top-level `studio/` package (most of the 29 MB
-  wheel; `import unsloth` never imports it);
-- bitsandbytes: with only `libbitsandbytes_cuda130.so` of its per-CUDA-version libraries.
-
-On the GPU machine (one `run` call, carry [".whl"]):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+That machine has torch, transformers, peft and accelerate but no trl, unsloth, unsloth_zoo, bitsandbytes or
+datasets, and fetches nothing (shared/environment.md). Two wheels are slimmed, keeping their names: unsloth without
+its top-level `studio/` web app (never imported), bitsandbytes with only `libbitsandbytes_cuda130.so`.
+Install there as benchmarks/gpu_check.py says.
 """
 
 from __future__ import annotations
@@ -46,9 +37,8 @@ KEEP_BNB_LIBRARY = "libbitsandbytes_cuda130.so"
 def download(spec: str, dest: Path, python_version: str) -> Path:
     """One wheel for the GPU machine (x86-64 Linux, CPython `python_version`), no dependencies."""
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", python_version, "--implementation", "cp", "-d", str(dest), spec]
-    for platform in PLATFORMS:
-        cmd += ["--platform", platform]
+           "--python-version", python_version, "--implementation", "cp", "-d", str(dest), spec,
+           *(arg for platform in PLATFORMS for arg in ("--platform", platform))]
     before = set(dest.glob("*.whl"))
     subprocess.run(cmd, check=True)
     name = spec.split("==")[0].replace("-", "_").lower()
@@ -59,14 +49,8 @@ def download(spec: str, dest: Path, python_version: str) -> Path:
     return new[0]
 
 
-def _record_line(name: str, data: bytes) -> str:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return f"{name},sha256={digest},{len(data)}"
-
-
 def slim(wheel: Path, drop) -> int:
-    """Rewrite `wheel` in place without the members for which drop(name) is true (RECORD rewritten);
-    returns the bytes saved."""
+    """Rewrite `wheel` in place without the members drop(name) picks (RECORD rewritten); the bytes saved."""
     before = wheel.stat().st_size
     tmp = wheel.with_suffix(".tmp")
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
@@ -78,7 +62,8 @@ def slim(wheel: Path, drop) -> int:
             data = src.read(info.filename)
             out.writestr(info, data)
             if not info.filename.endswith("/"):
-                lines.append(_record_line(info.filename, data))
+                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                lines.append(f"{info.filename},sha256={digest},{len(data)}")
         lines.append(f"{record_name},,")
         out.writestr(record_name, "\n".join(lines) + "\n")
     tmp.replace(wheel)

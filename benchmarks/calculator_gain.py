@@ -5,34 +5,14 @@ held-out problems, greedy and sampled, with paired 95% CIs and what the answers 
     python benchmarks/calculator_gain.py RUN_DIR --data lowmem_grpo/resources/checking/arith_checking.jsonl
     python benchmarks/calculator_gain.py RUN_DIR --levels 2        (two-step generated problems only)
 
-RUN_DIR is a finished training run (after `make demo`: the newest folder under runs/). Its recipe.yaml decides
-everything else, read the way `lowmem-grpo eval RUN_DIR` reads it (lowmem_grpo.evaluation.command.resolve): the
-model, the prompts, the eval split (the first --problems problems), data.calculator (the sampling engine completes
-`<<EXPR=` as in training), and the stage evaluation's settings (lowmem_grpo.evaluation.stages): greedy, then
---samples k samples per problem at train.temperature in batches of `sampled_batch`. The base model is loaded once;
-the stages are its adapter switched off (base), RUN_DIR/primed_adapter (primed, when the run primed) and the
-trained adapter (trained: RUN_DIR/adapter, else the newest checkpoint).
-
-Prints per stage greedy strict accuracy, mean@k, pass@k and strict format (95% bootstrap CIs); the paired
-differences primed->trained (GRPO's own) and base->trained; the greedy answers' outcomes (correct, wrong_operation,
-...: lowmem_grpo.rewards.calculator.outcome) and the share of wrong answers that chose the wrong operation. For
-generated problems the same side by side on seen wording (frames and phrasings the train split uses) and held-out
-wording (a frame or a phrasing it never used): the recipe's eval split holds both, half each
-(data.generated.eval_stories=all); --stories seen or heldout evaluates only one kind, --levels other levels than
-the run trained on (generated data only). Problems of several step counts (--levels 1,2; a --data file's worked
-solutions) are also shown side by side by number of calculations, each also by wording, with where the greedy
-answers' chains broke (lowmem_grpo.rundir.stage_tables.steps_lines).
-
---data PATH measures the stages on the problems of a JSONL file in GSM8K's format (question, and an answer ending in
-`#### N`) instead of the recipe's eval split, the same way; rows that carry `operation` (add, sub, mul, div: a
-one-step problem's) and `steps` (how many calculations) add the same per stage on each operation's problems and on
-each step count's (`breakdown`), as lowmem_grpo/resources/checking/arith_checking.jsonl does.
-
-Writes everything to --out (default RUN_DIR/calculator_gain.json, calculator_gain-seen/-heldout.json, or with --data
-calculator_gain-STEM.json after the file's name), with the command, the CPU's dtype
-(lowmem_grpo.device.cpu_auto_dtype), the load average before and after and the wall time.
-Each stage's verdicts are written as soon as it is measured; a rerun reuses every stage measured with the same
-settings (same problems, adapter weights, samples, temperature, seed, budget, calculator) and measures the rest.
+RUN_DIR's recipe.yaml decides the model, prompts, eval split, data.calculator and the stage evaluation's settings,
+read as `lowmem-grpo eval RUN_DIR` reads it; the base model loads once and each stage switches adapters: base (off),
+primed (RUN_DIR/primed_adapter) and trained (RUN_DIR/adapter, else the newest checkpoint). Prints report.md's stage
+tables (lowmem_grpo.rundir.stage_tables: greedy, mean@k, pass@k with CIs, paired differences, outcomes, by wording
+and by number of steps) and the share of wrong answers that chose the wrong operation. --data PATH measures the
+problems of a GSM8K-format JSONL file instead; rows with `operation` or `steps` add a breakdown by each.
+Writes --out (default RUN_DIR/calculator_gain[-seen|-heldout|-levelsL|-STEM].json) with the command, the CPU's dtype,
+the load average and wall time; a rerun reuses every stage measured with the same settings and adapter weights.
 """
 
 from __future__ import annotations
@@ -94,36 +74,20 @@ def eval_settings(recipe: Any, samples: int) -> dict[str, Any]:
     """run_eval's settings of the greedy and (samples > 0) the sampled evaluation, as the stage evaluation uses them."""
     from lowmem_grpo.evaluation.stages import greedy_settings, sampled_batch
 
-    t = recipe.train
-    greedy = greedy_settings(t, recipe.data.calculator)
-    if not samples:
-        return {"greedy": greedy, "sampled": None}
+    greedy = greedy_settings(recipe.train, recipe.data.calculator)
     return {"greedy": greedy, "sampled": {**sampled_batch(greedy, samples), "num_samples": samples,
-                                          "temperature": t.temperature}}
+                                          "temperature": recipe.train.temperature} if samples else None}
 
 
-def wrong_operation_share(verdicts: list[list[Any]]) -> float | None:
-    """Of the greedy answers that are wrong, the share that did right arithmetic on the wrong operation or operands."""
-    wrong = [p[0] for p in verdicts if p and not p[0].strict_correct and p[0].outcome is not None]
-    return sum(v.outcome == "wrong_operation" for v in wrong) / len(wrong) if wrong else None
-
-
-def wrong_operation_by_wording(verdicts: list[list[Any]], groups: list[str | None] | None
-                               ) -> dict[str, float | None]:
-    """`wrong_operation_share` on each wording group's problems ({} without groups)."""
-    from lowmem_grpo.evaluation.stages import WORDING_GROUPS
-
-    if not groups or len(groups) != len(verdicts):
-        return {}
-    return {g: wrong_operation_share([v for v, mine in zip(verdicts, groups) if mine == g])
-            for g in WORDING_GROUPS if g in groups}
+def wrong_share(outcomes: dict[str, float] | None) -> float | None:
+    """Of the wrong greedy answers, the share with right arithmetic on the wrong operation or operands."""
+    wrong = 1 - (outcomes or {}).get("correct", 1.0)
+    return outcomes["wrong_operation"] / wrong if wrong > 1e-12 else None
 
 
 def file_problems(path: Path, limit: int) -> tuple[list[dict[str, str]], dict[str, list[str | None]]]:
-    """The first `limit` problems of a JSONL file (checked as `lowmem-grpo eval --data` checks them: question, and an
-    answer ending in '#### N') and per GROUPINGS field each problem's label: `operation` when it names one of add,
-    sub, mul, div, `steps` when it is a whole number (None where a row has no such field; a field no row has is
-    left out)."""
+    """The first `limit` problems of a JSONL file (checked as `lowmem-grpo eval --data` checks them) and
+    per GROUPINGS field each problem's label (None where a row has none; a field no row has is left out)."""
     from lowmem_grpo.data.generated import OPERATIONS
     from lowmem_grpo.data.sources import load_rows
 
@@ -136,8 +100,7 @@ def file_problems(path: Path, limit: int) -> tuple[list[dict[str, str]], dict[st
 
 def groups_of(groups: dict[str, list[str | None]], rows: list[dict[str, str]], questions: list[str]
               ) -> dict[str, list[str | None]]:
-    """`groups` (per problem of `rows`) for the problems asking `questions` (the examples evaluated: a prompt too
-    long for the recipe is left out)."""
+    """`groups` (per problem of `rows`) for the problems asking `questions` (too long prompts are left out)."""
     index: dict[str, int] = {}
     for i, row in enumerate(rows):
         index.setdefault(row["question"], i)
@@ -146,9 +109,7 @@ def groups_of(groups: dict[str, list[str | None]], rows: list[dict[str, str]], q
 
 def breakdown(verdicts: dict[str, list[list[Any]]], sampled: dict[str, list[list[Any]]],
               groups: dict[str, list[str | None]], seed: int) -> dict[str, dict[str, Any]]:
-    """Per grouping and label (in the order the problems first name it): num_problems, the stage summary of those
-    problems (lowmem_grpo.evaluation.stages.summarize: stages, differences, outcomes) and each stage's
-    wrong-operation share."""
+    """Per grouping and label: num_problems, the stage summary of those problems, the wrong-operation shares."""
     from lowmem_grpo.evaluation.stages import summarize
 
     out: dict[str, dict[str, Any]] = {}
@@ -159,7 +120,7 @@ def breakdown(verdicts: dict[str, list[list[Any]]], sampled: dict[str, list[list
             pick = lambda by_stage: {s: [p[i] for i in keep] for s, p in by_stage.items()}  # noqa: E731
             part = summarize(pick(verdicts), seed=seed, sampled=pick(sampled))
             out[grouping][label] = {"num_problems": len(keep), **part, "wrong_operation_share": {
-                s: wrong_operation_share(v) for s, v in pick(verdicts).items()}}
+                s: wrong_share(part["outcomes"].get(s)) for s in verdicts}}
     return out
 
 
@@ -168,9 +129,7 @@ class Results:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.data: dict[str, Any] = {}
-        if path.exists():
-            self.data = json.loads(path.read_text(encoding="utf-8"))
+        self.data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
         self.data.setdefault("stages", {})
 
     def cached(self, stage: str, key: dict[str, Any]) -> bool:
@@ -183,27 +142,25 @@ class Results:
                 for s, entry in self.data["stages"].items() if entry.get(kind)}
 
     def write(self, seed: int) -> None:
-        from lowmem_grpo.evaluation.stages import summarize
+        from lowmem_grpo.evaluation.stages import WORDING_GROUPS, summarize
 
         greedy = self.verdicts("verdicts")
         ordered = {s: greedy[s] for s in STAGES if s in greedy}
-        groups = self.data.get("problem_wording")
-        if groups and any(len(v) != len(groups) for v in ordered.values()):
-            groups = None  # the verdicts are of other problems than the groups (a file of an earlier setting)
-        steps = self.data.get("problem_steps")
-        if steps and any(len(v) != len(steps) for v in ordered.values()):
-            steps = None
-        self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"), groups=groups,
-                                         steps=steps)
-        self.data["wrong_operation_share"] = {s: wrong_operation_share(v) for s, v in ordered.items()}
-        self.data["wrong_operation_share_by_wording"] = {s: wrong_operation_by_wording(v, groups)
-                                                         for s, v in ordered.items()}
+        # groups of other problems than the verdicts (a file of an earlier setting) are left out
+        groups, steps = (g if g and all(len(v) == len(g) for v in ordered.values()) else None
+                         for g in (self.data.get("problem_wording"), self.data.get("problem_steps")))
+        summary = self.data["summary"] = summarize(ordered, seed=seed, sampled=self.verdicts("sampled_verdicts"),
+                                                   groups=groups, steps=steps)
+        self.data["wrong_operation_share"] = {s: wrong_share(summary["outcomes"].get(s)) for s in ordered}
+        by_wording = (summary.get("wording") or {}).get("outcomes") or {}
+        self.data["wrong_operation_share_by_wording"] = {s: {g: wrong_share(by_wording.get(s, {}).get(g))
+                                                             for g in WORDING_GROUPS if g in (groups or ())}
+                                                         for s in ordered}
         labels = {g: v for g, v in (self.data.get("problem_groups") or {}).items()
                   if all(len(p) == len(v) for p in ordered.values())}  # else of other problems than the verdicts
+        self.data.pop("breakdown", None)
         if labels:
             self.data["breakdown"] = breakdown(ordered, self.verdicts("sampled_verdicts"), labels, seed)
-        else:
-            self.data.pop("breakdown", None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1), encoding="utf-8")
@@ -245,8 +202,7 @@ def measure(model: Any, tokenizer: Any, examples: list[dict[str, Any]], stage: s
 
 def stage_keys(recipe: Any, rows: list[dict[str, str]], adapters: dict[str, Path | None],
                settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per stage what its measurement depends on (the problems and prompts, the model, the evaluation settings and
-    the adapter's weights): a stage saved under the same key is reused."""
+    """Per stage what its measurement depends on: a stage saved under the same key is reused."""
     d = recipe.data
     problems = digest(json.dumps(rows, sort_keys=True).encode(), d.system_prompt.encode(), d.prefill.encode())
     common_key = {"problems": problems, "num_problems": len(rows), "model": recipe.model.name,
@@ -259,107 +215,62 @@ def _ci(entry: dict[str, float], key: str = "mean") -> str:
     return f"{entry[key]:{spec}} [{entry['low']:{spec}}, {entry['high']:{spec}}]"
 
 
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.3f}"
+
+
 def table(data: dict[str, Any]) -> str:
-    """The per-stage table, the paired differences, the outcomes and the wrong-operation shares, as text."""
-    from lowmem_grpo.rewards.calculator import OUTCOMES
+    """The stage tables of report.md, each stage's wrong-operation share and a --data file's breakdown."""
+    from lowmem_grpo.rundir.stage_tables import WORDING_LABELS, summary_lines
 
-    summary, k = data["summary"], data["settings"]["samples"]
-    metrics = [m.format(k=k) for m in TABLE_METRICS if k or "{k}" not in m]
-    n = data["settings"]["num_problems"]
-    told = (f"problems of {data['settings']['data']}" if data["settings"].get("data") else
-            f"held-out problems ({data['settings']['stories']} stories)")
-    lines = [f"{data['run_dir']}: {n} {told}, greedy and {k} "
-             f"samples at T {data['settings']['temperature']}, calculator {data['settings']['calculator']}",
-             "", "| stage | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
-    for stage, values in summary["stages"].items():
-        lines.append(f"| {stage} | " + " | ".join(_ci(values[m]) if m in values else "-" for m in metrics) + " |")
-    lines += ["", "| paired difference | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
-    for pair in PAIRS:
-        diffs = summary["differences"].get(pair)
-        if diffs:
-            lines.append(f"| {pair} | " + " | ".join(_ci(diffs[m], "diff") if m in diffs else "-" for m in metrics)
-                         + " |")
-    stages = list(summary["outcomes"])
-    lines += ["", "| greedy outcome | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
-    for name in OUTCOMES:
-        lines.append(f"| {name} | " + " | ".join(f"{summary['outcomes'][s][name]:.3f}" for s in stages) + " |")
-    shares = data["wrong_operation_share"]
-    lines.append("| wrong_operation / wrong | " + " | ".join("-" if shares.get(s) is None else f"{shares[s]:.3f}"
-                                                           for s in stages) + " |")
-    from lowmem_grpo.rundir.stage_tables import steps_lines
-
-    by_steps = steps_lines(summary)
-    return "\n".join(lines + _wording_table(data) + (["", *by_steps] if by_steps else []) + _breakdown_table(data))
-
-
-def _breakdown_table(data: dict[str, Any]) -> list[str]:
-    """Per grouping of a --data file (GROUPINGS), each label's stages and paired differences and each stage's
-    wrong-operation share; [] without a breakdown."""
-    k = data["settings"]["samples"]
+    settings, k = data["settings"], data["settings"]["samples"]
+    told = (f"problems of {settings['data']}" if settings.get("data") else
+            f"held-out problems ({settings['stories']} stories)")
+    lines = [f"{data['run_dir']}: {settings['num_problems']} {told}, greedy and {k} samples at T "
+             f"{settings['temperature']}, calculator {settings['calculator']}", "",
+             *summary_lines({**data["summary"], "num_problems": settings["num_problems"], "settings": settings})]
+    shares, by_wording = data["wrong_operation_share"], data.get("wrong_operation_share_by_wording") or {}
+    groups = [g for g in WORDING_LABELS if any(g in by_group for by_group in by_wording.values())]
+    rows = [["wrong_operation / wrong", "all problems", *(WORDING_LABELS[g] for g in groups)]]
+    rows += [[stage, _share(share), *(_share(by_wording.get(stage, {}).get(g)) for g in groups)]
+             for stage, share in shares.items()]
+    lines += ["", "| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|",
+              *("| " + " | ".join(row) + " |" for row in rows[1:])]
     metrics = [m.format(k=k) for m in TABLE_METRICS[:3] if k or "{k}" not in m]
-    cell = lambda share: "-" if share is None else f"{share:.3f}"  # noqa: E731
-    lines: list[str] = []
     for grouping, parts in (data.get("breakdown") or {}).items():
         lines += ["", f"{GROUPINGS[grouping]} (95% bootstrap CIs; the paired differences pair the same problems):",
                   "", f"| {grouping} | n | stage | " + " | ".join(metrics) + " | wrong_operation / wrong |",
                   "|---" * (len(metrics) + 4) + "|"]
         for label, part in parts.items():
-            head = f"| {label} | {part['num_problems']} | "
-            for stage, values in part["stages"].items():
-                lines.append(head + f"{stage} | " + " | ".join(_ci(values[m]) if m in values else "-" for m in metrics)
-                             + f" | {cell(part['wrong_operation_share'].get(stage))} |")
-            for pair in PAIRS:
-                if pair in part["differences"]:
-                    diffs = part["differences"][pair]
-                    lines.append(head + f"{pair} | " + " | ".join(_ci(diffs[m], "diff") if m in diffs else "-"
-                                                                   for m in metrics) + " | - |")
-    return lines
-
-
-def _wording_table(data: dict[str, Any]) -> list[str]:
-    """The stage tables on seen and held-out wording side by side, and the wrong-operation share of each; [] when
-    the problems are not generated ones."""
-    from lowmem_grpo.rundir.stage_tables import WORDING_LABELS, wording_lines
-
-    settings = data["settings"]
-    lines = wording_lines(data["summary"].get("wording") or {}, settings["samples"], settings["temperature"])
-    by_wording = data.get("wrong_operation_share_by_wording") or {}
-    groups = [g for g in WORDING_LABELS if any(g in shares for shares in by_wording.values())]
-    if not lines or not groups:
-        return lines
-    cell = lambda share: "-" if share is None else f"{share:.3f}"  # noqa: E731
-    return ["", *lines, "", "| wrong_operation / wrong | " + " | ".join(WORDING_LABELS[g] for g in groups) + " |",
-            "|---" * (len(groups) + 1) + "|",
-            *(f"| {stage} | " + " | ".join(cell(shares.get(g)) for g in groups) + " |"
-              for stage, shares in by_wording.items())]
+            rows = [(stage, values, "mean", _share(part["wrong_operation_share"].get(stage)))
+                    for stage, values in part["stages"].items()]
+            rows += [(pair, part["differences"][pair], "diff", "-") for pair in PAIRS if pair in part["differences"]]
+            lines += [f"| {label} | {part['num_problems']} | {name} | " + " | ".join(
+                _ci(values[m], key) if m in values else "-" for m in metrics) + f" | {share} |"
+                for name, values, key, share in rows]
+    return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a training run directory (holds recipe.yaml and adapter/)")
     parser.add_argument("--problems", type=int, default=300, help="first N problems of the eval split (default 300)")
-    parser.add_argument("--samples", type=int, default=4, help="samples per problem at train.temperature; 0 = greedy "
-                        "only (default 4)")
+    parser.add_argument("--samples", type=int, default=4, help="samples per problem; 0 = greedy only (default 4)")
     parser.add_argument("--stories", choices=("all", "seen", "heldout"),
-                        help="generated problems' wording: half seen, half held-out (all), or only one kind (default: "
-                             "the recipe's data.generated.eval_stories)")
-    parser.add_argument("--levels", help="generated problems' levels to measure instead of the run's "
-                        "data.generated.levels, e.g. 2 for two-step problems only (lowmem_grpo.data.generated.LEVELS)")
+                        help="generated problems' wording (default: the recipe's data.generated.eval_stories)")
+    parser.add_argument("--levels", help="generated problems' levels instead of the run's, e.g. 2 (two steps)")
     parser.add_argument("--data", help="a JSONL file of problems (question, answer ending in '#### N'; optional "
-                        "operation and steps fields) to measure instead of the recipe's eval split, e.g. "
-                        "lowmem_grpo/resources/checking/arith_checking.jsonl")
-    parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain.json; with --data "
-                        "RUN_DIR/calculator_gain-STEM.json)")
+                        "operation and steps) instead of the eval split")
+    parser.add_argument("--out", help="JSON file (default RUN_DIR/calculator_gain[-STEM].json)")
     parser.add_argument("--stages", default=",".join(STAGES),
-                        help="stages to measure, comma-separated (default base,primed,trained; GRPO's own gain needs "
-                             "primed,trained)")
+                        help="stages to measure (default base,primed,trained; GRPO's own gain: primed,trained)")
     return parser
 
 
 def _problems(parser: argparse.ArgumentParser, args: argparse.Namespace, data: Any
               ) -> tuple[list[dict[str, str]], dict[str, list[str | None]], str]:
-    """The problems measured (the recipe's eval split, or the --data file's), their GROUPINGS labels ({} for the
-    eval split) and the default name of the results file. Bad data is named before the model loads."""
+    """The problems measured, their GROUPINGS labels and the results file's default name; bad data is
+    named before the model loads."""
     from lowmem_grpo.data import load_eval_rows
     from lowmem_grpo.errors import DataError
 

@@ -4,70 +4,49 @@
     python benchmarks/chains_queue.py table [--queue results/chains-bf16/queue.json]
     python benchmarks/chains_queue.py rejudge --only NAME   (chain outcomes of a finished run, judged anew)
 
-The queue is a JSON list of configurations (`name`, `overrides` of recipes/smollm2_135m_arith_cpu.py, `why`,
-`status` pending / running / done / failed). `run` trains the first pending one (or --only NAME) end to end,
-`lowmem-grpo train recipes/smollm2_135m_arith_cpu.py OVERRIDES output.dir=runs/chains/NAME`, under
-`flock /tmp/heavy.lock` (one heavy process at a time on a shared machine), then copies report.md,
-stage_eval.json (without the per-problem verdicts), metrics.jsonl, recipe.yaml, peak_rss.json and env.json into
-the queue's folder under NAME/ (no adapters), and records in the queue the wall time, the load average before and
-after, and each stage's greedy accuracy on one- and two-step problems (stage_eval.json's `steps`). Then it measures
-GRPO's own gain on 300 held-out problems of one step and of two steps (`calculator_gain.py RUN --levels L --problems
-300 --samples 0 --stages primed,trained`, greedy), copies each calculator_gain-levelsL.json beside the report and
-records the paired differences in the queue (`gain300`). A configuration
-left `running` by an interrupted session is run again from scratch. `table` prints the queue as markdown.
-`rejudge` judges the saved greedy completions of runs/chains/NAME again against the worked solutions of the same
-held-out problems (lowmem_grpo.rewards.chain as it is now), summarizes them again and rewrites both stage_eval.json
-files and the report.
+`run` trains the next configuration with learning_sweep's runner into runs/chains/NAME, copies its report, slimmed
+stage_eval.json and small files under the queue's folder, records each stage's accuracy on one- and two-step
+problems, then GRPO's own gain on 300 held-out problems of each (calculator_gain.py, greedy; `gain300`). `table`
+prints the queue as markdown. `rejudge` judges the saved greedy completions again (lowmem_grpo.rewards.chain).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's lowmem_grpo, not an installed one
-RECIPE = "recipes/smollm2_135m_arith_cpu.py"
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's lowmem_grpo; the runner beside this file
+from learning_sweep import load_queue, run_next  # noqa: E402
+
 COPIED = ("report.md", "metrics.jsonl", "recipe.yaml", "peak_rss.json", "env.json")
+GAIN_PROBLEMS = 300
 
 
-def _load(queue: Path) -> list[dict]:
-    return json.loads(queue.read_text(encoding="utf-8"))
-
-
-def _save(queue: Path, configs: list[dict]) -> None:
-    tmp = queue.with_suffix(".tmp")
-    tmp.write_text(json.dumps(configs, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(queue)
-
-
-def _load_average() -> float:
-    return round(os.getloadavg()[0], 2)
+def _r(value: float) -> float:
+    return round(value, 3)
 
 
 def _accuracy(stage_eval: dict) -> dict:
-    """Per stage the greedy strict accuracy on all problems and per step count ("1", "2", ...)."""
-    out: dict = {}
-    for stage, metrics in (stage_eval.get("stages") or {}).items():
-        row = {"all": round(metrics["strict_accuracy"]["mean"], 3)}
-        for group, m in ((stage_eval.get("steps") or {}).get("stages", {}).get(stage) or {}).items():
-            row[group] = round(m["strict_accuracy"]["mean"], 3)
-        out[stage] = row
-    gain = (stage_eval.get("steps") or {}).get("differences", {}).get("primed->trained") or {}
-    out["gain"] = {g: {k: round(v, 3) for k, v in m["strict_accuracy"].items()} for g, m in gain.items()}
-    chains = (stage_eval.get("steps") or {}).get("chains") or {}
-    out["chains_2"] = {stage: {k: round(v, 3) for k, v in by_group.get("2", {}).items()}
-                       for stage, by_group in chains.items()}
+    """Per stage greedy accuracy on all problems and per step count, GRPO's change, where 2-step chains broke."""
+    steps = stage_eval.get("steps") or {}
+    out: dict = {stage: {"all": _r(m["strict_accuracy"]["mean"]),
+                         **{g: _r(x["strict_accuracy"]["mean"]) for g, x in (steps.get("stages", {}).get(stage)
+                                                                              or {}).items()}}
+                 for stage, m in (stage_eval.get("stages") or {}).items()}
+    gain = steps.get("differences", {}).get("primed->trained") or {}
+    out["gain"] = {g: {k: _r(v) for k, v in m["strict_accuracy"].items()} for g, m in gain.items()}
+    out["chains_2"] = {stage: {k: _r(v) for k, v in by_group.get("2", {}).items()}
+                       for stage, by_group in (steps.get("chains") or {}).items()}
     return out
 
 
 def _collect(run_dir: Path, into: Path) -> dict:
+    """The run's files (and its stage_eval.json without verdicts) into the queue's folder; its accuracy."""
     into.mkdir(parents=True, exist_ok=True)
     for name in COPIED:
         if (run_dir / name).exists():
@@ -75,15 +54,11 @@ def _collect(run_dir: Path, into: Path) -> dict:
     data = json.loads((run_dir / "stage_eval.json").read_text(encoding="utf-8"))
     slim = {k: v for k, v in data.items() if k not in ("verdicts", "sampled_verdicts")}
     (into / "stage_eval.json").write_text(json.dumps(slim, indent=1) + "\n", encoding="utf-8")
-    return _accuracy(data)
-
-
-GAIN_PROBLEMS = 300
+    return {"accuracy": _accuracy(data)}
 
 
 def _gain300(run_dir: Path, level: int, into: Path) -> dict:
-    """GRPO's own gain (trained - primed) on GAIN_PROBLEMS held-out problems of `level` steps, greedy: accuracy per
-    stage and the paired difference with its 95% CI (calculator_gain.py, under the heavy lock)."""
+    """GRPO's own gain on GAIN_PROBLEMS held-out problems of `level` steps (calculator_gain.py, heavy lock)."""
     out = run_dir / f"calculator_gain-levels{level}.json"
     cmd = ["flock", "/tmp/heavy.lock", sys.executable, "benchmarks/calculator_gain.py", str(run_dir.relative_to(ROOT)),
            "--levels", str(level), "--problems", str(GAIN_PROBLEMS), "--samples", "0", "--stages", "primed,trained",
@@ -93,56 +68,26 @@ def _gain300(run_dir: Path, level: int, into: Path) -> dict:
         return {"failed": proc.returncode, "stderr": proc.stderr[-2000:]}
     shutil.copy2(out, into / out.name)
     summary = json.loads(out.read_text(encoding="utf-8"))["summary"]
-    acc = {stage: round(m["strict_accuracy"]["mean"], 3) for stage, m in summary["stages"].items()}
     diff = summary["differences"]["primed->trained"]["strict_accuracy"]
-    return {**acc, "diff": round(diff["diff"], 3), "low": round(diff["low"], 3), "high": round(diff["high"], 3)}
+    return {**{stage: _r(m["strict_accuracy"]["mean"]) for stage, m in summary["stages"].items()},
+            **{k: _r(diff[k]) for k in ("diff", "low", "high")}}
 
 
 def run(queue: Path, only: str | None) -> int:
-    configs = _load(queue)
-    todo = [c for c in configs if c["status"] in ("pending", "running") and (only is None or c["name"] == only)]
-    if not todo:
+    folder = queue.parent
+    entry = run_next(queue, ROOT / "runs" / "chains", [
+        lambda c, run_dir: _collect(run_dir, folder / c["name"]),
+        lambda c, run_dir: {"gain300": {str(n): _gain300(run_dir, n, folder / c["name"]) for n in (1, 2)}}], only)
+    if entry is None:
         print("nothing pending")
         return 0
-    config = todo[0]
-    run_dir = ROOT / "runs" / "chains" / config["name"]
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # an interrupted run starts again from scratch
-    cmd = ["flock", "/tmp/heavy.lock", sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE,
-           *config["overrides"], f"output.dir={run_dir}"]
-    config["status"] = "running"
-    _save(queue, configs)
-    log_path = ROOT / "runs" / "chains" / f"{config['name']}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        waited = time.time()
-        started, load_before = None, None
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-        # the lock wait is not the run's time: the run starts when its first line is logged
-        while proc.poll() is None:
-            if started is None and log_path.stat().st_size > 0:
-                started, load_before = time.time(), _load_average()
-            time.sleep(2)
-    started = started or waited
-    configs = _load(queue)
-    config = next(c for c in configs if c["name"] == config["name"])
-    config.update({"wall_s": round(time.time() - started, 1), "load_before": load_before,
-                   "load_after": _load_average(), "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
-    if proc.returncode != 0 or not (run_dir / "stage_eval.json").exists():
-        config["status"] = "failed"
-        config["returncode"] = proc.returncode
-    else:
-        config["status"] = "done"
-        config["accuracy"] = _collect(run_dir, queue.parent / config["name"])
-        _save(queue, configs)
-        config["gain300"] = {str(level): _gain300(run_dir, level, queue.parent / config["name"]) for level in (1, 2)}
-    _save(queue, configs)
-    print(json.dumps(config, indent=1))
-    return 0 if config["status"] == "done" else 1
+    print(json.dumps(entry, indent=1))
+    return 0 if entry["status"] == "done" else 1
 
 
 def rejudge(queue: Path, name: str) -> int:
     from lowmem_grpo.data.sources import load_eval_rows
+    from lowmem_grpo.evaluation.metrics import Verdict
     from lowmem_grpo.evaluation.stages import step_groups, summarize
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.rewards.chain import chain_outcome
@@ -152,19 +97,16 @@ def rejudge(queue: Path, name: str) -> int:
     path = run_dir / "stage_eval.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     rows = load_eval_rows(load_recipe(str(run_dir / "recipe.yaml")).data, limit=data["num_problems"])
-    questions = [r["question"] for r in rows]
     for stage, problems in data["verdicts"].items():
         if len(problems) != len(rows):
             raise SystemExit(f"{name}: {len(problems)} verdicts of {stage} for {len(rows)} problems")
         for row, samples in zip(rows, problems):
             for v in samples:
                 v["chain"] = chain_outcome(v["completion"], row["answer"], v["strict_correct"])
-    from lowmem_grpo.evaluation.metrics import Verdict
-
+    if data.get("problem_wording") and len(data["problem_wording"]) != len(rows):
+        raise SystemExit(f"{name}: the wording groups are of other problems")
     verdicts = {s: [[Verdict(**v) for v in p] for p in ps] for s, ps in data["verdicts"].items()}
     steps = step_groups([r["answer"] for r in rows])
-    if data.get("problem_wording") and len(data["problem_wording"]) != len(questions):
-        raise SystemExit(f"{name}: the wording groups are of other problems")
     data.update(summarize(verdicts, seed=data["settings"]["seed"], groups=data.get("problem_wording"), steps=steps),
                 problem_steps=steps)
     path.write_text(json.dumps(data, indent=1), encoding="utf-8")
@@ -175,8 +117,7 @@ def rejudge(queue: Path, name: str) -> int:
 
 
 def _gain_cell(folder: Path, level: int) -> str:
-    """`primed -> trained (gain [95% CI])` on GAIN_PROBLEMS problems of `level` steps, from the folder's
-    calculator_gain json; "-" when it was not measured."""
+    """`primed -> trained (gain [95% CI])` of `level` steps from the folder's calculator_gain json, or "-"."""
     saved = folder / f"calculator_gain-levels{level}.json"
     if not saved.exists():
         return "-"
@@ -187,24 +128,24 @@ def _gain_cell(folder: Path, level: int) -> str:
 
 
 def table(queue: Path) -> int:
-    configs = _load(queue)
     print("| name | overrides | status | wall s | load | primed 1/2 steps | trained 1/2 steps | gain 2 steps | "
           "2 steps primed -> trained: first step wrong / stopped early / later step wrong | "
           f"{GAIN_PROBLEMS} problems, 1 step | {GAIN_PROBLEMS} problems, 2 steps |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for c in configs:
-        saved = queue.parent / c["name"] / "stage_eval.json"  # read again: the figures of the current code
+    print("|---" * 11 + "|")
+    for c in load_queue(queue):
+        folder = queue.parent / c["name"]
+        saved = folder / "stage_eval.json"  # read again: the figures of the current code
         acc = _accuracy(json.loads(saved.read_text(encoding="utf-8"))) if saved.exists() else {}
-        cell = lambda s: "/".join(str(acc.get(s, {}).get(g, "-")) for g in ("1", "2"))  # noqa: E731
-        gain = (acc.get("gain") or {}).get("2") or {}
-        g = f"{gain['diff']:+.3f} [{gain['low']:+.3f}, {gain['high']:+.3f}]" if gain else "-"
-        load = f"{c.get('load_before', '-')}/{c.get('load_after', '-')}"
+        cells = ["/".join(str(acc.get(s, {}).get(g, "-")) for g in ("1", "2")) for s in ("primed", "trained")]
+        gain = (acc.get("gain") or {}).get("2")
+        gain = f"{gain['diff']:+.3f} [{gain['low']:+.3f}, {gain['high']:+.3f}]" if gain else "-"
         broke = " -> ".join("/".join(f"{100 * shares.get(k, 0):.0f}%" for k in
                                      ("wrong_first_step", "stopped_early", "wrong_later_step"))
                             for shares in (acc.get("chains_2") or {}).values()) or "-"
-        print(f"| {c['name']} | `{' '.join(c['overrides'])}` | {c['status']} | {c.get('wall_s', '-')} | {load} | "
-              f"{cell('primed')} | {cell('trained')} | {g} | {broke} | {_gain_cell(queue.parent / c['name'], 1)} | "
-              f"{_gain_cell(queue.parent / c['name'], 2)} |")
+        print(f"| {c['name']} | `{' '.join(c['overrides'])}` | {c['status']} | {c.get('wall_s', '-')} | "
+              f"{c.get('load_before', '-')}/{c.get('load_after', '-')} | {cells[0]} | {cells[1]} | "
+              f"{gain} | {broke} | "
+              f"{_gain_cell(folder, 1)} | {_gain_cell(folder, 2)} |")
     return 0
 
 

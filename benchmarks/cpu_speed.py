@@ -1,7 +1,7 @@
 """CPU speed and memory of the CPU default (recipes/smollm2_135m_arith_cpu.py), one sub-command per measurement.
 
     OMP_NUM_THREADS=2 python benchmarks/cpu_speed.py step --models smollm2 --steps 6 --repeats 2
-    OMP_NUM_THREADS=2 LOWMEM_GRPO_CPU_DTYPE=float32 python benchmarks/cpu_speed.py step --models smollm2 --steps 6 --repeats 2
+    OMP_NUM_THREADS=2 LOWMEM_GRPO_CPU_DTYPE=float32 python benchmarks/cpu_speed.py step --models smollm2 --steps 6
     OMP_NUM_THREADS=1 python benchmarks/cpu_speed.py step --models tiny --dtypes float32,bfloat16 --steps 6 --repeats 3
     OMP_NUM_THREADS=2 python benchmarks/cpu_speed.py profile --what step --out /tmp/profile-step
     OMP_NUM_THREADS=2 python benchmarks/cpu_speed.py profile --what decode --out /tmp/decode --repeats 2
@@ -10,16 +10,13 @@
     OMP_NUM_THREADS=2 python benchmarks/cpu_speed.py allocator --thresholds 0,65536,8388608
     python benchmarks/cpu_speed.py rss --loads default
 
-`--help` lists the sub-commands; `SUB-COMMAND --help` says what one measures and prints. Every sub-command prints the
-load average: a figure taken on busy shared cores is noise, read the CPU columns and the ratios there.
-The step commands above are checked by tests/test_step_cpu_check.py (--check-only, parsed from this docstring; the
-real model for the first, the tiny one for the others).
+`SUB-COMMAND --help` says what one measures. Every one prints the load average (busy shared cores: read the CPU
+columns). tests/test_step_cpu_check.py checks the step commands above (--check-only, parsed from this docstring).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -43,14 +40,8 @@ RECIPE = str(REPO / "recipes" / "smollm2_135m_arith_cpu.py")  # the CPU default:
 GIB = 2**30
 
 
-# ---- shared by the sub-commands ---------------------------------------------------------------------------------
-
 def load_line() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -63,7 +54,7 @@ def _ratio(a: Any, b: Any) -> float | None:
 
 def run_child(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
               ) -> tuple[int, str, str, Any]:
-    """A child process: exit code, stdout, the tail of stderr, and its own rusage (wait4: its own peak RSS)."""
+    """A child process: exit code, stdout, the tail of stderr, and its own rusage (its own peak RSS)."""
     with tempfile.TemporaryFile("w+") as errors:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, env=env, cwd=cwd)
         stdout = proc.stdout.read()
@@ -74,9 +65,8 @@ def run_child(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | Non
 
 
 def cpu_trainer(overrides: list[str], run_dir: Path, moved_lora: bool = False) -> tuple[Any, Any, list[dict]]:
-    """(trainer, loaded model, training examples) of the CPU default with `overrides`, built as train() builds them
-    (trainer_factory, hf backend); `moved_lora`: LoRA B drawn at random (seeded), so that the adapter moves the
-    outputs as a primed one does."""
+    """(trainer, loaded model, training examples) of the CPU default as train() builds them; `moved_lora`: LoRA B
+    drawn at random (seeded), so that the adapter moves the outputs as a primed one does."""
     from lowmem_grpo import backends
     from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe_io import load_recipe
@@ -92,12 +82,11 @@ def cpu_trainer(overrides: list[str], run_dir: Path, moved_lora: bool = False) -
     from lowmem_grpo.train.grpo import trainer_factory
 
     loaded = backends.load(recipe, runtime)
-    if moved_lora:
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in loaded.model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in loaded.model.named_parameters() if moved_lora else ():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     examples = recipe_examples(load_train_rows(recipe.data), loaded.tokenizer, recipe.data)
     weights = resolved_rewards(recipe)
     trainer = trainer_factory(loaded, Dataset.from_list(examples), Path(run_dir), [get_reward(n) for n in weights],
@@ -107,14 +96,12 @@ def cpu_trainer(overrides: list[str], run_dir: Path, moved_lora: bool = False) -
 
 
 def profile_table(prof: Any, title: str, rows: int = 30) -> str:
-    """torch.profiler's operators with the most self CPU time."""
     return f"{title}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-# ---- step: the comparison (pure: tested in tests/test_step_cpu_check.py) ---------------------------------------
+# ---- step: the like-for-like check (pure: tested in tests/test_step_cpu_check.py) -------------------------------
 
 SIDES = ("plain", "before", "after")
-OURS = ("before", "after")
 BEFORE = ["train.cpu.fast=false"]  # the "before" side's switches (--before replaces them)
 BENCH_OVERRIDES = ["train.preflight.enabled=false", "train.eval.stage.problems=0", "train.eval.every=0"]  # no eval
 PLAIN_TRAINER = {"lowmem_shared_prompt": False, "lowmem_merged_sampling": False, "lowmem_cpu_attention": False}
@@ -147,8 +134,7 @@ def compare(ours: dict[str, Any], plain: dict[str, Any]) -> list[str]:
 
 
 def check_same(ours: dict[str, Any], plain: dict[str, Any], label: str, show: bool = True) -> None:
-    """Print both configurations (unless `show` is off and they agree); exit 1 naming the differing keys when they
-    are not the same. `label` names the pair (e.g. "tiny float32 after")."""
+    """Print both configurations (unless `show` is off and they agree); exit 1 naming the keys that differ."""
     diffs = compare(ours, plain)
     if show or diffs:
         sys.stdout.write(f"config {label} lowmem: {json.dumps(ours, sort_keys=True)}\n")
@@ -160,15 +146,41 @@ def check_same(ours: dict[str, Any], plain: dict[str, Any], label: str, show: bo
     sys.stdout.write(f"config {label}: identical on both sides\n")
 
 
-# ---- step: inside a worker, the fingerprint and the step marks --------------------------------------------------
+def side_overrides(spec: dict[str, Any], side: str, path: str, out: Path) -> list[str]:
+    """What the benchmark changes in the recipe for `side` (prime, plain, before, after)."""
+    overrides = [f"model.name={path}", f"output.dir={out}", f"train.max_steps={spec['steps']}", *BENCH_OVERRIDES]
+    overrides += [f"model.dtype={spec['dtype']}"] if spec["dtype"] != "auto" else []
+    overrides += spec.get("set", [])
+    if side == "prime":
+        return [*overrides, "prime.enabled=true", *([f"prime.max_steps={spec['prime_steps']}"]
+                                                    if spec.get("prime_steps") else [])]
+    overrides += ["prime.enabled=false"] + ([f"lora.init_adapter={spec['start_adapter']}"]
+                                            if spec.get("start_adapter") else [])
+    return overrides + (spec["before"] if side == "before" else [])
+
+
+def plain_grpo_values(recipe: Any) -> dict[str, Any]:
+    """The GRPOConfig values a plain script gets from the recipe: its GRPOConfig fields, the extra fields, and those
+    lowmem_grpo resolves (warmup_ratio is TRL 1.x's float warmup_steps; optim and precision auto as on CPU)."""
+    from trl import GRPOConfig
+
+    fields, t = {f.name for f in dataclasses.fields(GRPOConfig)}, recipe.train
+    values = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name in fields}
+    values.update(t.extra)
+    values.update(warmup_steps=t.warmup_ratio, optim="adamw_torch" if t.optim == "auto" else t.optim,
+                  report_to=[] if t.report_to == "none" else [t.report_to], save_total_limit=None,
+                  bf16=t.precision == "bf16", fp16=t.precision == "fp16")
+    return values
+
+
+# ---- step: inside a worker, the fingerprint, the step marks, the plain script --------------------------------
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted(_jsonable(v) for v in value)
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset, list, tuple)):
+        items = [_jsonable(v) for v in value]
+        return sorted(items) if isinstance(value, (set, frozenset)) else items
     return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
@@ -182,9 +194,7 @@ def fingerprint(trainer: Any, model: Any, optimizer: Any) -> dict[str, Any]:
 
     peft = model.peft_config["default"].to_dict()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    lora_bytes = b"".join(n.encode() + p.detach().float().cpu().numpy().tobytes() for n, p in trainable)
-    data = trainer.train_dataset
-    inner = getattr(optimizer, "optimizer", optimizer)
+    data, inner = trainer.train_dataset, getattr(optimizer, "optimizer", optimizer)
     return _jsonable({
         "trainer_class": type(trainer).__name__,
         "grpo": {k: v for k, v in trainer.args.to_dict().items() if k not in IGNORED},
@@ -194,7 +204,7 @@ def fingerprint(trainer: Any, model: Any, optimizer: Any) -> dict[str, Any]:
         "prompts_sha": _sha("\x1e".join(data["prompt"]).encode()),
         "rows_sha": _sha(json.dumps(data.to_list(), sort_keys=True).encode()),
         "columns": sorted(data.column_names),
-        "lora_init_sha": _sha(lora_bytes),
+        "lora_init_sha": _sha(b"".join(n.encode() + p.detach().float().cpu().numpy().tobytes() for n, p in trainable)),
         "rewards": [[n, float(w)] for n, w in zip(trainer.reward_func_names, trainer.reward_weights.tolist())],
         "optimizer": {"class": type(inner).__name__,
                       **{k: v for k, v in inner.param_groups[0].items() if k not in {"params", "initial_lr"}}},
@@ -231,8 +241,7 @@ def _calling_trainer() -> Any:
 
 
 class Callback:
-    """A trainer callback, duck-typed so that this script imports no transformers outside the workers: every event
-    a subclass does not define does nothing."""
+    """A trainer callback, duck-typed (no transformers import here): undefined events do nothing."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("on_"):
@@ -244,23 +253,16 @@ class Probe(Callback):
     """The fingerprint at train begin, wall and CPU marks at each step's begin and end, and the logged records."""
 
     def __init__(self, check_only: bool) -> None:
-        self.check_only = check_only
-        self.fingerprint: dict[str, Any] = {}
-        self.layer: dict[str, Any] = {}
-        self.begins: list[tuple[float, float]] = []
-        self.ends: list[tuple[float, float, int, float]] = []
-        self.logs: list[dict[str, Any]] = []
-        self.timer: Any = None
+        self.check_only, self.fingerprint, self.layer, self.timer = check_only, {}, {}, None
+        self.begins, self.ends, self.logs = [], [], []  # (wall, cpu); (wall, cpu, minor faults, sys s); records
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
         trainer = _calling_trainer()
-        self.fingerprint = fingerprint(trainer, model, optimizer)
-        self.layer = layer(trainer)
+        self.fingerprint, self.layer = fingerprint(trainer, model, optimizer), layer(trainer)
         self.timer = next((c for c in trainer.callback_handler.callbacks if type(c).__name__ == "PhaseTimer"), None)
         if self.check_only:
-            sys.stdout.write("FINGERPRINT " + json.dumps(self.fingerprint) + "\n")
-            sys.stdout.write("LAYER " + json.dumps(self.layer) + "\n")
+            sys.stdout.write(f"FINGERPRINT {json.dumps(self.fingerprint)}\nLAYER {json.dumps(self.layer)}\n")
             sys.stdout.flush()
             os._exit(0)
 
@@ -272,39 +274,7 @@ class Probe(Callback):
         self.ends.append((time.time(), time.process_time(), usage.ru_minflt, usage.ru_stime))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if logs:
-            self.logs.append(dict(logs))
-
-
-# ---- step: the three sides ------------------------------------------------------------------------------------
-
-def side_overrides(spec: dict[str, Any], side: str, path: str, out: Path) -> list[str]:
-    """What the benchmark changes in the recipe for `side` (prime, plain, before, after)."""
-    overrides = [f"model.name={path}", f"output.dir={out}", f"train.max_steps={spec['steps']}", *BENCH_OVERRIDES]
-    overrides += [f"model.dtype={spec['dtype']}"] if spec["dtype"] != "auto" else []
-    overrides += spec.get("set", [])
-    if side == "prime":
-        return overrides + ["prime.enabled=true"] + ([f"prime.max_steps={spec['prime_steps']}"]
-                                                     if spec.get("prime_steps") else [])
-    overrides += ["prime.enabled=false"]
-    overrides += [f"lora.init_adapter={spec['start_adapter']}"] if spec.get("start_adapter") else []
-    return overrides + (spec["before"] if side == "before" else [])
-
-
-def plain_grpo_values(recipe: Any) -> dict[str, Any]:
-    """The GRPOConfig values a plain script gets from the recipe: every train field that is a GRPOConfig field, the
-    extra fields, and those lowmem_grpo resolves (warmup_ratio is TRL 1.x's float warmup_steps; optim auto is
-    adamw_torch on CPU; precision auto is neither bf16 nor fp16 on CPU; lowmem_grpo keeps its own checkpoints)."""
-    from trl import GRPOConfig
-
-    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    t = recipe.train
-    values = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name in fields}
-    values.update(t.extra)
-    values.update(warmup_steps=t.warmup_ratio, optim="adamw_torch" if t.optim == "auto" else t.optim,
-                  report_to=[] if t.report_to == "none" else [t.report_to], save_total_limit=None,
-                  bf16=t.precision == "bf16", fp16=t.precision == "fp16")
-    return values
+        self.logs += [dict(logs)] if logs else []
 
 
 def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
@@ -319,29 +289,25 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
     from lowmem_grpo.device import CudaFacts
     from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe import resolved_rewards
-    from lowmem_grpo.runtime import resolve
     from lowmem_grpo.rewards import get_reward
+    from lowmem_grpo.runtime import resolve
     from lowmem_grpo.train.callbacks import PhaseTimer
     from lowmem_grpo.train.trainer import CpuSafeGRPOTrainer
 
     path, lora = recipe.model.name, recipe.lora
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dtype = getattr(torch, resolve(recipe, Launch(), CudaFacts(torch_cuda=None, available=False)).dtype)  # as train() on CPU
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    dtype = resolve(recipe, Launch(), CudaFacts(torch_cuda=None, available=False)).dtype  # as train() on CPU
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     set_seed(recipe.train.seed)  # LoRA A comes from the global RNG, which torch seeds randomly per process
-    if lora.init_adapter:
-        model = PeftModel.from_pretrained(model, lora.init_adapter, is_trainable=True)
-    else:
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 bias="none", task_type="CAUSAL_LM",
-                                                 target_modules=lora.target_modules))
+    model = PeftModel.from_pretrained(model, lora.init_adapter, is_trainable=True) if lora.init_adapter else \
+        get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                                         task_type="CAUSAL_LM", target_modules=lora.target_modules))
     weights = resolved_rewards(recipe)
     config = GRPOConfig(output_dir=str(out), save_strategy="steps", use_cpu=True, disable_tqdm=True,
                         reward_weights=list(weights.values()), **plain_grpo_values(recipe))
     rows = recipe_examples(load_train_rows(recipe.data), tokenizer, recipe.data)
     trainer = CpuSafeGRPOTrainer(model=model, reward_funcs=[get_reward(n) for n in weights], args=config,
-                                 train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                                 callbacks=[probe])
+                                 train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[probe])
     for name, value in PLAIN_TRAINER.items():  # only the Triton log-prob kernel replaced
         setattr(trainer, name, value)
     PhaseTimer.attach(trainer)  # the same instrumentation as ours
@@ -349,79 +315,42 @@ def run_plain(recipe: Any, out: Path, probe: Probe) -> None:
     trainer.save_model(str(out / "adapter"))
 
 
-# ---- step: the phase timer's own cost ---------------------------------------------------------------------------
-
-class _BareTrainer:
-    """A trainer whose phases do nothing, timed as lowmem_grpo.train.trainer.LowmemGRPOTrainer times them (with
-    `lowmem_timer` set): what is left is the timer's own cost."""
-
-    def __init__(self) -> None:
-        from collections import defaultdict
-
-        self.accelerator = SimpleNamespace(device=SimpleNamespace(type="cpu"))
-        self.metrics: dict[str, list[float]] = defaultdict(list)
-        self.callback_handler = SimpleNamespace(callbacks=[])
-        self.lowmem_timer: Any = None
-
-    def add_step_metrics(self, record: dict[str, float]) -> None:
-        for key, value in record.items():
-            self.metrics[key].append(value)
-
-    def _phase(self, phase: str) -> Any:
-        return contextlib.nullcontext() if self.lowmem_timer is None else self.lowmem_timer.span(phase)
-
-    def step(self, batch: Any) -> None:
-        """The five timed calls of a step: preparation (generation and rewards in it), loss, backward."""
-        with self._phase("_prepare"):
-            with self._phase("generation"):
-                pass
-            if self.lowmem_timer is not None:
-                self.lowmem_timer.count_tokens(len(batch))
-            with self._phase("rewards"):
-                pass
-        with self._phase("loss_forward"):
-            pass
-        if self.lowmem_timer is not None:
-            self.lowmem_timer.open("backward")
-            self.lowmem_timer.close("backward")
-
-
-def _bare_steps(trainer: _BareTrainer, timer: Any, steps: int) -> float:
-    """Seconds per simulated step: the five timed calls of a step and the timer's four events."""
-    batch, state = [[1] * 64] * 8, SimpleNamespace(global_step=0, max_steps=10**9)
-    events = [getattr(timer, e) for e in ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step",
-                                          "on_step_end")] if timer else [lambda *a: None] * 4
-    started = time.perf_counter()
-    for _ in range(steps):
-        events[0](None, state, None)
-        trainer.step(batch)
-        for event in events[1:]:
-            event(None, state, None)
-        trainer.metrics.clear()  # as GRPOTrainer.log does at each log
-    return (time.perf_counter() - started) / steps
-
-
-def timer_cost_s() -> float:
-    """The phase timer's own seconds per step (best of 5 runs of 2000 simulated steps, minus the bare calls)."""
+def timer_cost_s(steps: int = 2000) -> float:
+    """The phase timer's own seconds per step, at most: a step's events and spans around phases that do nothing."""
     from lowmem_grpo.train.callbacks import PhaseTimer
 
-    bare, timed = _BareTrainer(), _BareTrainer()
-    timer = PhaseTimer.attach(timed)
-    return min(_bare_steps(timed, timer, 2000) for _ in range(5)) - min(_bare_steps(bare, None, 2000) for _ in range(5))
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(device=SimpleNamespace(type="cpu")),
+                              callback_handler=SimpleNamespace(callbacks=[]), add_step_metrics=lambda record: None)
+    timer, state = PhaseTimer.attach(trainer), SimpleNamespace(global_step=0, max_steps=10**9)
 
+    def run() -> float:
+        started = time.perf_counter()
+        for _ in range(steps):
+            timer.on_step_begin(None, state, None)
+            with timer.span("_prepare"):
+                with timer.span("generation"):
+                    timer.count_tokens(512)
+                with timer.span("rewards"):
+                    pass
+            with timer.span("loss_forward"):
+                timer.open("backward")
+            timer.close("backward")
+            for event in (timer.on_pre_optimizer_step, timer.on_optimizer_step, timer.on_step_end):
+                event(None, state, None)
+        return (time.perf_counter() - started) / steps
 
-# ---- step: a worker process -------------------------------------------------------------------------------------
+    return min(run() for _ in range(5))
+
 
 def model_path(name: str, work: Path) -> str:
     """The tiny test model (built once in the work folder) or the embedded SmolLM2 (converted once)."""
     if name == "tiny":
-        target = work / "tiny"
-        if not (target / "config.json").exists():
+        if not (work / "tiny" / "config.json").exists():
             sys.path.insert(0, str(REPO / "tests"))
             from tiny import build_tiny_model
 
-            build_tiny_model(target)
-        return str(target)
+            build_tiny_model(work / "tiny")
+        return str(work / "tiny")
     if name != "smollm2":
         raise SystemExit(f"--models: {name!r} is neither tiny nor smollm2")
     from lowmem_grpo.backends.embedded import embedded_model_dir
@@ -432,20 +361,22 @@ def model_path(name: str, work: Path) -> str:
 def summarize(probe: Probe, started: tuple[float, float], done: tuple[float, float]) -> dict[str, Any]:
     """Start-up, s/step (wall and CPU, between step ends), teardown and the logged phase records of one run."""
     ends = probe.ends
-    walls = [b[0] - a[0] for a, b in zip(ends, ends[1:])] or [ends[0][0] - probe.begins[0][0]]
-    cpus = [b[1] - a[1] for a, b in zip(ends, ends[1:])] or [ends[0][1] - probe.begins[0][1]]
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    gaps = [[b[i] - a[i] for a, b in zip(ends, ends[1:])] for i in range(4)]
     steps = [r for r in probe.logs if "step_time" in r]
     return {
-        "s_per_step": _median(walls), "cpu_per_step": _median(cpus), "steps": len(ends),
-        "minflt_per_step": _median([b[2] - a[2] for a, b in zip(ends, ends[1:])]),
-        "sys_per_step": _median([b[3] - a[3] for a, b in zip(ends, ends[1:])]),
-        "trl_step_time": _median([r["step_time"] for r in steps[1:]] or [r["step_time"] for r in steps]),
+        "s_per_step": median(gaps[0] or [ends[0][0] - probe.begins[0][0]]),
+        "cpu_per_step": median(gaps[1] or [ends[0][1] - probe.begins[0][1]]), "steps": len(ends),
+        "minflt_per_step": median(gaps[2]), "sys_per_step": median(gaps[3]),
+        "trl_step_time": median([r["step_time"] for r in steps[1:] or steps]),
         "startup_wall": probe.begins[0][0] - started[0], "startup_cpu": probe.begins[0][1],
         "teardown_wall": done[0] - ends[-1][0], "teardown_cpu": done[1] - ends[-1][1],
         "phase_records": [{k: v for k, v in r.items() if k.startswith("time/") or k == "tokens_per_s"}
                           for r in steps[1:] or steps],
-        # the same draws show as the same lengths and rewards, step by step
-        "draws": [[r.get("completions/mean_length"), r.get("reward")] for r in steps],
+        "draws": [[r.get("completions/mean_length"), r.get("reward")] for r in steps],  # the same draws: the same
     }
 
 
@@ -465,12 +396,10 @@ def step_worker(side: str, spec_path: Path, work: Path, check_only: bool) -> Non
         from lowmem_grpo.train.pipeline import train
 
         train(recipe, callbacks=[probe])
-    done = (time.time(), time.process_time())
-    result = summarize(probe, started, done)
+    result = summarize(probe, started, (time.time(), time.process_time()))
     result["timer_cost_s"] = timer_cost_s() if probe.timer is not None else None
-    sys.stdout.write("FINGERPRINT " + json.dumps(probe.fingerprint) + "\n")
-    sys.stdout.write("LAYER " + json.dumps(probe.layer) + "\n")
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.write(f"FINGERPRINT {json.dumps(probe.fingerprint)}\nLAYER {json.dumps(probe.layer)}\n"
+                     f"RESULT {json.dumps(result)}\n")
 
 
 # ---- step: the parent, run, check, print ------------------------------------------------------------------------
@@ -479,26 +408,13 @@ def run_side(side: str, spec_path: Path, work: Path, env: dict[str, str], check_
     """One worker's fingerprint, live switches, results, load average and peak RSS (GiB)."""
     load_before = os.getloadavg()[0]
     cmd = [sys.executable, __file__, "step", "--worker", side, str(spec_path), "--work", str(work)]
-    cmd += ["--check-only"] if check_only else []
-    code, stdout, stderr, usage = run_child(cmd, env)
+    code, stdout, stderr, usage = run_child(cmd + (["--check-only"] if check_only else []), env)
     lines = {ln.split(" ", 1)[0]: json.loads(ln.split(" ", 1)[1]) for ln in stdout.splitlines()
              if ln.startswith(("RESULT ", "FINGERPRINT ", "LAYER "))}
     if code != 0 or "FINGERPRINT" not in lines or ("RESULT" not in lines and not check_only):
         raise SystemExit(f"{side} worker failed (exit {code}):\n{stderr}\nrerun: {shlex.join(cmd)}")
-    result = lines.get("RESULT", {})
-    result.update(fingerprint=lines["FINGERPRINT"], layer=lines.get("LAYER", {}),
-                  load=f"{load_before:.1f}->{os.getloadavg()[0]:.1f}", peak_rss_gib=usage.ru_maxrss / 2**20)
-    return result
-
-
-def prime_once(spec: dict[str, Any], spec_path: Path, work: Path, env: dict[str, str]) -> str:
-    """The recipe's priming, through train(), once: the adapter every side starts from."""
-    run_side("prime", spec_path, work, env, check_only=True)
-    found = sorted(work.glob(f"{spec['model']}-{spec['dtype']}-prime-*/primed_adapter"),
-                   key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise SystemExit(f"priming left no primed_adapter in {work}")
-    return str(found[-1])
+    return {**lines.get("RESULT", {}), "fingerprint": lines["FINGERPRINT"], "layer": lines.get("LAYER", {}),
+            "load": f"{load_before:.1f}->{os.getloadavg()[0]:.1f}", "peak_rss_gib": usage.ru_maxrss / 2**20}
 
 
 RATIOS = (("after", "before"), ("after", "plain"), ("before", "plain"), ("after", "plain pinned"))
@@ -512,68 +428,60 @@ NUMERIC = tuple(key for _, key, _ in COLUMNS) + ("timer_cost_s",)
 
 
 def print_results(label: str, results: dict[str, dict[str, Any]]) -> None:
-    """The per-side table, the ratios, the draws and the phase breakdown."""
+    """The per-side table, the ratios, the draws, the phase breakdown and the costs of our layer and its timer."""
+    from lowmem_grpo.rundir.telemetry import PHASES, phase_means
+
     rows = [s for s in ("plain", "plain pinned", "before", "after") if s in results]
     out = [f"\n## {label}", "| side | " + " | ".join(c[0] for c in COLUMNS) + " | 1-min load (before->after) |",
            "|---" * (len(COLUMNS) + 2) + "|"]
-    for side in rows:
-        r = results[side]
-        out.append(f"| {side} | " + " | ".join(_fmt(r.get(k), f) for _, k, f in COLUMNS) + f" | {r['load']} |")
-    for a, b in RATIOS:
-        if a in results and b in results:
-            out.append(f"| ratio {a}/{b} | " + " | ".join(_fmt(_ratio(results[a].get(k), results[b].get(k)), ".3f")
-                                                      for _, k, _ in COLUMNS) + " | |")
-    for side in rows:
-        out.append(f"{side}: lowmem_grpo's switches live: {json.dumps(results[side].get('layer', {}), sort_keys=True)}")
+    out += [f"| {side} | " + " | ".join(_fmt(results[side].get(k), f) for _, k, f in COLUMNS)
+            + f" | {results[side]['load']} |" for side in rows]
+    out += [f"| ratio {a}/{b} | " + " | ".join(_fmt(_ratio(results[a].get(k), results[b].get(k)), ".3f")
+                                               for _, k, _ in COLUMNS) + " | |"
+            for a, b in RATIOS if a in results and b in results]
+    out += [f"{side}: lowmem_grpo's switches live: {json.dumps(results[side].get('layer', {}), sort_keys=True)}"
+            for side in rows]
     for key in ("cpu_per_step", "s_per_step"):
-        per_run = {side: [r[key] for r in results[side]["runs"]] for side in SIDES}
-        if len(per_run["plain"]) > 1:
-            out.append(f"{key} per run: " + "; ".join(f"{s} {[round(v, 3) for v in per_run[s]]}" for s in SIDES)
-                       + "; ratio of the minima after/before "
-                       f"{min(per_run['after']) / min(per_run['before']):.3f}, after/plain "
-                       f"{min(per_run['after']) / min(per_run['plain']):.3f}")
-    out.append("completions (mean length, reward) per step:")
-    out += [f"  {side}: {results[side]['draws']}" for side in SIDES]
+        runs = {side: [r[key] for r in results[side]["runs"]] for side in SIDES}
+        if len(runs["plain"]) > 1:
+            out.append(f"{key} per run: " + "; ".join(f"{s} {[round(v, 3) for v in runs[s]]}" for s in SIDES)
+                       + f"; ratio of the minima after/before {min(runs['after']) / min(runs['before']):.3f}, "
+                       f"after/plain {min(runs['after']) / min(runs['plain']):.3f}")
+    out += ["completions (mean length, reward) per step:", *[f"  {s}: {results[s]['draws']}" for s in SIDES]]
     same = [f"{a}={b}" for a, b in (("before", "plain"), ("after", "plain"), ("after", "before"))
             if results[a]["draws"] == results[b]["draws"]]
     out.append(f"  the same draws: {', '.join(same) or 'no two sides'}")
-    out += phase_lines(results)
-    sys.stdout.write("\n".join(out) + "\n")
-    sys.stdout.flush()
-
-
-def phase_lines(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Phase means side by side (steps after the first), the ratios, and the timer's own cost per step."""
-    from lowmem_grpo.rundir.telemetry import PHASES, phase_means
-
     means = {side: phase_means(results[side]["phase_records"]) for side in SIDES}
     if not means["after"]:
-        return ["(no phase timing logged)"]
-    out = ["", "| phase | plain s | before s | after s | after/before | after/plain | after share |",
-           "|---|---|---|---|---|---|---|"]
-    for key in [f"time/{p}" for p in PHASES] + ["time/step", "time/sampling_share", "tokens_per_s"]:
-        p, b, a = (means[s].get(key) for s in SIDES)
-        is_seconds = key.startswith("time/") and key != "time/sampling_share"
-        share = a / means["after"]["time/step"] if a is not None and is_seconds else None
-        out.append(f"| {key} | {_fmt(p, '.4f')} | {_fmt(b, '.4f')} | {_fmt(a, '.4f')} | {_fmt(_ratio(a, b), '.3f')} "
-                   f"| {_fmt(_ratio(a, p), '.3f')} | {_fmt(share, '.1%')} |")
-    # our layer's per-step code (rewards guard and recorder, telemetry, callbacks) runs in these phases only
-    ours_keys = ["time/rewards", "time/other", "time/checkpoint_telemetry"]
-    if means["plain"]:
-        extra = sum(means["after"].get(k, 0.0) - means["plain"].get(k, 0.0) for k in ours_keys)
-        out.append(f"our layer's own per-step cost (after - plain in {', '.join(ours_keys)}): {extra * 1e3:+.2f} ms"
-                   f" = {extra / means['plain']['time/step']:+.3%} of plain's step")
-    cost, step = results["after"].get("timer_cost_s"), results["after"].get("s_per_step")
-    if cost is not None and step:
-        out.append(f"phase timer's own cost: {cost * 1e6:.1f} us per step = {cost / step:.4%} of a step")
-    return out
+        out.append("(no phase timing logged)")
+    else:
+        out += ["", "| phase | plain s | before s | after s | after/before | after/plain | after share |",
+                "|---|---|---|---|---|---|---|"]
+        for key in [f"time/{p}" for p in PHASES] + ["time/step", "time/sampling_share", "tokens_per_s"]:
+            p, b, a = (means[s].get(key) for s in SIDES)
+            share = a / means["after"]["time/step"] if a is not None and key.startswith("time/") \
+                and key != "time/sampling_share" else None
+            out.append(f"| {key} | {_fmt(p, '.4f')} | {_fmt(b, '.4f')} | {_fmt(a, '.4f')} | "
+                       f"{_fmt(_ratio(a, b), '.3f')} | {_fmt(_ratio(a, p), '.3f')} | {_fmt(share, '.1%')} |")
+        # our layer's per-step code (rewards guard and recorder, telemetry, callbacks) runs in these phases only
+        ours = ["time/rewards", "time/other", "time/checkpoint_telemetry"]
+        if means["plain"]:
+            extra = sum(means["after"].get(k, 0.0) - means["plain"].get(k, 0.0) for k in ours)
+            out.append(f"our layer's own per-step cost (after - plain in {', '.join(ours)}): {extra * 1e3:+.2f} ms"
+                       f" = {extra / means['plain']['time/step']:+.3%} of plain's step")
+        cost, step = results["after"].get("timer_cost_s"), results["after"].get("s_per_step")
+        if cost is not None and step:
+            out.append(f"phase timer's own cost: at most {cost * 1e6:.1f} us per step = {cost / step:.4%} of a step")
+    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.flush()
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's repeats as one result: the median of each number, the phase records pooled, every run kept."""
     out = dict(runs[0])
     for key in NUMERIC:
-        out[key] = _median([r[key] for r in runs if isinstance(r.get(key), (int, float))])
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        out[key] = statistics.median(values) if values else None
     out["phase_records"] = [rec for r in runs for rec in r["phase_records"]]
     out["runs"] = [{k: r.get(k) for k in NUMERIC + ("load",)} for r in runs]
     out["load"] = "; ".join(r["load"] for r in runs)
@@ -582,34 +490,37 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def check_sides(checks: dict[str, dict[str, Any]], label: str, show: bool = True) -> None:
     """Each of our sides against the plain one (exit 1 naming the keys when they differ)."""
-    for side in OURS:
+    for side in ("before", "after"):
         check_same(checks[side]["fingerprint"], checks["plain"]["fingerprint"], f"{label} {side}",
                    show=show and side == "after")  # printed once (a differing pair always is)
 
 
 def measure(spec: dict[str, Any], work: Path, pinned: bool, repeats: int, check_only: bool) -> None:
-    """Prime once (--start primed), check the three sides' configurations, then run each `repeats` times in
-    rotating order (and the plain side once more with the allocator pinned); print."""
+    """Prime once, check the three sides' configurations, run each `repeats` times in rotating order (the
+    plain side once more pinned), print."""
     tag = f"{spec['model']}-{spec['dtype']}"
-    spec_path = work / f"spec-{tag}.json"
+    spec_path, env = work / f"spec-{tag}.json", dict(os.environ)
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    if spec["start"] == "primed":
-        spec["start_adapter"] = prime_once(spec, spec_path, work, env)
+    if spec["start"] == "primed":  # the recipe's priming, through train(), once: the adapter every side starts from
+        run_side("prime", spec_path, work, env, check_only=True)
+        found = sorted(work.glob(f"{tag}-prime-*/primed_adapter"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise SystemExit(f"priming left no primed_adapter in {work}")
+        spec["start_adapter"] = str(found[-1])
         spec_path.write_text(json.dumps(spec))
         steps = spec.get("prime_steps") or "the recipe's"
         sys.stdout.write(f"primed adapter (prime.max_steps: {steps}): {spec['start_adapter']}\n")
     checks = {side: run_side(side, spec_path, work, env, check_only=True) for side in SIDES}
-    grpo = checks["after"]["fingerprint"]["grpo"]
+    g = checks["after"]["fingerprint"]["grpo"]
     label = (f"{spec['model']} {'/'.join(checks['after']['fingerprint']['param_dtypes'])} "
-             f"({grpo['per_device_train_batch_size'] * grpo['gradient_accumulation_steps'] // grpo['num_generations']}"
-             f" prompts x {grpo['num_generations']} x {grpo['max_completion_length']} tokens, micro-batch "
-             f"{grpo['per_device_train_batch_size']} x {grpo['gradient_accumulation_steps']}, beta {grpo['beta']}, "
+             f"({g['per_device_train_batch_size'] * g['gradient_accumulation_steps'] // g['num_generations']}"
+             f" prompts x {g['num_generations']} x {g['max_completion_length']} tokens, micro-batch "
+             f"{g['per_device_train_batch_size']} x {g['gradient_accumulation_steps']}, beta {g['beta']}, "
              f"start {spec['start']}, {spec['steps']} steps, {repeats} run(s) a side; "
              f"before: {' '.join(spec['before'])})")
     check_sides(checks, label)  # before any timing
-    for side in SIDES:
-        sys.stdout.write(f"{side}: lowmem_grpo's switches live: {json.dumps(checks[side]['layer'], sort_keys=True)}\n")
+    sys.stdout.write("".join(f"{side}: lowmem_grpo's switches live: {json.dumps(checks[side]['layer'], sort_keys=True)}"
+                             "\n" for side in SIDES))
     if check_only:
         sys.stdout.write(f"check-only {label}: like for like\n")
         return
@@ -622,40 +533,24 @@ def measure(spec: dict[str, Any], work: Path, pinned: bool, repeats: int, check_
     if pinned:  # ours already runs at this threshold (train() pins it): the plain side with the allocator taken out
         results["plain pinned"] = combine([run_side("plain", spec_path, work, {**env, **PINNED_MALLOC})])
     print_results(label, results)
-    results["label"] = label
-    (work / f"results-{tag}.json").write_text(json.dumps(results, indent=1))
+    (work / f"results-{tag}.json").write_text(json.dumps({**results, "label": label}, indent=1))
 
 
 def cmd_step(args: argparse.Namespace) -> int:
-    """A GRPO step like for like: lowmem_grpo's train() before and after its CPU switches, and a plain TRL + PEFT
-    script, all three built from the CPU default recipe, each in its own process.
+    """A GRPO step like for like: our train() before and after its CPU switches, and a plain TRL + PEFT script, all
+    built from the CPU default recipe, each in its own process.
 
-The spec is the recipe itself (load_recipe): its data, prompts, LoRA, GRPOConfig values and rewards. The benchmark
-changes only the model (tiny, or the embedded SmolLM2), model.dtype when --dtypes names one, train.max_steps, and
-leaves out the preflight and every evaluation (--set KEY=VALUE changes the recipe for all three sides). With --start
-primed (the default) the recipe's priming runs once, through train(), and all three sides start from its adapter
-(TRL copies it as the KL reference, for the plain side as for ours). The plain side derives its GRPOConfig from the
-recipe's train section (plain_grpo_values), builds its rows with the package's data functions and uses the CPU-safe
-GRPOTrainer (TRL's log-prob pass is a Triton kernel with no CPU driver) with lowmem_grpo's CPU changes off.
-  plain   the plain TRL + PEFT script (the default glibc allocator); "plain pinned": the same with
-          MALLOC_MMAP_THRESHOLD_ at train()'s own pinned threshold (the allocator taken out)
-  before  our train() with --before's switches off (default train.cpu.fast=false: the CPU speed paths off)
-  after   our train() as shipped
-Before any timing each worker records, from inside its trainer, a fingerprint (GRPOConfig minus output paths, LoRA
-config, parameter dtypes, hashes of the rows and of the initial LoRA weights, rewards, trainer and optimizer
-classes, torch threads); a side that differs from plain stops the run with exit 1, naming the keys. --check-only
-stops there (priming one step). Printed per side (medians over --repeats, rotating order): s/step and CPU s/step
-between step ends, TRL's step_time, start-up, teardown, minor faults and kernel seconds per step, peak RSS; the
-ratios; the completions per step (the same draws show as the same numbers); the phase table (PhaseTimer's
-time/<phase> means, steps after the first); our layer's own per-step cost; the phase timer's own cost."""
+Only the model, model.dtype (--dtypes), train.max_steps change, without preflight or evaluation (--set: all sides);
+--start primed: all sides start from the recipe's primed adapter. plain: TRL + PEFT from the same recipe
+(plain_grpo_values), the CPU-safe GRPOTrainer; "plain pinned": with MALLOC_MMAP_THRESHOLD_ at train()'s threshold.
+before: --before's switches off (default train.cpu.fast=false). after: as shipped. Each worker's fingerprint
+(GRPOConfig, LoRA, dtypes, row and LoRA hashes, rewards, optimizer, threads) must equal plain's, else exit 1 naming
+the keys (--check-only stops there). Printed (medians over --repeats, rotating order): s/step and CPU s/step,
+TRL's step_time, start-up, teardown, faults, kernel s, peak RSS, ratios, completions, time/<phase> means, our
+layer's and the phase timer's own cost."""
     work = Path(args.work or tempfile.mkdtemp(prefix="step_cpu-"))
     if args.worker:
         step_worker(args.worker[0], Path(args.worker[1]), work, args.check_only)
-        return 0
-    if args.reprint:
-        for path in sorted(work.glob("results-*.json")):
-            results = json.loads(path.read_text())
-            print_results(results.pop("label", path.stem), results)
         return 0
     work.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(f"{load_line()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
@@ -689,13 +584,14 @@ class StepProfiler(Callback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == self.step:
             self.profiler.__exit__(None, None, None)
-            seconds = time.perf_counter() - self.started
-            text = profile_table(self.profiler, f"GRPO step {self.step}: {seconds:.2f} s wall")
+            text = profile_table(self.profiler, f"GRPO step {self.step}: {time.perf_counter() - self.started:.2f} s "
+                                                "wall")
             (self.out / "step.txt").write_text(text)
             sys.stdout.write(text + "\n")
 
 
-def _eval_setup(args: argparse.Namespace) -> tuple[Any, list[str], Any]:
+def eval_setup(args: argparse.Namespace) -> tuple[Any, list[str], Any]:
+    """The base model of the CPU default (--set applied) and the prompts of its first --problems test problems."""
     from lowmem_grpo.backends import load, locate_model, start
     from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.distributed import Launch
@@ -714,21 +610,18 @@ def profile_eval(args: argparse.Namespace) -> str:
     from lowmem_grpo.runtime import EVAL_BATCH
     from lowmem_grpo.sampling.generate import generate
 
-    loaded, prompts, recipe = _eval_setup(args)
-    t = recipe.train
+    loaded, prompts, recipe = eval_setup(args)
+    t, seconds = recipe.train, []
     common = dict(max_new_tokens=t.max_completion_length, progress=False, calculator=recipe.data.calculator,
                   batch_size=EVAL_BATCH)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        generate(loaded.model, loaded.tokenizer, prompts, **common)
-        greedy = time.perf_counter() - start
-        start = time.perf_counter()
-        generate(loaded.model, loaded.tokenizer, prompts, num_samples=args.samples, temperature=t.temperature,
-                 seed=t.seed, **common)
-        sampled = time.perf_counter() - start
+        for extra in ({}, dict(num_samples=args.samples, temperature=t.temperature, seed=t.seed)):
+            start = time.perf_counter()
+            generate(loaded.model, loaded.tokenizer, prompts, **common, **extra)
+            seconds.append(time.perf_counter() - start)
     return profile_table(prof, f"evaluation of {len(prompts)} problems ({loaded.dtype}, torch threads "
-                               f"{torch.get_num_threads()}): greedy {greedy:.1f} s, {args.samples} samples "
-                               f"{sampled:.1f} s")
+                               f"{torch.get_num_threads()}): greedy {seconds[0]:.1f} s, {args.samples} samples "
+                               f"{seconds[1]:.1f} s")
 
 
 def compare_decode(args: argparse.Namespace) -> str:
@@ -739,11 +632,10 @@ def compare_decode(args: argparse.Namespace) -> str:
     from lowmem_grpo.sampling.engine import DecodeContract, sample_rows
     from lowmem_grpo.sampling.generate import fast_sampling
 
-    loaded, prompts, recipe = _eval_setup(args)
-    ids = loaded.tokenizer(prompts)["input_ids"]
-    eos = {loaded.tokenizer.eos_token_id}
-    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else min(eos)
-    t = recipe.train
+    loaded, prompts, recipe = eval_setup(args)
+    tok, t = loaded.tokenizer, recipe.train
+    ids, eos = tok(prompts)["input_ids"], {tok.eos_token_id}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
 
     def run(preallocate: bool, k: int, temperature: float) -> tuple[float, list[list[int]]]:
         rows, start, per = [], time.perf_counter(), max(1, EVAL_BATCH // k)
@@ -773,22 +665,19 @@ def compare_decode(args: argparse.Namespace) -> str:
 def cmd_profile(args: argparse.Namespace) -> int:
     """torch.profiler tables of one GRPO step and one evaluation of the CPU default, as the package runs them.
 
---what step: train() of the CPU default (no preflight, no stage evaluation, its priming as shipped), profiled over
-GRPO step --profile-step (a later step: the first pays one-off costs); the operators with the most self CPU time go
-to stdout and OUT/step.txt. eval: greedy + --samples samples at the training temperature on --problems test problems
-through lowmem_grpo.sampling.generate (the base model), at the stage evaluation's batch size; OUT/eval.txt. decode:
-the engine's decode loop with transformers' DynamicCache and with the preallocated cache, alternating in one process
-on the same prompts and seeds, with whether their rows are identical; OUT/decode.txt. --set changes the recipe."""
+--what step: GRPO step --profile-step of train() (OUT/step.txt); eval: greedy + --samples samples on --problems
+problems (OUT/eval.txt); decode: the engine's decode with DynamicCache vs the preallocated cache, alternating, and
+whether their rows agree (OUT/decode.txt). --set changes the recipe."""
     args.out.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(f"before: {load_line()}\n")
     if args.what == "step":
         from lowmem_grpo.recipe_io import load_recipe
         from lowmem_grpo.train.pipeline import train
 
-        recipe = load_recipe(RECIPE, [f"train.max_steps={args.profile_step}", "train.preflight.enabled=false",
-                                      "train.eval.stage.problems=0", "train.save_steps=1000",
-                                      f"output.dir={args.out / 'run'}", *args.set])
-        train(recipe, callbacks=[StepProfiler(args.profile_step, args.out)])
+        train(load_recipe(RECIPE, [f"train.max_steps={args.profile_step}", "train.preflight.enabled=false",
+                                   "train.eval.stage.problems=0", "train.save_steps=1000",
+                                   f"output.dir={args.out / 'run'}", *args.set]),
+              callbacks=[StepProfiler(args.profile_step, args.out)])
     else:
         text = profile_eval(args) if args.what == "eval" else compare_decode(args)
         (args.out / f"{args.what}.txt").write_text(text)
@@ -802,33 +691,30 @@ on the same prompts and seeds, with whether their rows are identical; OUT/decode
 CONFIGS = {"unmerged": (False, False), "merged": (True, False), "merged+grouped": (True, True)}
 
 
-def sample(trainer: Any, prompt_ids: list[list[int]], group: int, merged: bool, grouped: bool,
-           seed: int = 0) -> tuple[float, float, list[list[int]]]:
+def sample(trainer: Any, prompt_ids: list[list[int]], group: int, merged: bool, grouped: bool
+           ) -> tuple[float, float, list[list[int]]]:
     """Wall seconds, CPU seconds and completion ids of one pass of TRL's generation in one configuration."""
     import torch
 
     trainer.lowmem_merged_sampling, trainer.lowmem_cpu_attention = merged, grouped
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     started, cpu = time.perf_counter(), time.process_time()
     completions, _ = trainer._generate_single_turn(prompt_ids, None, {}, group)
     return time.perf_counter() - started, time.process_time() - cpu, [list(map(int, c)) for c in completions]
 
 
 def logit_errors(trainer: Any, prompt_ids: list[list[int]]) -> str:
-    """Each configuration's logits at every prompt position against the same model in float32, unmerged (loaded
-    afresh: a cast copy keeps computing in the dtype its config records)."""
+    """Each configuration's logits against the model loaded afresh in float32, unmerged."""
     import torch
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from lowmem_grpo.sampling.generate import fast_sampling
 
-    width = max(len(ids) for ids in prompt_ids)
-    pad = trainer.processing_class.pad_token_id
+    width, pad, model = max(len(ids) for ids in prompt_ids), trainer.processing_class.pad_token_id, trainer.model
     batch = {"input_ids": torch.tensor([[pad] * (width - len(i)) + i for i in prompt_ids]),
              "attention_mask": torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in prompt_ids])}
     keep = batch["attention_mask"].bool()
-    model = trainer.model
     model.eval()
     reference = get_peft_model(AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.float32),
                                model.peft_config["default"])
@@ -839,8 +725,7 @@ def logit_errors(trainer: Any, prompt_ids: list[list[int]]) -> str:
         for name, (merged, grouped) in CONFIGS.items():
             with fast_sampling(model, merged, grouped):
                 logits = model(**batch).logits[keep].float()
-            diff = (logits - ref).abs()
-            agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            diff, agree = (logits - ref).abs(), (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
             lines.append(f"{name:17s} {diff.max().item():10.4f} {diff.mean().item():11.5f} {agree:13.4f}")
     model.train()
     return "\n".join(lines) + "\n"
@@ -856,8 +741,7 @@ def sampling_dtype(dtype: str, args: argparse.Namespace) -> None:
                      f"train.per_device_train_batch_size={args.rows}", f"train.max_completion_length={args.tokens}"]
         trainer, loaded, examples = cpu_trainer(overrides, Path(run_dir), moved_lora=True)
         if args.greedy:
-            trainer.generation_config.do_sample = False
-            trainer.generation_kwargs["do_sample"] = False
+            trainer.generation_config.do_sample = trainer.generation_kwargs["do_sample"] = False
         prompts = [ex["prompt"] for ex in examples[:args.rows // args.group] for _ in range(args.group)]
         prompt_ids = loaded.tokenizer(text=prompts)["input_ids"]
         model_dtype = next(p.dtype for p in trainer.model.parameters() if not p.requires_grad)
@@ -868,9 +752,7 @@ def sampling_dtype(dtype: str, args: argparse.Namespace) -> None:
                   f"{'greedy' if args.greedy else f'temperature {trainer.temperature}'}, "
                   f"torch threads {torch.get_num_threads()}, merged copy {merged_mib:.0f} MiB\n")
         sample(trainer, prompt_ids, args.group, False, False)  # warm-up: allocator, first-call paths
-        times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        texts: dict[str, list[list[int]]] = {}
+        times, cpu, texts = {name: [] for name in CONFIGS}, {name: [] for name in CONFIGS}, {}
         for r in range(args.repeats):
             for name in list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS)):
                 seconds, cpu_seconds, texts[name] = sample(trainer, prompt_ids, args.group, *CONFIGS[name])
@@ -880,8 +762,7 @@ def sampling_dtype(dtype: str, args: argparse.Namespace) -> None:
                 out.write(f"  repeat {r + 1} {name:15s} {seconds:7.2f} s  {n / seconds:6.1f} tok/s  "
                           f"CPU {cpu_seconds:7.2f} s  {n / cpu_seconds:6.1f} tok/CPU-s\n")
                 out.flush()
-        tokens = {name: sum(len(c) for c in texts[name]) for name in CONFIGS}
-        base = texts["unmerged"]
+        tokens, base = {name: sum(len(c) for c in texts[name]) for name in CONFIGS}, texts["unmerged"]
         out.write(f"{'configuration':15s} {'tokens':>6s} {'steps':>5s} {'best s':>7s} {'median s':>8s} "
                   f"{'tok/s best':>10s} {'x best':>6s} {'x median':>8s} {'best CPU s':>10s} {'x CPU':>6s}  "
                   "same completions as unmerged\n")
@@ -902,23 +783,17 @@ def sampling_dtype(dtype: str, args: argparse.Namespace) -> None:
         for name in ("unmerged", "merged+grouped") if args.profile else ():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 sample(trainer, prompt_ids, args.group, *CONFIGS[name])
-            out.write(profile_table(prof, f"\n-- profile {name} (one pass, self CPU) --", args.profile_rows) + "\n")
+            out.write(profile_table(prof, f"\n-- profile {name} (one pass, self CPU) --", 15) + "\n")
         out.write(load_line() + "\n")
 
 
 def cmd_sampling(args: argparse.Namespace) -> int:
     """GRPO sampling before vs after, in one process: tokens/s of TRL's generation from the CPU default's trainer.
 
-The trainer is built as train() builds it (trainer_factory), its LoRA B drawn at random (seeded) so that the adapter
-moves the outputs as a primed one does. Per repeat, in alternating order, each configuration samples the same --rows
-completions (--rows / --group prompts x --group) of up to --tokens tokens through the trainer's own
-`_generate_single_turn`, from the same seed: unmerged (PEFT's unmerged LoRA layers, transformers' sdpa), merged (the
-adapter merged into the weights) and merged+grouped (grouped-query attention without copying the key/value heads).
-Printed per configuration: completion tokens, wall and CPU seconds and tokens/s of each repeat, the best and the
-median, the ratio of tokens/s to unmerged (best wall, median, best CPU), the completions equal to unmerged's (rows,
-and tokens position by position), the merged copy's size. Rows stop at EOS as in training; the decode runs until
-the last row ends, so the longest completion is printed too. In a 16-bit dtype each configuration's logits are
-compared with the same model in float32, unmerged. --profile: torch.profiler's top operators of one more pass."""
+The trainer as train() builds it (LoRA B random, seeded) samples --rows completions (--group per prompt, up to
+--tokens) per configuration, alternating: unmerged, merged (adapter merged), merged+grouped (GQA without copying
+heads). Printed: wall and CPU s and tok/s (best, median), ratios to unmerged, identical completions; in 16-bit each
+one's logits against float32. --profile: torch.profiler's top operators."""
     if args.rows % args.group:
         raise SystemExit("--rows must be a multiple of --group")
     for dtype in args.dtypes.split(","):
@@ -929,28 +804,16 @@ compared with the same model in float32, unmerged. --profile: torch.profiler's t
 # ---- shared-prompt and allocator: one loss pass -----------------------------------------------------------------
 
 def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
+    return next((int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                 if line.startswith(field + ":")), 0)
 
 
 def make_batch(tokenizer: Any, prompts: int, generations: int, prompt_length: int, completion: tuple[int, int],
                seed: int) -> tuple[Any, Any, int]:
-    """Rows as TRL builds them: each prompt left-padded to the longest, repeated `generations` times, completions
-    right-padded with their masks; random token ids (the timing depends on the shapes only)."""
+    """Rows as TRL builds them (left-padded prompts, right-padded completions) of random token ids."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
-    pad, width = tokenizer.pad_token_id, completion[1]
+    gen, pad, width = torch.Generator().manual_seed(seed), tokenizer.pad_token_id, completion[1]
     ids, mask = [], []
     for p in range(prompts):
         length = prompt_length - (p * 3) % 7  # prompts of slightly different lengths: real left padding
@@ -960,20 +823,22 @@ def make_batch(tokenizer: Any, prompts: int, generations: int, prompt_length: in
             body = torch.randint(3, len(tokenizer), (kept,), generator=gen)
             ids.append(torch.cat([torch.full((prompt_length - length,), pad), prompt, body,
                                   torch.full((width - kept,), pad)]))
-            mask.append(torch.cat([torch.zeros(prompt_length - length, dtype=torch.long),
-                                   torch.ones(length + kept, dtype=torch.long),
-                                   torch.zeros(width - kept, dtype=torch.long)]))
+            mask.append(torch.tensor([0] * (prompt_length - length) + [1] * (length + kept) + [0] * (width - kept)))
     return torch.stack(ids), torch.stack(mask), width
 
 
 def one_pass(trainer: Any, ids: Any, mask: Any, width: int, share: bool, advantages: Any) -> dict:
-    """Forward (log-probs + entropy + loss) and backward of one micro-batch; seconds, peak RSS rise, tokens."""
+    """Forward and backward of one micro-batch: seconds, peak RSS rise, kernel s, faults, tokens, log-probs."""
     trainer.lowmem_shared_prompt = share
     trainer._metrics["train"].clear()
     trainer.model.zero_grad(set_to_none=True)
     completion_mask = mask[:, -width:]
-    tracked = _reset_peak()
-    before = _status_kib("VmRSS")
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        before = _status_kib("VmRSS")
+    except OSError:
+        before = None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     t0, c0 = time.perf_counter(), time.process_time()
     logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width,
                                                                      compute_entropy=True)
@@ -982,28 +847,28 @@ def one_pass(trainer: Any, ids: Any, mask: Any, width: int, share: bool, advanta
     t1, c1 = time.perf_counter(), time.process_time()
     loss.backward()
     t2, c2 = time.perf_counter(), time.process_time()
-    peak = _status_kib("VmHWM") - before if tracked else None
+    after = resource.getrusage(resource.RUSAGE_SELF)
     saved = trainer._metrics["train"].get("shared_prompt/tokens_saved", [0.0])[-1]
     return {"forward": t1 - t0, "backward": t2 - t1, "total": t2 - t0, "cpu forward": c1 - c0,
-            "cpu backward": c2 - c1, "cpu total": c2 - c0, "peak_mib": peak and peak / 1024,
+            "cpu backward": c2 - c1, "cpu total": c2 - c0, "sys": after.ru_stime - usage.ru_stime,
+            "faults": after.ru_minflt - usage.ru_minflt,
+            "peak_mib": None if before is None else (_status_kib("VmHWM") - before) / 1024,
             "forwarded": round(ids.numel() * (1 - saved)), "logps": logps.detach(),
             "entropy": float((entropies * completion_mask).sum() / completion_mask.sum())}
 
 
 def float32_errors(trainer: Any, loaded: Any, ids: Any, mask: Any, width: int, logps: dict[str, Any]) -> list[str]:
-    """Each pass's log-probs against the full-row pass of the model loaded afresh in float32 (the LoRA
-    initialisation is seeded, so the adapters are equal)."""
+    """Each pass's log-probs against the full-row pass of the model loaded afresh in float32."""
     import torch
     from trl.trainer.utils import selective_log_softmax
 
     from lowmem_grpo import backends
+    from lowmem_grpo.distributed import Launch
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.train.cpu_logprobs import completion_logits
 
-    from lowmem_grpo.distributed import Launch
-
-    reference_recipe = load_recipe(RECIPE, ["model.dtype=float32"])
-    reference = backends.load(reference_recipe, backends.start(reference_recipe, Launch())[0]).model.train()
+    recipe = load_recipe(RECIPE, ["model.dtype=float32"])
+    reference = backends.load(recipe, backends.start(recipe, Launch())[0]).model.train()
     with torch.no_grad():
         logits = completion_logits(reference, ids, mask, width, share=False).logits.float() / trainer.temperature
     truth, real = selective_log_softmax(logits, ids[:, -width:]), mask[:, -width:].bool()
@@ -1014,15 +879,10 @@ def float32_errors(trainer: Any, loaded: Any, ids: Any, mask: Any, width: int, l
 def cmd_shared_prompt(args: argparse.Namespace) -> int:
     """The loss pass's forward + backward with the shared-prompt log-prob pass on and off, like for like.
 
-The CPU default's trainer (lowmem_grpo's own, hf backend) scores one micro-batch shaped like the default's: --prompts
-x --generations rows, prompts left-padded to --prompt-length tokens (some a few tokens shorter), completions of
---completion-min..--completion-max tokens right-padded. Each repeat runs both configurations in alternating order
-through the trainer's own log-prob pass (with the entropy, as TRL's loss calls it) and a GRPO-style loss, then
-backward. Printed per configuration: forward, backward and total seconds (median and minimum; wall and CPU), the rise
-of peak RSS over the RSS before the pass (VmHWM, reset before each pass; the mmap threshold is set to 64 KiB so that
-large blocks go straight back to the OS and the peak follows live memory), the token positions forwarded; the ratios
-full/shared; the largest log-prob difference between the two; in a 16-bit dtype both passes' error against the
-full-row pass in float32. One thread (OMP_NUM_THREADS=1) keeps other processes' load from turning into spin-waits."""
+One micro-batch of --prompts x --generations rows (prompts of --prompt-length, completions of --completion-min..max
+tokens) through the trainer's log-prob pass, a GRPO loss and backward, alternating. Printed: seconds (median, min;
+wall, CPU), peak RSS rise (VmHWM, mmap threshold 64 KiB), tokens forwarded, ratios, the largest log-prob difference,
+and in 16-bit both against float32."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # peak RSS that follows live memory (see above)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         os.execv(sys.executable, [sys.executable, *sys.argv])
@@ -1047,8 +907,8 @@ full-row pass in float32. One thread (OMP_NUM_THREADS=1) keeps other processes' 
                 print(f"  repeat {r + 1} {'shared' if share else 'full  '}: forward {x['forward']:.2f} s (cpu "
                       f"{x['cpu forward']:.2f}), backward {x['backward']:.2f} s (cpu {x['cpu backward']:.2f}), "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
-    names = {False: "full rows", True: "shared prompt"}
-    keys = ("forward", "backward", "total", "cpu forward", "cpu backward", "cpu total")
+    names, keys = {False: "full rows", True: "shared prompt"}, ("forward", "backward", "total", "cpu forward",
+                                                                 "cpu backward", "cpu total")
     print("seconds, median / minimum over the repeats (wall; cpu = this process's CPU time):")
     print(f"{'':14} " + " ".join(f"{k:>15}" for k in keys) + f" {'peak RSS +MiB':>14} {'tokens':>7}")
     for share, rs in results.items():
@@ -1070,51 +930,38 @@ full-row pass in float32. One thread (OMP_NUM_THREADS=1) keeps other processes' 
     return 0
 
 
-def allocator_worker(threshold: int, prompts: int, rows: int, repeats: int) -> dict:
-    """One threshold's figures, measured in this process."""
-    import torch
-
-    from lowmem_grpo.rundir import rss
-
-    pinned = rss.limit_heap_retention(threshold) if threshold else False
-    trainer, loaded, _ = cpu_trainer([], Path(tempfile.mkdtemp()))
-    ids, mask, width = make_batch(loaded.tokenizer, prompts, rows // prompts, 83, (25, 35), 0)
-    advantages = torch.randn(ids.size(0), generator=torch.Generator().manual_seed(0))
-    one_pass(trainer, ids, mask, width, True, advantages)
-    before = resource.getrusage(resource.RUSAGE_SELF)
-    passes = [one_pass(trainer, ids, mask, width, True, advantages) for _ in range(repeats)]
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    best = {k: min(p[k] for p in passes) for k in ("forward", "backward", "cpu forward", "cpu backward")}
-    return {"threshold": threshold, "pinned": pinned, **best,
-            "sys_s_per_pass": (after.ru_stime - before.ru_stime) / repeats,
-            "minor_faults_per_pass": (after.ru_minflt - before.ru_minflt) // repeats,
-            "peak_rss_mib": after.ru_maxrss / 1024}
-
-
 def cmd_allocator(args: argparse.Namespace) -> int:
     """What glibc's mmap threshold costs a CPU loss pass: seconds, page faults and peak RSS at several thresholds.
 
-Each threshold runs in its own process (the threshold is process-wide and its history matters): the CPU default's
-trainer runs one warm-up pass, then --repeats forward + backward passes of one micro-batch (--prompts x --rows /
---prompts completions of 25-35 tokens after an 83-token prompt, the default's shape). Printed per threshold: the
-fastest forward and backward (wall and CPU seconds), kernel CPU seconds and minor page faults per pass, and the
-process's peak RSS. 0 = glibc's own dynamic threshold (lowmem_grpo.rundir.rss.limit_heap_retention not called)."""
+Each threshold (0 = glibc's dynamic one) in its own process: --repeats forward + backward passes of one micro-batch
+(--prompts prompts, --rows rows) after a warm-up; printed: the fastest passes, kernel s, faults, peak RSS."""
     if args.worker is not None:
-        print(json.dumps(allocator_worker(args.worker, args.prompts, args.rows, args.repeats)))
+        import torch
+
+        from lowmem_grpo.rundir import rss
+
+        pinned = rss.limit_heap_retention(args.worker) if args.worker else False
+        trainer, loaded, _ = cpu_trainer([], Path(tempfile.mkdtemp()))
+        ids, mask, width = make_batch(loaded.tokenizer, args.prompts, args.rows // args.prompts, 83, (25, 35), 0)
+        advantages = torch.randn(ids.size(0), generator=torch.Generator().manual_seed(0))
+        passes = [one_pass(trainer, ids, mask, width, True, advantages) for _ in range(args.repeats + 1)][1:]
+        print(json.dumps({"pinned": pinned, **{k: min(p[k] for p in passes) for k in
+                                               ("forward", "backward", "cpu forward", "cpu backward")},
+                          **{k: statistics.fmean(p[k] for p in passes) for k in ("sys", "faults")},
+                          "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
         return 0
     print(f"before: {load_line()}")
     print(f"{'threshold':>10} {'fwd s':>6} {'bwd s':>6} {'cpu fwd':>7} {'cpu bwd':>7} {'sys s':>6} {'faults':>9} "
           f"{'peak MiB':>8}")
     for threshold in (int(t) for t in args.thresholds.split(",")):
-        cmd = [sys.executable, __file__, "allocator", "--worker", str(threshold), "--prompts", str(args.prompts),
-               "--rows", str(args.rows), "--repeats", str(args.repeats)]
-        code, stdout, stderr, _ = run_child(cmd)
+        code, stdout, stderr, _ = run_child([sys.executable, __file__, "allocator", "--worker", str(threshold),
+                                             "--prompts", str(args.prompts), "--rows", str(args.rows),
+                                             "--repeats", str(args.repeats)])
         if code != 0:
             raise SystemExit(f"threshold {threshold}: the worker failed (exit {code}):\n{stderr}")
         r = json.loads(stdout.strip().splitlines()[-1])
         print(f"{threshold:>10} {r['forward']:>6.2f} {r['backward']:>6.2f} {r['cpu forward']:>7.2f} "
-              f"{r['cpu backward']:>7.2f} {r['sys_s_per_pass']:>6.2f} {r['minor_faults_per_pass']:>9} "
-              f"{r['peak_rss_mib']:>8.0f}")
+              f"{r['cpu backward']:>7.2f} {r['sys']:>6.2f} {r['faults']:>9.0f} {r['peak_rss_mib']:>8.0f}")
     print(f"after: {load_line()}")
     return 0
 
@@ -1122,10 +969,7 @@ process's peak RSS. 0 = glibc's own dynamic threshold (lowmem_grpo.rundir.rss.li
 # ---- rss --------------------------------------------------------------------------------------------------------
 
 # load name -> recipe overrides; 4x8x64: four prompts of eight completions, 64 completion tokens, one micro-batch
-LOADS = {
-    "default": [],
-    "4x8x64": ["train.per_device_train_batch_size=32", "train.max_completion_length=64"],
-}
+LOADS = {"default": [], "4x8x64": ["train.per_device_train_batch_size=32", "train.max_completion_length=64"]}
 
 
 def overrides(args: argparse.Namespace, load: str, run_dir: Path) -> list[str]:
@@ -1135,91 +979,32 @@ def overrides(args: argparse.Namespace, load: str, run_dir: Path) -> list[str]:
             *LOADS[load], *args.overrides]
 
 
-def summary(run_dir: Path) -> dict:
-    """What a run directory says about its memory: per stage (peak_rss.json) and per GRPO phase (metrics.jsonl)."""
-    from lowmem_grpo.rundir import layout, rss
-
-    data = rss.read(run_dir / layout.PEAK_RSS_FILE) or {}
-    stages = {r["stage"]: r["peak_rss_bytes"] for r in data.get("stages", [])}
-    sampled = [r["stage"] for r in data.get("stages", []) if not r.get("exact")]
-    phases: dict[str, float] = {}
-    metrics = run_dir / layout.METRICS_FILE
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        record = json.loads(line)
-        if record.get("stage") != layout.GRPO_STAGE:
-            continue
-        for key, value in record.items():
-            if key.startswith(rss.RSS_PREFIX) and isinstance(value, (int, float)):
-                name = key[len(rss.RSS_PREFIX):]
-                phases[name] = max(phases.get(name, 0.0), value * GIB)
-    return {"stages": stages, "phases": phases, "sampled": sampled}
-
-
-def run_load(args: argparse.Namespace, load: str, work: Path) -> dict:
-    """One load in a child process: its peak RSS (ru_maxrss), wall time, the load average around it, and the run
-    directory's summary."""
-    run_dir = work / f"run-{load}"
-    cmd = [sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE, *overrides(args, load, run_dir)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    before, started = os.getloadavg()[0], time.monotonic()
-    code, _, stderr, usage = run_child(cmd, env, cwd=REPO)
-    result = {"load": load, "returncode": code, "seconds": round(time.monotonic() - started, 1),
-              "command": " ".join(["lowmem-grpo train", RECIPE, *overrides(args, load, Path("RUN"))]),
-              "loadavg": [round(before, 2), round(os.getloadavg()[0], 2)],
-              "process_peak": usage.ru_maxrss * 1024}  # KiB on Linux
-    if code != 0:
-        result["error"] = stderr[-400:].strip()
-    result.update(summary(run_dir))
-    return result
-
-
-def _gib(value: Any) -> str:
-    return f"{value / GIB:.2f}" if isinstance(value, (int, float)) and value else "-"
-
-
-def table(results: list[dict]) -> str:
-    """Peak RSS per stage (GiB) with one column per load, then the GRPO phases, wall seconds and the load average."""
-    stages = list(dict.fromkeys(s for r in results for s in r.get("stages", {})))
-    phases = list(dict.fromkeys(p for r in results for p in r.get("phases", {})))
-    rows = [["peak RSS GiB", *[r["load"] for r in results]]]
-    rows += [[stage, *[("~" if stage in r.get("sampled", []) else "") + _gib(r.get("stages", {}).get(stage))
-                       for r in results]] for stage in stages]
-    rows += [[f"grpo: {phase}", *[_gib(r.get("phases", {}).get(phase)) for r in results]] for phase in phases]
-    rows.append(["whole run (ru_maxrss)", *[_gib(r.get("process_peak")) for r in results]])
-    rows.append(["wall s", *[str(r.get("seconds", "-")) for r in results]])
-    rows.append(["load avg before/after", *[f"{r['loadavg'][0]}/{r['loadavg'][1]}" if r.get("loadavg") else "-"
-                                            for r in results]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row))
-             for row in rows]
-    for r in results:
-        lines.append(f"{r['load']}: {r.get('command', '')}")
-        if r.get("error"):
-            lines.append(f"  failed (exit {r.get('returncode')}): {r['error']}")
-    lines.append("(~: sampled every 10 ms, a lower bound; the others are the process's high-water mark, exact; "
-                 "grpo phases: the rss/<phase> keys, the largest logged step)")
-    return "\n".join(lines) + "\n"
-
-
 def cmd_rss(args: argparse.Namespace) -> int:
-    """Peak resident memory (RSS) of CPU training, per stage and per GRPO phase: the CPU default, short, and 4
-    prompts x 8 completions x 64 tokens.
+    """Peak resident memory (RSS) of CPU training, per stage and GRPO phase: the CPU default, short, and 4x8x64.
 
-Each load is one `lowmem-grpo train recipes/smollm2_135m_arith_cpu.py` in its own process, shortened to --steps GRPO
-steps, --prime-steps priming steps and --stage-eval held-out problems per stage evaluation (extra arguments are
-recipe overrides for every load). Printed per load: the process's peak RSS (ru_maxrss of the child), the peak of
-each stage (RUN_DIR/peak_rss.json: exact where the stage raised the process's high-water mark, else sampled), the
-peak of each phase of a GRPO step (the rss/<phase> keys of metrics.jsonl, largest step), wall seconds and the load
-average. Writes the numbers to --out (JSON) when given."""
-    results = []
+Each load is one `lowmem-grpo train` process with --steps, --prime-steps and --stage-eval (extra arguments: recipe
+overrides); printed: the command, seconds, load, ru_maxrss and report.md's memory tables. --out: JSON."""
+    from lowmem_grpo.rundir import layout, report, rss
+
+    results, env = [], {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="lowmem-rss-") as work:
         for load in args.loads.split(","):
-            print(f"== {load}", flush=True)
-            results.append(run_load(args, load, Path(work)))
-    sys.stdout.write(table(results))
+            run_dir, before, started = Path(work) / f"run-{load}", os.getloadavg()[0], time.monotonic()
+            code, _, stderr, usage = run_child([sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE,
+                                                *overrides(args, load, run_dir)], env, cwd=REPO)
+            r = {"load": load, "command": " ".join(["lowmem-grpo train", RECIPE, *overrides(args, load, Path("RUN"))]),
+                 "returncode": code, "seconds": round(time.monotonic() - started, 1),
+                 "loadavg": [round(before, 2), round(os.getloadavg()[0], 2)], "process_peak": usage.ru_maxrss * 1024,
+                 "peak_rss": rss.read(run_dir / layout.PEAK_RSS_FILE)}
+            r.update({"error": stderr[-400:].strip()} if code else {})
+            results.append(r)
+            print(f"\n== {load}: {r['command']}\nexit {code}, {r['seconds']} s, load average "
+                  f"{r['loadavg'][0]}/{r['loadavg'][1]}, whole run (ru_maxrss) {r['process_peak'] / GIB:.2f} GiB"
+                  + (f"\n{r['error']}" if code else ""))
+            print("\n".join(report.memory_lines(run_dir, layout.read_jsonl(run_dir / layout.METRICS_FILE))), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
-    return 0 if all(r.get("returncode") == 0 for r in results) else 1
+    return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 
 # ---- the command line -------------------------------------------------------------------------------------------
@@ -1237,73 +1022,58 @@ def _at_least_one(text: str) -> int:
     return int(text)
 
 
-def _add(sub: Any, name: str, func: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=" ".join(func.__doc__.split("\n\n")[0].split()), description=func.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.set_defaults(func=func)
-    return p
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUB-COMMAND")
-    p = _add(sub, "step", cmd_step)
-    p.add_argument("--models", default="smollm2", help="tiny and/or smollm2 (comma-separated)")
-    p.add_argument("--dtypes", default="auto", help="auto (the recipe's) and/or float32, bfloat16")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=1, help="runs per side, rotating the order; medians")
-    p.add_argument("--start", choices=("primed", "fresh"), default="primed",
-                   help="GRPO from the recipe's primed adapter (as the CPU default) or a fresh LoRA")
-    p.add_argument("--before", nargs="+", default=BEFORE, metavar="KEY=VALUE",
-                   help=f"the 'before' side's recipe overrides (default: {' '.join(BEFORE)})")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="recipe overrides for all three sides (another shape than the CPU default's)")
-    p.add_argument("--no-pinned", action="store_true", help="skip the plain run with MALLOC_MMAP_THRESHOLD_")
-    p.add_argument("--check-only", action="store_true",
-                   help="prime one step, check the budget and the three sides' fingerprints, time nothing")
-    p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
-    p.add_argument("--reprint", action="store_true", help="print the tables of an earlier run's --work folder")
-    p.add_argument("--worker", nargs=2, metavar=("SIDE", "SPEC"), help=argparse.SUPPRESS)
-    p = _add(sub, "profile", cmd_profile)
-    p.add_argument("--what", choices=["step", "eval", "decode"], required=True)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--profile-step", type=int, default=3)
-    p.add_argument("--problems", type=int, default=100)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    p = _add(sub, "sampling", cmd_sampling)
-    p.add_argument("--dtypes", default="auto", help="comma-separated model.dtype values (auto, bfloat16, float32)")
-    p.add_argument("--rows", type=int, default=32, help="completions sampled at once (default 32)")
-    p.add_argument("--group", type=int, default=8, help="completions per prompt (default 8)")
-    p.add_argument("--tokens", type=int, default=48, help="tokens per completion (default 48)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--greedy", action="store_true", help="greedy instead of the recipe's temperature")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators")
-    p.add_argument("--profile-rows", type=int, default=15)
-    p = _add(sub, "shared-prompt", cmd_shared_prompt)
-    p.add_argument("--dtype", default="auto", help="model.dtype (auto = bfloat16 where the CPU has it)")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--generations", type=int, default=8)
-    p.add_argument("--prompt-length", type=int, default=83)
-    p.add_argument("--completion-min", type=int, default=46)
-    p.add_argument("--completion-max", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p = _add(sub, "allocator", cmd_allocator)
-    p.add_argument("--thresholds", default="0,65536,8388608", help="bytes, comma-separated; 0 = glibc's own")
-    p.add_argument("--prompts", type=int, default=1)
-    p.add_argument("--rows", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    p = _add(sub, "rss", cmd_rss)
-    p.add_argument("--loads", type=_loads, default=",".join(LOADS), help=f"comma-separated, of {', '.join(LOADS)}")
-    p.add_argument("--steps", type=_at_least_one, default=2, help="GRPO steps (default 2)")
-    p.add_argument("--prime-steps", type=_at_least_one, default=2, help="priming steps (default 2)")
-    p.add_argument("--stage-eval", type=_at_least_one, default=8,
-                   help="held-out problems per stage evaluation (default 8)")
-    p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("overrides", nargs="*", help="recipe overrides for every load, key=value")
+
+    def add(name: str, func: Any, *options: tuple) -> None:
+        p = sub.add_parser(name, help=" ".join(func.__doc__.split("\n\n")[0].split()), description=func.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        for flags, kwargs in options:
+            p.add_argument(*flags.split(), **kwargs)
+
+    add("step", cmd_step, ("--models", dict(default="smollm2", help="tiny and/or smollm2 (comma-separated)")),
+        ("--dtypes", dict(default="auto", help="auto (the recipe's) and/or float32, bfloat16")),
+        ("--steps", dict(type=int, default=6)),
+        ("--repeats", dict(type=int, default=1, help="runs per side, rotating the order; medians")),
+        ("--start", dict(choices=("primed", "fresh"), default="primed",
+                         help="GRPO from the recipe's primed adapter (as the CPU default) or a fresh LoRA")),
+        ("--before", dict(nargs="+", default=BEFORE, metavar="KEY=VALUE",
+                          help=f"the 'before' side's recipe overrides (default: {' '.join(BEFORE)})")),
+        ("--set", dict(nargs="+", default=[], metavar="KEY=VALUE", help="recipe overrides for all three sides")),
+        ("--no-pinned", dict(action="store_true", help="skip the plain run with MALLOC_MMAP_THRESHOLD_")),
+        ("--check-only", dict(action="store_true",
+                              help="prime one step, check the budget and the three sides' fingerprints, time nothing")),
+        ("--work", dict(default=None, help="scratch folder (default: a temporary one)")),
+        ("--worker", dict(nargs=2, metavar=("SIDE", "SPEC"), help=argparse.SUPPRESS)))
+    add("profile", cmd_profile, ("--what", dict(choices=["step", "eval", "decode"], required=True)),
+        ("--repeats", dict(type=int, default=2)), ("--out", dict(type=Path, required=True)),
+        ("--profile-step", dict(type=int, default=3)), ("--problems", dict(type=int, default=100)),
+        ("--samples", dict(type=int, default=4)), ("--set", dict(nargs="*", default=[], metavar="KEY=VALUE")))
+    add("sampling", cmd_sampling, ("--dtypes", dict(default="auto", help="model.dtype values (comma-separated)")),
+        ("--rows", dict(type=int, default=32, help="completions sampled at once (default 32)")),
+        ("--group", dict(type=int, default=8, help="completions per prompt (default 8)")),
+        ("--tokens", dict(type=int, default=48, help="tokens per completion (default 48)")),
+        ("--repeats", dict(type=int, default=3)),
+        ("--greedy", dict(action="store_true", help="greedy instead of the recipe's temperature")),
+        ("--profile", dict(action="store_true", help="print torch.profiler's top operators")))
+    add("shared-prompt", cmd_shared_prompt,
+        ("--dtype", dict(default="auto", help="model.dtype (auto = bfloat16 where the CPU has it)")),
+        ("--prompts", dict(type=int, default=4)), ("--generations", dict(type=int, default=8)),
+        ("--prompt-length", dict(type=int, default=83)), ("--completion-min", dict(type=int, default=46)),
+        ("--completion-max", dict(type=int, default=64)), ("--repeats", dict(type=int, default=5)),
+        ("--seed", dict(type=int, default=0)))
+    add("allocator", cmd_allocator,
+        ("--thresholds", dict(default="0,65536,8388608", help="bytes, comma-separated; 0 = glibc's own")),
+        ("--prompts", dict(type=int, default=1)), ("--rows", dict(type=int, default=8)),
+        ("--repeats", dict(type=int, default=4)), ("--worker", dict(type=int, default=None, help=argparse.SUPPRESS)))
+    add("rss", cmd_rss, ("--loads", dict(type=_loads, default=",".join(LOADS), help=f"of {', '.join(LOADS)}")),
+        ("--steps", dict(type=_at_least_one, default=2, help="GRPO steps (default 2)")),
+        ("--prime-steps", dict(type=_at_least_one, default=2, help="priming steps (default 2)")),
+        ("--stage-eval", dict(type=_at_least_one, default=8, help="held-out problems per stage evaluation")),
+        ("--out", dict(help="write the results as JSON here")),
+        ("overrides", dict(nargs="*", help="recipe overrides for every load, key=value")))
     return parser.parse_args(argv)
 
 

@@ -1,51 +1,40 @@
 """The first check of the CUDA path on a GPU machine, in one call of at most 8 minutes, offline.
 
-Every check runs in its own process, in this order, until --time-budget (what does not fit is listed as skipped;
-a second call runs it with --variants). The models are built on the machine, none is downloaded: the recipe's real
-architecture with random weights (benchmarks/memory_gpu.py: the real shapes, so the real memory), or a small
-scripted model whose greedy rows write `<<7*6=`, end at EOS or run out (benchmarks/scripted_model.py).
+Every check runs in its own process until --time-budget (the rest is listed as skipped), on models built on the
+machine (benchmarks/scripted_model.py): the recipe's architecture with random weights (the real memory), or a small
+scripted model whose greedy rows write `<<7*6=`, end at EOS or run out.
 
-  unsloth-4bit       GRPO steps through train() on the recipe's architecture, backend unsloth, 4-bit, with the reward
-                     preflight on (train.preflight.allow_no_signal: random rewards) and a stage evaluation of the
-                     trained adapter through the engine, on a --card-gib card: auto-fit plans the evaluation batch
-                     for it.
-                     Peak allocated memory before, during and after GRPO against the plan's phases, and the
-                     evaluation batch the plan chose, the run's recipe.yaml wrote and the stage evaluation used.
-  engine-logits      lowmem_grpo's sampling engine against Unsloth's own generate (output_logits, the calculator's
-                     tokens forced by a logits processor) on scripted llama and qwen3 models (FastLanguageModel) and
-                     gemma3 (FastModel), loaded as a run loads them: tokens, forced tokens, the largest logit
-                     difference within --logit-tolerance, rows ending early, the calculator firing.
-  unsloth-calc       two GRPO steps with data.calculator on Unsloth, on the scripted llama: every rollout writes
-                     `<<7*6=` and gets `42>>` forced by the engine.
-  gemma3-fastmodel   GRPO steps on Gemma 3's architecture (gemma3_1b_gsm8k), which Unsloth loads through FastModel,
-                     with the preflight and a small stage evaluation before and after; memory against the plan.
+  unsloth-4bit       GRPO through train() (unsloth, 4-bit, preflight, a stage evaluation) auto-fit to a --card-gib
+                     card: peaks before, during and after GRPO against the plan, and the evaluation batch
+  engine-logits      the sampling engine against Unsloth's generate (calculator tokens forced) on scripted llama,
+                     qwen3 and gemma3: tokens, forced tokens, the largest logit difference, rows ending early
+  unsloth-calc       two GRPO steps with data.calculator on the scripted llama: `42>>` forced in every rollout
+  gemma3-fastmodel   GRPO on Gemma 3's architecture (FastModel), preflight and stage evaluations; memory vs plan
   hf-4bit            backend hf (transformers + PEFT + bitsandbytes nf4), with the preflight and a small evaluation
   hf-4bit-shared     hf without gradient checkpointing, where the shared-prompt pass can run the loss pass
   hf-4bit-unshared   the same with train.cpu.fast=false (every row forwarded whole)
   unsloth-4bit-vllm  vLLM generation (fast_inference), when vllm imports there
+  shipped, plain-trl (not by default) the recipe as shipped, and a plain TRL + PEFT + bitsandbytes script of it:
+                     `--recipe all --variants shipped,plain-trl` compares every GPU recipe with the plan and plain TRL
 
-Tables: per GRPO variant peak allocated memory against the plan, device memory, tokens per second, seconds per step
-and the per-phase timings; the evaluation batch and the peaks around GRPO against the plan's phases; the engine
-against generate per model family; the calculator's GRPO steps; the shared-prompt pass on vs off. Random weights
-never emit EOS: every GRPO completion runs to max_completion_length, the planner's worst case.
-
+Random weights never emit EOS: every completion runs to max_completion_length, the planner's worst case.
 On the lent GPU machine (the wheels from benchmarks/build_gpu_bundle.py; one `run` call, carry [".whl"]):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
     python3 benchmarks/gpu_check.py --recipe qwen2_5_1_5b_gsm8k --time-budget 420
 
-vLLM is not in the bundle (its wheel alone is 321 MB, over the 64 MiB a call carries, and it pins torch 2.13.0
-while that machine has 2.11): its row says so unless vllm imports. CI never runs this script; tests/test_gpu_path.py
-checks its arguments, its bookkeeping and tables, and runs the engine comparison on CPU transformers.
+tests/test_gpu_path.py checks its arguments, bookkeeping and tables, and the engine comparison on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -53,13 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_gpu, scripted_model: builders and the reward
-from gpu_check_report import (SHARED_PAIR, evaluation_check, phase_times, predicted_phases, report,  # noqa: E402,F401
-                              sharing_table, speed, table)
-
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]  # scripted_model: the builders and the reward
 GIB = 2**30
-RANDOM_REWARD = "rewards={memory_gpu:random_reward: 1.0}"
+RANDOM_REWARD = "rewards={scripted_model:random_reward: 1.0}"
 PREFLIGHT = ["train.preflight.enabled=true", "train.preflight.allow_no_signal=true", "train.preflight.prompts=2"]
 # the trained adapter on as many problems as a planned batch holds (64 at --card-gib 5), greedy and 2 samples each
 PLANNED_EVAL = ["train.eval.stage.problems=64", "train.eval.stage.stages=[trained]", "train.eval.stage.samples=2"]
@@ -70,7 +55,7 @@ HF = ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false
 
 @dataclass(frozen=True)
 class Variant:
-    """One check: what it runs (kind train, logits or calc), its overrides, and where it differs from the defaults."""
+    """One check: its kind (train, plain, logits or calc), its overrides, and where it differs from the defaults."""
 
     kind: str
     overrides: list[str] = field(default_factory=list)
@@ -90,23 +75,28 @@ VARIANTS = {
     "hf-4bit-unshared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.cpu.fast=false"]),
     "unsloth-4bit-vllm": Variant("train", ["model.backend=unsloth", "model.load_in_4bit=true",
                                            "model.fast_inference=true"]),
+    "shipped": Variant("train"),
+    "plain-trl": Variant("plain"),
 }
+DEFAULT_VARIANTS = list(VARIANTS)[:-2]
 NO_VLLM = ("skipped: vllm does not import here (its 321 MB wheel is over the 64 MiB bundle, and vllm 0.31 pins "
            "torch 2.13.0)")
 CALC_MARK = "<<7*6=42>>"  # what a scripted rollout holds when the engine's calculator fired
+SHARED_PAIR = ("hf-4bit-shared", "hf-4bit-unshared")  # the shared-prompt pass on, off
+SHARED_PHASES = ("time/loss_forward", "time/backward")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="the CUDA path's first check: memory, the evaluation batch, the "
                                                  "engine against Unsloth's generate, the calculator, both backends")
-    parser.add_argument("--recipe", default="qwen2_5_1_5b_gsm8k", help="shipped GPU recipe (default qwen2_5_1_5b)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--recipe", default="qwen2_5_1_5b_gsm8k", help="shipped GPU recipe(s), comma-separated, or all")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of "
+                        f"{', '.join(VARIANTS)} (default: all but the last two)")
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps per variant (default 3)")
     parser.add_argument("--max-completion-length", type=int, default=256,
                         help="completion tokens (default 256, to fit the 8-minute call; 0 = the recipe's)")
-    parser.add_argument("--card-gib", type=float, default=5.0,
-                        help="the card auto-fit plans for in unsloth-4bit and gemma3-fastmodel (default 5: the plan "
-                             "cuts qwen2_5_1_5b's evaluation batch to 64 there)")
+    parser.add_argument("--card-gib", type=float, default=5.0, help="the card unsloth-4bit and gemma3-fastmodel fit "
+                        "(default 5: qwen2_5_1_5b's evaluation batch is cut to 64 there)")
     parser.add_argument("--logit-tolerance", type=float, default=0.5, help="largest |engine - generate| logit")
     parser.add_argument("--families", default="llama,qwen3,gemma3_text", help="scripted models for engine-logits")
     parser.add_argument("--time-budget", type=float, default=420, help="seconds for everything (default 420)")
@@ -127,6 +117,15 @@ def planned_rows(variants: list[str], vllm_importable: bool) -> list[tuple[str, 
     return [(v, NO_VLLM if v.endswith("-vllm") and not vllm_importable else None) for v in variants]
 
 
+def recipe_names(arg: str) -> list[str]:
+    """--recipe: the names given, or every shipped recipe with a GPU memory figure."""
+    if arg != "all":
+        return arg.split(",")
+    from lowmem_grpo.recipe_io import load_recipe, shipped_recipes
+
+    return [p.stem for p in shipped_recipes() if load_recipe(str(p)).gpu_memory_gb]
+
+
 # --- what a variant runs on -----------------------------------------------------------------------------------
 
 
@@ -136,11 +135,10 @@ def variant_recipe(args: argparse.Namespace, variant: str, model_dir: Path, rows
 
     spec = VARIANTS[variant]
     recipe = load_recipe(spec.recipe or args.recipe)
-    steps = spec.steps or args.steps
     overrides = [f"model.name={model_dir}", f"data.source={rows}", "data.system_prompt=", "data.prefill=",
-                 RANDOM_REWARD, f"train.max_steps={steps}", "train.save_steps=100000", "train.logging_steps=1",
-                 "train.preflight.enabled=false", "train.completions_every=0", "train.eval.every=0",
-                 f"output.dir={run_dir}", *spec.overrides]
+                 RANDOM_REWARD, f"train.max_steps={spec.steps or args.steps}", "train.save_steps=100000",
+                 "train.logging_steps=1", "train.preflight.enabled=false", "train.completions_every=0",
+                 "train.eval.every=0", f"output.dir={run_dir}", *spec.overrides]
     c = 24 if spec.kind == "calc" else args.max_completion_length  # a scripted row ends after 11 tokens
     if c:
         overrides += [f"train.max_completion_length={c}", f"model.max_seq_length={recipe.data.max_prompt_length + c}"]
@@ -149,14 +147,11 @@ def variant_recipe(args: argparse.Namespace, variant: str, model_dir: Path, rows
 
 def card_facts(gib: float):
     """This GPU's CudaFacts with a `gib` card's total, and its free memory less what is in use here already."""
-    import dataclasses
-
     from lowmem_grpo.device import cuda_facts
 
     facts = cuda_facts()
     used = (facts.total_bytes or 0) - (facts.free_bytes or 0)
-    total = int(gib * GIB)
-    return dataclasses.replace(facts, total_bytes=total, free_bytes=max(total - used, 0))
+    return dataclasses.replace(facts, total_bytes=int(gib * GIB), free_bytes=max(int(gib * GIB) - used, 0))
 
 
 class CudaMemory:
@@ -186,9 +181,8 @@ def _ignore(*args, **kwargs) -> None:
 
 
 class PhaseProbe:
-    """A trainer callback (TrainerCallback's events by name, so this module needs no transformers) that records the
-    peak allocated memory before GRPO (load, preflight, stage evaluations before it), during GRPO, and after it (the
-    trained adapter's stage evaluation, up to `finish`), the device memory in use at each, and the trainer's logs."""
+    """A trainer callback (events by name) recording peak allocated and device memory before GRPO, during it
+    and after it (up to `finish`), and the trainer's logs."""
 
     def __init__(self, memory=None) -> None:
         self.memory = memory or CudaMemory()
@@ -225,20 +219,6 @@ class PhaseProbe:
         raise AttributeError(name)
 
 
-# --- the plan a run fitted to ------------------------------------------------------------------------------
-
-
-def run_facts(run_dir: Path) -> tuple[dict, object, dict]:
-    """The run's saved plan (memory_plan.json), its recipe (recipe.yaml) and its stage_eval.json (or {})."""
-    from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.rundir import layout
-
-    plan_path, stage_path = run_dir / layout.PLAN_FILE, run_dir / layout.STAGE_EVAL_FILE
-    plan_dict = json.loads(plan_path.read_text()) if plan_path.exists() else {}
-    stages = json.loads(stage_path.read_text()) if stage_path.exists() else {}
-    return plan_dict, load_recipe(str(run_dir / layout.RECIPE_FILE)), stages
-
-
 # --- the workers, each in its own process -------------------------------------------------------------------
 
 
@@ -253,41 +233,98 @@ def _backend_first(args: argparse.Namespace) -> str:
     return start(recipe, Launch(), training=False)[0].backend
 
 
+def _model_and_rows(args: argparse.Namespace) -> tuple[str, Path, Path]:
+    """The recipe's architecture with random weights and 64 prompts of its planned length."""
+    from scripted_model import PROMPT_OVERHEAD, build_model_dir, write_rows
+
+    from lowmem_grpo.recipe_io import load_recipe
+
+    name, work = VARIANTS[args.worker].recipe or args.recipe, Path(args.workdir)
+    rows = write_rows(work / f"{name}.jsonl", count=64, length=load_recipe(name).data.max_prompt_length
+                      - PROMPT_OVERHEAD)
+    return name, build_model_dir(name, work / f"model-{name}"), rows
+
+
 def train_worker(args: argparse.Namespace) -> dict:
     """A GRPO variant through train(): peaks per phase against the run's own plan, speed, phase timings."""
     import torch
 
-    from memory_gpu import build_model_dir, write_rows
-
     from lowmem_grpo.memory.plan import plan
     from lowmem_grpo.recipe_io import load_recipe
-
-    spec, work = VARIANTS[args.worker], Path(args.workdir)
-    name = spec.recipe or args.recipe
-    model_dir, rows = work / f"model-{name}", work / f"{name}.jsonl"
-    build_model_dir(name, model_dir)  # once; the next variants reuse it
-    write_rows(rows, load_recipe(name).data.max_prompt_length, count=64)
-    recipe = variant_recipe(args, args.worker, model_dir, rows, work / f"run-{args.worker}-{time.time_ns()}")
-    probe = PhaseProbe()
-    probe.start()
+    from lowmem_grpo.rundir import layout
     from lowmem_grpo.train.pipeline import train
 
-    run_dir = train(recipe, callbacks=[probe], cuda=card_facts(args.card_gib) if spec.card else None)
+    spec, (_, model_dir, rows) = VARIANTS[args.worker], _model_and_rows(args)
+    out = Path(args.workdir) / f"run-{args.worker}-{time.time_ns()}"
+    recipe = variant_recipe(args, args.worker, model_dir, rows, out)
+    probe = PhaseProbe()
+    probe.start()
+    run_dir = Path(train(recipe, callbacks=[probe], cuda=card_facts(args.card_gib) if spec.card else None))
     probe.finish()
-    plan_dict, fitted, stages = run_facts(Path(run_dir))
-    budget = plan_dict.get("budget_bytes") or torch.cuda.get_device_properties(0).total_memory
-    predicted = plan(fitted, budget)
-    plan_dict = plan_dict or predicted.to_dict()
-    logs = _metrics(Path(run_dir))
-    phases = predicted_phases(plan_dict)
-    return {**probe.peaks, "max_allocated": probe.peaks.get("grpo"), "device_used": probe.peaks.get("grpo_device"),
-            **speed(logs, fitted.train.generation_batch_size()), "phases": phase_times(logs), "steps": probe.steps,
-            "predicted_allocated": phases["grpo"], "predicted_total": plan_dict["total_bytes"],
-            "predicted_phases": phases, "peak_phase": plan_dict["peak_phase"],
-            "prompt_sharing": predicted.sharing_dict(), **predicted_sharing(predicted),
+    plan_path, stage_path = run_dir / layout.PLAN_FILE, run_dir / layout.STAGE_EVAL_FILE
+    fitted = load_recipe(str(run_dir / layout.RECIPE_FILE))
+    saved = json.loads(plan_path.read_text()) if plan_path.exists() else {}
+    predicted = plan(fitted, saved.get("budget_bytes") or torch.cuda.get_device_properties(0).total_memory)
+    plan_dict = saved or predicted.to_dict()
+    stages = json.loads(stage_path.read_text()) if stage_path.exists() else {}
+    logs, phases = layout.read_jsonl(run_dir / layout.METRICS_FILE), predicted_phases(plan_dict)
+    return {**measured(probe, logs, fitted.train.generation_batch_size()), "predicted_allocated": phases["grpo"],
+            "predicted_total": plan_dict["total_bytes"], "predicted_phases": phases,
+            "peak_phase": plan_dict["peak_phase"], "prompt_sharing": predicted.sharing_dict(),
+            **predicted_sharing(predicted),
             "evaluation": evaluation_check(plan_dict, fitted.train.eval.batch_size,
                                            stages.get("settings", {}).get("batch_size"), probe.peaks),
             "card_gib": args.card_gib if spec.card else None, **unsloth_facts()}
+
+
+def measured(probe: PhaseProbe, logs: list[dict], generation_batch: int) -> dict:
+    return {**probe.peaks, "max_allocated": probe.peaks.get("grpo"), "device_used": probe.peaks.get("grpo_device"),
+            **speed(logs, generation_batch), "phases": phase_times(logs), "steps": probe.steps}
+
+
+def plain_worker(args: argparse.Namespace) -> dict:
+    """plain-trl: the recipe's settings in a plain TRL + PEFT + bitsandbytes nf4 script, against the hf plan."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from scripted_model import random_reward
+
+    from lowmem_grpo.memory.plan import plan
+    from lowmem_grpo.recipe_io import apply_overrides
+    from lowmem_grpo.runtime import planned
+
+    _, model_dir, rows = _model_and_rows(args)
+    recipe = apply_overrides(variant_recipe(args, args.worker, model_dir, rows, Path(args.workdir) / "plain"),
+                             ["model.backend=hf"])
+    t, lo = recipe.train, recipe.lora
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, dtype=torch.bfloat16,
+                                                 device_map={"": 0})
+    model = get_peft_model(prepare_model_for_kbit_training(model, use_gradient_checkpointing=t.gradient_checkpointing),
+                           LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, bias="none",
+                                      task_type="CAUSAL_LM", target_modules=list(lo.target_modules)))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": json.loads(line)["question"]}],
+                                             tokenize=False, add_generation_prompt=True)
+               for line in rows.read_text().splitlines()]
+    config = GRPOConfig(
+        output_dir=str(recipe.output.dir), max_steps=t.max_steps, num_generations=t.num_generations,
+        per_device_train_batch_size=t.per_device_train_batch_size, gradient_accumulation_steps=
+        t.gradient_accumulation_steps, steps_per_generation=t.steps_per_generation,
+        max_completion_length=t.max_completion_length, temperature=t.temperature, learning_rate=t.learning_rate,
+        optim=planned(recipe).optimizer, gradient_checkpointing=t.gradient_checkpointing, beta=t.beta, bf16=True,
+        logging_steps=1, save_strategy="no", report_to=[], seed=t.seed, disable_tqdm=True)
+    probe = PhaseProbe()
+    probe.start()
+    GRPOTrainer(model=model, reward_funcs=[random_reward], args=config, processing_class=tokenizer,
+                train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), callbacks=[probe]).train()
+    plan_dict = plan(recipe).to_dict()
+    return {**measured(probe, probe.logs, t.generation_batch_size()),
+            "predicted_allocated": predicted_phases(plan_dict)["grpo"], "predicted_total": plan_dict["total_bytes"]}
 
 
 def logits_worker(args: argparse.Namespace) -> dict:
@@ -319,33 +356,33 @@ def calc_worker(args: argparse.Namespace) -> dict:
     """unsloth-calc: GRPO steps with the calculator on the scripted llama; how many rollouts it completed."""
     from scripted_model import build_scripted_model, write_rows
 
-    work = Path(args.workdir)
-    model_dir = build_scripted_model("llama", work / "scripted-llama")
-    rows = write_rows(work / "scripted.jsonl")
-    recipe = variant_recipe(args, args.worker, model_dir, rows, work / f"run-{args.worker}-{time.time_ns()}")
-    probe = PhaseProbe()
-    probe.start()
     from lowmem_grpo.train.pipeline import train
 
+    work = Path(args.workdir)
+    model_dir = build_scripted_model("llama", work / "scripted-llama")
+    recipe = variant_recipe(args, args.worker, model_dir, write_rows(work / "scripted.jsonl"),
+                            work / f"run-{args.worker}-{time.time_ns()}")
+    probe = PhaseProbe()
+    probe.start()
     run_dir = Path(train(recipe, callbacks=[probe]))
     probe.finish()
     texts = [c["text"] for line in (run_dir / "completions.jsonl").read_text().splitlines()
              for c in json.loads(line)["completions"]]
-    losses = [log["loss"] for log in probe.logs if "loss" in log]
     return {"steps": probe.steps, "completions": len(texts), "calculator_fired": sum(CALC_MARK in t for t in texts),
-            "losses": losses, "max_allocated": probe.peaks.get("grpo")}
+            "losses": [log["loss"] for log in probe.logs if "loss" in log], "max_allocated": probe.peaks.get("grpo")}
 
 
-WORKERS = {"train": train_worker, "logits": logits_worker, "calc": calc_worker}
+WORKERS = {"train": train_worker, "plain": plain_worker, "logits": logits_worker, "calc": calc_worker}
 
 
 def worker(args: argparse.Namespace) -> int:
     """One variant in this process: prints one `RESULT {json}` line."""
-    result = {"variant": args.worker, "recipe": VARIANTS[args.worker].recipe or args.recipe}
+    spec = VARIANTS[args.worker]
+    result = {"variant": args.worker, "recipe": spec.recipe or args.recipe}
     started = time.monotonic()
     try:
-        result["backend"] = _backend_first(args)
-        result.update(WORKERS[VARIANTS[args.worker].kind](args))
+        result["backend"] = "hf" if spec.kind == "plain" else _backend_first(args)  # plain: no Unsloth imported
+        result.update(WORKERS[spec.kind](args))
     except Exception as exc:  # reported in the table; the next variant goes on
         result["error"] = _error(exc)
     result["seconds"] = round(time.monotonic() - started, 1)
@@ -359,20 +396,13 @@ def _error(exc: Exception) -> str:
 
 def unsloth_facts() -> dict:
     """What Unsloth chose at run time: xformers, and which log-prob kernel paths ran (memory term 5)."""
-    facts = {}
-    utils = sys.modules.get("unsloth.models._utils")
-    if utils is not None:
-        facts["xformers"] = getattr(utils, "xformers_version", None) or "off (PyTorch attention)"
-    fused = sys.modules.get("unsloth_zoo.fused_losses.fused_linear")
-    if fused is not None:
-        facts["logprob_kernel_calls"] = dict(getattr(fused, "CALLS", {}))
-    return facts
+    utils, fused = (sys.modules.get(m) for m in ("unsloth.models._utils", "unsloth_zoo.fused_losses.fused_linear"))
+    return {**({"xformers": getattr(utils, "xformers_version", None) or "off (PyTorch attention)"} if utils else {}),
+            **({"logprob_kernel_calls": dict(getattr(fused, "CALLS", {}))} if fused else {})}
 
 
 def predicted_sharing(predicted) -> dict:
     """The planner's allocated bytes with the shared-prompt pass engaged and not (a CUDA plan counts ours as off)."""
-    import dataclasses
-
     from lowmem_grpo.memory.plan import evaluate
 
     s = predicted.settings
@@ -382,27 +412,183 @@ def predicted_sharing(predicted) -> dict:
             "predicted_allocated_unshared": evaluate(predicted.architecture, off).allocated_bytes}
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+# --- what the measurements say against the plan (plain data, one dict per variant) ---------------------------
+
+
+def predicted_phases(plan_dict: dict) -> dict[str, int]:
+    """Allocated bytes the plan predicts for each phase of a run: the resident terms torch counts + the phase."""
+    phases, peak = plan_dict["phases"], plan_dict["peak_phase"]
+    resident = plan_dict["allocated_bytes"] - phases[peak]
+    step = max(phases["generation"], phases["training"])
+    return {"grpo": resident + step, "evaluation": resident + phases.get("evaluation", 0),
+            "before_grpo": resident + max(step, phases.get("evaluation", 0))}
+
+
+def evaluation_check(plan_dict: dict, recipe_batch: int | None, used_batch: int | None, peaks: dict) -> dict:
+    """The evaluation batch planned, in recipe.yaml and used, and the peak after GRPO against the plan's."""
+    e = plan_dict.get("evaluation", {})
+    return {"planned_batch": e.get("batch") if e.get("counted") else None, "recipe_batch": recipe_batch,
+            "used_batch": used_batch, "eval_kv_bytes": e.get("kv_bytes"),
+            "predicted_eval_allocated": predicted_phases(plan_dict)["evaluation"],
+            "measured_eval_allocated": peaks.get("after_grpo"),
+            "batch_agrees": e.get("counted") and e.get("batch") == recipe_batch == used_batch}
+
+
+def _steps(logs: list[dict], timed: bool = False) -> list[dict]:
+    """The logged GRPO steps (with step_time, or `timed`: any time/<phase>) after the first, which compiles."""
+    steps = [log for log in logs if log.get("stage", "grpo") == "grpo"
+             and any(k == "step_time" or (timed and k.startswith("time/")) for k in log)]
+    return steps[1:] or steps
+
+
+def phase_times(logs: list[dict]) -> dict[str, float]:
+    """Mean of each `time/<phase>` key over the logged steps after the first."""
+    timed = _steps(logs, timed=True)
+    keys = sorted({k for log in timed for k in log if k.startswith("time/")})
+    return {k: round(statistics.fmean(log[k] for log in timed if k in log), 3) for k in keys}
+
+
+def speed(logs: list[dict], generation_batch: int) -> dict[str, float | None]:
+    """Seconds per step and generated tokens per second of time/generation when logged, else of the step."""
+    timed = _steps(logs)
+    if not timed:
+        return {"step_s": None, "tokens_per_s": None}
+    rates = [log.get("completions/mean_length", 0) * generation_batch / s for log in timed
+             if (s := log.get("time/generation") or log["step_time"])]
+    return {"step_s": round(statistics.fmean(log["step_time"] for log in timed), 2),
+            "tokens_per_s": round(statistics.fmean(rates), 1) if rates else None}
+
+
+# --- the tables ------------------------------------------------------------------------------------------------
+
+
+def _gib(value) -> str:
+    return f"{value / GIB:.2f}" if isinstance(value, (int, float)) else "-"
+
+
+def _err(measured, predicted) -> str:
+    return "-" if not measured or predicted is None else f"{100 * (predicted - measured) / measured:+.1f}%"
+
+
+def _ratio(on, off) -> str:
+    return f"{on / off:.2f}" if isinstance(on, (int, float)) and isinstance(off, (int, float)) and off else "-"
+
+
+def _columns(rows: list[list[str]], indent: str = "") -> list[str]:
+    """Rows as wide as the first aligned (first cell left, the rest right); others (a variant, why) as they are."""
+    width = len(rows[0])
+    widths = [max(len(row[i]) for row in rows if len(row) == width) for i in range(width)]
+    return [indent + ("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row))
+                      if len(row) == width else f"{row[0].ljust(widths[0])}  {row[1]}") for row in rows]
+
+
+def _label(r: dict, many: bool) -> str:
+    return f"{r['variant']} ({r['recipe']})" if many and r.get("recipe") else r["variant"]
+
+
+def table(results: list[dict]) -> str:
+    """One row per GRPO variant (and every skipped or failed one), with the time/<phase> columns any has."""
+    shown = [r for r in results if "error" in r or "skipped" in r or "predicted_allocated" in r]
+    many = len({r.get("recipe") for r in shown}) > 1
+    phases = sorted({k for r in shown for k in r.get("phases", {})})
+    rows = [["variant", "steps", "pred alloc", "max alloc", "err", "pred total", "device used", "tok/s", "s/step",
+             *phases]]
+    for r in shown:
+        rows.append([_label(r, many), r.get("error") or r.get("skipped")] if "error" in r or "skipped" in r else [
+            _label(r, many), str(r.get("steps", "-")), _gib(r.get("predicted_allocated")),
+            _gib(r.get("max_allocated")), _err(r.get("max_allocated"), r.get("predicted_allocated")),
+            _gib(r.get("predicted_total")), _gib(r.get("device_used")), str(r.get("tokens_per_s") or "-"),
+            str(r.get("step_s") or "-"), *[str(r.get("phases", {}).get(p, "-")) for p in phases]])
+    return "\n".join(_columns(rows)) + (
+        "\n(GiB; err = (predicted - measured) / measured; max alloc: GRPO's peak; pred alloc: resident terms + the "
+        "step's larger phase; pred total adds CUDA context, vLLM's pool, allocator slack; tok/s of generation time)\n")
+
+
+def evaluation_table(results: list[dict]) -> str:
+    """The evaluation batch and the peaks around GRPO against the plan's phases; empty without such a result."""
+    shown = [r for r in results if "evaluation" in r and "error" not in r]
+    if not shown:
+        return ""
+    rows = [["variant", "card", "planned", "recipe", "used", "agrees", "eval KV", "pred eval", "after GRPO", "err",
+             "pred <=", "before GRPO"]]
+    for r in shown:
+        e, p = r["evaluation"], r.get("predicted_phases", {})
+        rows.append([r["variant"], f"{r['card_gib']:g}" if r.get("card_gib") else "gpu", str(e.get("planned_batch")),
+                     str(e.get("recipe_batch")), str(e.get("used_batch")), "yes" if e.get("batch_agrees") else "NO",
+                     _gib(e.get("eval_kv_bytes")), _gib(e.get("predicted_eval_allocated")),
+                     _gib(e.get("measured_eval_allocated")),
+                     _err(e.get("measured_eval_allocated"), e.get("predicted_eval_allocated")),
+                     _gib(p.get("before_grpo")), _gib(r.get("before_grpo"))])
+    return "evaluation batch and memory\n" + "\n".join(_columns(rows)) + (
+        "\n(batch in sequences: planned, recipe.yaml, used; GiB allocated: resident + evaluation phase against the "
+        "peak after GRPO; before GRPO: load, preflight, evaluations, against the plan's larger phase)\n")
+
+
+def logits_table(results: list[dict]) -> str:
+    """The engine against the model's own generate, per scripted family; empty without that result."""
+    found = [r for r in results if "families" in r]
+    if not found:
+        return ""
+    rows = [["family", "model", "dtype", "tokens", "forced", "forced n", "lengths", "max diff", "context", "ok"]]
+    for family, f in found[0]["families"].items():
+        rows.append([family, f["error"]] if "error" in f else [
+            family, f["model_class"], f["dtype"], "same" if f["tokens_match"] else "DIFFER",
+            "same" if f["forced_match"] else "DIFFER", str(f["forced_tokens"]), "/".join(map(str, f["lengths"])),
+            str(f["max_logit_diff"]), str(f["context_effect"]), "ok" if f["ok"] else "FAIL"])
+    tolerance = next((f.get("tolerance") for f in found[0]["families"].values() if "tolerance" in f), None)
+    return "engine against generate\n" + "\n".join(_columns(rows)) + (
+        f"\n(greedy scripted rows, calculator on; max diff: largest |engine - generate| logit, tolerance {tolerance}; "
+        f"context: how far the first logits move without the prompt; lengths: tokens per row, 24 ran out)\n")
+
+
+def calc_table(results: list[dict]) -> str:
+    """The calculator's GRPO steps; empty without that result."""
+    found = [r for r in results if "calculator_fired" in r]
+    if not found:
+        return ""
+    r = found[0]
+    return (f"calculator in GRPO: {r['steps']} steps, the calculator completed {r['calculator_fired']} of "
+            f"{r['completions']} recorded rollouts; losses {', '.join(f'{x:.4g}' for x in r.get('losses', [])) or '-'}"
+            f"; peak allocated {_gib(r.get('max_allocated'))} GiB\n")
+
+
+def sharing_table(results: list[dict]) -> str:
+    """The shared-prompt pass on vs off (SHARED_PAIR); empty unless both variants ran."""
+    by = {r["variant"]: r for r in results if "error" not in r and "skipped" not in r}
+    if not all(v in by for v in SHARED_PAIR):
+        return ""
+    on, off = (by[v] for v in SHARED_PAIR)
+    pairs = [("max alloc GiB", on.get("max_allocated"), off.get("max_allocated"), _gib),
+             ("pred alloc GiB", on.get("predicted_allocated_shared"), off.get("predicted_allocated_unshared"), _gib),
+             *[(f"{k} s", on.get("phases", {}).get(k), off.get("phases", {}).get(k), str) for k in SHARED_PHASES],
+             ("s/step", on.get("step_s"), off.get("step_s"), str)]
+    rows = [["", "on", "off", "on/off"]] + [[name, show(a) if a is not None else "-", show(b) if b is not None
+                                             else "-", _ratio(a, b)] for name, a, b, show in pairs]
+    return "\n".join([f"shared-prompt pass ({SHARED_PAIR[0]} on, {SHARED_PAIR[1]} off): "
+                      f"{(on.get('prompt_sharing') or {}).get('reason', '')}", *_columns(rows, "  ")]) + "\n"
+
+
+def report(results: list[dict]) -> str:
+    parts = [f(results) for f in (table, evaluation_table, logits_table, calc_table, sharing_table)]
+    return "\n".join(p for p in parts if p)
 
 
 # --- the orchestrator ----------------------------------------------------------------------------
 
 
-def run_variant(args: argparse.Namespace, variant: str, seconds: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--recipe", args.recipe,
+def run_variant(args: argparse.Namespace, variant: str, recipe: str, seconds: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--recipe", recipe,
            "--steps", str(args.steps), "--max-completion-length", str(args.max_completion_length),
            "--card-gib", str(args.card_gib), "--logit-tolerance", str(args.logit_tolerance),
            "--families", args.families, "--workdir", args.workdir]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds, cwd=args.workdir)
     except subprocess.TimeoutExpired:
-        return {"variant": variant, "error": "stopped at --time-budget"}
+        return {"variant": variant, "recipe": recipe, "error": "stopped at --time-budget"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if lines:
         return json.loads(lines[-1][len("RESULT "):])
-    return {"variant": variant, "error": f"exit {done.returncode}: {done.stderr.strip()[-300:]}"}
+    return {"variant": variant, "recipe": recipe, "error": f"exit {done.returncode}: {done.stderr.strip()[-300:]}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,16 +598,17 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     if args.worker:
         return worker(args)
-    deadline = time.monotonic() + args.time_budget
-    results = []
+    deadline, results, recipes = time.monotonic() + args.time_budget, [], recipe_names(args.recipe)
     for variant, skipped in planned_rows(args.variants.split(","), importlib.util.find_spec("vllm") is not None):
-        left = deadline - time.monotonic()
-        if skipped or left < 30:
-            results.append({"variant": variant, "skipped": skipped or "skipped: out of --time-budget"})
-            continue
-        print(f"== {variant} ({left:.0f} s left)", flush=True)
-        results.append(run_variant(args, variant, left))
-        print(json.dumps(results[-1]), flush=True)
+        for recipe in [VARIANTS[variant].recipe] if VARIANTS[variant].recipe else recipes:
+            left = deadline - time.monotonic()
+            if skipped or left < 30:
+                results.append({"variant": variant, "recipe": recipe,
+                                "skipped": skipped or "skipped: out of --time-budget"})
+                continue
+            print(f"== {variant} {recipe} ({left:.0f} s left)", flush=True)
+            results.append(run_variant(args, variant, recipe, left))
+            print(json.dumps(results[-1]), flush=True)
     sys.stdout.write(report(results))
     out = args.out or (os.environ["OUT"] + "/gpu_check.json" if os.environ.get("OUT") else None)
     if out:

@@ -1,23 +1,17 @@
-"""A model whose greedy continuations follow a script, for checking lowmem_grpo's sampling engine against a reference
-decoder on any backend (benchmarks/gpu_check.py runs it on Unsloth; tests/test_gpu_path.py on CPU transformers).
+"""The models the GPU check builds on the machine, none downloaded: a scripted model for checking the sampling engine
+against a reference decoder (benchmarks/gpu_check.py on Unsloth, tests/test_gpu_path.py on CPU transformers), and a
+shipped recipe's architecture with random weights (`build_model_dir`: the real shapes, so the real memory).
 
-The model is a small decoder of a real family (llama, qwen3, gemma3_text) with random layers and two planted
-matrices: orthogonal token embeddings much larger than what the layers add, and an lm_head whose row for token s
-points at the embeddings of the tokens SCRIPT continues with s. So the next token is SCRIPT's, by a wide margin,
-while attention over the context (the KV cache) still moves every logit by a measurable amount: a decode loop
-that mishandles the cache changes the logits well beyond bf16 noise, without changing which tokens win. Its word
-tokenizer splits `<<`, `>>`, digits and operators, and its decoder joins tokens without spaces, so the rows write
-`<<7*6=` (the calculator forces `42>>`), end at EOS after different numbers of tokens, or never end.
-
-`compare(model, tokenizer, max_new_tokens)` runs the script's prompts through the engine (engine.sample_rows, with the
-calculator) and through the model's own `generate` (greedy, the calculator's tokens forced by CalculatorForcing,
-output_logits), and reports whether tokens and forced tokens agree, the largest logit difference, and how far the
-logits move without the prompt's context (the size of the effect the check could miss). Torch and transformers
-are imported inside the functions.
+The scripted model is a small decoder of a real family with random layers, orthogonal token embeddings much larger
+than what the layers add, and an lm_head that points each token at SCRIPT's next one: SCRIPT's token wins by a wide
+margin while attention over the cache still moves every logit measurably. Its word tokenizer splits `<<`, `>>`,
+digits and operators, so rows write `<<7*6=` (the calculator forces `42>>`), end at EOS early, or never end.
 """
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +20,7 @@ CALC_TOKENS = ["<<", ">>", "=", "+", "-", "*", "/", *"0123456789"]
 VOCAB_SIZE = 512
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPT_OVERHEAD = 5  # a chat prompt's tokens besides the question: <|im_start|> user, <|im_end|> <|im_start|> assistant
 EOS = "<|im_end|>"
 SCRIPT = {
     # a chat prompt ends in "assistant": every GRPO row writes a calculation, gets 42>> forced, and ends
@@ -49,19 +44,23 @@ FAMILIES = {
 }
 
 
-def words() -> list[str]:
+def random_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward that varies whatever the model writes, so every step has advantages and a gradient."""
+    return [random.random() for _ in completions]
+
+
+def words(vocab_size: int = VOCAB_SIZE) -> list[str]:
     """The vocabulary in id order: specials, calculator tokens, role words, w0, w1, ..."""
     head = SPECIALS + CALC_TOKENS + ["system", "user", "assistant"]
-    return head + [f"w{i}" for i in range(VOCAB_SIZE - len(head))]
+    return head + [f"w{i}" for i in range(vocab_size - len(head))]
 
 
-def build_tokenizer(target: Path):
-    """The word tokenizer (saved to `target`): whitespace-separated words, `<<`, `>>`, digits and operators split off,
-    decoded without spaces."""
+def build_tokenizer(target: Path, vocab_size: int = VOCAB_SIZE):
+    """The word tokenizer of `vocab_size` tokens, saved to `target`: `<<`, `>>`, digits and operators split."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {word: i for i, word in enumerate(words())}
+    vocab = {word: i for i, word in enumerate(words(vocab_size))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS[0]))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.WhitespaceSplit(),
@@ -75,8 +74,7 @@ def build_tokenizer(target: Path):
 
 
 def next_token_table() -> dict[int, int]:
-    """SCRIPT as token ids, completed so every other word continues with the next unused word (a cycle), so no
-    token is the scripted continuation of more than a few others."""
+    """SCRIPT as token ids; every other word continues with the next unused word (a cycle)."""
     ids = {w: i for i, w in enumerate(words())}
     table = {ids[a]: ids[b] for a, b in SCRIPT.items()}
     used = set(SCRIPT) | set(SCRIPT.values()) | {w for p in PROMPTS for w in p}
@@ -100,14 +98,8 @@ def _config(family: str, tokenizer: Any):
                                 bos_token_id=None, **spec)
 
 
-def _embed_scale(model: Any) -> float:
-    """What the family multiplies its embeddings by (Gemma: sqrt(hidden)): the planted rows are what the layers see."""
-    return float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))
-
-
 def plant(model: Any, context_share: float = CONTEXT_SHARE, seed: int = 0) -> dict[str, float]:
-    """Plant the script into `model` (float32, on CPU): orthogonal embeddings scaled so the layers add
-    `context_share` of their size to the residual stream, and the lm_head of next_token_table. Returns the scale."""
+    """Plant the script into `model` (float32, CPU): scaled orthogonal embeddings and next_token_table's lm_head."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -115,10 +107,12 @@ def plant(model: Any, context_share: float = CONTEXT_SHARE, seed: int = 0) -> di
     basis, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))
     units = basis[: model.config.vocab_size]  # orthonormal rows: one direction per token
     with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(units / _embed_scale(model))
+        # divided by what the family multiplies embeddings by (Gemma: sqrt(hidden)): the layers see the planted rows
+        embed = model.get_input_embeddings()
+        embed.weight.copy_(units / float(getattr(embed, "embed_scale", 1.0)))
         added = _layer_contribution(model)  # what the layers add to a unit-norm embedding, on the script's prompts
         scale = added / context_share
-        model.get_input_embeddings().weight.mul_(scale)
+        embed.weight.mul_(scale)
         head = torch.zeros_like(model.get_output_embeddings().weight)
         for t, s in next_token_table().items():
             head[s] += units[t] * (LOGIT_MARGIN / hidden ** 0.5)
@@ -161,12 +155,38 @@ def build_scripted_model(family: str, target: Path) -> Path:
     return target
 
 
-def write_rows(path: Path, count: int = 32, length: int = 20) -> Path:
-    """GSM8K-shaped training rows in the scripted vocabulary (words the script does not continue): as chat prompts
-    they end in "assistant", so every rollout writes the script's calculation."""
-    import json
-    import random
+def build_model_dir(recipe_name: str, target: Path) -> Path:
+    """Random bfloat16 weights of a recipe's shipped model config with a word tokenizer of its vocabulary,
+    saved to `target` once."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lowmem_grpo.memory.arch import shipped_config_path
+    from lowmem_grpo.recipe_io import load_recipe
+
+    if (target / ".complete").exists():
+        return target
+    recipe = load_recipe(recipe_name)
+    data = {k: v for k, v in json.loads(shipped_config_path(recipe.model.name).read_text()).items()
+            if not k.startswith("_")}
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(target, data["vocab_size"])
+    config = AutoConfig.for_model(**data)
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(target)
+    (target / ".complete").write_text(recipe.model.name + "\n")
+    del model
+    torch.cuda.empty_cache()
+    return target
+
+
+def write_rows(path: Path, count: int = 32, length: int = 20) -> Path:
+    """GSM8K-shaped rows of `length` words: chat prompts ending in "assistant" (the script's calculation)."""
     rng = random.Random(0)
     with path.open("w") as handle:
         for _ in range(count):
@@ -175,18 +195,12 @@ def write_rows(path: Path, count: int = 32, length: int = 20) -> Path:
     return path
 
 
-def prompt_ids(tokenizer: Any) -> list[list[int]]:
-    """PROMPTS as token ids."""
-    return [tokenizer.convert_tokens_to_ids(p) for p in PROMPTS]
-
-
 # --- the reference: the model's own generate, with the calculator's tokens forced -------------------------------
 
 
 class CalculatorForcing:
-    """A generate() logits processor that writes what lowmem_grpo's engine forces: after a row's generated text ends in
-    an open `<<EXPR=`, the calculator's result and `>>`, one token a step (sampling.engine.Calculator decides them).
-    `forced[row]` holds the steps at which it forced that row's token."""
+    """A generate() logits processor forcing what the engine's calculator forces after `<<EXPR=`, one
+    token a step; `forced[row]` holds the steps it forced."""
 
     def __init__(self, calculator: Any, prompt_width: int, rows: int) -> None:
         self.calculator = calculator
@@ -210,8 +224,7 @@ class CalculatorForcing:
 
 
 class LogitRecorder:
-    """Stands in for the model in engine.sample_rows: forwards every call and keeps the logits of the last position of
-    each call (float32, on CPU), in call order."""
+    """Stands in for the model in engine.sample_rows, keeping each call's last-position logits."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -230,9 +243,8 @@ class LogitRecorder:
 
 
 def rows_of_calls(call_sizes: list[int], lengths: list[int]) -> list[list[int]]:
-    """Which row each batch position of each engine call holds, from the calls' batch sizes and each row's completion
-    length: the prefill holds every row; a later call of the same size holds the same rows; a smaller one holds the
-    rows still writing at that step, in order (the engine drops ended rows). ValueError when that does not add up."""
+    """Which row each batch position of each engine call holds (the engine drops ended rows);
+    ValueError when that does not add up."""
     members = list(range(len(lengths)))
     out = []
     for step, size in enumerate(call_sizes):
@@ -255,27 +267,16 @@ def engine_logits(calls: list[Any], lengths: list[int]) -> list[list[Any]]:
     return per_row
 
 
-def _left_padded(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
-    import torch
-
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
 def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
-    """The model's own greedy generate with the calculator's tokens forced: per row its tokens (up to and with EOS),
-    which it forced, and its raw logits per step."""
+    """The model's own greedy generate with the calculator's tokens forced: tokens, forced marks, logits."""
     import torch
     from transformers import LogitsProcessorList
 
     from lowmem_grpo.sampling.engine import Calculator
 
-    ids, mask = _left_padded(prompts, tokenizer.pad_token_id)
+    width = max(len(r) for r in prompts)  # left-padded
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in prompts])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompts])
     device = next(model.parameters()).device
     forcing = CalculatorForcing(Calculator(tokenizer), ids.shape[1], len(prompts))
     with torch.no_grad():
@@ -295,8 +296,7 @@ def reference(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_toke
 
 
 def through_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
-    """The engine's greedy rows with the calculator, as evaluation samples them (inference mode, the model's own
-    weights): tokens, forced marks, and the logits it read for each token."""
+    """The engine's greedy rows with the calculator, as evaluation samples them, and their logits."""
     from lowmem_grpo.sampling.engine import Calculator, sample_rows
     from lowmem_grpo.sampling.generate import fast_sampling, inference_mode
 
@@ -311,8 +311,7 @@ def through_engine(model: Any, tokenizer: Any, prompts: list[list[int]], max_new
 
 
 def context_effect(model: Any, prompts: list[list[int]]) -> float:
-    """How far the first logits move when each row sees only its last prompt token: the size of what attention over
-    the cache contributes, which a broken cache would get wrong."""
+    """How far the first logits move when each row sees only its last prompt token."""
     import torch
 
     from lowmem_grpo.sampling.generate import inference_mode
@@ -325,11 +324,10 @@ def context_effect(model: Any, prompts: list[list[int]]) -> float:
 
 
 def compare(model: Any, tokenizer: Any, max_new_tokens: int = 24, tolerance: float = 0.5) -> dict[str, Any]:
-    """The engine against the model's own generate on the script's prompts (module docstring): the numbers, and
-    `ok` when tokens and forced tokens agree, the calculator fired, rows ended early and one ran out, the largest
-    logit difference is within `tolerance`, and the context moves the logits by 4 tolerances at least (so a decode
-    loop that lost the cache would fail it)."""
-    prompts = prompt_ids(tokenizer)
+    """The engine against the model's own generate on the script's prompts; `ok` when tokens and forced tokens
+    agree, the calculator fired, rows ended early and ran out, the logits agree within `tolerance` and the context
+    moves them by 4 tolerances at least (a lost cache would fail it)."""
+    prompts = [tokenizer.convert_tokens_to_ids(p) for p in PROMPTS]
     ref = reference(model, tokenizer, prompts, max_new_tokens)
     eng = through_engine(model, tokenizer, prompts, max_new_tokens)
     diffs = [float((a - b).abs().max()) for ra, rb in zip(eng["logits"], ref["logits"]) for a, b in zip(ra, rb)]

@@ -2,17 +2,10 @@
 
     flock /tmp/heavy.lock .venv-vllm/bin/python benchmarks/vllm_cpu.py --run RUN_DIR --dtypes bfloat16 float32
 
-RUN_DIR: a run of recipes/smollm2_135m_arith_cpu.py (its primed_adapter/ and its trained adapter/, or newest
-checkpoint). Per dtype, in one process: the embedded SmolLM2-135M with the trained adapter (PEFT, as GRPO holds it)
-and a vLLM engine on the base model (lowmem_grpo.sampling.vllm_engine, as train.vllm_sampling starts it), then
-- speed: --prompts training prompts x --samples completions of up to --tokens tokens at --temperature, with the
-  calculator (the demo's rollout), through the engine (merged LoRA weights, as GRPO samples) and through vLLM with
-  the trained adapter as a LoRARequest (the calculator's rounds); completion tokens / wall seconds, best of
-  --repeats, and each engine's start time;
-- the sampler check's figures (lowmem_grpo.sampling.sampler_check): |sampler - policy| log-prob, mean and max over
-  the sampled tokens, where the policy is the trained adapter and vLLM samples with the trained adapter (the
-  correct path), with none (the base weights) and with the primed adapter (a stale one).
-Prints one table per dtype and the load average.
+RUN_DIR: a run of the CPU default. Per dtype: speed (completion tokens / wall s, best of --repeats, and start time)
+of --prompts x --samples calculator rollouts through the engine (merged LoRA) and through vLLM (the trained adapter
+as a LoRARequest); and the sampler check's |sampler - policy| log-prob (mean, max) with vLLM sampling under the
+trained adapter, none, and the primed one (stale). Prints one table per dtype and the load average.
 """
 
 from __future__ import annotations
@@ -27,12 +20,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = str(REPO / "recipes" / "smollm2_135m_arith_cpu.py")
-
-
-def prompts(recipe: Any, tokenizer: Any, count: int) -> list[str]:
-    from lowmem_grpo.data import load_train_rows, recipe_examples
-
-    return [ex["prompt"] for ex in recipe_examples(load_train_rows(recipe.data), tokenizer, recipe.data)[:count]]
 
 
 def vllm_rows(llm: Any, tokenizer: Any, ids: list[list[int]], request: Any, args: argparse.Namespace,
@@ -57,8 +44,7 @@ def engine_rows(model: Any, tokenizer: Any, ids: list[list[int]], args: argparse
 
 def timed(fn: Any, repeats: int) -> tuple[float, int]:
     """(best tokens/s, completion tokens) of `repeats` calls of fn() -> rows."""
-    best = 0.0
-    tokens = 0
+    best, tokens = 0.0, 0
     for _ in range(repeats):
         start = time.perf_counter()
         rows = fn()
@@ -73,6 +59,7 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowmem_grpo.backends import locate_model
+    from lowmem_grpo.data import load_train_rows, recipe_examples
     from lowmem_grpo.evaluation.command import find_adapter
     from lowmem_grpo.recipe_io import load_recipe
     from lowmem_grpo.sampling.sampler_check import SamplerCheck, figures, policy_logprobs
@@ -86,8 +73,8 @@ def run_dtype(dtype: str, args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)),
                                       str(trained)).eval()
-    ids = [p for p in tokenizer(text=prompts(recipe, tokenizer, args.prompts))["input_ids"]
-           for _ in range(args.samples)]
+    examples = recipe_examples(load_train_rows(recipe.data), tokenizer, recipe.data)[:args.prompts]
+    ids = [p for p in tokenizer(text=[ex["prompt"] for ex in examples])["input_ids"] for _ in range(args.samples)]
     start = time.perf_counter()
     llm = start_engine(EngineSpec(path, dtype, recipe.model.max_seq_length, max_lora_rank=adapter_rank(trained),
                                   max_num_seqs=len(ids)))

@@ -82,7 +82,7 @@ def test_three_stages_differences_outcomes_and_a_rerun_that_reuses_them(gain, ru
             diff = summary["differences"][pair][metric]
             assert diff["low"] <= diff["diff"] <= diff["high"]
     printed = capsys.readouterr().out
-    assert "| primed->trained |" in printed and "| wrong_operation / wrong |" in printed
+    assert "| primed->trained |" in printed and "| wrong_operation / wrong | all problems |" in printed
     # the default eval split holds seen and held-out wording, half each: both, side by side
     assert data["problem_wording"] == ["seen", "heldout"] * 2
     assert summary["wording"]["num_problems"] == {"seen": 2, "heldout": 2}
@@ -129,9 +129,11 @@ def test_the_table_pairs_the_stages_and_counts_wrong_operations(gain, tmp_path):
     assert saved["wrong_operation_share"] == {"base": 1.0, "primed": 1.0, "trained": 1.0}
     assert saved["summary"]["outcomes"]["trained"]["correct"] == 0.75
     text = gain.table(saved)
-    assert "| stage | strict_accuracy | mean@2 | pass@2 | strict_format_rate |" in text
+    # report.md's stage tables, and each stage's wrong-operation share
+    assert "| stage | greedy strict accuracy | greedy strict format | mean@2 (T 0.7) | pass@2 (T 0.7) |" in text
     assert "| trained | 0.750 [" in text and "| primed->trained | +0.750 [" in text
-    assert "| wrong_operation | 1.000 | 1.000 | 0.250 |" in text
+    assert "(`wrong_operation`) | 100% | 100% | 25% |" in text
+    assert "| wrong_operation / wrong | all problems |\n" in text and text.endswith("| trained | 1.000 |")
     assert "By wording" not in text  # no wording known: no wording tables
 
     # with the problems' wording: each stage on seen and held-out wording, and the wrong-operation share of each
@@ -146,7 +148,8 @@ def test_the_table_pairs_the_stages_and_counts_wrong_operations(gain, tmp_path):
     text = gain.table(saved)
     assert "| stage | greedy: seen | greedy: held-out | mean@2 (T 0.7): seen | mean@2 (T 0.7): held-out |" in text
     assert "| trained | 1.000 [1.000, 1.000] | 0.500 [" in text
-    assert "| wrong_operation / wrong | seen | held-out |" in text and "| trained | - | 1.000 |" in text
+    assert "| wrong_operation / wrong | all problems | seen | held-out |" in text
+    assert "| trained | 1.000 | - | 1.000 |" in text
     results.data["problem_wording"] = ["seen", "heldout"]  # of other problems: left out, not an error
     results.write(seed=0)
     assert "wording" not in json.loads((tmp_path / "g.json").read_text())["summary"]

@@ -37,22 +37,21 @@ def as_dict(overrides: list[str]) -> dict[str, str]:
 
 def test_every_variant_is_a_valid_recipe_one_change_from_the_base(sweep, tmp_path):
     adapter = tmp_path / "prime" / "primed_adapter"
-    base = as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path / "b", steps=30,
-                                       problems=100, samples=4, primed_adapter=adapter))
+    common = dict(problems=100, samples=4, primed_adapter=adapter)
+    base = as_dict(sweep.overrides_for(sweep.variant_by_name("base"), steps=30, **common))
     assert base["lora.init_adapter"] == str(adapter) and base["prime.enabled"] == "false"
     assert base["train.eval.stage.stages"] == "[trained]"  # the primed stage is measured once, by the priming run
-    assert base["train.beta"] == "0.04"
+    assert base["train.beta"] == "0.04" and "output.dir" not in base  # the runner gives each run its folder
     for steps in (25, 30, 60, 150):  # exactly 2 warm-up steps as the trainer rounds a ratio (up)
-        ratio = float(as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path, steps=steps,
-                                                  problems=100, samples=4, primed_adapter=adapter))["train.warmup_ratio"])
+        ratio = float(as_dict(sweep.overrides_for(sweep.variant_by_name("base"), steps=steps,
+                                                  **common))["train.warmup_ratio"])
         assert math.ceil(steps * ratio) == 2, steps
     names = [v.name for v in sweep.VARIANTS]
     assert len(names) == len(set(names)) and names[0] == "base"
     for variant in sweep.VARIANTS:
-        overrides = sweep.overrides_for(variant, run_dir=tmp_path / variant.name, steps=30, problems=100,
-                                        samples=4, primed_adapter=adapter)
+        overrides = sweep.overrides_for(variant, steps=30, **common)
         values = as_dict(overrides)
-        changed = {k for k in values if values[k] != base.get(k)} - {"output.dir"}
+        changed = {k for k in values if values[k] != base.get(k)}
         assert set(variant.overrides) <= changed, variant.name
         derived = {"train.warmup_ratio", "train.save_steps", "lora.init_adapter", "prime.enabled",
                    "train.eval.stage.stages"}
@@ -60,25 +59,43 @@ def test_every_variant_is_a_valid_recipe_one_change_from_the_base(sweep, tmp_pat
         if variant.primes:  # a priming change primes anew and is compared with its own primed stage
             assert "lora.init_adapter" not in values and values["train.eval.stage.stages"] == "[primed,trained]"
         validate(load_recipe(sweep.RECIPE, [o for o in overrides if not o.startswith("lora.init_adapter=")]))
-    measured = as_dict(sweep.overrides_for(sweep.variant_by_name("base"), run_dir=tmp_path, steps=30, problems=100,
-                                           samples=4, primed_adapter=adapter, measure_start=True))
-    assert measured["train.eval.stage.stages"] == "[start,trained]"  # the base variant measures the shared start
-    steps60 = as_dict(sweep.overrides_for(sweep.variant_by_name("steps60"), run_dir=tmp_path, steps=30,
-                                          problems=100, samples=4, primed_adapter=adapter))
+    steps60 = as_dict(sweep.overrides_for(sweep.variant_by_name("steps60"), steps=30, **common))
     assert math.ceil(60 * float(steps60["train.warmup_ratio"])) == 2 and steps60["train.save_steps"] == "60"
-    prime = as_dict(sweep.overrides_for(None, run_dir=tmp_path, steps=30, problems=100, samples=4,
-                                        primed_adapter=None))
+    prime = as_dict(sweep.overrides_for(None, steps=30, problems=100, samples=4, primed_adapter=None))
     assert prime["train.max_steps"] == "1" and prime["train.eval.stage.stages"] == "[primed]"
     with pytest.raises(ValueError, match="primed adapter"):
-        sweep.overrides_for(sweep.variant_by_name("lr1e-4"), run_dir=tmp_path, steps=30, problems=100, samples=4,
-                            primed_adapter=None)
+        sweep.overrides_for(sweep.variant_by_name("lr1e-4"), steps=30, problems=100, samples=4, primed_adapter=None)
 
 
-def test_a_rerun_skips_finished_variants_only(sweep, tmp_path):
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "base.json").write_text("{}")
-    (tmp_path / "runs" / "beta0").mkdir(parents=True)  # started, interrupted: no result file
-    assert sweep.pending(tmp_path, ["base", "beta0", "lr1e-4"]) == ["beta0", "lr1e-4"]
+def test_the_sweep_is_a_queue_that_primes_first_and_a_rerun_skips_what_finished(sweep, tmp_path):
+    args = argparse.Namespace(steps=30, problems=100, samples=4)
+    queue = sweep.sweep_queue(tmp_path, args)
+    assert [c["name"] for c in queue] == ["prime"] + [v.name for v in sweep.VARIANTS]
+    assert all(c["status"] == "pending" and c["why"] for c in queue)
+    adapter = f"lora.init_adapter={tmp_path / 'runs' / 'prime' / 'primed_adapter'}"
+    assert adapter in queue[1]["overrides"] and adapter not in queue[0]["overrides"]
+    assert not any(o.startswith("lora.init_adapter=") for o in queue[-1]["overrides"])  # prime200 primes itself
+    queue[0]["status"], queue[1]["status"], queue[2]["status"] = "done", "failed", "running"
+    assert sweep.next_pending(queue)["name"] == queue[2]["name"]  # left running by an interrupted session: again
+    assert sweep.next_pending(queue, only="lr1e-4")["name"] == "lr1e-4"
+    assert sweep.next_pending(queue, only="base") is None and sweep.next_pending(queue[:2]) is None
+    sweep.save_queue(tmp_path / "queue.json", queue)
+    assert sweep.load_queue(tmp_path / "queue.json") == queue
+
+
+def test_the_runner_records_a_failed_run_and_moves_on(sweep, tmp_path):
+    """A configuration whose training stops at once (an unknown recipe key: exit 2 before any model loads) is
+    recorded as failed, with its exit code, wall time and log; the steps of a finished run do not run on it."""
+    queue = tmp_path / "queue.json"
+    sweep.save_queue(queue, [{"name": "bad", "why": "x", "status": "pending", "overrides": ["train.no_such_key=1"]},
+                             {"name": "next", "why": "y", "status": "pending", "overrides": []}])
+    called = []
+    entry = sweep.run_next(queue, tmp_path / "runs", [lambda c, run_dir: called.append(c) or {}], lock=[])
+    assert entry["name"] == "bad" and entry["status"] == "failed" and entry["returncode"] == 2 and not called
+    assert entry["wall_s"] >= 0 and entry["peak_rss_bytes"] > 0 and "finished" in entry
+    assert "no_such_key" in (tmp_path / "runs" / "bad.log").read_text()
+    saved = sweep.load_queue(queue)
+    assert saved[0] == entry and saved[1]["status"] == "pending" and sweep.next_pending(saved)["name"] == "next"
 
 
 def test_goal_thirds_informative_share_and_distinct_share(sweep):
@@ -209,16 +226,14 @@ def _run_dir_with_recipe(path: Path, *overrides: str, init_adapter: str | None =
     return path
 
 
-def test_the_reference_runs_adapter_is_read_with_the_recipe_reader(sweep, tmp_path):
+def test_a_run_directorys_recipe_is_read_with_the_recipe_reader(sweep, tmp_path):
     adapter = tmp_path / "primed: #1" / "primed_adapter"  # YAML must quote it
     ref = _run_dir_with_recipe(tmp_path / "ref", init_adapter=str(adapter))
     text = (ref / "recipe.yaml").read_text()
     assert "init_adapter: '" in text or 'init_adapter: "' in text  # quoted (and a long path folded over lines)
-    args = argparse.Namespace(reference_run=str(ref), primed_adapter=None)
-    assert sweep.reference(tmp_path / "sweep", args) == (adapter, ref.resolve() / "stage_eval.json")
-    none = _run_dir_with_recipe(tmp_path / "fresh")
-    with pytest.raises(SystemExit, match="did not start from an adapter"):
-        sweep.reference(tmp_path / "sweep", argparse.Namespace(reference_run=str(none), primed_adapter=None))
+    assert sweep.run_recipe(ref).lora.init_adapter == str(adapter)
+    with pytest.raises(SystemExit, match="holds no recipe.yaml"):
+        sweep.run_recipe(tmp_path)
 
 
 def test_eval_checkpoint_batches_as_the_periodic_evaluation(sweep, tmp_path):

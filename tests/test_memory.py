@@ -379,11 +379,11 @@ def test_fit_to_device_without_cuda_and_the_saved_plan(tmp_path):
 
 def test_gpu_benchmark_tokenizer_and_prompts_have_the_real_sizes(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
-    import memory_gpu
+    import scripted_model
 
-    tokenizer = memory_gpu.build_tokenizer(1000, tmp_path)
+    tokenizer = scripted_model.build_tokenizer(tmp_path, 1000)
     assert len(tokenizer) == 1000 and tokenizer.eos_token_id < 1000
-    memory_gpu.write_rows(tmp_path / "rows.jsonl", 40, count=3)
+    scripted_model.write_rows(tmp_path / "rows.jsonl", count=3, length=40 - scripted_model.PROMPT_OVERHEAD)
     for line in (tmp_path / "rows.jsonl").read_text().splitlines():
         text = tokenizer.apply_chat_template([{"role": "user", "content": json.loads(line)["question"]}],
                                              tokenize=False, add_generation_prompt=True)

@@ -372,8 +372,11 @@ def test_stage_peaks_are_written_in_order_with_their_seconds(tmp_path):
     assert rss.read(tmp_path / "missing.json") is None
 
 
-def test_rss_benchmark_arguments_summary_and_table(tmp_path):
+def test_rss_benchmark_arguments_and_what_it_prints_of_a_run(tmp_path):
     import importlib.util
+
+    from lowmem_grpo.rundir.layout import read_jsonl
+    from lowmem_grpo.rundir.report import memory_lines
 
     spec = importlib.util.spec_from_file_location("cpu_speed", Path(__file__).resolve().parents[1] / "benchmarks"
                                                   / "cpu_speed.py")
@@ -386,7 +389,8 @@ def test_rss_benchmark_arguments_summary_and_table(tmp_path):
     wide = bench.overrides(args, "4x8x64", tmp_path)
     assert "train.per_device_train_batch_size=32" in wide and "train.max_completion_length=64" in wide
     assert wide[-1] == "train.cpu.fast=false" and f"output.dir={tmp_path}" in wide
-    # a run directory as train() leaves it: peak_rss.json and the rss/<phase> keys of the GRPO steps
+    # a run directory as train() leaves it: peak_rss.json and the rss/<phase> keys of the GRPO steps; the benchmark
+    # prints its memory tables as report.md has them
     (tmp_path / "peak_rss.json").write_text(json.dumps({"sample_seconds": 0.01, "stages": [
         {"stage": "load", "peak_rss_bytes": 2**30, "exact": False, "seconds": 3.0},
         {"stage": "grpo", "peak_rss_bytes": 3 * 2**30, "exact": True, "seconds": 30.0}]}))
@@ -394,16 +398,9 @@ def test_rss_benchmark_arguments_summary_and_table(tmp_path):
         {"stage": "prime", "step": 1, "rss/backward": 9.0},
         {"stage": "grpo", "step": 1, "rss/generation": 1.5, "rss/backward": 2.5},
         {"stage": "grpo", "step": 2, "rss/generation": 1.75, "rss/backward": 2.25}]) + "\n")
-    got = bench.summary(tmp_path)
-    assert got["stages"] == {"load": 2**30, "grpo": 3 * 2**30} and got["sampled"] == ["load"]
-    assert got["phases"] == {"generation": 1.75 * 2**30, "backward": 2.5 * 2**30}  # GRPO steps only, the largest
-    text = bench.table([{"load": "default", **got, "process_peak": 3.25 * 2**30, "seconds": 40.0,
-                         "loadavg": [1.5, 2.0], "command": "lowmem-grpo train x", "returncode": 0}])
-    lines = text.splitlines()
-    assert lines[0].split() == ["peak", "RSS", "GiB", "default"]
-    assert lines[1].split() == ["load", "~1.00"] and lines[2].split() == ["grpo", "3.00"]
-    assert lines[3].split() == ["grpo:", "generation", "1.75"] and lines[4].split() == ["grpo:", "backward", "2.50"]
-    assert "3.25" in lines[5] and "1.5/2.0" in text and "default: lowmem-grpo train x" in text
+    lines = memory_lines(tmp_path, read_jsonl(tmp_path / "metrics.jsonl"))
+    assert "| load | ~1.00 | 3 |" in lines and "| grpo | 3.00 | 30 |" in lines  # sampled (~) or exact
+    assert lines[-1].endswith(": backward 2.50, generation 1.75")  # GRPO steps only, the largest
 
 
 _MMAP_PROBE = """

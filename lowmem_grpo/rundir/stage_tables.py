@@ -1,5 +1,5 @@
-"""report.md's tables of stage_eval.json: what each stage bought, what the answers got wrong, by wording and by
-number of calculations (`wording_lines` and `steps_lines` are also printed by benchmarks/calculator_gain.py).
+"""report.md's tables of stage_eval.json (`summary_lines`, also printed by benchmarks/calculator_gain.py): what each
+stage bought, what the answers got wrong, by wording and by number of calculations.
 """
 
 from __future__ import annotations
@@ -110,9 +110,13 @@ def stage_lines(run_dir: Path) -> list[str]:
     """report.md's tables of stage_eval.json; [] when the run measured no stage."""
     path = run_dir / layout.STAGE_EVAL_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return summary_lines(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, json.JSONDecodeError):
         return []
+
+
+def summary_lines(data: dict[str, Any]) -> list[str]:
+    """The tables of a stage summary (stage_eval.json's fields); [] without stages."""
     stages, diffs = data.get("stages") or {}, data.get("differences") or {}
     if not stages:
         return []
