@@ -9,7 +9,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lowmem_grpo import distributed
@@ -112,13 +112,6 @@ class PreflightResult:
         return (f"the goal reward {self.goal} varies in {n - round(self.goal_frac_zero_std * n)} of {n} prompt "
                 f"groups ({self.goal_share:.0%}), the weighted total in {total} ({self.total_share:.0%})")
 
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(no_signal=self.no_signal, format_only=self.format_only, weak_goal=self.weak_goal,
-                    weak_total=self.weak_total, goal_frac_zero_std=self.goal_frac_zero_std,
-                    goal_share=self.goal_share, total_share=self.total_share)
-        return data
-
 
 def _std(values: list[float]) -> float:
     finite = [v for v in values if math.isfinite(v)]
@@ -163,9 +156,8 @@ def preflight_examples(recipe: Recipe, examples: list[dict[str, Any]], n_prompts
                        primed: bool = True) -> list[dict[str, Any]]:
     """n_prompts examples priming did not train on (`primed`: whether it did), in spread_order seeded by train.seed
     and stratified by level; when too few are left, the rest from the primed ones, with a warning."""
-    prime = getattr(recipe, "prime", None)
-    seen = primed_count(len(examples), prime.num_examples) if primed and prime is not None and prime.enabled else 0
-    generated = getattr(recipe.data, "source", None) == "generated"
+    seen = primed_count(len(examples), recipe.prime.num_examples) if primed and recipe.prime.enabled else 0
+    generated = recipe.data.source == "generated"
 
     def spread(pool: list[dict[str, Any]]) -> list[dict[str, Any]]:
         levels = [(ex.get("level") or level_of(ex["question"], ex["solution"])) if generated else 0 for ex in pool]
@@ -235,14 +227,13 @@ def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]
 def goal_fixes(recipe: Recipe) -> list[str]:
     """The likely fixes when the goal is what is short, most effective first."""
     t, d = recipe.train, recipe.data
-    prime = getattr(recipe, "prime", None)
     easier = ("easier problems: a lower data.generated.levels (now " + d.generated.levels + ")"
               if d.source == "generated" else "easier problems (data.source=generated, data.generated.levels=1)")
     return [
         easier,
         f"sample more completions per prompt: train.num_generations={max(2 * t.num_generations, 8)} "
         f"(now {t.num_generations}), so that a rare right answer lands in a group",
-        "prime on more worked solutions (prime.num_examples, prime.max_steps)" if prime is not None and prime.enabled
+        "prime on more worked solutions (prime.num_examples, prime.max_steps)" if recipe.prime.enabled
         else "prime on worked solutions first: prime.enabled=true",
         f"sample closer to the greedy answer: a lower train.temperature (now {t.temperature})",
     ]
@@ -254,9 +245,8 @@ def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
     if result is not None and result.goal_share is not None and (result.goal_share > 0
                                                                  or result.total_share >= WEAK_SHARE):
         return goal_fixes(recipe)
-    t, d = recipe.train, recipe.data
-    prime = getattr(recipe, "prime", None)
-    if prime is not None and getattr(prime, "enabled", False):
+    t, d, prime = recipe.train, recipe.data, recipe.prime
+    if prime.enabled:
         priming = (f"prime the format for longer: prime.max_steps={2 * prime.max_steps} (now {prime.max_steps}), "
                    "or on more examples (prime.num_examples)")
     else:
@@ -308,18 +298,17 @@ def render(result: PreflightResult, recipe: Recipe) -> str:
                          "GRPO learns only from reward differences inside a group, so training would learn little "
                          "or nothing.")
         lines.append("Likely fixes, most effective first:")
-        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
-        lines.append("Train anyway with train.preflight.allow_no_signal=true.")
-        return "\n".join(lines) + "\n"
-    if result.weak:
+    elif result.weak:
         lines.append(f"WEAK SIGNAL: {result.shares()}; fewer than {WEAK_SHARE:.0%} informative. GRPO learns from "
                      "the varying groups only: training goes on, more slowly"
                      + (", and with most of the signal in the format it may learn the format instead of the answers"
                         if result.weak_goal and not result.weak_total else "") + ".")
         lines.append("To give it more signal, most effective first:")
-        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
-        return "\n".join(lines) + "\n"
-    lines.append(f"ok: {result.shares()}; GRPO has a signal to learn from.")
+    else:
+        return "\n".join([*lines, f"ok: {result.shares()}; GRPO has a signal to learn from."]) + "\n"
+    lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
+    if result.no_signal:
+        lines.append("Train anyway with train.preflight.allow_no_signal=true.")
     return "\n".join(lines) + "\n"
 
 

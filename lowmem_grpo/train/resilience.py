@@ -4,6 +4,7 @@ and keeps the run's policy and KL reference adapters across every trainer it bui
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import logging
@@ -80,19 +81,6 @@ class SignalGuard:
         return self.signum
 
 
-def write_report_safely(run_dir: Path) -> Path | None:
-    """report.md and plots (rank 0); a warning when they cannot be written."""
-    if not distributed.is_main_process():
-        return None
-    try:
-        path = write_report(run_dir)
-    except Exception as exc:  # noqa: BLE001 - the checkpoint matters, the report is a convenience
-        log.warning("could not write the report: %s: %s", type(exc).__name__, exc)
-        return None
-    log.info("report: %s", path)
-    return path
-
-
 def _snapshot(model: Any) -> dict[str, Any] | None:
     """CPU copies of the trainable parameters, the restart point of a retry with no checkpoint yet; None off CUDA."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -112,13 +100,10 @@ def _restore(model: Any, snapshot: dict[str, Any]) -> None:
 
 def release(trainer: Any) -> None:
     """Drop what a failed trainer holds on the GPU: its generation batch, accelerate's objects, the optimizer."""
-    drop = getattr(trainer, "drop_generation_batch", None)
-    if drop is not None:
-        drop()
-    try:
+    if hasattr(trainer, "drop_generation_batch"):
+        trainer.drop_generation_batch()
+    with contextlib.suppress(Exception):  # best effort; the references are dropped anyway
         trainer.accelerator.free_memory()
-    except Exception:  # noqa: BLE001 - best effort; the references are dropped anyway
-        pass
     trainer.optimizer = trainer.lr_scheduler = None
 
 
@@ -133,16 +118,6 @@ def reset_unsloth_state(model: Any, modules: Any = None) -> None:
         checkpointing.reset_unsloth_gradient_checkpointing_buffers()
     if hasattr(model, "for_training"):
         model.for_training(use_gradient_checkpointing=getattr(model, "_unsloth_gradient_checkpointing", None))
-
-
-def free_memory(model: Any) -> None:
-    """Gradients dropped, garbage collected, the CUDA cache emptied."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _disk_full(exc: OSError, run_dir: Path, step: int) -> DiskFullError:
@@ -163,10 +138,6 @@ def _oom_stop(run_dir: Path, step: int, phase: str, retries: list[str], limit: i
         fix=f"lower memory in {run_dir / layout.RECIPE_FILE} (model.load_in_4bit=true, a smaller "
             f"train.max_completion_length, train.num_generations or lora.r; train.memory.oom_retries={limit} now) and "
             f"continue with {_resume_hint(run_dir)}, or see `lowmem-grpo plan`")
-
-
-def _checkpoint_step(folder: Path) -> int:
-    return int(Path(folder).name[len(layout.CHECKPOINT_PREFIX):])
 
 
 REFERENCE_ADAPTER = "ref"
@@ -212,16 +183,6 @@ class RunAdapters:
         elif checkpoint is not None:
             log.warning("%s holds no %s/ adapter: the KL reference is the checkpoint's policy, not the run's original",
                         Path(checkpoint).name, REFERENCE_ADAPTER)
-
-
-def _finished_trainer(trainer: Any, checkpoint: Path) -> Any:
-    """The trainer with the final checkpoint's state and no step to train (transformers would train one past
-    max_steps)."""
-    from transformers import TrainerState
-
-    trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
-    log.info("%s is the final step: saving its adapter, nothing to train", Path(checkpoint).name)
-    return trainer
 
 
 def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[str, str] | None:
@@ -271,8 +232,13 @@ class OomRetries:
         lowering = oom.lower(recipe, use_planner=self.use_planner, phase=phase)
         if lowering is None:
             raise _oom_stop(run_dir, step, phase, self.tried, limit, "every memory setting is already at its floor")
+        import torch
+
         reset_unsloth_state(self.model)
-        free_memory(self.model)
+        self.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         last = checkpoints.last_complete(run_dir)
         main = distributed.is_main_process()
         if main:
@@ -297,7 +263,11 @@ def _stop_if_interrupted(guard: SignalGuard, trainer: Any, run_dir: Path) -> Non
     state = trainer.state
     if guard.signum is None or state.global_step >= state.max_steps:
         return
-    write_report_safely(run_dir)
+    if distributed.is_main_process():
+        try:
+            log.info("report: %s", write_report(run_dir))
+        except Exception as exc:  # noqa: BLE001 - the checkpoint matters, the report is a convenience
+            log.warning("could not write the report: %s: %s", type(exc).__name__, exc)
     raise InterruptedRun(f"interrupted by {signal.Signals(guard.signum).name}: stopped after step "
                          f"{state.global_step} of {state.max_steps}; last complete checkpoint: "
                          f"{_last_complete_text(run_dir)}",
@@ -311,10 +281,16 @@ def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: 
 
     run_dir = Path(run_dir)
     adapters = RunAdapters(model)
-    if resume_from is not None and _checkpoint_step(resume_from) >= recipe.train.max_steps:
+    step = int(Path(resume_from).name[len(layout.CHECKPOINT_PREFIX):]) if resume_from is not None else 0
+    if resume_from is not None and step >= recipe.train.max_steps:
+        # transformers would train one step past max_steps: only adapter/ and the report are left to write
+        from transformers import TrainerState
+
         trainer = build(recipe)
         adapters.after_build(resume_from)
-        return _finished_trainer(trainer, resume_from)  # only adapter/ and the report were left to write
+        trainer.state = TrainerState.load_from_json(str(Path(resume_from) / "trainer_state.json"))
+        log.info("%s is the final step: saving its adapter, nothing to train", Path(resume_from).name)
+        return trainer
     retries = OomRetries(run_dir, model, fresh_start=resume_from is None, use_planner=use_planner)
     with SignalGuard() as guard:
         while True:
