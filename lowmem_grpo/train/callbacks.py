@@ -324,10 +324,9 @@ class PhaseTimer(TrainerCallback):
 
     def open(self, phase: str) -> None:
         """Start timing `phase` (and watching its RSS peak) until `close(phase)`."""
-        self._drop(phase)  # one left open (a loss computed outside a training step) is not counted
-        watch = rss.Watch()
-        watch.__enter__()
-        self.opened[phase] = (self.clock.mark(), watch)
+        if phase in self.opened:  # one left open (a loss computed outside a training step) is not counted
+            self.opened.pop(phase)[1].__exit__(None, None, None)
+        self.opened[phase] = (self.clock.mark(), rss.Watch().__enter__())
 
     def close(self, phase: str) -> None:
         if phase not in self.opened:
@@ -344,10 +343,6 @@ class PhaseTimer(TrainerCallback):
             yield
         finally:
             self.close(phase)
-
-    def _drop(self, phase: str) -> None:
-        if phase in self.opened:
-            self.opened.pop(phase)[1].__exit__(None, None, None)
 
     def count_tokens(self, tokens: int) -> None:
         self.tokens += tokens

@@ -51,9 +51,9 @@ def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime) -> Any:
 
 
 def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Recipe, run_dir: Path,
-          runtime: Runtime, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+          runtime: Runtime) -> None:
     """Train `model`'s LoRA adapter in place on the rendered targets and save it to RUN_DIR/primed_adapter; metrics
-    go to metrics.jsonl (stage "prime"). Returns steps, examples, seconds, first and last logged loss."""
+    go to metrics.jsonl (stage "prime")."""
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
     from trl import SFTTrainer  # Unsloth's patched one once Unsloth is imported
@@ -67,7 +67,7 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     config = build_sft_config(recipe, run_dir, runtime)
     trainer = (CpuSafeSFTTrainer if runtime.trainer == "cpu" else SFTTrainer)(
         model=model, args=config, train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
-        callbacks=[TelemetryCallback(run_dir, layout.PRIME_STAGE, []), *callbacks])
+        callbacks=[TelemetryCallback(run_dir, layout.PRIME_STAGE, [])])
     trainer.remove_callback(PrinterCallback)
     log.info("priming %d steps on %d rendered solutions (lr %.1e)", config.max_steps, len(pairs),
              config.learning_rate)
@@ -78,13 +78,6 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     if trainer.is_world_process_zero():  # one writer under a multi-process launch
         model.save_pretrained(str(adapter_dir))
         tokenizer.save_pretrained(str(adapter_dir))
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    summary = {"steps": trainer.state.global_step, "examples": len(pairs), "seconds": seconds,
-               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
-    log.info("primed %d steps in %.0f s (loss %s -> %s); adapter saved to %s", summary["steps"], seconds,
-             _fmt(summary["first_loss"]), _fmt(summary["last_loss"]), adapter_dir)
-    return summary
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+    losses = [f'{h["loss"]:.3f}' for h in trainer.state.log_history if "loss" in h] or ["-"]
+    log.info("primed %d steps in %.0f s (loss %s -> %s); adapter saved to %s", trainer.state.global_step, seconds,
+             losses[0], losses[-1], adapter_dir)
