@@ -29,8 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class TelemetryCallback(TrainerCallback):
-    """Each log as a metrics.jsonl line of its stage (with the recorder's collapse statistics), the console line and
-    health warnings (`goal`: the goal reward's name); flushes the recorder at each step end."""
+    """Each log as a metrics.jsonl line and the console line, with health warnings; flushes the recorder."""
 
     def __init__(self, run_dir: Path, stage: str, reward_names: list[str], recorder: Any = None,
                  goal: str | None = None) -> None:
@@ -69,8 +68,7 @@ class TelemetryCallback(TrainerCallback):
 
 
 class SamplerCheckCallback(TrainerCallback):
-    """The sampler check on the logs: TRL's own vLLM figures judged, or the rollout's figures added to the step's log
-    (it runs before the telemetry callback, which writes them)."""
+    """The sampler check: TRL's vLLM figures judged, or the rollout's figures added to the step's log."""
 
     def __init__(self, check: SamplerCheck) -> None:
         self.check = check
@@ -95,8 +93,7 @@ def _barrier() -> None:
 
 
 class CompleteCheckpoints(TrainerCallback):
-    """Marks each saved checkpoint complete, keeps the newest `save_total_limit` complete ones, and turns a pending
-    signal (`guard`) into a save and a stop at the step's end."""
+    """Marks saved checkpoints complete, rotates them, and turns a pending signal into a save and a stop."""
 
     def __init__(self, run_dir: Path, save_total_limit: int | None, guard: Any) -> None:
         self.run_dir = Path(run_dir)
@@ -120,8 +117,7 @@ class CompleteCheckpoints(TrainerCallback):
 
 
 class SamplingStateCallback(TrainerCallback):
-    """Saves the SamplingState into each checkpoint and restores it when training starts from one (step 0 resets
-    it); it runs before CompleteCheckpoints, so the marker lists its file."""
+    """Saves the SamplingState into each checkpoint and restores it when training starts from one."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
@@ -145,8 +141,7 @@ class SamplingStateCallback(TrainerCallback):
 
 
 class PeriodicEvalCallback(TrainerCallback):
-    """Held-out evaluation every train.eval.every steps (greedy, and k samples with train.eval.samples = k):
-    eval/<metric> lines in metrics.jsonl, each problem's values in eval_steps.jsonl. Training's RNG is untouched."""
+    """Held-out evaluation every train.eval.every steps into metrics.jsonl and eval_steps.jsonl."""
 
     def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path, cpu: CpuPaths = CpuPaths()) -> None:
         self.train = recipe.train
@@ -187,8 +182,7 @@ SKIPPED_STEP_KEY = "optimizer/skipped_no_signal"
 
 
 def carries_signal(inputs: Any) -> bool:
-    """Whether a GRPO micro-batch has a completion with a nonzero advantage and tokens in the loss (no advantages:
-    taken to have signal)."""
+    """Whether a GRPO micro-batch has a completion with a nonzero advantage and tokens in the loss."""
     advantages = inputs.get("advantages") if isinstance(inputs, dict) else None
     if advantages is None:
         return True

@@ -14,8 +14,7 @@ from lowmem_grpo.sampling.attention import cpu_attention
 
 
 class CompletionLogits(NamedTuple):
-    """The logits scoring each row's completion tokens (position t scores token t), the token positions the model
-    ran, and whether rows shared a prompt forward."""
+    """The logits scoring each row's completion tokens and the token positions the model ran."""
 
     logits: torch.Tensor
     tokens_forwarded: int
@@ -41,8 +40,7 @@ def checkpointing_active(model: Any) -> bool:
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   prompt_length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(first, inverse): the first row of each distinct prompt part (ids + mask), in order of appearance, and each
-    row's index into `first`; None when no two rows share one."""
+    """(first row of each distinct prompt part, each row's index into it); None when no two rows share one."""
     if prompt_length <= 0 or input_ids.size(0) < 2:
         return None
     key = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length].to(input_ids.dtype)], dim=1)
@@ -60,8 +58,7 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def completion_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                       share: bool = True) -> CompletionLogits:
-    """The logits scoring the last `logits_to_keep` tokens of each row (prompt + completion); with `share`, rows with
-    the same prompt part share one prompt forward, else the full rows run."""
+    """The logits scoring each row's last `logits_to_keep` tokens; with `share`, one forward per prompt."""
     prompt_length = input_ids.size(1) - logits_to_keep
     groups = prompt_groups(input_ids, attention_mask, prompt_length) if share else None
     if groups is None:
@@ -88,8 +85,7 @@ decides how rows are grouped."""
 
 def row_chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None,
                share: bool, forward_cost: int = FORWARD_COST) -> list[torch.Tensor]:
-    """The rows of each forward of the pass: with gradients `batch_size` rows at a time, as TRL slices them; without,
-    grouped (whole prompt groups with `share`) for the fewest token positions, a forward costing `forward_cost`."""
+    """The rows of each forward: TRL's slices with gradients, else the grouping of fewest token positions."""
     rows = input_ids.size(0)
     index = torch.arange(rows, device=input_ids.device)
     if torch.is_grad_enabled():
@@ -104,8 +100,7 @@ def row_chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_
 
 def _cheapest_runs(units: list[torch.Tensor], lengths: torch.Tensor, per_row: int,
                    per_chunk: int) -> list[torch.Tensor]:
-    """`units` (rows that stay together) in the chunks of least total cost, a chunk costing `per_chunk` + rows x
-    (`per_row` + its longest length): sorted by their longest, the cheapest cut into consecutive runs."""
+    """`units` in the chunks of least cost: sorted by their longest, the cheapest cut into runs."""
     units = sorted(units, key=lambda u: int(lengths[u].max()))
     longest = [int(lengths[u].max()) for u in units]
     best, cut = [0] + [None] * len(units), [0] * (len(units) + 1)
@@ -127,11 +122,6 @@ def completion_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
     """Each row's last attended completion column, + 1 (0 for a row that attends to none)."""
     columns = torch.arange(1, completion_mask.size(1) + 1, device=completion_mask.device)
     return (completion_mask * columns).amax(dim=1)
-
-
-def attended_columns(completion_mask: torch.Tensor) -> int:
-    """The completion columns up to the last one any row attends to (at least one, so a loss keeps its graph)."""
-    return max(1, int(completion_lengths(completion_mask).max()))
 
 
 class _RowLogSoftmax(torch.autograd.Function):
@@ -171,8 +161,7 @@ class _RowLogSoftmax(torch.autograd.Function):
 
 def completion_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float, compute_entropy: bool = False,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs of `targets` under `logits` / temperature (and entropies), bitwise TRL's, row at a time; an
-    entropy that needs a gradient (TRL's entropy bonus) takes the whole-tensor path."""
+    """Per-token log-probs of `targets` under `logits` / temperature (and entropies), bitwise TRL's."""
     if compute_entropy and entropy_grad and torch.is_grad_enabled():
         scaled = logits.float() / temperature
         return selective_log_softmax(scaled, targets), entropy_from_logits(scaled)
@@ -192,7 +181,8 @@ def logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: tor
     chunks = row_chunks(input_ids, attention_mask, logits_to_keep, batch_size, share)
     all_logps, all_entropies, forwarded = [], [], 0
     for rows in chunks:
-        kept = attended_columns(attention_mask[rows, prompt_width:])
+        # up to the last column any row attends to, at least one (so a loss keeps its graph): the rest is padding
+        kept = max(1, int(completion_lengths(attention_mask[rows, prompt_width:]).max()))
         ids, mask = input_ids[rows, :prompt_width + kept], attention_mask[rows, :prompt_width + kept]
         # a checkpointed layer recomputes in the backward, outside this block: its attention must be the same
         with autocast(), cpu_attention(model, attention and not checkpointed):

@@ -89,8 +89,7 @@ class PassRates:
 
 
 class Curriculum:
-    """The current level: the lowest of `levels` first, up one when the pass rate over the last `window` completions
-    on it reaches `promote_at`."""
+    """The current level: up one when the recent pass rate on it reaches `promote_at`."""
 
     def __init__(self, levels: Sequence[int], promote_at: float, window: int) -> None:
         if not levels:
@@ -134,8 +133,7 @@ class Curriculum:
 
 
 def weighted_sample(pool: Sequence[int], weights: Sequence[float], k: int, rng: random.Random) -> list[int]:
-    """k distinct items of `pool` drawn by `weights` (Efraimidis-Spirakis keys); a pool smaller than k: all of it and
-    draws with replacement for the rest."""
+    """k items of `pool` drawn by `weights` (Efraimidis-Spirakis), with replacement past the pool's size."""
     if len(pool) <= k:
         extra = rng.choices(list(pool), weights=list(weights), k=k - len(pool)) if pool else []
         return list(pool) + extra
@@ -217,8 +215,7 @@ class SamplingState:
 
 
 def prepare_sampling(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], SamplingState | None]:
-    """The GRPO examples (with `problem_id` and `level` columns) and the SamplingState the recipe asks for; the
-    examples unchanged and None when neither dynamic sampling nor a curriculum is on."""
+    """The GRPO examples and the SamplingState the recipe asks for (None when it asks for none)."""
     train, selection = recipe.train, recipe.train.selection
     if not (selection.dynamic_sampling or selection.curriculum):
         return examples, None

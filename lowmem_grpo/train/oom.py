@@ -125,8 +125,7 @@ def lower_by_halving(recipe: Recipe) -> Lowering | None:
 
 
 def lower(recipe: Recipe, use_planner: bool = True, phase: str = "generation") -> Lowering | None:
-    """Lower the memory settings after an OOM in `phase`: the planner when usable, else halving; never a load-time
-    setting (it would be recorded but not take effect)."""
+    """Lower the memory settings after an OOM in `phase`: the planner when usable, else halving."""
     for lowering in ((lower_by_planner(recipe, phase) if use_planner else None), lower_by_halving(recipe)):
         if lowering is not None and not lowering.changes.keys() & LOAD_TIME_KEYS:
             return lowering

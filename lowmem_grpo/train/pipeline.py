@@ -114,8 +114,7 @@ def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None) -> t
 
 def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None,
                cuda: CudaFacts) -> tuple[Recipe, Plan | None]:
-    """The recipe with its non-explicit settings fitted to the GPU's free memory, and the plan (None: unfitted).
-    Auto-fit off or several processes: only the evaluation batch; a resumed run keeps its recipe."""
+    """The recipe fitted to the GPU's free memory (only the eval batch without auto-fit), and the plan."""
     if resume_dir is not None:  # the resumed recipe.yaml holds the batch its first run planned
         return recipe, None
     if recipe.train.memory.auto_fit is False or distributed.world_size() > 1:
@@ -124,8 +123,7 @@ def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None
 
 
 def starting_adapter(recipe: Recipe, model_path: str, resume: checkpoints.ResumePoint | None) -> str | None:
-    """lora.init_adapter, checked against the recipe before any model loads; None for a fresh LoRA or a resumed
-    checkpoint (the trainer loads its weights)."""
+    """lora.init_adapter, checked before any model loads; None for a fresh LoRA or a checkpoint."""
     if not recipe.lora.init_adapter or (resume is not None and resume.checkpoint is not None):
         return None
     return str(check_init_adapter(recipe.lora, recipe.model.name, model_path))
@@ -133,8 +131,7 @@ def starting_adapter(recipe: Recipe, model_path: str, resume: checkpoints.Resume
 
 def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkpoints.ResumePoint | None,
                  plan: Plan | None) -> None:
-    """Rank 0 creates the run directory (recipe.yaml, memory_plan.json when auto-fit ran) or rewinds a resumed one
-    to its checkpoint; env.json either way."""
+    """Rank 0 creates the run directory, or rewinds a resumed one to its checkpoint; env.json either way."""
     if not distributed.is_main_process():
         return
     if resume is None:
@@ -159,8 +156,7 @@ def measure(stages: StageEvals | None, loaded: LoadedModel, stage: str) -> None:
 
 
 def require_reward_signal(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]]) -> Any:
-    """The reward preflight: NoSignalError (exit 3) when GRPO would get no signal, unless
-    train.preflight.allow_no_signal; a thin signal is a warning."""
+    """The reward preflight: NoSignalError (exit 3) when GRPO would get no signal; a thin one warns."""
     check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight.prompts,
                                        refusal_prompts=reward_preflight.PREFLIGHT_MIN_PROMPTS)
     allowed = recipe.train.preflight.allow_no_signal

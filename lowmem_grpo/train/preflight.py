@@ -137,8 +137,7 @@ def group_stats(scores: dict[str, list[float]], weights: dict[str, float],
 
 
 def spread_order(levels: Sequence[int], seed: int) -> list[int]:
-    """Indices of `levels` in a seeded order whose every prefix is a random sample holding each level in proportion
-    (each level's shuffled indices interleaved by (j + offset) / count)."""
+    """Indices of `levels` in a seeded order whose every prefix holds each level in proportion."""
     rng = random.Random(seed)
     by_level: dict[int, list[int]] = {}
     for i, level in enumerate(levels):
@@ -240,8 +239,7 @@ def goal_fixes(recipe: Recipe) -> list[str]:
 
 
 def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
-    """The likely fixes for a reward set without (enough) signal, most effective first (`goal_fixes` when the goal
-    varies somewhere or the total in most groups)."""
+    """The likely fixes for a reward set without (enough) signal, most effective first."""
     if result is not None and result.goal_share is not None and (result.goal_share > 0
                                                                  or result.total_share >= WEAK_SHARE):
         return goal_fixes(recipe)
@@ -313,8 +311,7 @@ def render(result: PreflightResult, recipe: Recipe) -> str:
 
 
 def check_rewards(recipe: Recipe, n_prompts: int) -> PreflightResult:
-    """The preflight as `train` runs it, on the model GRPO would start from (with lora.init_adapter when set);
-    never trains, never primes."""
+    """The preflight as `train` runs it, on the model GRPO would start from; never trains."""
     validate(recipe)
     if n_prompts < 1:
         raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix=f"e.g. --prompts {PREFLIGHT_MIN_PROMPTS}")

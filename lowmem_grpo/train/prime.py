@@ -52,8 +52,7 @@ def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime) -> Any:
 
 def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Recipe, run_dir: Path,
           runtime: Runtime) -> None:
-    """Train `model`'s LoRA adapter in place on the rendered targets and save it to RUN_DIR/primed_adapter; metrics
-    go to metrics.jsonl (stage "prime")."""
+    """Train `model`'s LoRA adapter in place on the rendered targets; save it to RUN_DIR/primed_adapter."""
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
     from trl import SFTTrainer  # Unsloth's patched one once Unsloth is imported

@@ -209,8 +209,7 @@ def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[
 
 
 class OomRetries:
-    """After a CUDA out-of-memory error: lowered settings, the rewind to the last complete checkpoint (or the start)
-    and its record, at most train.memory.oom_retries times."""
+    """After a CUDA OOM: lowered settings and the rewind, at most train.memory.oom_retries times."""
 
     def __init__(self, run_dir: Path, model: Any, fresh_start: bool, use_planner: bool) -> None:
         self.run_dir = run_dir

@@ -64,8 +64,7 @@ def _flat_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def _passes(rewards: torch.Tensor, total: torch.Tensor, names: list[str], group_size: int,
             goal: str | None) -> list[bool | None]:
-    """Each completion's outcome (None = unscored): the goal reward >= PASS_SCORE, or without a goal a total above
-    its group's mean."""
+    """Each completion's pass (None: unscored): the goal reward, or a total above its group's mean."""
     if goal is not None and goal in names:
         scores = rewards[:, names.index(goal)]
         outcome = scores >= PASS_SCORE
@@ -155,8 +154,7 @@ class LowmemGRPOTrainer(GRPOTrainer):
         return rewards
 
     def _track_groups(self, inputs: Any, rewards: torch.Tensor) -> None:
-        """Flat groups, the outcomes fed to the sampling state, and the step's metrics; `rewards` hold every rank's
-        rows, so every rank's state stays identical."""
+        """Flat groups, the outcomes fed to the sampling state (alike on every rank), and the step's metrics."""
         size = self.num_generations
         ids = [int(i) for i in gather_object([x["problem_id"] for x in inputs])]
         total = (rewards * self.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
@@ -191,8 +189,7 @@ class LowmemGRPOTrainer(GRPOTrainer):
 
 
 class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
-    """LowmemGRPOTrainer for the hf backend without a GPU (TRL's log-prob kernel is Triton only): log-probs through
-    cpu_logprobs, sampling inside fast_sampling, on the Runtime's CPU paths."""
+    """LowmemGRPOTrainer for the hf backend without a GPU (TRL's log-prob kernel is Triton only)."""
 
     lowmem_shared_prompt: bool = True
     lowmem_merged_sampling: bool = True
@@ -241,8 +238,7 @@ def grpo_trainer_class(runtime: Runtime) -> type:
 
 
 class CpuSafeSFTTrainer(SFTTrainer):
-    """An SFTTrainer whose completion loss runs in plain torch off-GPU (TRL's is a Triton kernel); TRL's own on a GPU
-    and for the options it does not cover."""
+    """An SFTTrainer whose completion loss runs in plain torch off-GPU (TRL's is a Triton kernel)."""
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
