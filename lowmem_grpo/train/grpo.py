@@ -40,10 +40,8 @@ def check_trainer_fields(recipe: Recipe) -> None:
             raise RecipeError(f"unknown key 'train.{key}': not a lowmem_grpo train setting nor a GRPOConfig field",
                               fix=fix)
         default = fields[key]
-        if isinstance(default, bool) and not isinstance(value, bool) or (
-            isinstance(default, (int, float)) and not isinstance(default, bool)
-            and (isinstance(value, bool) or not isinstance(value, (int, float)))
-        ):
+        expected = bool if isinstance(default, bool) else (int, float) if isinstance(default, (int, float)) else None
+        if expected and (not isinstance(value, expected) or expected is not bool and isinstance(value, bool)):
             raise RecipeError(f"train.{key}: expected {type(default).__name__}, got {type(value).__name__} {value!r}",
                               fix=f"give train.{key} a {type(default).__name__}")
 
