@@ -67,7 +67,6 @@ def test_a_goal_varying_in_one_group_of_sixteen_warns_and_goes_on():
             "16 of 16 (100%)") in text
     assert "may learn the format instead of the answers" in text and "easier problems" in text
     assert "NO SIGNAL" not in text and "train.preflight.allow_no_signal" not in text
-    assert result.as_dict()["goal_share"] == pytest.approx(1 / 16) and result.as_dict()["no_signal"] is False
 
 
 def test_the_demo_draw_three_of_eight_informative_goes_on():

@@ -1,9 +1,5 @@
-"""The trainer callbacks lowmem_grpo adds to TRL's trainers: telemetry, complete checkpoints, the sampling state
-in checkpoints, periodic eval, the guard that skips optimizer steps without signal, the per-step phase timer, and
-the check that GRPO's sampler samples the policy.
-
-Imports transformers at module level: import this module only after `backends.prepare()` (Unsloth first).
-"""
+"""The callbacks lowmem_grpo adds to TRL's trainers: telemetry, checkpoints, sampling state, periodic eval, the
+no-signal step guard, the phase timer and the sampler check. Import only after `backends.prepare()`."""
 
 from __future__ import annotations
 
@@ -33,9 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class TelemetryCallback(TrainerCallback):
-    """Writes each log as one metrics.jsonl line tagged with its stage (with the collapse statistics of the step's
-    completions, when a CompletionRecorder from lowmem_grpo.rundir.completions is given), the console line and
-    health warnings (`goal`: the goal reward's logged name); flushes the recorder at each step end."""
+    """Each log as a metrics.jsonl line and the console line, with health warnings; flushes the recorder."""
 
     def __init__(self, run_dir: Path, stage: str, reward_names: list[str], recorder: Any = None,
                  goal: str | None = None) -> None:
@@ -74,10 +68,7 @@ class TelemetryCallback(TrainerCallback):
 
 
 class SamplerCheckCallback(TrainerCallback):
-    """The sampler check (lowmem_grpo.sampling.sampler_check) on the logs: TRL's own figures, where TRL samples
-    through vLLM with its importance-sampling correction, judged at the first steps; lowmem_grpo's rollout's
-    figures (judged where they were measured) added to the step's log, so metrics.jsonl and report.md carry them.
-    Runs before the telemetry callback, which writes the logs it completes."""
+    """The sampler check: TRL's vLLM figures judged, or the rollout's figures added to the step's log."""
 
     def __init__(self, check: SamplerCheck) -> None:
         self.check = check
@@ -102,8 +93,7 @@ def _barrier() -> None:
 
 
 class CompleteCheckpoints(TrainerCallback):
-    """Writes checkpoint-N/lowmem_complete.json after the trainer saved checkpoint-N, keeps the newest
-    `save_total_limit` complete ones, and turns a pending signal (`guard`) into a save + stop at the step's end."""
+    """Marks saved checkpoints complete, rotates them, and turns a pending signal into a save and a stop."""
 
     def __init__(self, run_dir: Path, save_total_limit: int | None, guard: Any) -> None:
         self.run_dir = Path(run_dir)
@@ -127,10 +117,7 @@ class CompleteCheckpoints(TrainerCallback):
 
 
 class SamplingStateCallback(TrainerCallback):
-    """Saves the dynamic-sampling / curriculum state (lowmem_grpo.train.informative.SamplingState) into each
-    checkpoint-N/ and restores it when training starts from a checkpoint (a resume, an OOM retry); a start from
-    step 0 resets it. Passed to the trainer's constructor, it runs before CompleteCheckpoints (which run_grpo adds
-    afterwards), so the file is in the checkpoint before the marker lists its files."""
+    """Saves the SamplingState into each checkpoint and restores it when training starts from one."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
@@ -154,13 +141,7 @@ class SamplingStateCallback(TrainerCallback):
 
 
 class PeriodicEvalCallback(TrainerCallback):
-    """Greedy held-out evaluation every train.eval.every optimizer steps, on the first train.eval.problems problems
-    of data.eval_split with the recipe's prompts and max_completion_length, on the run's CPU paths (`cpu`); writes
-    `eval/<metric>` lines (stage "eval") into metrics.jsonl. With train.eval.samples = k it also samples k
-    completions per problem at train.temperature (eval/mean@k, eval/pass@k), and each problem's values go to
-    eval_steps.jsonl, so a learning curve can pair steps problem by problem. It samples through
-    lowmem_grpo.sampling.generate, which puts the model back in the mode it was in and seeds a private RNG stream, so
-    training's random state is left as it was."""
+    """Held-out evaluation every train.eval.every steps into metrics.jsonl and eval_steps.jsonl."""
 
     def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path, cpu: CpuPaths = CpuPaths()) -> None:
         self.train = recipe.train
@@ -173,35 +154,26 @@ class PeriodicEvalCallback(TrainerCallback):
         self.calculator = recipe.data.calculator
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any):
-        every = self.train.eval.every
-        if not every or state.global_step % every or not state.is_world_process_zero:
+        t, step = self.train, state.global_step
+        if not t.eval.every or step % t.eval.every or not state.is_world_process_zero:
             return
-        t = self.train
-        # engine auto: vLLM (the live adapter) when the model has it
         greedy, sampling = periodic_settings(t, self.calculator, self.cpu)
-        step = state.global_step
         result = run_eval(model, self.tokenizer, self.examples, reward_weights=self.weights,
                           on_progress=ProgressLog(f"eval step {step}: greedy", log), **greedy)
-        metrics = dict(result.metrics)
-        seconds = result.seconds
-        sampled = None
+        m, seconds, sampled, k = dict(result.metrics), result.seconds, None, t.eval.samples
         if sampling is not None:
             sampled = run_eval(model, self.tokenizer, self.examples,
-                               on_progress=ProgressLog(f"eval step {step}: {t.eval.samples} samples", log), **sampling)
-            k = t.eval.samples
-            metrics.update({f"mean@{k}": sampled.metrics["strict_accuracy"], f"pass@{k}": sampled.metrics[f"pass@{k}"],
-                            "sampled_strict_format_rate": sampled.metrics["strict_format_rate"]})
+                               on_progress=ProgressLog(f"eval step {step}: {k} samples", log), **sampling)
+            m.update({f"mean@{k}": sampled.metrics["strict_accuracy"], f"pass@{k}": sampled.metrics[f"pass@{k}"],
+                      "sampled_strict_format_rate": sampled.metrics["strict_format_rate"]})
             seconds += sampled.seconds
-        record = {"stage": "eval", "step": state.global_step, **{f"eval/{k}": v for k, v in metrics.items()},
-                  "eval/seconds": seconds}
+        record = {"stage": "eval", "step": step, **{f"eval/{key}": v for key, v in m.items()}, "eval/seconds": seconds}
         telemetry.append_jsonl(self.metrics_path, record)
-        telemetry.append_jsonl(self.steps_path, {"step": state.global_step, "temperature": t.temperature,
+        telemetry.append_jsonl(self.steps_path, {"step": step, "temperature": t.temperature,
                                                  **problem_values(result.verdicts, sampled and sampled.verdicts)})
-        m = metrics
-        k = t.eval.samples
         sampled_line = f" | mean@{k} {m[f'mean@{k}']:.3f} pass@{k} {m[f'pass@{k}']:.3f}" if sampled else ""
         log.info("eval step %d: strict %.3f | lenient %.3f | strict_format %.3f | soft_format %.3f%s | "
-                 "%d problems in %.0f s", state.global_step, m["strict_accuracy"], m["lenient_accuracy"],
+                 "%d problems in %.0f s", step, m["strict_accuracy"], m["lenient_accuracy"],
                  m["strict_format_rate"], m["soft_format_rate"], sampled_line, m["num_problems"], seconds)
 
 
@@ -210,8 +182,7 @@ SKIPPED_STEP_KEY = "optimizer/skipped_no_signal"
 
 
 def carries_signal(inputs: Any) -> bool:
-    """Whether a GRPO micro-batch has a completion with a nonzero advantage and tokens left in the loss (a truncated
-    one masked by mask_truncated_completions has none); a batch without advantages is taken to have signal."""
+    """Whether a GRPO micro-batch has a completion with a nonzero advantage and tokens in the loss."""
     advantages = inputs.get("advantages") if isinstance(inputs, dict) else None
     if advantages is None:
         return True
@@ -223,10 +194,8 @@ def carries_signal(inputs: Any) -> bool:
 
 
 def _end_scaler_iteration(optimizer: Any) -> None:
-    """Close a skipped step's iteration of accelerate's GradScaler (fp16 mixed precision), which its step() would
-    have stepped and updated: clipping may already have unscaled this step's gradients, and the scaler refuses a
-    second unscale_ (the next step's) before an update. An update to the scale it already has resets its
-    per-optimizer state and counts nothing: no growth, no back-off, as if the step had not happened."""
+    """Close a skipped step's fp16 GradScaler iteration (clipping may have unscaled it, and a second unscale_ before
+    an update fails): an update to the scale it has resets its state, with no growth and no back-off."""
     scaler = getattr(optimizer, "scaler", None)  # AcceleratedOptimizer's; None without fp16
     gradient_state = getattr(optimizer, "gradient_state", None)
     if scaler is None or not scaler.is_enabled() or (gradient_state is not None and not gradient_state.sync_gradients):
@@ -235,18 +204,9 @@ def _end_scaler_iteration(optimizer: Any) -> None:
 
 
 class NoSignalStepGuard(TrainerCallback):
-    """Skips the optimizer step when no completion of the step's micro-batches had a nonzero advantage and tokens in
-    the loss (every group flat on its total reward, or its varied completions all cut off and masked). Such a batch
-    has no policy gradient, yet AdamW would still move the adapter: its momentum carries the last steps' direction
-    and weight decay shrinks the weights. The learning-rate schedule goes on (the step still counts). With
-    train.beta > 0 the skipped step would only have held the KL pull towards the reference. Logs SKIPPED_STEP_KEY
-    every step; a step's decision is the same on every process.
-
-    `NoSignalStepGuard.attach(trainer)` makes it the trainer's `lowmem_guard` (lowmem_grpo.train.trainer: its
-    compute_loss hands each training micro-batch to `judge`) and, when training starts, wraps the prepared
-    optimizer's step, so TRL's, the CPU-safe and Unsloth's optimizers are guarded alike. Under DeepSpeed the engine
-    steps inside backward: not guarded there. Under fp16 a skip ends the GradScaler's iteration without changing
-    its scale (_end_scaler_iteration)."""
+    """Skips the optimizer step when no micro-batch of the step carried signal (carries_signal): AdamW's momentum and
+    weight decay would still move the adapter. The schedule goes on; SKIPPED_STEP_KEY is logged every step, and
+    all ranks decide alike. It wraps the prepared optimizer's step (not under DeepSpeed, which steps in backward)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -256,14 +216,13 @@ class NoSignalStepGuard(TrainerCallback):
 
     @classmethod
     def attach(cls, trainer: Any) -> NoSignalStepGuard:
-        """Register the guard with the trainer (as its lowmem_guard and a callback); returns it."""
+        """Register the guard as the trainer's lowmem_guard and a callback."""
         guard = cls(trainer)
         trainer.lowmem_guard = guard
         trainer.add_callback(guard)
         return guard
 
     def judge(self, inputs: Any) -> None:
-        """A training micro-batch of the current optimizer step."""
         self.seen = True
         self.informative = self.informative or carries_signal(inputs)
 
@@ -281,13 +240,12 @@ class NoSignalStepGuard(TrainerCallback):
             # a trainer whose loss did not pass through the wrapper (nothing judged) steps as it would unguarded
             informative = self._agreed(self.informative or not self.seen)
             self.informative = self.seen = False
-            self._publish(0.0 if informative else 1.0)
+            self.trainer.add_step_metrics({SKIPPED_STEP_KEY: 0.0 if informative else 1.0})
             if informative:
                 return original(*a, **k)
             self.skipped += 1
             _end_scaler_iteration(optimizer)
-            # the schedule moves on with the skipped step: torch's "scheduler stepped before the optimizer" check
-            # reads this flag of the optimizer it wrapped
+            # so that torch's "scheduler stepped before the optimizer" check passes on the skipped step
             for wrapped in (optimizer, getattr(optimizer, "optimizer", optimizer)):  # accelerate's wrapper and torch's
                 wrapped._opt_called = True
             log.debug("no group of this batch varied: optimizer step skipped (%d so far)", self.skipped)
@@ -297,15 +255,12 @@ class NoSignalStepGuard(TrainerCallback):
         optimizer.step = step
 
     def _agreed(self, informative: bool) -> bool:
-        """Any process saw an informative micro-batch: all ranks step, or none (their gradients are averaged)."""
+        """Any process saw an informative micro-batch: all ranks step, or none."""
         accelerator = self.trainer.accelerator
         if accelerator.num_processes == 1:
             return informative
         flag = torch.tensor([1.0 if informative else 0.0], device=accelerator.device)
         return bool(accelerator.gather(flag).max().item() > 0)
-
-    def _publish(self, value: float) -> None:
-        self.trainer.add_step_metrics({SKIPPED_STEP_KEY: value})
 
 
 class WallClock:
@@ -322,8 +277,7 @@ class WallClock:
 
 
 class CudaClock:
-    """CUDA events: a mark is recorded on the stream, so a phase counts its kernels when they run, not when they are
-    launched. Nothing waits for the GPU until `wait` at the step's end (which the next step would wait for anyway)."""
+    """CUDA events: a phase counts its kernels when they run; nothing waits for the GPU until the step's end."""
 
     def mark(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
@@ -338,14 +292,9 @@ class CudaClock:
 
 
 class PhaseTimer(TrainerCallback):
-    """Per-step phase seconds (telemetry.PHASES as time/<phase>), time/step, time/sampling_share and tokens_per_s,
-    published through trainer.add_step_metrics, so that GRPOTrainer.log averages them into every log line.
-
-    `PhaseTimer.attach(trainer)` makes it the trainer's `lowmem_timer`: the trainer's overrides of the methods that
-    run each phase time it (`span`, or `open` / `close` for the backward; lowmem_grpo.train.trainer).
-    A step is the span from the previous step's end to this one's: checkpoint_telemetry is what ran in between (the
-    previous step's log line, callbacks, checkpoint, periodic eval), and the last step's lands in the final summary.
-    """
+    """Per-step phase seconds (time/<phase>), time/step, the sampling share and tokens/s, published through
+    trainer.add_step_metrics. The trainer's overrides time each phase; a step runs from the previous step's end,
+    so checkpoint_telemetry is what ran in between."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -360,7 +309,7 @@ class PhaseTimer(TrainerCallback):
 
     @classmethod
     def attach(cls, trainer: Any) -> PhaseTimer:
-        """Register the timer as the trainer's lowmem_timer and its first callback; returns the timer."""
+        """Register the timer as the trainer's lowmem_timer and its first callback."""
         timer = cls(trainer)
         trainer.lowmem_timer = timer
         # first, so that its step end comes before telemetry, checkpoints and periodic eval (they are the next gap)
@@ -368,14 +317,12 @@ class PhaseTimer(TrainerCallback):
         return timer
 
     def open(self, phase: str) -> None:
-        """Start timing `phase` (and watching the RSS peak) until `close(phase)`."""
-        self._drop(phase)  # one left open (a loss computed outside a training step) is not counted
-        watch = rss.Watch()
-        watch.__enter__()
-        self.opened[phase] = (self.clock.mark(), watch)
+        """Start timing `phase` (and watching its RSS peak) until `close(phase)`."""
+        if phase in self.opened:  # one left open (a loss computed outside a training step) is not counted
+            self.opened.pop(phase)[1].__exit__(None, None, None)
+        self.opened[phase] = (self.clock.mark(), rss.Watch().__enter__())
 
     def close(self, phase: str) -> None:
-        """End `phase`'s span opened by `open`; nothing when none is open."""
         if phase not in self.opened:
             return
         start, watch = self.opened.pop(phase)
@@ -385,19 +332,13 @@ class PhaseTimer(TrainerCallback):
 
     @contextlib.contextmanager
     def span(self, phase: str) -> Iterator[None]:
-        """Time the `with` block as (part of) `phase`."""
         self.open(phase)
         try:
             yield
         finally:
             self.close(phase)
 
-    def _drop(self, phase: str) -> None:
-        if phase in self.opened:
-            self.opened.pop(phase)[1].__exit__(None, None, None)
-
     def count_tokens(self, tokens: int) -> None:
-        """Completion tokens sampled in this step (tokens_per_s)."""
         self.tokens += tokens
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
@@ -417,17 +358,16 @@ class PhaseTimer(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
         end = self.clock.mark()
         self.clock.wait(end)  # CUDA: the one wait per step, after which every event of the step can be read
-        self._publish(self.record(end))
+        self.trainer.add_step_metrics(self.record(end))
         self.window_start = end
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
         if self.window_start is not None and (state.global_step >= state.max_steps or control.should_training_stop):
             end = self.clock.mark()  # after the last step's log line and checkpoint: into the final summary line
             self.clock.wait(end)
-            self._publish({"time/checkpoint_telemetry": self.clock.seconds(self.window_start, end)})
+            self.trainer.add_step_metrics({"time/checkpoint_telemetry": self.clock.seconds(self.window_start, end)})
 
     def record(self, end: Any) -> dict[str, float]:
-        """The finished step's keys (seconds, share, tokens/s)."""
         totals: dict[str, float] = defaultdict(float)
         for phase, start, stop in self.spans:
             totals[phase] += self.clock.seconds(start, stop)
@@ -443,6 +383,3 @@ class PhaseTimer(TrainerCallback):
         record[telemetry.TOKENS_KEY] = self.tokens / phases["generation"] if phases["generation"] > 0 else 0.0
         record.update({f"{rss.RSS_PREFIX}{p.lstrip('_')}": b / rss.GIB for p, b in self.rss_peaks.items()})
         return record
-
-    def _publish(self, record: dict[str, float]) -> None:
-        self.trainer.add_step_metrics(record)

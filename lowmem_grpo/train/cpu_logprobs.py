@@ -1,24 +1,6 @@
-"""The CPU log-prob pass (lowmem_grpo.train.trainer.CpuSafeGRPOTrainer runs it: TRL 1.15 computes log-probs with
-a Triton kernel only, which has no CPU driver), exactly TRL's values and gradients, in fewer token positions and
-less memory: `logps_and_entropies`.
-
-Shared prompts (train.cpu.fast). A GRPO micro-batch holds G completions of each prompt; TRL's pass runs every
-row's prompt again. Here the rows whose prompt part (ids and attention mask) is identical share one forward of it:
-the distinct prompts run once, with gradients and a KV cache; the cache is indexed out to every row (indexing keeps
-the graph, so the gradients of all G rows flow back into their prompt's one pass); the completions run on that cache
-with the row's full attention mask (prompt mask + completion mask) and positions continuing the prompt's.
-transformers' causal LMs number positions 0..P+C-1 from the cache length whatever the padding, and mask keys by the
-same 2-D mask, so every completion position sees exactly what it sees in the full-row pass: the logits agree to
-float rounding. The logit that scores the first completion token is the prompt pass's last position, as in the full
-row. It needs a cache the layers write into (gradient checkpointing in training drops it) of plain full-attention
-layers; `unsupported` and `checkpointing_active` say when that is not so, and the full rows run.
-
-Padding. Each forward stops at its rows' longest completion (TRL pads every completion to the generation batch's
-longest); the passes without gradients group the rows so that the forwards are short (row_chunks).
-
-Log-softmax. Per-token log-probs and entropies are computed one batch row at a time (completion_logps), bitwise
-TRL's, without a float32 copy of the whole logits.
-"""
+"""The CPU log-prob pass (TRL's kernel is Triton only): exactly TRL's values and gradients in fewer token positions
+and less memory. Rows with the same prompt share one prompt forward whose KV cache their completions read; each
+forward stops at its rows' longest completion; the log-softmax runs one batch row at a time."""
 
 from __future__ import annotations
 
@@ -32,14 +14,11 @@ from lowmem_grpo.sampling.attention import cpu_attention
 
 
 class CompletionLogits(NamedTuple):
-    """The logits scoring each row's completion tokens, and how many token positions the model forwarded."""
+    """The logits scoring each row's completion tokens and the token positions the model ran."""
 
     logits: torch.Tensor
-    """(rows, completion length, vocab): position t scores completion token t."""
     tokens_forwarded: int
-    """Token positions the model ran (rows x length for the full-row pass)."""
     shared: bool
-    """True when rows shared a prompt forward."""
 
 
 def unsupported(model: Any) -> str | None:
@@ -55,15 +34,13 @@ def unsupported(model: Any) -> str | None:
 
 
 def checkpointing_active(model: Any) -> bool:
-    """True when a layer of `model` would recompute in this pass: gradient checkpointing in training drops the
-    KV cache the completions read. TRL turns it off around its no-grad old/ref passes, so those can still share."""
+    """True when a layer of `model` would recompute in this pass (gradient checkpointing drops the KV cache)."""
     return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in model.modules())
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   prompt_length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(first, inverse): the first row of each distinct prompt part (ids + mask of the first `prompt_length`
-    columns), in order of appearance, and each row's index into `first`; None when no two rows share one."""
+    """(first row of each distinct prompt part, each row's index into it); None when no two rows share one."""
     if prompt_length <= 0 or input_ids.size(0) < 2:
         return None
     key = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length].to(input_ids.dtype)], dim=1)
@@ -81,11 +58,7 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def completion_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                       share: bool = True) -> CompletionLogits:
-    """The logits scoring the last `logits_to_keep` tokens of each row of `input_ids` (prompt + completion, as
-    TRL concatenates them). With `share`, rows with the same prompt part share one prompt forward; without, or
-    when no two rows share a prompt, the full rows run (the LM head on the completion positions only). Every
-    column of `input_ids` runs: a caller skips completion padding by passing the rows cut after their last
-    attended column (the CPU trainer does), which leaves the logits of the columns kept as they are."""
+    """The logits scoring each row's last `logits_to_keep` tokens; with `share`, one forward per prompt."""
     prompt_length = input_ids.size(1) - logits_to_keep
     groups = prompt_groups(input_ids, attention_mask, prompt_length) if share else None
     if groups is None:
@@ -106,20 +79,13 @@ def completion_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch
 
 
 FORWARD_COST = 32
-"""A forward's fixed cost in token positions: SmolLM2-135M on one CPU core takes ~60 ms for a call and ~2 ms a
-completion position. It only decides how rows are grouped; every grouping computes the same log-probs."""
+"""A forward's fixed cost in token positions (SmolLM2-135M on one core: ~60 ms a call, ~2 ms a position); it only
+decides how rows are grouped."""
 
 
 def row_chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None,
                share: bool, forward_cost: int = FORWARD_COST) -> list[torch.Tensor]:
-    """The rows of each forward of the CPU log-prob pass (indices into `input_ids`); each forward runs its rows'
-    completions only up to their longest (attended_columns).
-
-    With gradients (the loss pass): `batch_size` rows at a time in order, as TRL slices them (a chunk's graph is
-    kept until the backward). Without (TRL's reference and old-policy passes) nothing is kept per row after its
-    layer runs, so the rows are grouped for the fewest token positions, each forward counted as `forward_cost`
-    more: with `share`, whole prompt groups (each prompt is still forwarded once, a chunk is two forwards); else
-    single rows (each forwards its prompt)."""
+    """The rows of each forward: TRL's slices with gradients, else the grouping of fewest token positions."""
     rows = input_ids.size(0)
     index = torch.arange(rows, device=input_ids.device)
     if torch.is_grad_enabled():
@@ -134,10 +100,7 @@ def row_chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_
 
 def _cheapest_runs(units: list[torch.Tensor], lengths: torch.Tensor, per_row: int,
                    per_chunk: int) -> list[torch.Tensor]:
-    """`units` (row indices that stay together) grouped into the chunks of least total cost, a chunk costing
-    `per_chunk` + rows x (`per_row` + its longest length). With the units sorted by their longest, some cheapest
-    grouping is a cut into consecutive runs (moving a unit into a chunk whose longest is at least its own never
-    costs more), and the cheapest cut is found run by run."""
+    """`units` in the chunks of least cost: sorted by their longest, the cheapest cut into runs."""
     units = sorted(units, key=lambda u: int(lengths[u].max()))
     longest = [int(lengths[u].max()) for u in units]
     best, cut = [0] + [None] * len(units), [0] * (len(units) + 1)
@@ -161,21 +124,9 @@ def completion_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
     return (completion_mask * columns).amax(dim=1)
 
 
-def attended_columns(completion_mask: torch.Tensor) -> int:
-    """The completion columns up to the last one any row attends to (at least one, so a loss keeps its graph).
-
-    The columns after it are padding in every row, and causal attention never lets an earlier position see a later
-    one: dropping them leaves the kept positions' logits as they were."""
-    return max(1, int(completion_lengths(completion_mask).max()))
-
-
 class _RowLogSoftmax(torch.autograd.Function):
-    """log_softmax(logits / T) at the targets, and the entropies, one batch row at a time.
-
-    The same operations, on the same shapes, as TRL's selective_log_softmax (float32 branch: gather, a logsumexp
-    per batch row) and entropy_from_logits on `logits.float() / T`, and the gradient autograd builds for them,
-    written per row: the values and gradients are bitwise the same, but neither the float32 copy of all the logits
-    nor its full-size gradients are ever held (the backward recomputes a row's float32 logits from the logits)."""
+    """log_softmax(logits / T) at the targets, and the entropies, one batch row at a time: TRL's operations and their
+    gradients, bitwise, without holding a float32 copy of all the logits or its full-size gradients."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -210,10 +161,7 @@ class _RowLogSoftmax(torch.autograd.Function):
 
 def completion_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float, compute_entropy: bool = False,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs of `targets` (batch, C) under `logits` (batch, C, vocab) / temperature, and their
-    entropies when asked: bitwise what `selective_log_softmax(logits.float() / T, targets)` and
-    `entropy_from_logits` of the same give, with their gradients, one batch row at a time (no float32 copy of the
-    whole logits). An entropy that needs a gradient (TRL's entropy bonus) takes the whole-tensor path."""
+    """Per-token log-probs of `targets` under `logits` / temperature (and entropies), bitwise TRL's."""
     if compute_entropy and entropy_grad and torch.is_grad_enabled():
         scaled = logits.float() / temperature
         return selective_log_softmax(scaled, targets), entropy_from_logits(scaled)
@@ -225,24 +173,20 @@ def logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: tor
                         batch_size: int | None, *, temperature: float, compute_entropy: bool, entropy_grad: bool,
                         shared_prompt: bool, attention: bool,
                         autocast: Callable[[], Any]) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """The per-token log-probs and entropies TRL's log-prob pass returns, on CPU: (log-probs, entropies or None, the
-    share of token positions not run). `shared_prompt` (lowmem_grpo.runtime.CpuPaths) shares prompt forwards where the
-    model allows it; `attention` (CpuPaths too) runs lowmem_grpo.sampling.attention.cpu_attention; `entropy_grad`
-    keeps the entropy's graph (TRL's entropy bonus puts it into the loss; else it is logged or masks); `autocast` is
-    the accelerator's. The log-probs and entropies of the columns not run are 0: TRL reads them only under the
-    completion mask."""
+    """TRL's log-prob pass on CPU: (log-probs, entropies or None, the share of token positions not run); the columns
+    not run are 0, which TRL reads only under the mask. `shared_prompt` and `attention` are the CpuPaths."""
     checkpointed = checkpointing_active(model)
     share = shared_prompt and unsupported(model) is None and not checkpointed
     prompt_width = input_ids.size(1) - logits_to_keep
     chunks = row_chunks(input_ids, attention_mask, logits_to_keep, batch_size, share)
     all_logps, all_entropies, forwarded = [], [], 0
     for rows in chunks:
-        kept = attended_columns(attention_mask[rows, prompt_width:])
+        # up to the last column any row attends to, at least one (so a loss keeps its graph): the rest is padding
+        kept = max(1, int(completion_lengths(attention_mask[rows, prompt_width:]).max()))
         ids, mask = input_ids[rows, :prompt_width + kept], attention_mask[rows, :prompt_width + kept]
         # a checkpointed layer recomputes in the backward, outside this block: its attention must be the same
         with autocast(), cpu_attention(model, attention and not checkpointed):
-            # the LM head runs on the completion positions only, not on the prompt: the full
-            # (batch, prompt + completion, vocab) logits were most of this pass's memory
+            # the LM head on the completion positions only: full logits were most of this pass's memory
             out = completion_logits(model, ids, mask, kept, share=share)
         forwarded += out.tokens_forwarded
         # row at a time: the float32 copy of the logits and its gradients were this pass's largest tensors

@@ -1,8 +1,5 @@
-"""TRL's GRPO pieces: the GRPOConfig a recipe resolves to and the trainer that trains it (its class:
-lowmem_grpo.train.trainer).
-
-Imports trl at module level: import this module only after `backends.prepare()` (Unsloth first).
-"""
+"""The GRPOConfig a recipe resolves to and the factory of the trainer (lowmem_grpo.train.trainer) that trains it.
+Imports trl at module level: import this module only after `backends.prepare()` (Unsloth first)."""
 
 from __future__ import annotations
 
@@ -30,14 +27,10 @@ from lowmem_grpo.sampling.vllm_engine import grpo_engine_spec
 
 log = logging.getLogger(__name__)
 
-def grpo_fields() -> dict[str, Any]:
-    """GRPOConfig's field names -> default values."""
-    return {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-
 
 def check_trainer_fields(recipe: Recipe) -> None:
     """Every extra key of the train section must be a GRPOConfig field of a compatible type."""
-    fields = grpo_fields()
+    fields = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for key, value in recipe.train.extra.items():
         if key not in fields:
             ours = train_keys()
@@ -47,17 +40,14 @@ def check_trainer_fields(recipe: Recipe) -> None:
             raise RecipeError(f"unknown key 'train.{key}': not a lowmem_grpo train setting nor a GRPOConfig field",
                               fix=fix)
         default = fields[key]
-        if isinstance(default, bool) and not isinstance(value, bool) or (
-            isinstance(default, (int, float)) and not isinstance(default, bool)
-            and (isinstance(value, bool) or not isinstance(value, (int, float)))
-        ):
+        expected = bool if isinstance(default, bool) else (int, float) if isinstance(default, (int, float)) else None
+        if expected and (not isinstance(value, expected) or expected is not bool and isinstance(value, bool)):
             raise RecipeError(f"train.{key}: expected {type(default).__name__}, got {type(value).__name__} {value!r}",
                               fix=f"give train.{key} a {type(default).__name__}")
 
 
 def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_weights: list[float]) -> GRPOConfig:
-    """GRPOConfig from the recipe's train section, with the Runtime's optimizer, device and bf16/fp16 flags (which
-    follow the dtype the model was really loaded in: LoadedModel.runtime)."""
+    """GRPOConfig from the recipe's train section and the Runtime's optimizer, device and bf16/fp16 flags."""
     t = recipe.train
     return GRPOConfig(
         output_dir=str(run_dir),
@@ -97,10 +87,8 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_we
 def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list[Callable[..., Any]],
                     reward_weights: list[float], callbacks: Sequence[Any],
                     sampling: SamplingState | None = None) -> Callable[[Recipe], Any]:
-    """`build(recipe) -> GRPOTrainer` for lowmem_grpo.train.resilience.run_grpo, which calls it again with
-    lowered settings after a CUDA out-of-memory error. With `sampling` (dynamic sampling or a curriculum; the
-    dataset then has `problem_id` and `level` columns) the trainer draws prompts through it; without, its sampling
-    overrides only call TRL's."""
+    """`build(recipe) -> GRPOTrainer` for run_grpo (called again with lowered settings after an OOM); with `sampling`
+    the trainer draws prompts through it (the dataset then has `problem_id` and `level` columns)."""
 
     def build(recipe: Recipe) -> Any:
         plan = loaded.runtime.sampler

@@ -1,20 +1,6 @@
-"""Groups that teach: which problems GRPO draws next, from what the last groups showed (torch-free).
-
-GRPO learns only from groups whose rewards differ. With the pass rate p of a problem (the share of its recent
-completions the goal reward accepted, lowmem_grpo.recipe.goal_reward), a group of G completions is informative with
-probability 1 - p^G - (1-p)^G: never at p = 0 or 1, most at p = 1/2. Two options of the recipe use that:
-
-- train.selection.dynamic_sampling: problems are drawn with that probability as their weight
-  (`PassRates.weight`), so generation goes to problems the model sometimes solves; groups that still come out flat
-  are kept out of the loss (lowmem_grpo.train.trainer.LowmemGRPOTrainer).
-- train.selection.curriculum: problems are drawn from the levels up to the current one (`Curriculum`), which
-  moves up one level once the recent pass rate on it reaches train.selection.promote_at.
-
-`SamplingState` holds both and every chunk of prompts drawn so far, which makes a resumed run draw exactly what
-an uninterrupted one would (the trainer replays the sampler from the start of the epoch to skip what it already
-trained on). It is saved into each checkpoint as JSON. The torch Sampler and the trainer mixin that use it live
-in lowmem_grpo.train.grpo (the module allowed to import torch/trl at module level).
-"""
+"""Groups that teach: which problems GRPO draws next, from what the last groups showed (torch-free): pass rates for
+dynamic sampling, the curriculum's level, and every chunk drawn, so a resumed run draws what an uninterrupted one
+would (saved into each checkpoint as JSON)."""
 
 from __future__ import annotations
 
@@ -43,15 +29,9 @@ def informative_probability(p: float, group_size: int) -> float:
 
 
 class PassRates:
-    """Each problem's recent passes of the goal reward (the last `window` completions) and the draw weight it implies.
-
-    A problem's pass rate is the posterior mean (passes + 2m) / (n + 2) under a Beta prior worth two outcomes
-    with mean m. Without levels m = 1/2 (Beta(1,1)): a problem never seen has the largest weight and is tried
-    before known ones are repeated. With `levels` (problem -> level) m is the recent pass rate of the problem's
-    level (its last `level_window` completions, itself under Beta(1,1)): on a large pool most problems are drawn
-    once or never, and the level is what tells an unseen problem's difficulty, so draws move to the band of
-    levels the model sometimes solves.
-    """
+    """Each problem's recent passes of the goal reward and the draw weight they imply. A pass rate is the posterior
+    mean (passes + 2m) / (n + 2), with m = 1/2, or with `levels` the recent pass rate of the problem's level (which
+    tells an unseen problem's difficulty)."""
 
     def __init__(self, group_size: int, window: int, floor: float = WEIGHT_FLOOR,
                  levels: Sequence[int] | None = None, level_window: int | None = None) -> None:
@@ -64,7 +44,7 @@ class PassRates:
         self.level_history: dict[int, deque[int]] = {}
 
     def update(self, ids: Sequence[int], passed: Sequence[bool | None]) -> None:
-        """Record one outcome per completion (None = unscored, skipped)."""
+        """Record one outcome per completion (None = unscored)."""
         for i, ok in zip(ids, passed):
             if ok is None:
                 continue
@@ -74,24 +54,21 @@ class PassRates:
                 self.level_history.setdefault(level, deque(maxlen=self.level_window)).append(int(bool(ok)))
 
     def prior(self, i: int) -> float:
-        """The prior mean pass rate of problem i: its level's recent pass rate, or 1/2 without levels."""
         if self.levels is None:
             return 0.5
         h = self.level_history.get(self.levels[int(i)], ())
         return (sum(h) + 1) / (len(h) + 2)
 
     def rate(self, i: int, prior: float | None = None) -> float:
-        """Posterior mean pass rate of problem i (`prior`: its prior mean, when already known)."""
         h = self.history.get(int(i), ())
         m = self.prior(i) if prior is None else prior
         return (sum(h) + 2 * m) / (len(h) + 2)
 
     def weight(self, i: int, prior: float | None = None) -> float:
-        """Draw weight of problem i: the chance its next group is informative, at least `floor`."""
+        """The chance problem i's next group is informative, at least `floor`."""
         return max(self.floor, informative_probability(self.rate(i, prior), self.group_size))
 
     def weights(self, pool: Sequence[int]) -> list[float]:
-        """`weight` of each problem of `pool` (each level's prior computed once)."""
         priors: dict[int, float] = {}
         if self.levels is None:
             return [self.weight(i, 0.5) for i in pool]
@@ -102,20 +79,17 @@ class PassRates:
         return [self.weight(i, priors[self.levels[int(i)]]) for i in pool]
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-ready state."""
         return {"window": self.window, "history": {str(i): list(h) for i, h in self.history.items()},
                 "level_history": {str(lv): list(h) for lv, h in self.level_history.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s output (this object's windows are kept)."""
         self.history = {int(i): deque(h, maxlen=self.window) for i, h in state.get("history", {}).items()}
         self.level_history = {int(lv): deque(h, maxlen=self.level_window)
                               for lv, h in state.get("level_history", {}).items()}
 
 
 class Curriculum:
-    """The current difficulty level: starts at the lowest of `levels`, moves up one when the pass rate over the
-    last `window` completions on the current level reaches `promote_at` (never before `window` are seen)."""
+    """The current level: up one when the recent pass rate on it reaches `promote_at`."""
 
     def __init__(self, levels: Sequence[int], promote_at: float, window: int) -> None:
         if not levels:
@@ -128,19 +102,16 @@ class Curriculum:
 
     @property
     def level(self) -> int:
-        """The level being learned; problems of this level and below are drawn."""
         return self.levels[self.index]
 
     def allows(self, level: int) -> bool:
-        """Whether problems of `level` may be drawn now."""
         return level <= self.level
 
     def pass_rate(self) -> float | None:
-        """The recent pass rate on the current level (None before any outcome)."""
         return sum(self.recent) / len(self.recent) if self.recent else None
 
     def update(self, levels: Sequence[int], passed: Sequence[bool | None]) -> bool:
-        """Record outcomes (one per completion, with its problem's level); True when this moved up a level."""
+        """Record outcomes (one per completion, with its problem's level); True when it moved up a level."""
         for level, ok in zip(levels, passed):
             if ok is not None and level == self.level:
                 self.recent.append(int(bool(ok)))
@@ -154,19 +125,15 @@ class Curriculum:
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-ready state."""
         return {"level": self.level, "recent": list(self.recent)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s output."""
         self.index = self.levels.index(int(state["level"])) if state.get("level") in self.levels else 0
         self.recent = deque(state.get("recent", []), maxlen=self.window)
 
 
 def weighted_sample(pool: Sequence[int], weights: Sequence[float], k: int, rng: random.Random) -> list[int]:
-    """k distinct items of `pool` drawn with probability proportional to `weights`, without replacement
-    (Efraimidis-Spirakis keys u^(1/w)); when the pool is smaller than k, all of it and then draws with
-    replacement for the rest (a prompt twice in one generation batch is two groups, which GRPO handles)."""
+    """k items of `pool` drawn by `weights` (Efraimidis-Spirakis), with replacement past the pool's size."""
     if len(pool) <= k:
         extra = rng.choices(list(pool), weights=list(weights), k=k - len(pool)) if pool else []
         return list(pool) + extra
@@ -175,10 +142,8 @@ def weighted_sample(pool: Sequence[int], weights: Sequence[float], k: int, rng: 
 
 
 class SamplingState:
-    """Which prompts GRPO draws: chunk c (the distinct prompts of one generation batch) is drawn from the problems
-    the curriculum allows, weighted by their pass rates under dynamic sampling (uniform otherwise), with a random
-    generator seeded by (seed, c). Every chunk drawn is kept: asked for a chunk it already drew (the trainer
-    replays the sampler when it resumes), it returns the same one."""
+    """Which prompts GRPO draws: chunk c (one generation batch's prompts) from the problems the curriculum allows,
+    weighted by pass rates under dynamic sampling, seeded by (seed, c); a chunk already drawn is returned again."""
 
     def __init__(self, levels: Sequence[int], seed: int, rates: PassRates | None = None,
                  curriculum: Curriculum | None = None) -> None:
@@ -190,15 +155,13 @@ class SamplingState:
         self._initial = self.state_dict()
 
     def pool(self) -> list[int]:
-        """The problems that may be drawn now (every one without a curriculum)."""
         if self.curriculum is None:
             return list(range(len(self.levels)))
         allowed = [i for i, lv in enumerate(self.levels) if self.curriculum.allows(lv)]
         return allowed or list(range(len(self.levels)))  # no problem at or below the level: draw from all
 
     def chunk(self, index: int, size: int) -> list[int]:
-        """The `size` prompts of chunk `index`: the one already drawn when there is one of that size, else a
-        new draw (which replaces whatever was recorded from `index` on)."""
+        """The `size` prompts of chunk `index`: the one drawn before (of that size), else a new draw."""
         if index < len(self.drawn) and len(self.drawn[index]) == size:
             return list(self.drawn[index])
         pool = self.pool()
@@ -210,7 +173,6 @@ class SamplingState:
         return list(chosen)
 
     def observe(self, ids: Sequence[int], passed: Sequence[bool | None]) -> bool:
-        """Record one outcome per completion of problems `ids`; True when the curriculum moved up a level."""
         if self.rates is not None:
             self.rates.update(ids, passed)
         if self.curriculum is None:
@@ -219,17 +181,14 @@ class SamplingState:
 
     @property
     def level(self) -> int | None:
-        """The curriculum's current level (None without a curriculum)."""
         return self.curriculum.level if self.curriculum is not None else None
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-ready state: pass rates, curriculum, every chunk drawn."""
         return {"rates": self.rates.state_dict() if self.rates is not None else None,
                 "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
                 "drawn": [list(c) for c in self.drawn]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s output."""
         if self.rates is not None and state.get("rates") is not None:
             self.rates.load_state_dict(state["rates"])
         if self.curriculum is not None and state.get("curriculum") is not None:
@@ -241,7 +200,6 @@ class SamplingState:
         self.load_state_dict(json.loads(json.dumps(self._initial)))
 
     def save(self, checkpoint: Path) -> Path:
-        """Write the state into a checkpoint folder."""
         path = Path(checkpoint) / layout.SAMPLING_STATE_FILE
         path.write_text(json.dumps(self.state_dict()), encoding="utf-8")
         return path
@@ -256,38 +214,25 @@ class SamplingState:
         return True
 
 
-def sampling_state(train: Any, generated: Any, levels: Sequence[int]) -> SamplingState | None:
-    """The SamplingState a recipe's train section asks for (None when neither dynamic sampling nor a curriculum
-    is on); `generated` is its data.generated section, `levels` each training problem's level."""
-    selection = train.selection
+def prepare_sampling(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], SamplingState | None]:
+    """The GRPO examples and the SamplingState the recipe asks for (None when it asks for none)."""
+    train, selection = recipe.train, recipe.train.selection
     if not (selection.dynamic_sampling or selection.curriculum):
-        return None
+        return examples, None
+    from lowmem_grpo.data import with_problem_columns
+    from lowmem_grpo.data.generated import parse_levels
+
+    examples = with_problem_columns(examples, generated=recipe.data.source == "generated")
+    levels = [ex["level"] for ex in examples]
     window = WINDOW_GROUPS * train.num_generations
     rates = PassRates(train.num_generations, window, levels=levels) if selection.dynamic_sampling else None
     curriculum = None
     if selection.curriculum:
-        from lowmem_grpo.data.generated import parse_levels
-
+        spec = recipe.data.generated.grpo_levels or recipe.data.generated.levels
         present = set(levels)
-        spec = generated.grpo_levels or generated.levels
         wanted = [lv for lv in parse_levels(spec) if lv in present] or sorted(present)
         curriculum = Curriculum(wanted, selection.promote_at, window)
-    return SamplingState(levels, train.seed, rates, curriculum)
-
-
-def prepare_sampling(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], SamplingState | None]:
-    """The GRPO examples and the SamplingState of a recipe: unchanged examples and None when neither
-    train.selection.dynamic_sampling nor train.selection.curriculum is on; else examples with `problem_id` and
-    `level` columns."""
-    if not (recipe.train.selection.dynamic_sampling or recipe.train.selection.curriculum):
-        return examples, None
-    from lowmem_grpo.data import with_problem_columns
-
-    examples = with_problem_columns(examples, generated=recipe.data.source == "generated")
-    state = sampling_state(recipe.train, recipe.data.generated, [ex["level"] for ex in examples])
-    if state.curriculum is not None:
-        counts = {lv: sum(ex["level"] == lv for ex in examples) for lv in state.curriculum.levels}
+        counts = [levels.count(lv) for lv in curriculum.levels]
         log.info("curriculum: levels %s (%s problems), starting at level %d, up a level at pass rate >= %.2f",
-                 state.curriculum.levels, "/".join(map(str, counts.values())), state.level,
-                 recipe.train.selection.promote_at)
-    return examples, state
+                 curriculum.levels, "/".join(map(str, counts)), curriculum.level, selection.promote_at)
+    return examples, SamplingState(levels, train.seed, rates, curriculum)

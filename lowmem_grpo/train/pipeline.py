@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,37 +41,33 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
           explicit: set[str] | None = None, cuda: CudaFacts | Callable[[], CudaFacts] | None = None,
           cpu: CpuPaths | None = None) -> Path:
     """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
-    The adapter starts fresh, or from lora.init_adapter (then priming, when on, continues from it).
 
-    `callbacks` are extra transformers TrainerCallbacks for the GRPO trainer (a Python caller's seam: to inspect
-    its state, or a test's fault injector). `resume_dir` continues that run (whose recipe.yaml `recipe` is) from
-    its last complete checkpoint. `explicit` are the dotted keys the user set on the command line; auto-fit
-    never changes them. `cuda` is what is known about the GPU (lowmem_grpo.device.CudaFacts), or the function that
-    reads it (None: lowmem_grpo.device.cuda_facts, called after the backend is imported): a GPU recipe stops
-    without a usable one, and auto-fit fits its free memory. `cpu`, when given, replaces the CPU speed paths the
-    Runtime resolved from train.cpu.fast (lowmem_grpo.runtime.CpuPaths): one path off alone, for a caller that
-    measures or checks it.
+    `callbacks`: extra TrainerCallbacks for the GRPO trainer. `resume_dir`: continue that run from its last complete
+    checkpoint. `explicit`: dotted keys set on the command line, which auto-fit never changes. `cuda`: the GPU's
+    facts, or the function that reads them (default lowmem_grpo.device.cuda_facts). `cpu`: replaces the Runtime's
+    CPU speed paths.
     """
     runtime, cuda = setup(recipe, cuda)
     runtime = runtime if cpu is None else dataclasses.replace(runtime, cpu=cpu)
     if not cuda.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
         rss.limit_heap_retention()
     peaks = rss.StagePeaks(trim=not cuda.available)  # the process's peak RSS in each stage, peak_rss.json, report
-    fit = fit_memory(recipe, explicit or set(), resume_dir, cuda)
-    recipe, runtime = fit.recipe, runtime.with_batches(fit.recipe)
+    recipe, plan = fit_memory(recipe, explicit or set(), resume_dir, cuda)
+    runtime = runtime.with_batches(recipe)
     log.info("%s", runtime.block().rstrip())
     rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
-    with peaks.stage("convert"):
-        model_path = model_path_once(recipe)  # a missing model folder fails before the run directory exists
-    if resume_dir is None:  # a resumed run keeps the budget it started with
-        check_completion_budget(recipe, rows, model_path)
+    with peaks.stage("convert"), distributed.main_process_first():  # an embedded model is converted once, by rank 0
+        model_path = locate_model(recipe.model.name)  # a missing folder fails before the run dir exists
+    if resume_dir is None and budget.checked(recipe):  # a resumed run keeps the budget it started with
+        budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
     resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
     if resume is not None and resume.finished:
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
         return resume.run_dir
     start_adapter = starting_adapter(recipe, model_path, resume)  # a mismatched lora.init_adapter fails here too
     # rank 0 picks it, all ranks use it; nothing is written into it until the data and the model are checked
-    run_dir = resume.run_dir if resume else distributed.agree_on_run_dir(lambda: choose_run_dir(recipe))
+    run_dir = resume.run_dir if resume else distributed.agree_on_run_dir(
+        lambda: layout.choose_run_dir(recipe.output.dir, recipe.output.root, recipe.name))
     log.info("run directory: %s", run_dir)
 
     with peaks.stage("load"):
@@ -80,17 +75,17 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     loaded.runtime.check_precision()  # a precision Unsloth would refuse on it: exit 2, before the run dir is written
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
     grpo_set = grpo_examples(examples, recipe.data)  # priming keeps every level; GRPO may draw from some
-    open_run_dir(run_dir, recipe, loaded.runtime, resume, fit.plan)  # inputs are good: the run dir is written now
+    open_run_dir(run_dir, recipe, loaded.runtime, resume, plan)  # inputs are good: the run dir is written now
     if distributed.is_main_process():
         peaks.attach(run_dir / layout.PEAK_RSS_FILE)
     stages = stage_evals(recipe, loaded, run_dir, peaks)  # the same held-out problems after each stage
-    stages.measure(loaded.model, "base")
+    measure(stages, loaded, "base")
     if start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
-        stages.measure(loaded.model, "start")
+        measure(stages, loaded, "start")
     if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
         with peaks.stage("prime"):
             prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, loaded.runtime)
-        stages.measure(loaded.model, "primed")
+        measure(stages, loaded, "primed")
     if recipe.train.preflight.enabled and resume is None:  # a resumed run already passed it
         with peaks.stage("preflight"):
             require_reward_signal(recipe, loaded, grpo_set)
@@ -99,15 +94,13 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     with peaks.stage("grpo"):
         trainer = train_grpo(recipe, loaded, grpo_set, run_dir, resume, callbacks)
     log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
-    stages.measure(loaded.model, "trained")
+    measure(stages, loaded, "trained")
     return save_and_report(trainer, run_dir, recipe.model.name)
 
 
 def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None) -> tuple[Runtime, CudaFacts]:
-    """Validate the recipe, resolve its Runtime (backends.start: every combination it could not honour refused,
-    the same check as `lowmem-grpo validate`, and a GPU recipe stopped without a usable GPU, before Unsloth is
-    imported first when it is the backend, ahead of trl/transformers/peft and of CUDA), join the launcher's process
-    group, check the trainer fields and the logger; returns the Runtime and the facts."""
+    """Validate the recipe, resolve its Runtime (backends.start: refused combinations stop here, before Unsloth is
+    imported first), join the process group, check the trainer fields and the logger."""
     launch = distributed.launch(recipe.train.extra)
     validate(recipe, num_processes=launch.num_processes)  # the recipe's own rules, before anything is imported
     runtime, facts = start(recipe, launch, cuda)  # refuses what the run could not honour, before any import
@@ -119,59 +112,28 @@ def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None) -> t
     return runtime, facts
 
 
-@dataclass
-class MemoryFit:
-    """The recipe with its settings fitted to the GPU, and the plan they fit (None when nothing was fitted)."""
-
-    recipe: Recipe
-    plan: Plan | None = None
-
-
-def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None, cuda: CudaFacts) -> MemoryFit:
-    """Before any model loads: the non-explicit settings fitted to this GPU's free memory (RecipeError names
-    explicit ones that cannot fit); with auto-fit off or under several processes only the evaluation batch; the
-    recipe as it is on CPU and on resume."""
+def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None,
+               cuda: CudaFacts) -> tuple[Recipe, Plan | None]:
+    """The recipe fitted to the GPU's free memory (only the eval batch without auto-fit), and the plan."""
     if resume_dir is not None:  # the resumed recipe.yaml holds the batch its first run planned
-        return MemoryFit(recipe)
+        return recipe, None
     if recipe.train.memory.auto_fit is False or distributed.world_size() > 1:
-        return MemoryFit(eval_batch_to_device(recipe, explicit, facts=cuda))
-    return MemoryFit(*fit_to_device(recipe, explicit, facts=cuda))
-
-
-def model_path_once(recipe: Recipe) -> str:
-    """The folder or hub id to load; an embedded model is converted once, by rank 0."""
-    with distributed.main_process_first():
-        return locate_model(recipe.model.name)
-
-
-def check_completion_budget(recipe: Recipe, rows: list[dict[str, Any]], model_path: str) -> Any:
-    """RecipeError (exit 2) before any weights load when train.max_completion_length cuts more than
-    train.max_truncated_targets of the worked solutions (lowmem_grpo.data.budget); the fit, or None unchecked."""
-    if not budget.checked(recipe):
-        return None
-    return budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
+        return eval_batch_to_device(recipe, explicit, facts=cuda), None
+    return fit_to_device(recipe, explicit, facts=cuda)
 
 
 def starting_adapter(recipe: Recipe, model_path: str, resume: checkpoints.ResumePoint | None) -> str | None:
-    """The adapter folder GRPO (and priming, when on) starts from: lora.init_adapter, checked against the recipe's
-    model, rank, alpha and target modules before any model loads; None for a fresh LoRA. A resumed run with a
-    checkpoint needs none: the trainer loads the checkpoint's weights into a fresh LoRA of the same shape."""
+    """lora.init_adapter, checked before any model loads; None for a fresh LoRA or a checkpoint."""
     if not recipe.lora.init_adapter or (resume is not None and resume.checkpoint is not None):
         return None
     return str(check_init_adapter(recipe.lora, recipe.model.name, model_path))
 
 
-def choose_run_dir(recipe: Recipe) -> Path:
-    """output.dir, or <root>/<name>-<timestamp>: checked, not yet created."""
-    return layout.choose_run_dir(recipe.output.dir, recipe.output.root, recipe.name)
-
-
 def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkpoints.ResumePoint | None,
-                 plan: Plan | None) -> Path:
-    """Rank 0 creates the run directory with recipe.yaml (and memory_plan.json when auto-fit ran), or rewinds a
-    resumed one to its checkpoint; env.json either way."""
+                 plan: Plan | None) -> None:
+    """Rank 0 creates the run directory, or rewinds a resumed one to its checkpoint; env.json either way."""
     if not distributed.is_main_process():
-        return run_dir
+        return
     if resume is None:
         layout.create_run_dir(run_dir, dump_yaml(recipe))
         if plan is not None:  # the predicted peak the chosen values fit
@@ -179,39 +141,30 @@ def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkp
     else:
         checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
     telemetry.write_env(run_dir, runtime.backend, runtime.dtype)
-    return run_dir
 
 
-class _NoStageEvals:
-    """train.eval.stage.problems=0, or not rank 0: nothing is measured."""
-
-    def measure(self, model: Any, stage: str) -> None:
-        return None
-
-
-def stage_evals(recipe: Recipe, loaded: LoadedModel, run_dir: Path, peaks: rss.StagePeaks | None = None
-                ) -> StageEvals | _NoStageEvals:
-    """The per-stage held-out evaluation (rank 0, train.eval.stage.problems problems), or a stand-in that measures
-    nothing; each evaluation's peak RSS goes into `peaks` as stage "eval <stage>"."""
+def stage_evals(recipe: Recipe, loaded: LoadedModel, run_dir: Path, peaks: rss.StagePeaks) -> StageEvals | None:
+    """The per-stage held-out evaluation (rank 0, train.eval.stage.problems problems), or None."""
     if not recipe.train.eval.stage.problems or not distributed.is_main_process():
-        return _NoStageEvals()
+        return None
     return StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks, cpu=loaded.runtime.cpu)
 
 
+def measure(stages: StageEvals | None, loaded: LoadedModel, stage: str) -> None:
+    if stages is not None:
+        stages.measure(loaded.model, stage)
+
+
 def require_reward_signal(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]]) -> Any:
-    """The reward preflight: would GRPO get any signal? NoSignalError (exit 3) when the goal reward varies in no
-    group or the total in almost none, judged on at least PREFLIGHT_MIN_PROMPTS prompts, unless
-    train.preflight.allow_no_signal; a thin signal (fewer than half the groups) is a warning and the run goes on."""
+    """The reward preflight: NoSignalError (exit 3) when GRPO would get no signal; a thin one warns."""
     check = reward_preflight.preflight(recipe, loaded, examples, recipe.train.preflight.prompts,
                                        refusal_prompts=reward_preflight.PREFLIGHT_MIN_PROMPTS)
-    text = reward_preflight.render(check, recipe).rstrip()
-    if check.weak or (check.no_signal and recipe.train.preflight.allow_no_signal):
-        log.warning("%s", text)
-    else:
-        log.info("%s", text)
-    if check.no_signal and not recipe.train.preflight.allow_no_signal:
-        fix = ("; ".join(reward_preflight.fixes(recipe, check)[:3])
-               + "; train.preflight.allow_no_signal=true trains anyway")
+    allowed = recipe.train.preflight.allow_no_signal
+    log.log(logging.WARNING if check.weak or (check.no_signal and allowed) else logging.INFO, "%s",
+            reward_preflight.render(check, recipe).rstrip())
+    if check.no_signal and not allowed:
+        fix = "; ".join(reward_preflight.fixes(recipe, check)[:3])
+        fix += "; train.preflight.allow_no_signal=true trains anyway"
         if check.format_only:
             raise NoSignalError(f"reward preflight: {check.shares()}: the only signal is format, so GRPO would "
                                 "learn the format, not the task", fix=fix)
@@ -221,8 +174,7 @@ def require_reward_signal(recipe: Recipe, loaded: LoadedModel, examples: list[di
 
 def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]], run_dir: Path, resume: Any,
                callbacks: Sequence[Any]) -> Any:
-    """GRPO with guarded, recorded rewards and lowmem_grpo's callbacks, through run_grpo (complete checkpoints,
-    signals, OOM retries, a full disk); returns the trainer that finished."""
+    """GRPO with guarded, recorded rewards and lowmem_grpo's callbacks, through run_grpo; returns the trainer."""
     from datasets import Dataset
 
     from lowmem_grpo.train.callbacks import PeriodicEvalCallback, SamplingStateCallback, TelemetryCallback
@@ -246,10 +198,9 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
 
 
 def save_and_report(trainer: Any, run_dir: Path, base_name: str | None = None) -> Path:
-    """adapter/ (gathered from ZeRO-3 shards, written by rank 0, naming the original base model, not Unsloth's
-    4-bit repo), the ranks' agreement check, report.md."""
+    """adapter/ (rank 0, naming the original base model), the ranks' agreement check, report.md."""
     adapter_dir = run_dir / layout.ADAPTER_DIR
-    trainer.save_model(str(adapter_dir))  # adapter + tokenizer
+    trainer.save_model(str(adapter_dir))  # adapter + tokenizer, gathered from ZeRO-3 shards
     distributed.check_ranks_agree(trainer, run_dir / layout.DISTRIBUTED_FILE)  # several processes: same adapter
     log.info("adapter saved to %s", adapter_dir)
     if distributed.is_main_process():

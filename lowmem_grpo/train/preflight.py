@@ -1,18 +1,6 @@
-"""Reward preflight: will GRPO get any gradient from these rewards on this model?
-
-GRPO's advantage is each completion's reward minus its group's mean; a group whose weighted total
-reward is the same for every completion contributes nothing. `preflight` samples
-train.num_generations completions for training prompts at the recipe's temperature, scores them with
-the recipe's rewards, and reports the share of informative (varying) groups, on the weighted total
-and on the goal reward (lowmem_grpo.recipe.goal_reward): a total that varies only through the format
-rewards teaches the format, not the task. The prompts are training problems priming did not train
-on, so a primed model is judged on what it can do, not on targets it memorised, drawn at random over
-the whole set (by level, for generated problems), so the verdict does not hang on one run of
-similar problems. One varying group proves the reward can vary on this model; flat groups prove
-little, so the preflight refuses only a run with (almost) no varying group, on at least
-PREFLIGHT_MIN_PROMPTS prompts, and warns when fewer than half vary. `check_rewards` is the
-`lowmem-grpo check-rewards` command's whole flow; `train` calls `preflight` before it trains.
-"""
+"""Reward preflight: will GRPO get any gradient from these rewards on this model? It samples GRPO's groups for
+training prompts priming did not train on and reports the share of groups whose total (and goal) reward varies;
+`check_rewards` is `lowmem-grpo check-rewards`, and `train` calls `preflight` before it trains."""
 
 from __future__ import annotations
 
@@ -21,7 +9,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lowmem_grpo import distributed
@@ -39,21 +27,12 @@ from lowmem_grpo.recipe_rules import validate
 log = logging.getLogger(__name__)
 
 MIN_TOTAL_SHARE = 0.05
-"""The preflight refuses when the weighted total varies in fewer than this share of prompt groups ("almost none").
-
-A group that varies is proof that the reward can vary on this model; a flat group is weak evidence: a model
-that solves some kinds of problem and none of another (the primed CPU default's groups vary on a third to half
-of the problems) leaves every group of a run of the hard kind flat. So the bar is low: below 1 in 20
-informative groups, a GRPO step of one or two prompt groups has no gradient 90-95% of the time and a run is
-mostly noise; at PREFLIGHT_MIN_PROMPTS (16) prompts it takes every group flat (one varying group is 6%),
-while on more prompts one stray varying group in 40 is not enough."""
+"""The preflight refuses when the weighted total varies in fewer than this share of prompt groups: a varying group
+proves the reward can vary, a flat one little, so the bar is low (at 16 prompts, every group flat)."""
 WEAK_SHARE = 0.5
-"""Fewer than this share of groups informative, on the goal reward or on the total: a weak signal. The run goes on
-with a warning naming the share (GRPO learns from those groups only, so it learns slower)."""
+"""Fewer than this share of groups informative, on the goal reward or on the total: a warning, the run goes on."""
 PREFLIGHT_MIN_PROMPTS = 16
-"""A refusal is judged on at least this many prompts (when the training set has them): when fewer show no signal,
-`preflight` samples more before it says so. A model that varies on a third of the problems leaves 8 spread
-prompts all flat ~4% of the time, 16 ~0.15%."""
+"""A refusal is judged on at least this many prompts (when the training set has them)."""
 ZERO_STD_TOL = 1e-6
 
 
@@ -66,7 +45,7 @@ class RewardStats:
     mean: float
     std: float
     frac_zero_std: float
-    """Share of prompt groups in which this reward is the same for every completion."""
+    """Share of prompt groups in which this reward is flat."""
 
 
 @dataclass
@@ -74,78 +53,64 @@ class PreflightResult:
     """What the preflight measured, and whether GRPO would have a signal."""
 
     rewards: list[RewardStats]
-    """Per reward, then `total` (the weighted sum GRPO ranks by)."""
+    """Per reward, then `total` (the weighted sum)."""
     frac_zero_std: float
-    """Share of prompt groups whose weighted total has zero variance."""
+    """Share of prompt groups whose weighted total is flat."""
     num_prompts: int
     num_generations: int
     temperature: float
     prefill: str = ""
     samples: list[dict[str, Any]] = field(default_factory=list)
-    """Two sample completions (the first one, and the best-scoring one) with their scores."""
+    """The first and the best-scoring completion, with their scores."""
     seconds: float = 0.0
     goal: str | None = None
-    """The goal reward (a name of `rewards`), None when the recipe has none."""
+    """The goal reward's name, None when the recipe has none."""
     sampled: str = ""
-    """What was sampled: the base model, or which adapter on it ("" when the caller did not say)."""
+    """What was sampled: the base model, or which adapter on it."""
 
     @property
     def goal_frac_zero_std(self) -> float | None:
-        """Share of prompt groups in which the goal reward is the same for every completion (None: no goal)."""
         return next((s.frac_zero_std for s in self.rewards if s.name == self.goal), None)
 
     @property
     def total_share(self) -> float:
-        """Share of prompt groups whose weighted total varies (informative groups: GRPO's gradient comes from them)."""
         return 1.0 - self.frac_zero_std
 
     @property
     def goal_share(self) -> float | None:
-        """Share of prompt groups in which the goal reward varies (None: no goal)."""
         goal = self.goal_frac_zero_std
         return None if goal is None else 1.0 - goal
 
     @property
     def format_only(self) -> bool:
-        """The total varies, the goal reward in no group: GRPO would learn the format, not the task."""
+        """The total varies, the goal reward in no group: GRPO would learn the format."""
         return self.goal_share == 0.0 and self.total_share > 0.0
 
     @property
     def no_signal(self) -> bool:
-        """Refuse: the goal reward varies in no group, or the total in almost none (below MIN_TOTAL_SHARE)."""
+        """Refuse: the goal reward varies in no group, or the total in almost none."""
         return self.goal_share == 0.0 or self.total_share < MIN_TOTAL_SHARE
 
     @property
     def weak_goal(self) -> bool:
-        """The goal reward varies in some groups, but in fewer than half (WEAK_SHARE): a warning, not a refusal."""
         return not self.no_signal and self.goal_share is not None and self.goal_share < WEAK_SHARE
 
     @property
     def weak_total(self) -> bool:
-        """The total varies in fewer than half the groups (WEAK_SHARE), but not in almost none: a warning."""
         return not self.no_signal and self.total_share < WEAK_SHARE
 
     @property
     def weak(self) -> bool:
-        """A signal, but a thin one (weak_goal or weak_total): train goes on with a warning."""
         return self.weak_goal or self.weak_total
 
     def shares(self) -> str:
-        """The measured shares in words: "goal reward correctness varies in 3 of 16 prompt groups (19%), the
-        weighted total in 12 of 16 (75%)"."""
+        """The measured shares in words."""
         n = self.num_prompts
         total = f"{n - round(self.frac_zero_std * n)} of {n}"
         if self.goal_share is None:
             return f"the weighted total varies in {total} prompt groups ({self.total_share:.0%}; no goal reward named)"
         return (f"the goal reward {self.goal} varies in {n - round(self.goal_frac_zero_std * n)} of {n} prompt "
                 f"groups ({self.goal_share:.0%}), the weighted total in {total} ({self.total_share:.0%})")
-
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(no_signal=self.no_signal, format_only=self.format_only, weak_goal=self.weak_goal,
-                    weak_total=self.weak_total, goal_frac_zero_std=self.goal_frac_zero_std,
-                    goal_share=self.goal_share, total_share=self.total_share)
-        return data
 
 
 def _std(values: list[float]) -> float:
@@ -172,9 +137,7 @@ def group_stats(scores: dict[str, list[float]], weights: dict[str, float],
 
 
 def spread_order(levels: Sequence[int], seed: int) -> list[int]:
-    """Indices 0..len(levels)-1 in a seeded random order: every prefix is a random sample of the whole range (not a
-    run of neighbours) holding each level in proportion, so a stratified sample of any size is a prefix. Each
-    level's indices are shuffled and interleaved by their position within the level, (j + offset) / count."""
+    """Indices of `levels` in a seeded order whose every prefix holds each level in proportion."""
     rng = random.Random(seed)
     by_level: dict[int, list[int]] = {}
     for i, level in enumerate(levels):
@@ -190,13 +153,10 @@ def spread_order(levels: Sequence[int], seed: int) -> list[int]:
 
 def preflight_examples(recipe: Recipe, examples: list[dict[str, Any]], n_prompts: int,
                        primed: bool = True) -> list[dict[str, Any]]:
-    """n_prompts examples priming did not train on (it trains on the first prime.num_examples, or all; `primed`:
-    whether the model was primed on these examples), in spread_order over all of them, seeded by train.seed and
-    stratified by level for generated problems (lowmem_grpo.data.generated.level_of); a prefix of a larger draw.
-    When too few are left, the rest from the primed ones, with a warning (their pass rates are optimistic)."""
-    prime = getattr(recipe, "prime", None)
-    seen = primed_count(len(examples), prime.num_examples) if primed and prime is not None and prime.enabled else 0
-    generated = getattr(recipe.data, "source", None) == "generated"
+    """n_prompts examples priming did not train on (`primed`: whether it did), in spread_order seeded by train.seed
+    and stratified by level; when too few are left, the rest from the primed ones, with a warning."""
+    seen = primed_count(len(examples), recipe.prime.num_examples) if primed and recipe.prime.enabled else 0
+    generated = recipe.data.source == "generated"
 
     def spread(pool: list[dict[str, Any]]) -> list[dict[str, Any]]:
         levels = [(ex.get("level") or level_of(ex["question"], ex["solution"])) if generated else 0 for ex in pool]
@@ -215,7 +175,7 @@ def preflight_examples(recipe: Recipe, examples: list[dict[str, Any]], n_prompts
 
 def _sample(recipe: Recipe, loaded: LoadedModel, chosen: list[dict[str, Any]], seed: int
             ) -> tuple[list[str], dict[str, list[Any]]]:
-    """num_generations completions for each chosen example (texts, grouped by prompt) and their reward columns."""
+    """num_generations completions for each chosen example and their reward columns."""
     t = recipe.train
     k = t.num_generations
     generations = generate(loaded.model, loaded.tokenizer, [ex["prompt"] for ex in chosen],
@@ -231,10 +191,8 @@ def _sample(recipe: Recipe, loaded: LoadedModel, chosen: list[dict[str, Any]], s
 
 def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]], n_prompts: int,
               primed: bool = True, refusal_prompts: int = 0) -> PreflightResult:
-    """Sample the recipe's GRPO groups for n_prompts examples priming did not train on, spread over the set
-    (preflight_examples; `primed`: the model was primed on the recipe's priming examples of `examples`), and
-    measure the reward signal, on the weighted total and on the goal reward. When that finds no signal on fewer
-    than `refusal_prompts` prompts, more prompts of the same draw are sampled and the verdict is on all of them."""
+    """Sample GRPO's groups for n_prompts preflight_examples and measure the reward signal on the total and the goal
+    reward; no signal on fewer than `refusal_prompts` prompts: more of the same draw are sampled first."""
     if n_prompts < 1:
         raise BadInputError(f"preflight prompts {n_prompts} must be at least 1", fix="e.g. --prompts 16")
     t = recipe.train
@@ -266,31 +224,27 @@ def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]
 
 
 def goal_fixes(recipe: Recipe) -> list[str]:
-    """The likely fixes when only the format varies (the goal reward is flat), most effective first."""
+    """The likely fixes when the goal is what is short, most effective first."""
     t, d = recipe.train, recipe.data
-    prime = getattr(recipe, "prime", None)
     easier = ("easier problems: a lower data.generated.levels (now " + d.generated.levels + ")"
               if d.source == "generated" else "easier problems (data.source=generated, data.generated.levels=1)")
     return [
         easier,
         f"sample more completions per prompt: train.num_generations={max(2 * t.num_generations, 8)} "
         f"(now {t.num_generations}), so that a rare right answer lands in a group",
-        "prime on more worked solutions (prime.num_examples, prime.max_steps)" if prime is not None and prime.enabled
+        "prime on more worked solutions (prime.num_examples, prime.max_steps)" if recipe.prime.enabled
         else "prime on worked solutions first: prime.enabled=true",
         f"sample closer to the greedy answer: a lower train.temperature (now {t.temperature})",
     ]
 
 
 def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
-    """The likely fixes for a reward set without (enough) signal, most effective first, fitted to the recipe (and to
-    what the preflight found: when the goal reward varies somewhere, or the total in most groups, the format is in
-    reach and the goal is what is short, so `goal_fixes`)."""
+    """The likely fixes for a reward set without (enough) signal, most effective first."""
     if result is not None and result.goal_share is not None and (result.goal_share > 0
                                                                  or result.total_share >= WEAK_SHARE):
         return goal_fixes(recipe)
-    t, d = recipe.train, recipe.data
-    prime = getattr(recipe, "prime", None)
-    if prime is not None and getattr(prime, "enabled", False):
+    t, d, prime = recipe.train, recipe.data, recipe.prime
+    if prime.enabled:
         priming = (f"prime the format for longer: prime.max_steps={2 * prime.max_steps} (now {prime.max_steps}), "
                    "or on more examples (prime.num_examples)")
     else:
@@ -318,7 +272,7 @@ def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
 
 
 def render(result: PreflightResult, recipe: Recipe) -> str:
-    """The check-rewards report: per-reward table, zero-variance share, two samples, and the verdict."""
+    """The check-rewards report: per-reward table, two samples, and the verdict."""
     lines = [f"reward preflight: {result.num_prompts} prompts x {result.num_generations} generations "
              f"at temperature {result.temperature} ({result.seconds:.0f} s)",
              *([f"sampled: {result.sampled}"] if result.sampled else []), "",
@@ -342,25 +296,22 @@ def render(result: PreflightResult, recipe: Recipe) -> str:
                          "GRPO learns only from reward differences inside a group, so training would learn little "
                          "or nothing.")
         lines.append("Likely fixes, most effective first:")
-        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
-        lines.append("Train anyway with train.preflight.allow_no_signal=true.")
-        return "\n".join(lines) + "\n"
-    if result.weak:
+    elif result.weak:
         lines.append(f"WEAK SIGNAL: {result.shares()}; fewer than {WEAK_SHARE:.0%} informative. GRPO learns from "
                      "the varying groups only: training goes on, more slowly"
                      + (", and with most of the signal in the format it may learn the format instead of the answers"
                         if result.weak_goal and not result.weak_total else "") + ".")
         lines.append("To give it more signal, most effective first:")
-        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
-        return "\n".join(lines) + "\n"
-    lines.append(f"ok: {result.shares()}; GRPO has a signal to learn from.")
+    else:
+        return "\n".join([*lines, f"ok: {result.shares()}; GRPO has a signal to learn from."]) + "\n"
+    lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes(recipe, result), start=1)]
+    if result.no_signal:
+        lines.append("Train anyway with train.preflight.allow_no_signal=true.")
     return "\n".join(lines) + "\n"
 
 
 def check_rewards(recipe: Recipe, n_prompts: int) -> PreflightResult:
-    """Load the model the recipe starts GRPO from (its base model, with lora.init_adapter on it when set) and the
-    training prompts, and run the preflight as `train` does (a refusal on at least PREFLIGHT_MIN_PROMPTS prompts);
-    never trains, never primes. The report names what was sampled."""
+    """The preflight as `train` runs it, on the model GRPO would start from; never trains."""
     validate(recipe)
     if n_prompts < 1:
         raise BadInputError(f"--prompts {n_prompts} must be at least 1", fix=f"e.g. --prompts {PREFLIGHT_MIN_PROMPTS}")

@@ -1,11 +1,5 @@
-"""The `prime` stage: a short supervised warm start of the GRPO LoRA adapter on the target format.
-
-GRPO learns only from differences inside a group. A small model that never writes the tags
-scores 0 on every completion, so every group has zero variance and there is no gradient. Priming
-trains the SAME adapter for a few steps on worked solutions rendered in the target format
-(lowmem_grpo.data.format), with the loss on the completion only (TRL's SFTTrainer on a
-prompt-completion dataset), and GRPO then continues from the primed weights on the same model object.
-"""
+"""The `prime` stage: a short supervised warm start of the GRPO LoRA adapter on worked solutions in the target
+format (loss on the completion only), so that GRPO's groups vary from its first steps."""
 
 from __future__ import annotations
 
@@ -23,12 +17,9 @@ from lowmem_grpo.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-STAGE = layout.PRIME_STAGE
-
 
 def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime) -> Any:
-    """SFTConfig for the prime stage: loss on completions only, no checkpoints, and GRPO's optimizer and bf16/fp16
-    flags (the Runtime's, from train.precision and the dtype the model was really loaded in)."""
+    """SFTConfig for the prime stage: loss on completions only, no checkpoints, the Runtime's optimizer and flags."""
     from trl import SFTConfig
 
     p, t = recipe.prime, recipe.train
@@ -59,43 +50,23 @@ def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime) -> Any:
     )
 
 
-def sft_trainer_class(runtime: Runtime) -> type:
-    """TRL's SFTTrainer (Unsloth's patched one once Unsloth is imported), or the CPU-safe subclass for hf on CPU."""
-    if runtime.trainer == "cpu":
-        from lowmem_grpo.train.trainer import CpuSafeSFTTrainer
-
-        return CpuSafeSFTTrainer
-    from trl import SFTTrainer
-
-    return SFTTrainer
-
-
 def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Recipe, run_dir: Path,
-          runtime: Runtime, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Train `model`'s LoRA adapter in place on the rendered targets, save it to RUN_DIR/primed_adapter.
-
-    `runtime` is the run's, with the dtype the model was loaded in (LoadedModel.runtime): its optimizer and
-    bf16/fp16 flags are the ones the GRPO stage uses. Metrics go to
-    metrics.jsonl with stage "prime"; `callbacks` are extra TrainerCallbacks. Returns a summary:
-    steps, examples, seconds, first and last logged loss. Imports trl (Unsloth's patched
-    SFTTrainer once Unsloth was imported).
-    """
+          runtime: Runtime) -> None:
+    """Train `model`'s LoRA adapter in place on the rendered targets; save it to RUN_DIR/primed_adapter."""
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
+    from trl import SFTTrainer  # Unsloth's patched one once Unsloth is imported
 
     from lowmem_grpo.train.callbacks import TelemetryCallback
+    from lowmem_grpo.train.trainer import CpuSafeSFTTrainer
 
     pairs = priming_pairs(examples, recipe.prime.num_examples, recipe.data.calculator)
     if not pairs:
         raise RecipeError("prime: no training examples to prime on", fix="raise prime.num_examples or data.limit")
     config = build_sft_config(recipe, run_dir, runtime)
-    trainer = sft_trainer_class(runtime)(
-        model=model,
-        args=config,
-        train_dataset=Dataset.from_list(pairs),
-        processing_class=tokenizer,
-        callbacks=[TelemetryCallback(run_dir, STAGE, []), *callbacks],
-    )
+    trainer = (CpuSafeSFTTrainer if runtime.trainer == "cpu" else SFTTrainer)(
+        model=model, args=config, train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
+        callbacks=[TelemetryCallback(run_dir, layout.PRIME_STAGE, [])])
     trainer.remove_callback(PrinterCallback)
     log.info("priming %d steps on %d rendered solutions (lr %.1e)", config.max_steps, len(pairs),
              config.learning_rate)
@@ -106,13 +77,6 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     if trainer.is_world_process_zero():  # one writer under a multi-process launch
         model.save_pretrained(str(adapter_dir))
         tokenizer.save_pretrained(str(adapter_dir))
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    summary = {"steps": trainer.state.global_step, "examples": len(pairs), "seconds": seconds,
-               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
-    log.info("primed %d steps in %.0f s (loss %s -> %s); adapter saved to %s", summary["steps"], seconds,
-             _fmt(summary["first_loss"]), _fmt(summary["last_loss"]), adapter_dir)
-    return summary
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+    losses = [f'{h["loss"]:.3f}' for h in trainer.state.log_history if "loss" in h] or ["-"]
+    log.info("primed %d steps in %.0f s (loss %s -> %s); adapter saved to %s", trainer.state.global_step, seconds,
+             losses[0], losses[-1], adapter_dir)

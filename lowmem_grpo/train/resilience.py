@@ -1,24 +1,10 @@
-"""Never lose a run: complete checkpoints, interrupts, out-of-memory recovery and a full disk, around GRPO training.
-
-`run_grpo(build, recipe, run_dir, model=...)` trains the trainer `build(recipe)` returns and:
-- marks each checkpoint complete once the trainer has written it (lowmem_grpo.rundir.checkpoints), then applies
-  train.save_total_limit to the complete ones only (TRL's own rotation is off);
-- on the first SIGINT or SIGTERM lets the current step finish, writes a checkpoint and the report, and
-  raises InterruptedRun (exit 130 / 143); a second signal aborts at once (Aborted, a KeyboardInterrupt),
-  leaving the last complete checkpoint as it was;
-- on a CUDA out-of-memory error releases the failed trainer, resets what Unsloth leaves set after an exception,
-  frees the memory, lowers the settings (lowmem_grpo.train.oom), records the
-  change in the run directory, rewinds to the last complete checkpoint (or the start) and trains again,
-  at most train.memory.oom_retries times; then stops with what was tried;
-- on a full disk removes the checkpoint it could not finish and stops with DiskFullError (exit 2);
-- adds the resume command to a reward fault's fix;
-- on every trainer it builds (a resume, a retry), restores the checkpoint's policy adapter and keeps the run's
-  original KL reference adapter (RunAdapters), whatever TRL copies into it at init.
-Imports nothing heavy at module level.
-"""
+"""Never lose a run: `run_grpo` trains with complete checkpoints, stops cleanly on a signal (a second one aborts),
+retries a CUDA out-of-memory error with lowered settings from the last complete checkpoint, stops on a full disk,
+and keeps the run's policy and KL reference adapters across every trainer it builds."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import logging
@@ -95,22 +81,8 @@ class SignalGuard:
         return self.signum
 
 
-def write_report_safely(run_dir: Path) -> Path | None:
-    """report.md and plots (rank 0); a warning, not a failure, when they cannot be written."""
-    if not distributed.is_main_process():
-        return None
-    try:
-        path = write_report(run_dir)
-    except Exception as exc:  # noqa: BLE001 - the checkpoint matters, the report is a convenience
-        log.warning("could not write the report: %s: %s", type(exc).__name__, exc)
-        return None
-    log.info("report: %s", path)
-    return path
-
-
 def _snapshot(model: Any) -> dict[str, Any] | None:
-    """CPU copies of the trainable (LoRA) parameters: the restart point of a retry with no checkpoint yet. None off
-    CUDA, where out-of-memory retries do not happen (a CPU allocation failure is not retried): no host copy held."""
+    """CPU copies of the trainable parameters, the restart point of a retry with no checkpoint yet; None off CUDA."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not any(p.device.type == "cuda" for _, p in trainable):
         return None
@@ -127,28 +99,18 @@ def _restore(model: Any, snapshot: dict[str, Any]) -> None:
 
 
 def release(trainer: Any) -> None:
-    """Drop what a failed trainer holds on the GPU: its buffered generation batch (TRL keeps the whole batch of
-    completions between generation and the updates), the objects accelerate prepared, the optimizer and scheduler.
-    The caller then drops its own reference, so that collecting can free the trainer itself."""
-    drop = getattr(trainer, "drop_generation_batch", None)  # lowmem_grpo.train.trainer's trainers have it
-    if drop is not None:
-        drop()
-    try:
+    """Drop what a failed trainer holds on the GPU: its generation batch, accelerate's objects, the optimizer."""
+    if hasattr(trainer, "drop_generation_batch"):
+        trainer.drop_generation_batch()
+    with contextlib.suppress(Exception):  # best effort; the references are dropped anyway
         trainer.accelerator.free_memory()
-    except Exception:  # noqa: BLE001 - best effort; the references are dropped anyway
-        pass
     trainer.optimizer = trainer.lr_scheduler = None
 
 
 def reset_unsloth_state(model: Any, modules: Any = None) -> None:
-    """Undo what an exception inside Unsloth's GRPO step leaves behind (a no-op without Unsloth):
-
-    - UNSLOTH_RETURN_HIDDEN_STATES: set to "1" around the no-grad log-prob pass and reset only on its normal path;
-      left at "1", every forward returns hidden states as .logits, and generation samples from them;
-    - the offloaded gradient-checkpointing buffers, which Unsloth's train() wrapper resets only after a train()
-      that returned (unsloth_zoo.gradient_checkpointing.reset_unsloth_gradient_checkpointing_buffers);
-    - the model's training mode with its checkpointing mode (for_training), as Unsloth's wrapper would.
-    `modules` is where to find an imported unsloth_zoo (sys.modules; a test passes its own table)."""
+    """Undo what an exception inside Unsloth's GRPO step leaves behind: UNSLOTH_RETURN_HIDDEN_STATES (left at "1",
+    forwards return hidden states as logits), the checkpointing buffers and the training mode. `modules`: where to
+    find unsloth_zoo (sys.modules)."""
     if os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES") not in (None, "0"):
         os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "0"
     checkpointing = (sys.modules if modules is None else modules).get("unsloth_zoo.gradient_checkpointing")
@@ -156,16 +118,6 @@ def reset_unsloth_state(model: Any, modules: Any = None) -> None:
         checkpointing.reset_unsloth_gradient_checkpointing_buffers()
     if hasattr(model, "for_training"):
         model.for_training(use_gradient_checkpointing=getattr(model, "_unsloth_gradient_checkpointing", None))
-
-
-def free_memory(model: Any) -> None:
-    """Gradients dropped, garbage collected, the CUDA cache emptied: after the failed trainer is unreferenced."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _disk_full(exc: OSError, run_dir: Path, step: int) -> DiskFullError:
@@ -188,27 +140,15 @@ def _oom_stop(run_dir: Path, step: int, phase: str, retries: list[str], limit: i
             f"continue with {_resume_hint(run_dir)}, or see `lowmem-grpo plan`")
 
 
-def _checkpoint_step(folder: Path) -> int:
-    return int(Path(folder).name[len(layout.CHECKPOINT_PREFIX):])
-
-
 REFERENCE_ADAPTER = "ref"
-"""The adapter TRL's GRPOTrainer adds to a PEFT model when beta != 0, as a frozen copy of the policy adapter at the
-trainer's construction: the KL anchor. A checkpoint holds it in checkpoint-N/ref/, the policy at its top level."""
+"""The KL anchor adapter TRL's GRPOTrainer adds (beta != 0) as a frozen copy of the policy; a checkpoint holds it
+in checkpoint-N/ref/."""
 
 
 class RunAdapters:
-    """The run's policy and reference adapters across every trainer `run_grpo` builds (the first, a resumed one, an
-    OOM retry's): one owner, so that each build trains from the right policy against the run's original reference.
-
-    - `before_build()`: TRL's init copies the policy into a new `ref` adapter and refuses a name that exists; the
-      reference a previous build held (the run's original) is kept aside and its adapter removed.
-    - `after_build(checkpoint)`: the policy adapter becomes the checkpoint's (transformers' PEFT resume loads only
-      the checkpoint's sub-folders, `ref/`, when there are any, and never the top-level policy); the reference
-      becomes the one kept aside, or on a fresh process the checkpoint's `ref/`. Only on a fresh run's first build
-      is TRL's copy the original: the policy as priming, lora.init_adapter or a fresh LoRA left it.
-    Without a PEFT model or a reference adapter (beta 0) only the policy is restored. Weights are copied in place
-    (PEFT's load_state_dict path) before trainer.train() builds the optimizer."""
+    """The run's policy and reference adapters across every trainer `run_grpo` builds: each trains from the right
+    policy (the checkpoint's; transformers' PEFT resume would load only `ref/`) against the run's original
+    reference (kept aside before TRL copies the policy into a new one, or the checkpoint's `ref/`)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -218,7 +158,7 @@ class RunAdapters:
         return REFERENCE_ADAPTER in getattr(self.model, "peft_config", {})
 
     def before_build(self) -> None:
-        """Keep the live reference (frozen, never trained) and remove its adapter, so that TRL can add it again."""
+        """Keep the live reference aside and remove its adapter, so that TRL can add it again."""
         if not self._has_reference():
             return
         from peft import get_peft_model_state_dict
@@ -228,7 +168,7 @@ class RunAdapters:
         self.model.delete_adapter(REFERENCE_ADAPTER)
 
     def after_build(self, checkpoint: Path | None) -> None:
-        """The checkpoint's policy (when given) and the run's original reference (when TRL added one)."""
+        """The checkpoint's policy (when given) and the run's original reference."""
         if checkpoint is not None and hasattr(self.model, "load_adapter"):
             self.model.load_adapter(str(checkpoint), self.model.active_adapter, is_trainable=True)
         if not self._has_reference():
@@ -245,20 +185,8 @@ class RunAdapters:
                         Path(checkpoint).name, REFERENCE_ADAPTER)
 
 
-def _finished_trainer(trainer: Any, checkpoint: Path) -> Any:
-    """A trainer holding the final checkpoint's adapter and state, without a step: resuming a run whose last
-    checkpoint is its final step would otherwise train one step past max_steps (transformers checks the limit
-    only after a step). Its adapters are restored by the caller (RunAdapters.after_build)."""
-    from transformers import TrainerState
-
-    trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
-    log.info("%s is the final step: saving its adapter, nothing to train", Path(checkpoint).name)
-    return trainer
-
-
 def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[str, str] | None:
-    """One attempt at trainer.train(): None when it finished, or (error text, phase) of a CUDA out-of-memory
-    error. A full disk, a reward fault or an abort become the errors the CLI reports."""
+    """One trainer.train(): None when it finished, or (error text, phase) of a CUDA out-of-memory error."""
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except KeyboardInterrupt:
@@ -281,8 +209,7 @@ def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[
 
 
 class OomRetries:
-    """What a CUDA out-of-memory error leads to: lowered settings, the rewind to the last complete checkpoint
-    (or the LoRA weights at the start), the record in the run directory; at most train.memory.oom_retries times."""
+    """After a CUDA OOM: lowered settings and the rewind, at most train.memory.oom_retries times."""
 
     def __init__(self, run_dir: Path, model: Any, fresh_start: bool, use_planner: bool) -> None:
         self.run_dir = run_dir
@@ -293,8 +220,7 @@ class OomRetries:
         self.tried: list[str] = []
 
     def recover(self, step: int, recipe: Any, error: str, phase: str) -> tuple[Any, Path | None]:
-        """The lowered recipe and the checkpoint to continue from, after an OOM at `step` (the failed trainer
-        already released and unreferenced); OutOfMemoryError when no retry is left."""
+        """The lowered recipe and the checkpoint to continue from; OutOfMemoryError when no retry is left."""
         run_dir, limit = self.run_dir, recipe.train.memory.oom_retries
         log.error("CUDA out of memory at step %d (%s): %s", step, phase, error)
         if distributed.is_distributed():
@@ -305,8 +231,13 @@ class OomRetries:
         lowering = oom.lower(recipe, use_planner=self.use_planner, phase=phase)
         if lowering is None:
             raise _oom_stop(run_dir, step, phase, self.tried, limit, "every memory setting is already at its floor")
+        import torch
+
         reset_unsloth_state(self.model)
-        free_memory(self.model)
+        self.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         last = checkpoints.last_complete(run_dir)
         main = distributed.is_main_process()
         if main:
@@ -317,8 +248,9 @@ class OomRetries:
         elif last is None:  # an out-of-memory error injected off CUDA (tests/faults.py): no snapshot was taken
             log.warning("no snapshot of the starting LoRA weights (not on CUDA): retrying from the current ones")
         resume_from = last[1] if last else None
-        oom.record(run_dir, len(self.tried) + 1, step, phase, error, resume_from.name if resume_from else None,
-                   lowering, main_process=main)
+        if main:
+            oom.record(run_dir, len(self.tried) + 1, step, phase, error, resume_from.name if resume_from else None,
+                       lowering)
         self.tried.append(f"retry {len(self.tried) + 1} at step {step}: {lowering.describe()}")
         log.warning("OOM retry %d of %d: %s; continuing from %s", len(self.tried), limit, lowering.describe(),
                     resume_from.name if resume_from else "step 0")
@@ -326,11 +258,15 @@ class OomRetries:
 
 
 def _stop_if_interrupted(guard: SignalGuard, trainer: Any, run_dir: Path) -> None:
-    """After a signal: the checkpoint is written; write the report and raise InterruptedRun (exit 130/143)."""
+    """After a signal (the checkpoint written): the report, and InterruptedRun (exit 130/143)."""
     state = trainer.state
     if guard.signum is None or state.global_step >= state.max_steps:
         return
-    write_report_safely(run_dir)
+    if distributed.is_main_process():
+        try:
+            log.info("report: %s", write_report(run_dir))
+        except Exception as exc:  # noqa: BLE001 - the checkpoint matters, the report is a convenience
+            log.warning("could not write the report: %s: %s", type(exc).__name__, exc)
     raise InterruptedRun(f"interrupted by {signal.Signals(guard.signum).name}: stopped after step "
                          f"{state.global_step} of {state.max_steps}; last complete checkpoint: "
                          f"{_last_complete_text(run_dir)}",
@@ -339,16 +275,21 @@ def _stop_if_interrupted(guard: SignalGuard, trainer: Any, run_dir: Path) -> Non
 
 def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: Any,
              resume_from: Path | None = None, use_planner: bool = True) -> Any:
-    """Train `build(recipe)` (from `resume_from` when given) with checkpoints, signals, OOM and disk faults
-    handled as the module says; returns the trainer that finished. Call it after `backends.prepare()`."""
+    """Train `build(recipe)` (from `resume_from`), handling faults as the module says; returns the trainer."""
     from lowmem_grpo.train.callbacks import CompleteCheckpoints
 
     run_dir = Path(run_dir)
     adapters = RunAdapters(model)
-    if resume_from is not None and _checkpoint_step(resume_from) >= recipe.train.max_steps:
+    step = int(Path(resume_from).name[len(layout.CHECKPOINT_PREFIX):]) if resume_from is not None else 0
+    if resume_from is not None and step >= recipe.train.max_steps:
+        # transformers would train one step past max_steps: only adapter/ and the report are left to write
+        from transformers import TrainerState
+
         trainer = build(recipe)
         adapters.after_build(resume_from)
-        return _finished_trainer(trainer, resume_from)  # only adapter/ and the report were left to write
+        trainer.state = TrainerState.load_from_json(str(Path(resume_from) / "trainer_state.json"))
+        log.info("%s is the final step: saving its adapter, nothing to train", Path(resume_from).name)
+        return trainer
     retries = OomRetries(run_dir, model, fresh_start=resume_from is None, use_planner=use_planner)
     with SignalGuard() as guard:
         while True:
@@ -360,8 +301,7 @@ def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: 
             failure = _train_once(trainer, run_dir, resume_from)
             if failure is None:
                 break
-            # outside the except block: the traceback's frames (and the tensors they hold) can be freed now; the
-            # failed trainer is released and unreferenced before anything is collected
+            # outside the except block, so the traceback's tensors can be freed
             step = trainer.state.global_step + 1
             release(trainer)
             trainer = None

@@ -1,10 +1,6 @@
-"""The trainers lowmem_grpo trains with: the one module that overrides or calls TRL's private methods (TRL changes
-them without deprecation; tests/test_trainer_pins.py pins each). Other modules use their public methods and the
-`lowmem_*` attributes. Every override calls super() and copies no TRL body, so Unsloth's rewrites still run.
-
-Imports torch and trl at module level: import this module only after `backends.prepare()` (Unsloth first, so that
-`trl.GRPOTrainer` is Unsloth's patched trainer when the unsloth backend runs, and ours subclass it).
-"""
+"""The trainers lowmem_grpo trains with: the one module that touches TRL's private methods (each pinned by
+tests/test_trainer_pins.py); every override calls super(), so Unsloth's rewrites still run. Import only after
+`backends.prepare()`, so that `trl.GRPOTrainer` is Unsloth's patched one when that backend runs."""
 
 from __future__ import annotations
 
@@ -31,10 +27,8 @@ PASS_SCORE = 0.5
 
 
 class InformativeSampler(Sampler):
-    """TRL's RepeatSampler layout (each prompt `mini_repeat_count` times in a row, each chunk of `batch_size`
-    prompts `repeat_count` times, `num_chunks` chunks per epoch), with the chunks drawn by a SamplingState:
-    weighted by pass rates, limited to the curriculum's levels, seeded and deterministic. The attribute names
-    are RepeatSampler's, which Unsloth's context-parallel patch reads."""
+    """TRL's RepeatSampler layout with the chunks drawn by a SamplingState; the attribute names are RepeatSampler's,
+    which Unsloth's context-parallel patch reads."""
 
     def __init__(self, state: SamplingState, num_chunks: int, batch_size: int, mini_repeat_count: int,
                  repeat_count: int) -> None:
@@ -47,15 +41,12 @@ class InformativeSampler(Sampler):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """The trainer names the epoch before iterating (also when it resumes mid-run)."""
         self.epoch = epoch
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1  # without set_epoch, the next pass is the next epoch
         for c in range(epoch * self.num_chunks, (epoch + 1) * self.num_chunks):
-            # drawn when the loader asks for it; the trainer's loader reads one generation batch ahead (accelerate's
-            # DataLoaderShard fetches the next batch before it yields the current one), so chunk c is drawn before
-            # chunk c-1 is scored: its weights hold the outcomes of the chunks up to c-2
+            # the loader reads one batch ahead: chunk c is drawn before chunk c-1 is scored
             chunk = self.state.chunk(c, self.batch_size)
             for _ in range(self.repeat_count):
                 for index in chunk:
@@ -66,15 +57,14 @@ class InformativeSampler(Sampler):
 
 
 def _flat_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Per group: True when its values do not vary, as TRL tests it (nan-aware std close to 0)."""
+    """Per group: True when its values do not vary, as TRL tests it."""
     std = nanstd(values.view(-1, group_size), dim=1)
     return torch.isclose(std, torch.zeros_like(std))
 
 
 def _passes(rewards: torch.Tensor, total: torch.Tensor, names: list[str], group_size: int,
             goal: str | None) -> list[bool | None]:
-    """Each completion's outcome: the goal reward >= PASS_SCORE when the recipe has one; else a total reward above
-    its group's mean (so a flat group counts as failing and a varied one as about half passing). None = unscored."""
+    """Each completion's pass (None: unscored): the goal reward, or a total above its group's mean."""
     if goal is not None and goal in names:
         scores = rewards[:, names.index(goal)]
         outcome = scores >= PASS_SCORE
@@ -86,13 +76,9 @@ def _passes(rewards: torch.Tensor, total: torch.Tensor, names: list[str], group_
 
 
 class LowmemGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with lowmem_grpo's seams. Attributes, set after construction (Unsloth's generated
-    __init__ rejects unknown keyword arguments): `lowmem_timer` (a PhaseTimer: each phase of a step is timed by
-    the override that runs it), `lowmem_guard` (a NoSignalStepGuard: judges each training micro-batch), and for
-    dynamic sampling / the curriculum `lowmem_sampling` (the train sampler draws from it; rewards, gathered over
-    ranks, training only, update it and log `groups/*` and `curriculum/level`), `lowmem_dynamic_sampling` (the rows
-    of groups whose total reward is flat are kept out of the loss, unless all are) and `lowmem_goal` (the goal
-    reward's name, whose passes the pass rates count). Unset, each override only calls TRL's method."""
+    """GRPOTrainer with lowmem_grpo's seams, set as attributes after construction (Unsloth's __init__ rejects
+    unknown arguments): a PhaseTimer, a NoSignalStepGuard and the dynamic-sampling / curriculum state; unset, each
+    override only calls TRL's method."""
 
     lowmem_timer: Any = None
     lowmem_guard: Any = None
@@ -103,12 +89,11 @@ class LowmemGRPOTrainer(GRPOTrainer):
     _lowmem_keep: torch.Tensor | None = None
 
     def add_step_metrics(self, record: dict[str, float]) -> None:
-        """Values for the training log: GRPOTrainer.log averages them into the next log line and clears them."""
+        """Values GRPOTrainer.log averages into the next log line."""
         for key, value in record.items():
             self._metrics["train"][key].append(value)
 
     def drop_generation_batch(self) -> None:
-        """Let go of the buffered generation batch (TRL keeps it between generation and the updates)."""
         self._buffered_inputs = None
 
     def _phase(self, phase: str) -> Any:
@@ -133,8 +118,7 @@ class LowmemGRPOTrainer(GRPOTrainer):
         return self.sample_completions(prompts, *args, **kwargs)
 
     def sample_completions(self, prompts: Any, *args: Any, **kwargs: Any):
-        """TRL's generation of a batch, timed as the generation phase (lowmem_grpo.train.oom.phase_of reads this
-        frame's name: an out-of-memory error under it is a generation one)."""
+        """TRL's generation, timed; oom.phase_of reads this frame's name."""
         with self._phase("generation"):
             generated = super()._generate(prompts, *args, **kwargs)
         if self.lowmem_timer is not None:  # its second item holds one id list per completion
@@ -157,8 +141,7 @@ class LowmemGRPOTrainer(GRPOTrainer):
             self._lowmem_training = self.model.training  # TRL's own train/eval test, read before generation
             self._lowmem_keep = None
             output = super()._generate_and_score_completions(inputs, *args, **kwargs)
-            # when every group is flat there is nothing to weigh them against: the step has no policy gradient
-            # either way, and keeping the rows keeps its entropy / clip metrics meaningful instead of empty
+            # all flat: no gradient either way, and keeping the rows keeps the entropy / clip metrics meaningful
             if self.lowmem_dynamic_sampling and self._lowmem_keep is not None and bool(self._lowmem_keep.any()):
                 output = self._exclude_flat_groups(output, len(inputs))
         return output
@@ -171,9 +154,7 @@ class LowmemGRPOTrainer(GRPOTrainer):
         return rewards
 
     def _track_groups(self, inputs: Any, rewards: torch.Tensor) -> None:
-        """Flat groups (on the weighted total, as TRL's frac_reward_zero_std, and on the goal reward alone), the
-        outcomes fed to the sampling state, and the step's metrics. `rewards` are every rank's rows in rank
-        order, so every rank updates its state alike and the samplers stay identical."""
+        """Flat groups, the outcomes fed to the sampling state (alike on every rank), and the step's metrics."""
         size = self.num_generations
         ids = [int(i) for i in gather_object([x["problem_id"] for x in inputs])]
         total = (rewards * self.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
@@ -193,10 +174,8 @@ class LowmemGRPOTrainer(GRPOTrainer):
             self._log_metric("curriculum/level", float(self.lowmem_sampling.level))
 
     def _exclude_flat_groups(self, output: dict[str, Any], rows: int) -> dict[str, Any]:
-        """Zero the completion mask of this rank's rows of flat groups. num_items_in_batch (the dapo/cispo
-        normalizer) stays the whole batch's token count: counting the informative tokens only would scale each
-        step's loss by 1 / (its share of informative tokens), so a step with one varied group would push as hard as
-        one where all varied."""
+        """Zero the completion mask of this rank's rows of flat groups. num_items_in_batch stays the whole batch's
+        token count, so a step with one varied group does not push as hard as one where all varied."""
         start = self.accelerator.process_index * rows
         mask = output["completion_mask"]
         keep = self._lowmem_keep[start:start + rows].to(device=mask.device, dtype=mask.dtype)
@@ -204,18 +183,13 @@ class LowmemGRPOTrainer(GRPOTrainer):
         return output
 
     def shared_prompt_status(self) -> tuple[bool, str]:
-        """Whether the log-prob passes share prompts, and why (logged once when the trainer starts)."""
+        """Whether the log-prob passes share prompts, and why."""
         return False, ("TRL's log-prob pass runs on this backend/device (its fused LM head on a GPU; Unsloth's own "
                        "prefix grouping on its CUDA path)")
 
 
 class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
-    """LowmemGRPOTrainer for the hf backend without a GPU. Log-probs: lowmem_grpo.train.cpu_logprobs (TRL 1.15's
-    log-prob kernel is Triton only; shared prompts unless `lowmem_shared_prompt` is off; logs
-    `shared_prompt/tokens_saved`, the share of token positions a log-prob pass did not run). Sampling: TRL's
-    generation runs inside lowmem_grpo.sampling.generate.fast_sampling (`lowmem_merged_sampling`: from the adapter
-    merged into the weights, logged once; `lowmem_cpu_attention`: lowmem_grpo.sampling.attention.cpu_attention, in
-    the log-prob passes too). The three are the Runtime's CPU paths (lowmem_grpo.runtime.CpuPaths)."""
+    """LowmemGRPOTrainer for the hf backend without a GPU (TRL's log-prob kernel is Triton only)."""
 
     lowmem_shared_prompt: bool = True
     lowmem_merged_sampling: bool = True
@@ -223,7 +197,6 @@ class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
     _lowmem_merge_logged = False
 
     def shared_prompt_status(self) -> tuple[bool, str]:
-        """Whether the log-prob passes share prompts, and why (logged once when the trainer starts)."""
         if not self.lowmem_shared_prompt:
             return False, "not among the run's CPU speed paths: train.cpu.fast=false"
         reason = cpu_logprobs.unsupported(self.model)
@@ -260,18 +233,12 @@ class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
 
 
 def grpo_trainer_class(runtime: Runtime) -> type:
-    """CpuSafeGRPOTrainer where the Runtime's trainer is "cpu" (the hf backend without a GPU), else
-    LowmemGRPOTrainer."""
+    """CpuSafeGRPOTrainer where the Runtime's trainer is "cpu", else LowmemGRPOTrainer."""
     return CpuSafeGRPOTrainer if runtime.trainer == "cpu" else LowmemGRPOTrainer
 
 
 class CpuSafeSFTTrainer(SFTTrainer):
-    """An SFTTrainer whose completion loss runs in plain torch off-GPU (imports trl).
-
-    TRL 1.15's SFTTrainer scores tokens through the same Triton fused LM head. Off-GPU this computes
-    the same token-mean NLL from full logits, with the entropy and token-accuracy metrics, and defers
-    to TRL on a GPU and for the options it does not cover (custom loss, label smoothing, MoE aux loss).
-    """
+    """An SFTTrainer whose completion loss runs in plain torch off-GPU (TRL's is a Triton kernel)."""
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
