@@ -1,8 +1,5 @@
-"""The one ladder of memory settings that can be lowered, in the order they are lowered (LADDER): auto-fit
-(lowmem_grpo.memory.fit) walks each Knob's `options` (every value up to a bound, largest first, each a dict of
-dotted-key changes that keeps the recipe valid, applied by `apply_change`), the CUDA out-of-memory retry
-(lowmem_grpo.train.oom) its `halve` (one step down, None at the knob's floor or for a knob it does not halve).
-"""
+"""The one ladder of memory settings that can be lowered, in order (LADDER): auto-fit (memory.fit) walks each Knob's
+`options`, the CUDA out-of-memory retry (train.oom) its `halve`."""
 
 from __future__ import annotations
 
@@ -22,9 +19,9 @@ MIN_NUM_GENERATIONS = 2  # the halving floor of num_generations: GRPO needs two 
 
 @dataclass(frozen=True)
 class Knob:
-    """One memory-relevant setting: `keys` make it explicit (auto-fit leaves it alone), `value` reads it,
-    `options(recipe, upper, explicit)` lists auto-fit's changes up to `upper`, largest first, `halve(recipe)` is the
-    OOM retry's one step down (a new recipe, or None at the floor), named `label` in its record."""
+    """One memory setting: `keys` make it explicit (auto-fit leaves it alone), `value` reads it, `options(recipe,
+    upper, explicit)` lists dotted-key changes up to `upper`, largest first, `halve` is one step down (None at the
+    floor), named `label` in the OOM record."""
 
     name: str
     keys: tuple[str, ...]
@@ -35,8 +32,8 @@ class Knob:
 
 
 def apply_change(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
-    """A copy of the recipe with dotted-key changes; "train.generation_batch" sets the generation
-    batch through steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
+    """A copy of the recipe with dotted-key changes; "train.generation_batch" sets the generation batch through
+    steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
     new = copy.deepcopy(recipe)
     for key, value in changes.items():
         if key == "train.generation_batch":
@@ -55,22 +52,18 @@ def apply_change(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
     return new
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _gen_explicit(explicit: set[str]) -> bool:
     return bool({"train.steps_per_generation", "train.generation_batch_size"} & explicit)
 
 
 def _opts_per_device(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
-    """Per-device micro-batch b' dividing the generation batch (kept), gradient accumulation set to
-    the nearest round(b x accumulation / b') when it is not explicit (the optimizer batch stays)."""
+    """Per-device batch b' dividing the generation batch (kept); unless explicit, gradient accumulation keeps the
+    optimizer batch."""
     t = r.train
     rows, effective = t.generation_batch_size(), t.per_device_train_batch_size * t.gradient_accumulation_steps
     options = []
-    for b in sorted(_divisors(rows), reverse=True):
-        if b > upper:
+    for b in range(min(rows, upper), 0, -1):
+        if rows % b:
             continue
         change: dict[str, Any] = {"train.per_device_train_batch_size": b}
         if _gen_explicit(explicit):
@@ -121,7 +114,7 @@ def _opts_num_generations(r: Recipe, upper: int, explicit: set[str]) -> list[dic
                 options.append({"train.num_generations": g})
             continue
         new_rows = prompts * g
-        batch = max(d for d in _divisors(new_rows) if d <= t.per_device_train_batch_size)
+        batch = next(d for d in range(t.per_device_train_batch_size, 0, -1) if new_rows % d == 0)
         if "train.per_device_train_batch_size" in explicit and batch != t.per_device_train_batch_size:
             continue
         options.append({"train.num_generations": g, "train.per_device_train_batch_size": batch,
@@ -136,8 +129,8 @@ def _opts_vllm(r: Recipe, upper: float, explicit: set[str]) -> list[dict[str, An
 
 
 def _halve_generation_batch(recipe: Recipe) -> Recipe | None:
-    """per_device_train_batch_size / 2 and gradient_accumulation_steps x 2 with steps_per_generation pinned to its
-    old value: the completions generated (and trained) at once halve, the completions per optimizer step stay."""
+    """Half the per-device batch, twice the accumulation, steps_per_generation pinned: half the completions at
+    once, the same per optimizer step."""
     t = recipe.train
     if t.per_device_train_batch_size < 2:
         return None
@@ -162,7 +155,7 @@ def _halve_completion_length(recipe: Recipe) -> Recipe | None:
 
 
 def _halve_num_generations(recipe: Recipe) -> Recipe | None:
-    """num_generations / 2 with the per-device batch halved alongside: the same prompts, half the completions."""
+    """Half num_generations and the per-device batch: the same prompts, half the completions."""
     t = recipe.train
     if t.num_generations // 2 < MIN_NUM_GENERATIONS or t.per_device_train_batch_size < 2:
         return None
