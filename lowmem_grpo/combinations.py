@@ -39,8 +39,7 @@ def _check_calculator(recipe: Recipe, target: Runtime) -> None:
         return
     extra = recipe.train.extra
     if not target.sampler.vllm:
-        custom = custom_sampling(recipe)
-        if custom:
+        if custom := custom_sampling(recipe):
             _refuse(f"data.calculator with train.{custom[0]}={extra[custom[0]]!r}: the calculator samples through "
                     "lowmem_grpo's engine here, at train.temperature only, with no top_p, top_k, min_p, "
                     "repetition_penalty or generation_kwargs",

@@ -214,13 +214,8 @@ def cuda_facts() -> CudaFacts:
     return CudaFacts(**facts)
 
 
-def _major_minor(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor or 0)
-
-
 def capability_in_build(capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
-    """Whether torch has kernels for this GPU: a cubin for sm_XY runs on major X at minor >= Y; unknown counts as yes."""
+    """Whether torch has kernels for this GPU: sm_XY runs on major X at minor >= Y; unknown counts as yes."""
     codes = [int(a.split("_")[1].rstrip("af")) for a in arch_list if a.startswith("sm_")]
     return not codes or any(capability[0] == c // 10 and capability[1] >= c % 10 for c in codes)
 
@@ -229,10 +224,11 @@ def cuda_problem(facts: CudaFacts) -> tuple[str, str] | None:
     """Why CUDA cannot run this torch here, and the fix; None when it can (or torch is a CPU build)."""
     if facts.torch_cuda is None:
         return None
-    need = MIN_DRIVER.get(facts.torch_cuda.split(".")[0], "a newer one")
+    need_major = facts.torch_cuda.split(".")[0]
+    need = MIN_DRIVER.get(need_major, "a newer one")
     if not facts.available:
         found = next((w for w in facts.warnings if "too old" in w), None)
-        if found or (facts.driver_cuda and _major_minor(facts.driver_cuda)[0] < _major_minor(facts.torch_cuda)[0]):
+        if found or (facts.driver_cuda and int(facts.driver_cuda.split(".")[0]) < int(need_major)):
             return (f"the NVIDIA driver is too old for this torch: it supports CUDA {facts.driver_cuda or '?'} "
                     f"(driver {facts.driver_version or '?'}), torch is built for CUDA {facts.torch_cuda}",
                     f"install NVIDIA driver >= {need}, or a CUDA 12.x torch (pip install --index-url "

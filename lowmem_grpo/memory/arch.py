@@ -14,14 +14,10 @@ from lowmem_grpo.errors import BadInputError
 log = logging.getLogger(__name__)
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "resources" / "configs"
-# embedded model name -> the hub id whose architecture it has
 EMBEDDED_ARCHITECTURES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-# model types whose q/k/v projections carry a bias even when the config does not say so
-QKV_BIAS_TYPES = {"qwen2"}
-# model types with a per-head RMSNorm on q and k (weights of head_dim each, per layer)
-QK_NORM_TYPES = {"qwen3", "gemma3_text", "gemma3"}
-# model types with four RMSNorms per decoder layer (pre/post attention, pre/post feed-forward)
-FOUR_NORM_TYPES = {"gemma2", "gemma3_text", "gemma3"}
+QKV_BIAS_TYPES = {"qwen2"}  # q/k/v biases even where the config does not say so
+QK_NORM_TYPES = {"qwen3", "gemma3_text", "gemma3"}  # a per-head RMSNorm on q and k
+FOUR_NORM_TYPES = {"gemma2", "gemma3_text", "gemma3"}  # pre/post attention and feed-forward norms
 # config keys whose presence (not None) marks a mixture-of-experts or a hybrid state-space decoder
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 SSM_KEYS = ("mamba_d_ssm", "mamba_d_state", "mamba_expand")
@@ -46,7 +42,7 @@ class Architecture:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default_factory=tuple)
     source: str = ""
-    attention_window: int | None = None  # the sliding window the loaded config keeps (None when use_sliding_window=false)
+    attention_window: int | None = None  # the window the loaded config keeps (None: use_sliding_window=false)
     attn_softcapping: bool = False  # attention logits soft-capped (Gemma 2)
     moe: bool = False  # mixture-of-experts layers
     ssm: bool = False  # hybrid state-space (Mamba) layers
@@ -84,7 +80,7 @@ class Architecture:
         return self.num_layers * per_layer + self.embedding_params() + self.hidden_size  # + final norm
 
     def kv_tokens(self, seq_len: int) -> int:
-        """Cached key/value positions summed over layers: sliding-window layers keep at most the window."""
+        """Cached key/value positions summed over layers (sliding-window layers keep at most the window)."""
         if not self.layer_types or not self.sliding_window:
             return self.num_layers * seq_len
         window = min(seq_len, self.sliding_window)

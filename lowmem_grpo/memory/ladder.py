@@ -36,12 +36,10 @@ def apply_change(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
     steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
     new = copy.deepcopy(recipe)
     for key, value in changes.items():
-        if key == "train.generation_batch":
-            continue
-        section, name = key.split(".", 1)
-        if section == "train" and name == "generation_batch_size":
+        if key == "train.generation_batch_size":
             new.train.extra["generation_batch_size"] = value
-        else:
+        elif key != "train.generation_batch":
+            section, name = key.split(".", 1)
             setattr(getattr(new, section), name, value)
     if "train.generation_batch" in changes:
         rows = changes["train.generation_batch"]
@@ -81,8 +79,8 @@ def _opts_generation_batch(r: Recipe, upper: int, explicit: set[str]) -> list[di
     """Generation batch R' = k x lcm(b, G): more or fewer prompts per generation round."""
     t = r.train
     step = math.lcm(t.per_device_train_batch_size, t.num_generations)
-    values = [k * step for k in range(1, MAX_GENERATION_BATCH // step + 1)] or [step]
-    return [{"train.generation_batch": v} for v in sorted(values, reverse=True) if v <= upper]
+    top = max(MAX_GENERATION_BATCH // step, 1)
+    return [{"train.generation_batch": k * step} for k in range(top, 0, -1) if k * step <= upper]
 
 
 def _opts_completion(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
@@ -134,24 +132,18 @@ def _halve_generation_batch(recipe: Recipe) -> Recipe | None:
     t = recipe.train
     if t.per_device_train_batch_size < 2:
         return None
-    new = copy.deepcopy(recipe)
-    n = new.train
-    if "generation_batch_size" in n.extra:
-        n.extra["generation_batch_size"] = int(n.extra["generation_batch_size"]) // 2
+    change = {"train.per_device_train_batch_size": t.per_device_train_batch_size // 2,
+              "train.gradient_accumulation_steps": t.gradient_accumulation_steps * 2}
+    if "generation_batch_size" in t.extra:
+        change["train.generation_batch_size"] = int(t.extra["generation_batch_size"]) // 2
     else:
-        n.steps_per_generation = t.steps_per_generation_resolved()
-    n.per_device_train_batch_size = t.per_device_train_batch_size // 2
-    n.gradient_accumulation_steps = t.gradient_accumulation_steps * 2
-    return new
+        change["train.steps_per_generation"] = t.steps_per_generation_resolved()
+    return apply_change(recipe, change)
 
 
 def _halve_completion_length(recipe: Recipe) -> Recipe | None:
     length = recipe.train.max_completion_length // 2
-    if length < MIN_COMPLETION_LENGTH:
-        return None
-    new = copy.deepcopy(recipe)
-    new.train.max_completion_length = length
-    return new
+    return apply_change(recipe, {"train.max_completion_length": length}) if length >= MIN_COMPLETION_LENGTH else None
 
 
 def _halve_num_generations(recipe: Recipe) -> Recipe | None:
@@ -159,12 +151,11 @@ def _halve_num_generations(recipe: Recipe) -> Recipe | None:
     t = recipe.train
     if t.num_generations // 2 < MIN_NUM_GENERATIONS or t.per_device_train_batch_size < 2:
         return None
-    new = copy.deepcopy(recipe)
-    new.train.num_generations = t.num_generations // 2
-    new.train.per_device_train_batch_size = t.per_device_train_batch_size // 2
-    if "generation_batch_size" in new.train.extra:
-        new.train.extra["generation_batch_size"] = int(new.train.extra["generation_batch_size"]) // 2
-    return new
+    change = {"train.num_generations": t.num_generations // 2,
+              "train.per_device_train_batch_size": t.per_device_train_batch_size // 2}
+    if "generation_batch_size" in t.extra:
+        change["train.generation_batch_size"] = int(t.extra["generation_batch_size"]) // 2
+    return apply_change(recipe, change)
 
 
 # The per-device batch halves only with the generation batch (the next knob's halving): alone it would leave the

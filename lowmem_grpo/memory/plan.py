@@ -151,13 +151,11 @@ def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, gpu_free_bytes: int =
         sharing_verify=sharing.verify)
 
 
-PHASES = ("static", "generation", "training", "evaluation")
-
-
 def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -> Plan:
     """Every term, the phase sums and the peak for one architecture and settings."""
     terms = {name: int(func(arch, s)) for name, (func, _, _) in TERMS.items()}
-    phases = {phase: sum(v for k, v in terms.items() if TERMS[k][1] == phase) for phase in PHASES}
+    phases = {phase: sum(v for k, v in terms.items() if TERMS[k][1] == phase)
+              for phase in ("static", "generation", "training", "evaluation")}
     peak_phase = "generation" if phases["generation"] > phases["training"] else "training"
     if phases["evaluation"] > phases[peak_phase]:
         peak_phase = "evaluation"
