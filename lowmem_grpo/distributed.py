@@ -101,8 +101,7 @@ class Launch:
 
 
 def launch(train_extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Launch:
-    """The run's Launch from the launcher's environment (default os.environ), else the ZeRO stage of the recipe's
-    train.deepspeed."""
+    """The run's Launch from the launcher's environment, else the ZeRO stage of the recipe's train.deepspeed."""
     stage = deepspeed_zero_stage(environ)
     ds_config = (train_extra or {}).get("deepspeed")
     if stage is None and ds_config:
@@ -136,8 +135,7 @@ def launcher_environment(config_file: str | Path) -> dict[str, str]:
 
 
 def setup(train_extra: dict[str, Any] | None = None) -> None:
-    """Join the launcher's process group once, with the recipe's ddp_backend/ddp_timeout so the trainer reuses
-    it; a no-op for one process."""
+    """Join the launcher's process group once, with the recipe's ddp_backend/ddp_timeout (the trainer reuses it)."""
     if not is_distributed():
         return
     import torch

@@ -88,8 +88,7 @@ class Runtime:
     eval_batch: int
     """Sequences each stage and periodic evaluation decodes at once."""
     fast_inference: bool
-    """Unsloth's vLLM generation: only an explicit model.fast_inference=true, on the unsloth backend on CUDA
-    (an importable vLLM may not match this torch)."""
+    """Unsloth's vLLM generation: only an explicit model.fast_inference=true, on the unsloth backend on CUDA."""
     launch: Launch
     """The processes and DeepSpeed ZeRO stage the launcher set up."""
     cpu: CpuPaths
@@ -159,8 +158,7 @@ def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[s
 
 def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cuda: bool | None = None
                ) -> tuple[str, str]:
-    """What model.dtype=auto is (on CUDA when `cuda`; None: where the machine has a GPU), and why: bfloat16 from
-    compute capability 8 (and where it is unknown), else float16; on CPU device.cpu_auto_dtype."""
+    """model.dtype=auto on CUDA (bfloat16 from capability 8 or unknown, else float16) or CPU, and why."""
     if not (facts.available if cuda is None else cuda):
         cpu = cpu_auto_dtype(environ)
         return cpu.dtype, cpu.reason
@@ -173,8 +171,7 @@ GPU_PLAN = CudaFacts(torch_cuda="planned", available=True)  # what the planner p
 
 
 def before_cuda(recipe: Recipe, training: bool = True) -> CudaFacts:
-    """What `resolve` needs of this machine before CUDA starts (torch is asked only where a GPU recipe's training
-    run does not decide it)."""
+    """What `resolve` needs of this machine before CUDA starts (a GPU recipe's training run asks nothing)."""
     if training and recipe.gpu_memory_gb:
         return GPU_PLAN
     return CudaFacts(torch_cuda=None, available=cuda_available())
@@ -202,8 +199,7 @@ def backend_for(requested: str, *, cuda: bool, launch: Launch) -> str:
 
 
 def eval_batch_size(train: TrainConfig) -> int:
-    """Sequences each evaluation call decodes at once: train.eval.batch_size, else EVAL_BATCH (at least the
-    micro-batch)."""
+    """Sequences each evaluation call decodes at once: train.eval.batch_size, else EVAL_BATCH (or the micro-batch)."""
     return train.eval.batch_size or max(EVAL_BATCH, train.per_device_train_batch_size)
 
 
@@ -220,8 +216,7 @@ def on_vllm(recipe: Recipe, backend: str) -> bool:
 
 
 def rollout_plan(recipe: Recipe, backend: str, device: str) -> RolloutPlan:
-    """How GRPO samples: with data.calculator, on vLLM through the calculator's rounds or else the engine; without
-    it, the engine for hf on CPU (unless train.cpu.fast=false or a sampling setting it lacks), else TRL's."""
+    """How GRPO samples: the calculator on vLLM or the engine; else the engine for hf on CPU, or TRL's."""
     custom = custom_sampling(recipe)
     if recipe.train.vllm_sampling:
         return RolloutPlan(False, recipe.data.calculator, "train.vllm_sampling", vllm=True, own_vllm=True)

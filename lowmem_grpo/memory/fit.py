@@ -28,7 +28,6 @@ MEMORY_KEYS = ["model.name", "model.load_in_4bit", "model.gpu_memory_utilization
 
 
 def _valid_change(recipe: Recipe, change: dict[str, Any]) -> Recipe | None:
-    """The recipe with the change applied, or None when that is not a valid recipe."""
     candidate = apply_change(recipe, change)
     try:
         validate(candidate)
@@ -59,8 +58,7 @@ def _fitting(recipe: Recipe, options: list[dict[str, Any]], arch: Architecture, 
 
 
 def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture) -> dict[str, Any]:
-    """For each knob, the largest value that fits with the other settings as in the recipe: {knob: {"value",
-    "total_bytes", "changes"}}, None where none fits (or for gpu_memory_utilization without vLLM)."""
+    """For each knob, the largest value that fits with the other settings as set (None where none does)."""
     vllm = settings_for(recipe, budget_bytes).fast_inference
     result: dict[str, Any] = {}
     for knob in LADDER:
@@ -128,8 +126,7 @@ def _lowered(current: Recipe, knob: Knob, explicit: set[str], arch: Architecture
 
 def with_planned_eval_batch(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture,
                             free_bytes: int | None = None) -> Recipe:
-    """The recipe with train.eval.batch_size set to the plan's evaluation batch (plan.choose_eval_batch), so the
-    run, its recipe.yaml and a resume read one batch; unchanged when explicit or when nothing evaluates."""
+    """The recipe with train.eval.batch_size set to the plan's (unless explicit), so its run and resume read one."""
     if "train.eval.batch_size" in explicit:
         return recipe
     result = plan(recipe, budget_bytes, arch=arch, free_bytes=free_bytes, fit_eval=True)

@@ -127,15 +127,13 @@ def default_budget(recipe: Recipe) -> int:
 
 
 def device_budget(free_bytes: int, total_bytes: int) -> int:
-    """The budget on this GPU: free memory (this process's context already spent) + the context the plan counts
-    again, less 5% of the total as headroom."""
+    """Free memory (this process's context spent) + the context the plan counts again, less 5% of the total."""
     return int(free_bytes + mt.CUDA_CONTEXT_BYTES - 0.05 * total_bytes)
 
 
 def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, gpu_free_bytes: int = 0,
                  sharing: ms.Sharing | None = None) -> Settings:
-    """The recipe's memory settings as a one-process CUDA run has them (runtime.planned); `gpu_free_bytes`: the
-    memory free when the model loads; `sharing`: the shared-prompt pass that applies (None: none)."""
+    """The recipe's memory settings as a one-process CUDA run has them (runtime.planned)."""
     m, t = recipe.model, recipe.train
     runtime = planned(recipe)
     fp32 = m.dtype == "float32" or t.precision == "fp32"
@@ -187,8 +185,7 @@ def evaluation_peak(arch: Architecture, s: Settings, rows: int) -> int:
 
 def choose_eval_batch(arch: Architecture, s: Settings, upper: int, samples: int,
                       budget_bytes: int | None) -> int:
-    """The largest of eval_batch_candidates(upper) whose evaluation peak is within `budget_bytes` (without one, the
-    GRPO step's own peak: the evaluation takes the place of its transient memory); the smallest when none is."""
+    """The largest candidate whose evaluation peak fits the budget (else the step's own peak); the smallest if none."""
     limit = budget_bytes or evaluate(arch, dataclasses.replace(s, eval_batch=0)).total_bytes
     candidates = eval_batch_candidates(upper)
     return next((b for b in candidates if evaluation_peak(arch, s, eval_rows(b, samples)) <= limit), candidates[-1])

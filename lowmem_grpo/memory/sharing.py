@@ -105,8 +105,7 @@ HF_SHARED_DEVICES = ("cpu",)
 
 def hf_shared_prompt(arch: Architecture, *, shared_prompt: bool, num_generations: int,
                      gradient_checkpointing: bool, device: str = "cuda") -> Sharing:
-    """Whether our shared-prompt pass runs the hf backend's loss pass on `device` (it needs a cache the layers write
-    into): every reason it does not, or why it does."""
+    """Whether our shared-prompt pass runs the hf backend's loss pass on `device`: every reason it does not."""
     reasons = []
     if not shared_prompt:
         reasons.append("train.cpu.fast=false")

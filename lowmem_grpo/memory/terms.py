@@ -82,8 +82,7 @@ def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> int:
 
 
 def unquantized_bytes(s: Settings) -> int:
-    """rb, bytes per element of the unquantized layers and the residual stream: 4 on hf with 4-bit (peft's
-    prepare_model_for_kbit_training casts them to fp32, and autocast keeps residual adds fp32), else cb."""
+    """rb, of the unquantized layers and residual stream: 4 on hf with 4-bit (peft casts them to fp32), else cb."""
     return 4 if (s.backend == "hf" and s.load_in_4bit) else s.compute_bytes
 
 
