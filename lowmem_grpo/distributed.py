@@ -173,11 +173,9 @@ def agree_on_run_dir(make: Callable[[], Path]) -> Path:
         try:
             payload = [("ok", str(make()), None)]
         except BadInputError as exc:
-            error = exc
-            payload = [("bad_input", str(exc.args[0]) if exc.args else "", exc.fix)]
+            error, payload = exc, [("bad_input", str(exc.args[0]) if exc.args else "", exc.fix)]
         except Exception as exc:  # noqa: BLE001 - the other ranks must hear of any failure, or they wait forever
-            error = exc
-            payload = [("failure", f"{type(exc).__name__}: {exc}", None)]
+            error, payload = exc, [("failure", f"{type(exc).__name__}: {exc}", None)]
     broadcast_object_list(payload, from_process=0)
     kind, value, fix = payload[0]
     if error is not None:

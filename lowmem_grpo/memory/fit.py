@@ -174,21 +174,22 @@ def plan_with_proposal(recipe: Recipe, budget_bytes: int | None = None, *, arch:
     return result
 
 
-def _gpu(facts: Any) -> Any:
-    """`facts` (a device.CudaFacts), else this machine's (imports torch); None without a CUDA GPU."""
+def _gpu(facts: Any) -> tuple[Any, int] | None:
+    """`facts` (a device.CudaFacts), else this machine's, and its device_budget; None without a CUDA GPU."""
     if facts is None:
         from lowmem_grpo.device import cuda_facts
 
         facts = cuda_facts()
-    return facts if facts.available and facts.total_bytes else None
+    if not (facts.available and facts.total_bytes):
+        return None
+    return facts, device_budget(facts.free_bytes, facts.total_bytes)
 
 
 def fit_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> tuple[Recipe, Plan | None]:
     """auto_fit to this process's CUDA GPU (device_budget); (recipe, None) without one."""
-    gpu = _gpu(facts)
-    if gpu is None:
+    if (found := _gpu(facts)) is None:
         return recipe, None
-    budget = device_budget(gpu.free_bytes, gpu.total_bytes)
+    gpu, budget = found
     fitted, result = auto_fit(recipe, budget, explicit, free_bytes=gpu.free_bytes)
     log.info("memory plan: predicted peak %s (%s phase) within a budget of %s (%s free of %s)",
              format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(gpu.free_bytes),
@@ -198,9 +199,8 @@ def fit_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> tupl
 
 def eval_batch_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> Recipe:
     """Where auto-fit does not run, the evaluation batch alone fitted to this process's CUDA GPU."""
-    gpu = _gpu(facts)
-    if gpu is None or "train.eval.batch_size" in explicit:
+    if "train.eval.batch_size" in explicit or (found := _gpu(facts)) is None:
         return recipe
+    gpu, budget = found
     arch = load_architecture(recipe.model.name)
-    budget = device_budget(gpu.free_bytes, gpu.total_bytes)
     return with_planned_eval_batch(recipe, budget, explicit, arch=arch, free_bytes=gpu.free_bytes)
