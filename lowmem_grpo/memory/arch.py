@@ -1,10 +1,5 @@
-"""Model architectures for the memory planner: read from a config.json, never from weights.
-
-Where an architecture comes from, in order: a local folder's config.json, the configs shipped in
-`lowmem_grpo/resources/configs/` (named `<hub id with / replaced by __>.json`, matched by
-model.name), then the hub's config.json when it is reachable. Pure data: imports nothing heavy
-(huggingface_hub only on the hub path).
-"""
+"""Model architectures for the memory planner, from a config.json: a local folder's, a shipped one
+(`resources/configs/<hub id with / as __>.json`), else the hub's."""
 
 from __future__ import annotations
 
@@ -19,14 +14,10 @@ from lowmem_grpo.errors import BadInputError
 log = logging.getLogger(__name__)
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "resources" / "configs"
-# embedded model name -> the hub id whose architecture it has
 EMBEDDED_ARCHITECTURES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-# model types whose q/k/v projections carry a bias even when the config does not say so
-QKV_BIAS_TYPES = {"qwen2"}
-# model types with a per-head RMSNorm on q and k (weights of head_dim each, per layer)
-QK_NORM_TYPES = {"qwen3", "gemma3_text", "gemma3"}
-# model types with four RMSNorms per decoder layer (pre/post attention, pre/post feed-forward)
-FOUR_NORM_TYPES = {"gemma2", "gemma3_text", "gemma3"}
+QKV_BIAS_TYPES = {"qwen2"}  # q/k/v biases even where the config does not say so
+QK_NORM_TYPES = {"qwen3", "gemma3_text", "gemma3"}  # a per-head RMSNorm on q and k
+FOUR_NORM_TYPES = {"gemma2", "gemma3_text", "gemma3"}  # pre/post attention and feed-forward norms
 # config keys whose presence (not None) marks a mixture-of-experts or a hybrid state-space decoder
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 SSM_KEYS = ("mamba_d_ssm", "mamba_d_state", "mamba_expand")
@@ -51,36 +42,27 @@ class Architecture:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default_factory=tuple)
     source: str = ""
-    attention_window: int | None = None  # the sliding window the loaded config keeps (None when use_sliding_window=false)
+    attention_window: int | None = None  # the window the loaded config keeps (None: use_sliding_window=false)
     attn_softcapping: bool = False  # attention logits soft-capped (Gemma 2)
     moe: bool = False  # mixture-of-experts layers
     ssm: bool = False  # hybrid state-space (Mamba) layers
 
     @property
     def q_dim(self) -> int:
-        """Width of the query projection: num_heads x head_dim."""
         return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
-        """Width of each key/value projection: num_kv_heads x head_dim (GQA shrinks it)."""
         return self.num_kv_heads * self.head_dim
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each projection in one decoder layer."""
+        """(in_features, out_features) of each projection of one decoder layer."""
         h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }
-
-    def linear_params_per_layer(self) -> int:
-        """Weights of the seven projections of one layer (what 4-bit quantizes)."""
-        return sum(a * b for a, b in self.linear_shapes().values())
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def small_params_per_layer(self) -> int:
-        """Parameters of one layer that stay unquantized: RMSNorm weights, q/k norms, q/k/v biases."""
+        """Unquantized parameters of one layer: RMSNorm weights, q/k norms, q/k/v biases."""
         count = self.norms_per_layer * self.hidden_size
         if self.qk_norm:
             count += 2 * self.head_dim
@@ -94,21 +76,19 @@ class Architecture:
 
     def total_params(self) -> int:
         """All parameters, counted as transformers counts them (tied weights once)."""
-        per_layer = self.linear_params_per_layer() + self.small_params_per_layer()
+        per_layer = sum(a * b for a, b in self.linear_shapes().values()) + self.small_params_per_layer()
         return self.num_layers * per_layer + self.embedding_params() + self.hidden_size  # + final norm
 
     def kv_tokens(self, seq_len: int) -> int:
-        """Cached key/value positions summed over layers: sliding-window layers keep at most the window."""
+        """Cached key/value positions summed over layers (sliding-window layers keep at most the window)."""
         if not self.layer_types or not self.sliding_window:
             return self.num_layers * seq_len
-        total = 0
-        for kind in self.layer_types:
-            total += min(seq_len, self.sliding_window) if kind == "sliding_attention" else seq_len
-        return total
+        window = min(seq_len, self.sliding_window)
+        return sum(window if kind == "sliding_attention" else seq_len for kind in self.layer_types)
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config (multimodal configs nest it under text_config)."""
+    """The language model's part of a config (multimodal ones nest it under text_config)."""
     nested = config.get("text_config")
     if isinstance(nested, dict) and "hidden_size" in nested:
         return {**nested, "model_type": nested.get("model_type", config.get("model_type", "")),
@@ -138,42 +118,27 @@ def architecture_from_config(config: dict[str, Any], source: str = "") -> Archit
                             "transformer the planner knows", fix="plan a llama/qwen/gemma-style causal LM, or "
                             "pass --gpu-memory with a recipe whose model.name has a standard config.json")
     model_type = str(cfg.get("model_type", ""))
-    heads = cfg["num_attention_heads"]
-    layers = cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
     window = cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else None
     return Architecture(
-        model_type=model_type,
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=int(head_dim),
-        vocab_size=cfg["vocab_size"],
+        model_type=model_type, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_layers=layers, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads), vocab_size=cfg["vocab_size"],
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in QKV_BIAS_TYPES,
-        qk_norm=model_type in QK_NORM_TYPES,
-        norms_per_layer=4 if model_type in FOUR_NORM_TYPES else 2,
-        sliding_window=window,
-        layer_types=_layer_types(cfg, layers),
-        source=source,
+        qk_norm=model_type in QK_NORM_TYPES, norms_per_layer=4 if model_type in FOUR_NORM_TYPES else 2,
+        sliding_window=window, layer_types=_layer_types(cfg, layers), source=source,
         # transformers drops the window of Qwen-style configs that say use_sliding_window=false
         attention_window=None if cfg.get("use_sliding_window") is False else window,
         attn_softcapping=cfg.get("attn_logit_softcapping") is not None,
-        moe=any(cfg.get(k) is not None for k in MOE_KEYS),
-        ssm=any(cfg.get(k) is not None for k in SSM_KEYS),
+        moe=any(cfg.get(k) is not None for k in MOE_KEYS), ssm=any(cfg.get(k) is not None for k in SSM_KEYS),
     )
 
 
 def shipped_config_path(name: str) -> Path | None:
     """The shipped config for a hub id (or embedded name), matched case-insensitively; None if none."""
-    hub_id = EMBEDDED_ARCHITECTURES.get(name, name)
-    wanted = hub_id.replace("/", "__").lower() + ".json"
-    for path in sorted(CONFIGS_DIR.glob("*.json")):
-        if path.name.lower() == wanted:
-            return path
-    return None
+    wanted = EMBEDDED_ARCHITECTURES.get(name, name).replace("/", "__").lower() + ".json"
+    return next((path for path in sorted(CONFIGS_DIR.glob("*.json")) if path.name.lower() == wanted), None)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -182,21 +147,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise BadInputError(f"{path}: cannot read the model config ({exc})",
                             fix="point model.name at a folder with a valid config.json") from exc
-
-
-def _hub_config(name: str, trust_remote_code: bool) -> dict[str, Any]:
-    try:
-        from huggingface_hub import hf_hub_download
-
-        path = hf_hub_download(repo_id=name, filename="config.json")
-    except Exception as exc:  # network, gated repo, unknown id: all mean "no config here"
-        raise BadInputError(
-            f"model.name {name!r}: no local folder, no shipped config, and the hub's config.json could not be "
-            f"read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
-            fix="connect to the hub (and set HF_TOKEN for gated models), or point model.name at a local folder "
-                f"with a config.json, or add {CONFIGS_DIR}/{name.replace('/', '__')}.json",
-        ) from exc
-    return _read_json(Path(path))
 
 
 def load_architecture(name: str, *, allow_hub: bool = True, trust_remote_code: bool = False) -> Architecture:
@@ -218,4 +168,15 @@ def load_architecture(name: str, *, allow_hub: bool = True, trust_remote_code: b
         raise BadInputError(f"model.name {name!r}: no local folder and no shipped config",
                             fix="point model.name at a local folder with a config.json, or allow the hub")
     log.info("reading the architecture of %s from the hub", name)
-    return architecture_from_config(_hub_config(name, trust_remote_code), f"hub:{name}")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(repo_id=name, filename="config.json")
+    except Exception as exc:  # network, gated repo, unknown id: all mean "no config here"
+        raise BadInputError(
+            f"model.name {name!r}: no local folder, no shipped config, and the hub's config.json could not be "
+            f"read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+            fix="connect to the hub (and set HF_TOKEN for gated models), or point model.name at a local folder "
+                f"with a config.json, or add {CONFIGS_DIR}/{name.replace('/', '__')}.json",
+        ) from exc
+    return architecture_from_config(_read_json(Path(path)), f"hub:{name}")

@@ -1,8 +1,5 @@
-"""The one ladder of memory settings that can be lowered, in the order they are lowered (LADDER): auto-fit
-(lowmem_grpo.memory.fit) walks each Knob's `options` (every value up to a bound, largest first, each a dict of
-dotted-key changes that keeps the recipe valid, applied by `apply_change`), the CUDA out-of-memory retry
-(lowmem_grpo.train.oom) its `halve` (one step down, None at the knob's floor or for a knob it does not halve).
-"""
+"""The one ladder of memory settings that can be lowered, in order (LADDER): auto-fit (memory.fit) walks each Knob's
+`options`, the CUDA out-of-memory retry (train.oom) its `halve`."""
 
 from __future__ import annotations
 
@@ -22,9 +19,9 @@ MIN_NUM_GENERATIONS = 2  # the halving floor of num_generations: GRPO needs two 
 
 @dataclass(frozen=True)
 class Knob:
-    """One memory-relevant setting: `keys` make it explicit (auto-fit leaves it alone), `value` reads it,
-    `options(recipe, upper, explicit)` lists auto-fit's changes up to `upper`, largest first, `halve(recipe)` is the
-    OOM retry's one step down (a new recipe, or None at the floor), named `label` in its record."""
+    """One memory setting: `keys` make it explicit (auto-fit leaves it alone), `value` reads it, `options(recipe,
+    upper, explicit)` lists dotted-key changes up to `upper`, largest first, `halve` is one step down (None at the
+    floor), named `label` in the OOM record."""
 
     name: str
     keys: tuple[str, ...]
@@ -35,16 +32,14 @@ class Knob:
 
 
 def apply_change(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
-    """A copy of the recipe with dotted-key changes; "train.generation_batch" sets the generation
-    batch through steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
+    """A copy of the recipe with dotted-key changes; "train.generation_batch" sets the generation batch through
+    steps_per_generation (or train.generation_batch_size when the recipe uses it)."""
     new = copy.deepcopy(recipe)
     for key, value in changes.items():
-        if key == "train.generation_batch":
-            continue
-        section, name = key.split(".", 1)
-        if section == "train" and name == "generation_batch_size":
+        if key == "train.generation_batch_size":
             new.train.extra["generation_batch_size"] = value
-        else:
+        elif key != "train.generation_batch":
+            section, name = key.split(".", 1)
             setattr(getattr(new, section), name, value)
     if "train.generation_batch" in changes:
         rows = changes["train.generation_batch"]
@@ -55,22 +50,18 @@ def apply_change(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
     return new
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _gen_explicit(explicit: set[str]) -> bool:
     return bool({"train.steps_per_generation", "train.generation_batch_size"} & explicit)
 
 
 def _opts_per_device(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
-    """Per-device micro-batch b' dividing the generation batch (kept), gradient accumulation set to
-    the nearest round(b x accumulation / b') when it is not explicit (the optimizer batch stays)."""
+    """Per-device batch b' dividing the generation batch (kept); unless explicit, gradient accumulation keeps the
+    optimizer batch."""
     t = r.train
     rows, effective = t.generation_batch_size(), t.per_device_train_batch_size * t.gradient_accumulation_steps
     options = []
-    for b in sorted(_divisors(rows), reverse=True):
-        if b > upper:
+    for b in range(min(rows, upper), 0, -1):
+        if rows % b:
             continue
         change: dict[str, Any] = {"train.per_device_train_batch_size": b}
         if _gen_explicit(explicit):
@@ -88,8 +79,8 @@ def _opts_generation_batch(r: Recipe, upper: int, explicit: set[str]) -> list[di
     """Generation batch R' = k x lcm(b, G): more or fewer prompts per generation round."""
     t = r.train
     step = math.lcm(t.per_device_train_batch_size, t.num_generations)
-    values = [k * step for k in range(1, MAX_GENERATION_BATCH // step + 1)] or [step]
-    return [{"train.generation_batch": v} for v in sorted(values, reverse=True) if v <= upper]
+    top = max(MAX_GENERATION_BATCH // step, 1)
+    return [{"train.generation_batch": k * step} for k in range(top, 0, -1) if k * step <= upper]
 
 
 def _opts_completion(r: Recipe, upper: int, explicit: set[str]) -> list[dict[str, Any]]:
@@ -121,7 +112,7 @@ def _opts_num_generations(r: Recipe, upper: int, explicit: set[str]) -> list[dic
                 options.append({"train.num_generations": g})
             continue
         new_rows = prompts * g
-        batch = max(d for d in _divisors(new_rows) if d <= t.per_device_train_batch_size)
+        batch = next(d for d in range(t.per_device_train_batch_size, 0, -1) if new_rows % d == 0)
         if "train.per_device_train_batch_size" in explicit and batch != t.per_device_train_batch_size:
             continue
         options.append({"train.num_generations": g, "train.per_device_train_batch_size": batch,
@@ -136,42 +127,35 @@ def _opts_vllm(r: Recipe, upper: float, explicit: set[str]) -> list[dict[str, An
 
 
 def _halve_generation_batch(recipe: Recipe) -> Recipe | None:
-    """per_device_train_batch_size / 2 and gradient_accumulation_steps x 2 with steps_per_generation pinned to its
-    old value: the completions generated (and trained) at once halve, the completions per optimizer step stay."""
+    """Half the per-device batch, twice the accumulation, steps_per_generation pinned: half the completions at
+    once, the same per optimizer step."""
     t = recipe.train
     if t.per_device_train_batch_size < 2:
         return None
-    new = copy.deepcopy(recipe)
-    n = new.train
-    if "generation_batch_size" in n.extra:
-        n.extra["generation_batch_size"] = int(n.extra["generation_batch_size"]) // 2
+    change = {"train.per_device_train_batch_size": t.per_device_train_batch_size // 2,
+              "train.gradient_accumulation_steps": t.gradient_accumulation_steps * 2}
+    if "generation_batch_size" in t.extra:
+        change["train.generation_batch_size"] = int(t.extra["generation_batch_size"]) // 2
     else:
-        n.steps_per_generation = t.steps_per_generation_resolved()
-    n.per_device_train_batch_size = t.per_device_train_batch_size // 2
-    n.gradient_accumulation_steps = t.gradient_accumulation_steps * 2
-    return new
+        change["train.steps_per_generation"] = t.steps_per_generation_resolved()
+    return apply_change(recipe, change)
 
 
 def _halve_completion_length(recipe: Recipe) -> Recipe | None:
     length = recipe.train.max_completion_length // 2
-    if length < MIN_COMPLETION_LENGTH:
-        return None
-    new = copy.deepcopy(recipe)
-    new.train.max_completion_length = length
-    return new
+    return apply_change(recipe, {"train.max_completion_length": length}) if length >= MIN_COMPLETION_LENGTH else None
 
 
 def _halve_num_generations(recipe: Recipe) -> Recipe | None:
-    """num_generations / 2 with the per-device batch halved alongside: the same prompts, half the completions."""
+    """Half num_generations and the per-device batch: the same prompts, half the completions."""
     t = recipe.train
     if t.num_generations // 2 < MIN_NUM_GENERATIONS or t.per_device_train_batch_size < 2:
         return None
-    new = copy.deepcopy(recipe)
-    new.train.num_generations = t.num_generations // 2
-    new.train.per_device_train_batch_size = t.per_device_train_batch_size // 2
-    if "generation_batch_size" in new.train.extra:
-        new.train.extra["generation_batch_size"] = int(new.train.extra["generation_batch_size"]) // 2
-    return new
+    change = {"train.num_generations": t.num_generations // 2,
+              "train.per_device_train_batch_size": t.per_device_train_batch_size // 2}
+    if "generation_batch_size" in t.extra:
+        change["train.generation_batch_size"] = int(t.extra["generation_batch_size"]) // 2
+    return apply_change(recipe, change)
 
 
 # The per-device batch halves only with the generation batch (the next knob's halving): alone it would leave the

@@ -1,7 +1,5 @@
-"""The log-prob pass's term of the GRPO memory model (training phase): the N = b x C completion tokens scored
-over the vocabulary by TRL's fused LM-head kernel (hf), Unsloth's own kernel (unsloth), or the full logits.
-Notation as in lowmem_grpo.memory.terms.
-"""
+"""The log-prob pass's term (training phase): the N = b x C completion tokens scored over the vocabulary by TRL's
+fused LM-head kernel (hf), Unsloth's own kernel (unsloth), or the full logits. Notation as in memory.terms."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from lowmem_grpo.memory.terms import GIB, MIB, Settings, unquantized_bytes
 
 TOKEN_TILE = 4096  # TRL 1.15 chunked log-prob kernel: tokens per projection tile
 VOCAB_TILE = 32768  # TRL 1.15 `_CHUNKED_LOGPROB_CHUNK_SIZE`: vocabulary columns per tile
-# Unsloth's log-prob kernel (unsloth_zoo/fused_losses/fused_linear.py, the defaults of its environment knobs),
-# which replaces TRL's under the unsloth backend; tests/test_memory.py reads them back from the installed source
+# Unsloth's kernel (unsloth_zoo/fused_losses/fused_linear.py, its environment knobs' defaults; tests read them back)
 UNSLOTH_SPLIT_COLS = 16384  # _SPLIT_COLS: vocabulary columns per tile of the tiled ("flash") forward
 UNSLOTH_MAX_ROWS = 4096  # _MAX_ROWS / _BWD_ROWS: token rows per tile or chunk, at most
 UNSLOTH_BWD_TILE_BYTES = 256 * MIB  # _BWD_TILE_BYTES: the tile budget of the tiled forward and the backward
@@ -24,21 +21,15 @@ UNSLOTH_SMALL_CARD_BYTES = int(24.5 * GIB)  # _SMALL_CARD_BYTES: above it, fewer
 
 def logits(a: Architecture, s: Settings) -> int:
     """The log-prob pass over the vocabulary for the N = b x C completion tokens: TRL's kernel on hf
-    (trl_logits), Unsloth's own on unsloth (unsloth_logits), or the full logits (logits="full":
-    N x V x (2 cb + 4), bf16 logits, their gradient, fp32 log-softmax)."""
+    (trl_logits), Unsloth's own on unsloth (unsloth_logits), or the full logits N x V x (2 cb + 4)."""
     if s.logits == "full":
         return s.per_device_batch * s.completion_len * a.vocab_size * (2 * s.compute_bytes + 4)
     return unsloth_logits(a, s) if s.backend == "unsloth" else trl_logits(a, s)
 
 
 def trl_logits(a: Architecture, s: Settings) -> int:
-    """TRL 1.15's fused LM-head kernel (never the full logits), hf backend:
-
-        min(N, 4096) x min(V, 32768) x cb      one projection tile (reused for every tile)
-        + N x H x (rb + 4)                     gathered hidden states + their fp32 gradient
-        + N x 32                               fp32 running max / sum-exp / target / entropy stats
-        + min(V, 32768) x H x cb if rb != cb   the cb copy of an fp32 lm_head chunk (hf with 4-bit)
-    """
+    """TRL's kernel: a min(N, 4096) x min(V, 32768) x cb tile + N x H x (rb + 4) hidden states and their gradient
+    + N x 32 fp32 stats (+ the cb copy of an fp32 lm_head chunk when rb != cb)."""
     n = s.per_device_batch * s.completion_len
     rb = unquantized_bytes(s)
     tile = min(n, TOKEN_TILE) * min(a.vocab_size, VOCAB_TILE) * s.compute_bytes
@@ -47,16 +38,9 @@ def trl_logits(a: Architecture, s: Settings) -> int:
 
 
 def unsloth_logits(a: Architecture, s: Settings) -> int:
-    """Unsloth's fused log-prob kernel (unsloth_zoo/fused_losses/fused_linear.py), which replaces TRL's.
-
-    tiled "flash" forward (16-bit compute, V > 2 x 16384, and a card of at most 24.5 GiB or N >= 4096):
-        R x 16384 x 4 + R x H x 4               one fp32 logits tile of R = min(N, 4096) rows, its accumulator
-        + N x H x 3cb                           d logp / d hidden kept from the forward, saved hidden, grad_h
-        + N x 16                                fp32 log-prob, logsumexp, entropy, target-logit stats
-    chunked (fp32 compute, a small vocabulary, or a card above 24.5 GiB with N < 4096):
-        R x ceil8(V) x 4 + N x H x 4 + N x 16   one fp32 logits chunk of R rows (unsloth_chunk_rows)
-    (fp16 GPUs keep the forward gradient in fp32: N x H x 2 more than bf16's figure.)
-    """
+    """Unsloth's kernel. Tiled forward (16-bit, V > 32768, a card of at most 24.5 GiB or N >= 4096):
+    R x 16384 x 4 + R x H x 4 + N x H x 3cb + N x 16, R = min(N, 4096); else chunked:
+    R x ceil8(V) x 4 + N x H x 4 + N x 16, R = unsloth_chunk_rows."""
     n = s.per_device_batch * s.completion_len
     small_card = not s.gpu_total_bytes or s.gpu_total_bytes <= UNSLOTH_SMALL_CARD_BYTES
     flash = s.compute_bytes == 2 and a.vocab_size > 2 * UNSLOTH_SPLIT_COLS and (small_card or n >= UNSLOTH_MAX_ROWS)
@@ -73,9 +57,8 @@ def _pow2_floor(x: float) -> int:
 
 
 def unsloth_chunk_rows(n: int, hidden: int, vocab: int) -> int:
-    """Rows of one chunk, as fused_linear_rows picks them: the power of two at or below N x H / V, at least
-    max(512, 512 x 151936 / V) (rounded down to a power of two) and at most 4096 rows, within the 2 GiB budget
-    of fp32 logits, and never more than N."""
+    """Rows of one chunk, as fused_linear_rows picks them: the power of two at or below N x H / V, within
+    [max(512, 512 x 151936 / V), 4096] and the 2 GiB budget of fp32 logits, and never more than N."""
     rows = _pow2_floor(n * hidden / max(vocab, 1))
     least = min(max(_pow2_floor(UNSLOTH_MIN_LOGITS / max(vocab, 1)), 512), UNSLOTH_MAX_ROWS)
     rows = min(max(rows, least), UNSLOTH_MAX_ROWS)

@@ -1,10 +1,6 @@
-"""The GRPO memory planner: `plan(recipe, budget_bytes)`, the predicted peak GPU memory of a recipe (docs/memory.md).
-
-TERMS puts each term of lowmem_grpo.memory.terms (and logprob) in its phase: the peak is the static terms + the
-largest of the generation, training and evaluation phases (they never hold their transient memory at once) + the
-allocator's slack on that phase. The evaluation batch, unset in the recipe, is the plan's (choose_eval_batch).
-Pure arithmetic; only `default_budget` asks torch about the GPU.
-"""
+"""The GRPO memory planner: `plan(recipe, budget_bytes)`, the predicted peak GPU memory of a recipe (docs/memory.md):
+the static terms + the largest of the generation, training and evaluation phases (they never hold their transient
+memory at once) + the allocator's slack on that phase."""
 
 from __future__ import annotations
 
@@ -44,13 +40,6 @@ TERMS = {
 }
 
 
-def term_visibility(name: str, s: Settings) -> str:
-    """allocated (counted by torch.cuda.max_memory_allocated) or device (CUDA memory torch does not track)."""
-    if name == "optimizer_state" and s.optim in mt.PAGED_OPTIMIZERS:
-        return "device"
-    return TERMS[name][2]
-
-
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 10**9, "m": MIB, "mi": MIB, "mib": MIB, "mb": 10**6,
           "t": 2**40, "tib": 2**40, "tb": 10**12, "b": 1}
@@ -69,47 +58,35 @@ class Plan:
     allocated_bytes: int
     reserved_bytes: int
     budget_bytes: int | None
-    proposal: dict[str, Any] | None = field(default=None)
-    sharing: ms.Sharing | None = field(default=None)
+    proposal: dict[str, Any] | None = None
+    sharing: ms.Sharing | None = None
     sharing_figures: dict[str, int] = field(default_factory=dict)
     evaluation: dict[str, Any] = field(default_factory=dict)
-    """The engine evaluation's batch and memory (evaluation_info); `counted`: the recipe evaluates, so its phase
-    is in the peak (otherwise the figures say what turning it on would take)."""
+    """The engine evaluation's batch and memory (evaluation_info); `counted`: its phase is in the peak."""
 
     @property
     def eval_batch(self) -> int | None:
-        """train.eval.batch_size as planned (or as the recipe sets it); None when the recipe does not evaluate
-        through the sampling engine."""
+        """train.eval.batch_size as planned; None when the recipe does not evaluate through the sampling engine."""
         return self.evaluation["batch"] if self.evaluation.get("counted") else None
 
     @property
     def fits(self) -> bool | None:
-        """total_bytes <= budget_bytes (None without a budget)."""
         return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for `plan --json`: total_bytes, fits, terms, proposal, and the details."""
-        return {
-            "total_bytes": self.total_bytes,
-            "fits": self.fits,
-            "budget_bytes": self.budget_bytes,
-            "terms": dict(self.terms),
-            "proposal": self.proposal,
-            "peak_phase": self.peak_phase,
-            "phases": dict(self.phases),
-            "allocated_bytes": self.allocated_bytes,
-            "reserved_bytes": self.reserved_bytes,
-            "prompt_sharing": self.sharing_dict(),
-            "evaluation": dict(self.evaluation),
-            "formulas": {name: _first_line(TERMS[name][0].__doc__) for name in TERMS},
-            "settings": dataclasses.asdict(self.settings),
-            "architecture": {**dataclasses.asdict(self.architecture),
-                             "total_params": self.architecture.total_params()},
-        }
-
+        """Plain data for `plan --json`."""
+        return {"total_bytes": self.total_bytes, "fits": self.fits, "budget_bytes": self.budget_bytes,
+                "terms": dict(self.terms), "proposal": self.proposal, "peak_phase": self.peak_phase,
+                "phases": dict(self.phases), "allocated_bytes": self.allocated_bytes,
+                "reserved_bytes": self.reserved_bytes, "prompt_sharing": self.sharing_dict(),
+                "evaluation": dict(self.evaluation),
+                "formulas": {name: _first_line(TERMS[name][0].__doc__) for name in TERMS},
+                "settings": dataclasses.asdict(self.settings),
+                "architecture": {**dataclasses.asdict(self.architecture),
+                                 "total_params": self.architecture.total_params()}}
 
     def sharing_dict(self) -> dict[str, Any] | None:
-        """Which shared-prompt pass applies and why, and the peak with and without prompt sharing (bytes)."""
+        """Which shared-prompt pass applies and why, and the peak with and without it (bytes)."""
         if self.sharing is None:
             return None
         return {"applies": self.sharing.applies, "available": self.sharing.available, "reason": self.sharing.reason,
@@ -117,7 +94,7 @@ class Plan:
 
 
 def _first_line(doc: str | None) -> str:
-    return (doc or "").strip().splitlines()[0] if doc else ""
+    return doc.strip().splitlines()[0] if doc else ""
 
 
 def parse_size(text: str) -> int:
@@ -138,7 +115,7 @@ def format_bytes(n: int) -> str:
 
 
 def default_budget(recipe: Recipe) -> int:
-    """The recipe's gpu_memory_gb (as GiB), else the visible GPU's total memory, else a BadInputError."""
+    """The recipe's gpu_memory_gb (as GiB), else the visible GPU's total memory."""
     if recipe.gpu_memory_gb:
         return recipe.gpu_memory_gb * GIB
     import torch
@@ -150,79 +127,48 @@ def default_budget(recipe: Recipe) -> int:
 
 
 def device_budget(free_bytes: int, total_bytes: int) -> int:
-    """The budget for a run on this GPU: free memory (measured after CUDA started, so this process's
-    context is already spent) + the context the plan counts again, less 5% of the total as headroom."""
+    """Free memory (this process's context spent) + the context the plan counts again, less 5% of the total."""
     return int(free_bytes + mt.CUDA_CONTEXT_BYTES - 0.05 * total_bytes)
 
 
 def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, gpu_free_bytes: int = 0,
                  sharing: ms.Sharing | None = None) -> Settings:
-    """The recipe's memory-relevant settings as a one-process CUDA run has them (its Runtime: runtime.planned);
-    `gpu_free_bytes` is the memory free when the model loads (what Unsloth's vLLM share is taken of);
-    `sharing` the shared-prompt pass that applies (sharing_for; None: none)."""
+    """The recipe's memory settings as a one-process CUDA run has them (runtime.planned)."""
     m, t = recipe.model, recipe.train
     runtime = planned(recipe)
     fp32 = m.dtype == "float32" or t.precision == "fp32"
     sharing = sharing or ms.Sharing(ms.NONE, ms.NONE, "")
     return Settings(
-        backend=runtime.backend,
-        load_in_4bit=m.load_in_4bit,
-        compute_bytes=4 if fp32 else 2,
-        lora_r=recipe.lora.r,
-        target_modules=tuple(recipe.lora.target_modules),
-        optim=runtime.optimizer,
-        gradient_checkpointing=t.gradient_checkpointing,
-        per_device_batch=t.per_device_train_batch_size,
-        generation_batch=runtime.generation_batch,
-        num_generations=t.num_generations,
-        prompt_len=recipe.data.max_prompt_length,
-        completion_len=t.max_completion_length,
-        beta=t.beta,
-        fast_inference=runtime.fast_inference,
-        gpu_memory_utilization=m.gpu_memory_utilization,
-        gpu_total_bytes=gpu_total_bytes,
-        gpu_free_bytes=gpu_free_bytes,
-        prompt_sharing=sharing.applies,
-        sharing_verify=sharing.verify,
-    )
-
-
-PHASES = ("static", "generation", "training", "evaluation")
+        backend=runtime.backend, load_in_4bit=m.load_in_4bit, compute_bytes=4 if fp32 else 2, lora_r=recipe.lora.r,
+        target_modules=tuple(recipe.lora.target_modules), optim=runtime.optimizer,
+        gradient_checkpointing=t.gradient_checkpointing, per_device_batch=t.per_device_train_batch_size,
+        generation_batch=runtime.generation_batch, num_generations=t.num_generations,
+        prompt_len=recipe.data.max_prompt_length, completion_len=t.max_completion_length, beta=t.beta,
+        fast_inference=runtime.fast_inference, gpu_memory_utilization=m.gpu_memory_utilization,
+        gpu_total_bytes=gpu_total_bytes, gpu_free_bytes=gpu_free_bytes, prompt_sharing=sharing.applies,
+        sharing_verify=sharing.verify)
 
 
 def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -> Plan:
     """Every term, the phase sums and the peak for one architecture and settings."""
     terms = {name: int(func(arch, s)) for name, (func, _, _) in TERMS.items()}
-    phases = {phase: sum(v for k, v in terms.items() if TERMS[k][1] == phase) for phase in PHASES}
+    phases = {phase: sum(v for k, v in terms.items() if TERMS[k][1] == phase)
+              for phase in ("static", "generation", "training", "evaluation")}
     peak_phase = "generation" if phases["generation"] > phases["training"] else "training"
     if phases["evaluation"] > phases[peak_phase]:
         peak_phase = "evaluation"
     terms["allocator_slack"] = int(mt.ALLOCATOR_SLACK * phases[peak_phase])
-    allocated = phases[peak_phase] + sum(v for k, v in terms.items()
-                                         if k in TERMS and TERMS[k][1] == "static"
-                                         and term_visibility(k, s) == "allocated")
+    # paged optimizers allocate CUDA managed memory, which torch's allocator statistics do not show
+    paged = s.optim in mt.PAGED_OPTIMIZERS
+    allocated = phases[peak_phase] + sum(v for k, v in terms.items() if k in TERMS and TERMS[k][1:] == (
+        "static", "allocated") and not (paged and k == "optimizer_state"))
     total = phases["static"] + phases[peak_phase] + terms["allocator_slack"]
     return Plan(arch, s, terms, phases, peak_phase, total, allocated, allocated + terms["allocator_slack"],
                 budget_bytes)
 
 
-def engine_evaluates(recipe: Recipe, fast_inference: bool) -> bool:
-    """Whether a CUDA run of the recipe evaluates through the sampling engine: the stage evaluation
-    (train.eval.stage.problems) always does; the periodic one (train.eval.every) unless vLLM generates, which then
-    samples it inside its own reservation (data.calculator keeps it on the engine)."""
-    e = recipe.train.eval
-    return bool(e.stage.problems) or bool(e.every and (not fast_inference or recipe.data.calculator))
-
-
-def evaluation_samples(recipe: Recipe) -> int:
-    """k, the most samples per problem one evaluation call of the recipe draws (1: greedy only)."""
-    e = recipe.train.eval
-    return max(1, e.stage.samples if e.stage.problems else 1, e.samples if e.every else 1)
-
-
 def eval_rows(batch: int, samples: int) -> int:
-    """Sequences one evaluation call decodes at once with train.eval.batch_size `batch` and k `samples` per problem:
-    the k samples of batch // k problems, one problem's at least (sampling.generate), so max(batch, k)."""
+    """Sequences one evaluation call decodes at once: the k samples of batch // k problems, one problem's at least."""
     return max(batch, samples) if batch > 0 else 0
 
 
@@ -239,9 +185,7 @@ def evaluation_peak(arch: Architecture, s: Settings, rows: int) -> int:
 
 def choose_eval_batch(arch: Architecture, s: Settings, upper: int, samples: int,
                       budget_bytes: int | None) -> int:
-    """The largest evaluation batch of eval_batch_candidates(upper) whose evaluation peak (static + the evaluation
-    phase + slack) is within `budget_bytes`, or, without a budget, within the GRPO step's own peak; the smallest
-    when none is. The evaluation runs between training phases, so it takes the place of their transient memory."""
+    """The largest candidate whose evaluation peak fits the budget (else the step's own peak); the smallest if none."""
     limit = budget_bytes or evaluate(arch, dataclasses.replace(s, eval_batch=0)).total_bytes
     candidates = eval_batch_candidates(upper)
     return next((b for b in candidates if evaluation_peak(arch, s, eval_rows(b, samples)) <= limit), candidates[-1])
@@ -249,17 +193,19 @@ def choose_eval_batch(arch: Architecture, s: Settings, upper: int, samples: int,
 
 def evaluation_info(recipe: Recipe, arch: Architecture, s: Settings, budget_bytes: int | None,
                     fit_eval: bool | None = None) -> dict[str, Any]:
-    """The evaluation batch of a CUDA run and its memory: train.eval.batch_size as the recipe sets it, or (unset, or
-    `fit_eval`) cut to the budget by choose_eval_batch from it (or EVAL_BATCH); `counted` when the recipe evaluates
-    through the engine (engine_evaluates). Bytes are those of `rows` = eval_rows(batch, k) sequences."""
-    t = recipe.train
-    upper = t.eval.batch_size or EVAL_BATCH
-    planned = t.eval.batch_size is None if fit_eval is None else fit_eval
-    samples = evaluation_samples(recipe)
+    """The evaluation batch of a CUDA run and its memory: train.eval.batch_size, or (unset, or `fit_eval`) cut to
+    the budget by choose_eval_batch, for k `samples` a problem; `counted` when it runs through the engine."""
+    e = recipe.train.eval
+    upper = e.batch_size or EVAL_BATCH
+    planned = e.batch_size is None if fit_eval is None else fit_eval
+    samples = max(1, e.stage.samples if e.stage.problems else 1, e.samples if e.every else 1)
     batch = choose_eval_batch(arch, s, upper, samples, budget_bytes) if planned else upper
     rows = eval_rows(batch, samples)
     sized = dataclasses.replace(s, eval_batch=rows)
-    return {"counted": engine_evaluates(recipe, s.fast_inference), "batch": batch, "rows": rows, "samples": samples,
+    # the stage evaluation always samples through the engine, the periodic one unless vLLM generates the rollouts
+    # (it samples it then, except with data.calculator)
+    counted = bool(e.stage.problems) or bool(e.every and (not s.fast_inference or recipe.data.calculator))
+    return {"counted": counted, "batch": batch, "rows": rows, "samples": samples,
             "planned": planned, "upper": upper, "kv_bytes": mt.eval_kv_cache(arch, sized),
             "workspace_bytes": mt.eval_workspace(arch, sized), "peak_bytes": evaluation_peak(arch, s, rows)}
 
@@ -267,13 +213,10 @@ def evaluation_info(recipe: Recipe, arch: Architecture, s: Settings, budget_byte
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
          allow_hub: bool = True, free_bytes: int | None = None,
          env: Mapping[str, str] | None = None, fit_eval: bool | None = None) -> Plan:
-    """Predicted peak GPU memory of a recipe, counting the shared-prompt pass that applies (sharing_figures: the
-    peak with and without it) and the evaluation batch (evaluation_info); `free_bytes`: the GPU memory free at load
-    when known (the vLLM share is taken of it), else the budget; `env`: the environment Unsloth's PrefixGrouper
-    switches are read from (None: this process's); `fit_eval`: cut the evaluation batch to the budget even when the
-    recipe sets one (None: only when it does not)."""
-    arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub,
-                                     trust_remote_code=recipe.model.trust_remote_code)
+    """Predicted peak GPU memory of a recipe; `free_bytes`: the GPU memory free at load (else the budget), `env`:
+    where Unsloth's PrefixGrouper switches are read (None: os.environ), `fit_eval`: cut the evaluation batch to the
+    budget even when the recipe sets one."""
+    arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
     sharing = ms.sharing_for(arch, planned(recipe), recipe, env=env)
     settings = settings_for(recipe, total_gpu, free_bytes or 0, sharing)
@@ -288,8 +231,8 @@ def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture 
 
 
 def sharing_figures(arch: Architecture, s: Settings, sharing: ms.Sharing) -> dict[str, int]:
-    """The peak without prompt sharing, with the backend's shared-prompt pass engaged (also where it does not
-    engage), their difference and, on unsloth, the peak with its self-verify off."""
+    """The peak without prompt sharing, with the backend's pass engaged (even where it does not engage), their
+    difference and, on unsloth, the peak with its self-verify off."""
     without = evaluate(arch, dataclasses.replace(s, prompt_sharing=ms.NONE, sharing_verify=False)).total_bytes
     engaged = dataclasses.replace(s, prompt_sharing=sharing.available, sharing_verify=sharing.verify)
     figures = {"peak_without_bytes": without, "peak_with_bytes": evaluate(arch, engaged).total_bytes}
@@ -312,11 +255,9 @@ def format_plan(p: Plan, title: str = "") -> str:
              f"  {'term':<22}{'phase':<12}{'size':>12}  formula"]
     for name, value in p.terms.items():
         phase = TERMS[name][1] if name in TERMS else p.peak_phase
-        doc = (_first_line(TERMS[name][0].__doc__) if name in TERMS
-               else "caching-allocator slack on the peak phase")
+        doc = _first_line(TERMS[name][0].__doc__) if name in TERMS else "caching-allocator slack on the peak phase"
         lines.append(f"  {name:<22}{phase:<12}{format_bytes(value):>12}  {doc[:70]}")
-    lines += _sharing_lines(p)
-    lines += _evaluation_lines(p)
+    lines += _sharing_lines(p) + _evaluation_lines(p)
     verdict = "" if p.fits is None else (" -> fits" if p.fits else " -> does NOT fit")
     budget = f" of {format_bytes(p.budget_bytes)}" if p.budget_bytes else ""
     lines.append(f"  peak ({p.peak_phase} phase): {format_bytes(p.total_bytes)}{budget}{verdict}; torch allocated "
@@ -350,8 +291,7 @@ def _sharing_lines(p: Plan) -> list[str]:
 
 
 def _evaluation_lines(p: Plan) -> list[str]:
-    """The evaluation batch, where it comes from, and its memory (or what it would take, when the recipe does not
-    evaluate through the engine)."""
+    """The evaluation batch, where it comes from, and its memory (or what turning it on would take)."""
     e, s = p.evaluation, p.settings
     if not e:
         return []

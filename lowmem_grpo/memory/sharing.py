@@ -1,20 +1,5 @@
-"""Prompt sharing in the training forward: which shared-prompt pass a run gets, and why (docs/memory.md). Pure rules.
-
-A shared-prompt pass forwards each prompt of a micro-batch once with its completions after it, k x P + b x C tokens
-instead of b x (P + C), the same log-probs. Two exist:
-
-unsloth  Unsloth's PrefixGrouper (unsloth/utils/prefix_grouper.py, unsloth_zoo/rl_replacements.py, 2026.10.9); its
-         gates are unsloth_prefix_grouper's, one reason each. It needs each G consecutive rows of a micro-batch to
-         hold one prompt, and TRL shuffles the generation batch's rows first: only a generation round of one group
-         keeps that. Its first-use self-verify keeps the full-row pass in memory while a no-grad shared pass is
-         compared with it, and a batch longer than any verified one is verified again: the peak stays the full-row
-         figure (the time is still saved).
-hf       our pass (train.cpu.fast; lowmem_grpo/train/cpu_logprobs.py): it needs a cache the layers write into,
-         so it runs the loss pass only without gradient checkpointing, on full-attention models, in the CPU trainer.
-
-The planner takes the token counts at their worst case: prompts of data.max_prompt_length, completions of
-train.max_completion_length.
-"""
+"""Which shared-prompt pass a run's training forward gets, and why (docs/memory.md): Unsloth's PrefixGrouper
+(unsloth/utils/prefix_grouper.py, unsloth_zoo/rl_replacements.py, 2026.10.9) or ours (train/cpu_logprobs.py)."""
 
 from __future__ import annotations
 
@@ -41,9 +26,8 @@ PG_OFF_VALUES = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Sharing:
-    """Which shared-prompt pass the training forward gets: `applies` is unsloth_prefix_grouper, shared_prompt or
-    none; `available` the pass the backend has (what the figure "with prompt sharing" models); `verify`: Unsloth's
-    self-verify keeps the full-row pass at the peak."""
+    """`applies`: unsloth_prefix_grouper, shared_prompt or none; `available`: the backend's pass (what the figure
+    "with prompt sharing" models); `verify`: Unsloth's self-verify keeps the full-row pass at the peak."""
 
     applies: str
     available: str
@@ -52,13 +36,12 @@ class Sharing:
 
 
 def env_on(env: Mapping[str, str], name: str, default: str = "1") -> bool:
-    """An Unsloth switch: anything but 0/false/no/off (any case) is on."""
+    """An Unsloth switch: anything but 0/false/no/off is on."""
     return env.get(name, default).lower() not in PG_OFF_VALUES
 
 
 def token_ratio(prompt_len: int, completion_len: int, num_generations: int) -> float:
-    """Unsloth's tok_r for groups of full-length rows: tokens of the full rows / tokens of the shared stream,
-    G (P + C) / (P + G C)."""
+    """Unsloth's tok_r for full-length rows: G (P + C) / (P + G C)."""
     shared = prompt_len + num_generations * completion_len
     return num_generations * (prompt_len + completion_len) / shared if shared else 1.0
 
@@ -76,7 +59,7 @@ def _entropy_reason(extra: Mapping[str, Any]) -> str:
 def unsloth_prefix_grouper(arch: Architecture, *, fast_inference: bool, num_generations: int,
                            per_device_batch: int, generation_batch: int, prompt_len: int, completion_len: int,
                            extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Sharing:
-    """Whether Unsloth's PrefixGrouper engages in the gradient pass, by the installed source's rules (module doc)."""
+    """Whether Unsloth's PrefixGrouper engages in the gradient pass, by its installed source's gates."""
     env = os.environ if env is None else env
     extra = extra or {}
     verify = env_on(env, PG_VERIFY_ENV)
@@ -90,8 +73,7 @@ def unsloth_prefix_grouper(arch: Architecture, *, fast_inference: bool, num_gene
         return off(f"it rides on sequence packing, which {PG_PACKING_ENV}={env.get(PG_PACKING_ENV)} turns off")
     if fast_inference:
         return off("it is off under vLLM (model.fast_inference)")
-    entropy = _entropy_reason(extra)
-    if entropy:
+    if entropy := _entropy_reason(extra):
         return off(entropy)
     if num_generations < 2:
         return off("one completion per prompt leaves nothing to share")
@@ -117,14 +99,13 @@ def unsloth_prefix_grouper(arch: Architecture, *, fast_inference: bool, num_gene
     return Sharing(UNSLOTH, UNSLOTH, f"Unsloth's PrefixGrouper engages: {how}", verify)
 
 
-# the devices whose trainer runs our shared-prompt pass (lowmem_grpo.train.trainer.CpuSafeGRPOTrainer)
+# the devices whose trainer runs our shared-prompt pass (train.trainer.CpuSafeGRPOTrainer)
 HF_SHARED_DEVICES = ("cpu",)
 
 
 def hf_shared_prompt(arch: Architecture, *, shared_prompt: bool, num_generations: int,
                      gradient_checkpointing: bool, device: str = "cuda") -> Sharing:
-    """Whether our shared-prompt pass runs the loss pass of the transformers backend on `device` (module doc):
-    every reason it does not, or why it does."""
+    """Whether our shared-prompt pass runs the hf backend's loss pass on `device`: every reason it does not."""
     reasons = []
     if not shared_prompt:
         reasons.append("train.cpu.fast=false")
@@ -145,7 +126,7 @@ def hf_shared_prompt(arch: Architecture, *, shared_prompt: bool, num_generations
 
 def sharing_for(arch: Architecture, runtime: Runtime, recipe: Recipe,
                 env: Mapping[str, str] | None = None) -> Sharing:
-    """The shared-prompt pass a recipe's training forward gets with `runtime` (its backend and device)."""
+    """The shared-prompt pass a recipe's training forward gets with `runtime`."""
     t = recipe.train
     if runtime.backend == "unsloth":
         return unsloth_prefix_grouper(arch, fast_inference=runtime.fast_inference, num_generations=t.num_generations,

@@ -1,19 +1,9 @@
-"""The terms of the GRPO memory model: one function per term, its formula in its docstring.
+"""The terms of the GRPO memory model: one function per term, its formula in its docstring (docs/memory.md).
 
-Every term is plain integer arithmetic on an `Architecture` (memory_arch) and resolved `Settings`
-(below); the log-prob pass's term is lowmem_grpo.memory.logprob's; `lowmem_grpo.memory.plan` sums them into a
-plan. Notation used in the formulas:
-
-    L layers, H hidden_size, I intermediate_size, V vocab_size, hd head_dim,
-    q = num_heads x hd, kv = num_kv_heads x hd, r LoRA rank, cb bytes of the compute dtype
-    (2 for bf16/fp16, 4 for fp32), P prompt tokens (data.max_prompt_length), C completion tokens
-    (train.max_completion_length), S = P + C, b per-device micro-batch (completions), R generation
-    batch (completions generated at once = b x steps_per_generation), N = b x C scored tokens, G
-    num_generations, k = min(b, R / G) the prompts one micro-batch can hold (TRL shuffles the rows).
-
-A shared-prompt pass (lowmem_grpo.memory.sharing) forwards T = k x P + b x C tokens instead of b x S: only the
-activations and, on hf, prompt_kv change. E = eval_batch: the sequences an evaluation through the sampling engine
-decodes at once (its own phase; docs/memory.md).
+Notation: L layers, H hidden_size, I intermediate_size, V vocab_size, q = heads x head_dim, kv = kv_heads x head_dim,
+r LoRA rank, cb bytes of the compute dtype, rb unquantized_bytes, P prompt tokens, C completion tokens, S = P + C,
+b per-device micro-batch, R generation batch, G num_generations, k = min(b, R / G) the prompts of one micro-batch
+(TRL shuffles the rows), T the tokens of one training forward, E = eval_batch.
 """
 
 from __future__ import annotations
@@ -35,9 +25,8 @@ OPT8_QMAP_BYTES = 1024  # the 256-entry fp32 quantization map of each 8-bit stat
 OPT8_MIN_SIZE = 4096  # tensors below this many elements keep 32-bit optimizer states in bitsandbytes
 CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context, cuBLAS/cuDNN handles and loaded kernels (outside torch's allocator)
 ALLOCATOR_SLACK = 0.10  # reserved-but-unallocated share of the transient phase (caching allocator fragmentation)
-# Unsloth's fast decode (LlamaAttention_fast_forward_inference and its siblings) keeps its own KV buffers, grown by
-# KV_CACHE_INCREMENT positions at a time: unsloth/models/llama.py (512; mistral, qwen2, qwen3 and gemma import it),
-# gemma2.py (256). Model types Unsloth loads through FastModel instead (Gemma 3) decode with transformers' cache.
+# Unsloth's fast decode grows its own KV buffers by this many positions (unsloth/models/llama.py, gemma2.py);
+# the types it loads through FastModel (Gemma 3) decode with transformers' cache
 UNSLOTH_DECODE_INCREMENTS = {"llama": 512, "mistral": 512, "qwen2": 512, "qwen3": 512, "gemma": 512, "gemma2": 256}
 VLLM_MIN_OVERHEAD = 1 * GIB  # vLLM's own activations and CUDA graphs inside its reservation
 
@@ -72,9 +61,8 @@ class Settings:
     gpu_total_bytes: int
     double_quant: bool = True
     gpu_free_bytes: int = 0  # free GPU memory when the model loads (0: unknown, taken as gpu_total_bytes)
-    logits: str = "chunked"  # "chunked" (TRL 1.15 fused LM-head kernel) or "full" (materialized logits)
-    prompt_sharing: str = "none"  # the shared-prompt pass of the training forward: none, shared_prompt (hf) or
-    # unsloth_prefix_grouper (lowmem_grpo.memory.sharing)
+    logits: str = "chunked"  # "chunked" (the backend's fused LM-head kernel) or "full" (materialized logits)
+    prompt_sharing: str = "none"  # none, shared_prompt (hf) or unsloth_prefix_grouper (memory.sharing)
     sharing_verify: bool = False  # Unsloth's self-verify runs the full-row pass beside the shared one at the peak
     eval_batch: int = 0  # sequences an evaluation decodes at once through the sampling engine (0: none runs there)
 
@@ -84,17 +72,8 @@ class Settings:
         return self.prompt_len + self.completion_len
 
 
-# --- static terms -------------------------------------------------------------------------------
-
-
 def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> int:
-    """Bytes of one bitsandbytes nf4 tensor of `numel` weights.
-
-    packed 4-bit data ceil(n/2) + absmax per 64-block: ceil(n/64) x 1 byte (uint8, double quant)
-    + second-level absmax ceil(ceil(n/64)/256) x 4 + offset 4 + nf4 code 64 + second-level code 1024;
-    without double quant: ceil(n/2) + ceil(n/64) x 4 + code 64. (Checked against
-    bitsandbytes.functional.quantize_4bit, whose quant state holds these tensors per weight.)
-    """
+    """Bytes of one bitsandbytes nf4 tensor: packed data, absmax per 64-block, code tables (quantize_4bit)."""
     blocks = math.ceil(numel / NF4_BLOCK)
     if double_quant:
         return (math.ceil(numel / 2) + blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 4 + NF4_CODE_BYTES
@@ -103,25 +82,14 @@ def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> int:
 
 
 def unquantized_bytes(s: Settings) -> int:
-    """Bytes per element of the layers left unquantized (embeddings, lm_head, norms, biases), and of the residual
-    stream (rb: layer inputs, norm inputs and outputs).
-
-    unsloth: cb (kept in the compute dtype); hf with 4-bit: 4 (peft's prepare_model_for_kbit_training
-    casts every non-4-bit parameter to fp32, and those fp32 embeddings and norms make every residual add fp32
-    under autocast); hf 16-bit: cb.
-    """
+    """rb, of the unquantized layers and residual stream: 4 on hf with 4-bit (peft casts them to fp32), else cb."""
     return 4 if (s.backend == "hf" and s.load_in_4bit) else s.compute_bytes
 
 
 def base_weights(a: Architecture, s: Settings) -> int:
     """Frozen base model weights.
 
-    4-bit: L x sum over the 7 projections of nf4_tensor_bytes(in x out)
-           + (embeddings V x H, x2 if lm_head untied, + L x (norms + q/k norms + q/k/v biases) + H) x u,
-           u = unquantized_bytes (the embeddings and lm_head are never quantized).
-    16-bit: total_params x cb.
-    With vLLM (fast_inference) the weights live inside vllm_reservation (Unsloth shares them): 0.
-    """
+    4-bit: L x 7 nf4 projections + the unquantized parameters x rb; 16-bit: total_params x cb; vLLM: 0 (its own)."""
     if s.fast_inference:
         return 0
     if not s.load_in_4bit:
@@ -132,11 +100,7 @@ def base_weights(a: Architecture, s: Settings) -> int:
 
 
 def lora_tensors(a: Architecture, s: Settings) -> list[int]:
-    """Element counts of every LoRA matrix: A is r x in, B is out x r, per layer per target module.
-
-    The per-layer projections use their real shapes (GQA k/v: H -> kv; MLP: H -> I, I -> H);
-    `lm_head` / `embed_tokens` targets add one adapter of r x (H + V). Unknown names match nothing.
-    """
+    """Element counts of every LoRA matrix (A: r x in, B: out x r) per layer and target (head targets once)."""
     shapes = a.linear_shapes()
     sizes: list[int] = []
     for name in s.target_modules:
@@ -161,14 +125,7 @@ def lora_params(a: Architecture, s: Settings) -> int:
 def optimizer_state(a: Architecture, s: Settings) -> int:
     """Optimizer state of the LoRA parameters, per tensor of n elements.
 
-    AdamW 32-bit (adamw_torch, adamw_torch_fused, paged_adamw_32bit, ...): 2 states x 4 bytes = 8n.
-    8-bit (adamw_8bit, paged_adamw_8bit): 2 x (n x 1 + ceil(n/256) x 4 + 1024), the uint8 state, its
-    fp32 absmax per 256 values and its 256-entry fp32 quantization map; but 8n for n < 4096
-    (bitsandbytes keeps small tensors in 32-bit). One-state optimizers (Lion, RMSprop) halve it,
-    sgd stores nothing; any other name is taken as AdamW 32-bit. Paged optimizers allocate the same
-    bytes as CUDA managed memory, which torch's allocator statistics do not show. (Checked against
-    the state tensors of bitsandbytes.optim.AdamW8bit after one step.)
-    """
+    AdamW 8n; 8-bit 2 x (n + ceil(n/256) x 4 + 1024) from n = 4096; Lion/RMSprop half that; sgd 0."""
     if s.optim in STATELESS_OPTIMIZERS:
         return 0
     states = 1 if s.optim in ONE_STATE_OPTIMIZERS else 2
@@ -190,25 +147,20 @@ def batch_buffers(a: Architecture, s: Settings) -> int:
 def reference_model(a: Architecture, s: Settings) -> int:
     """Reference model when beta > 0.
 
-    With a LoRA adapter TRL and Unsloth score the reference by disabling the adapter, so it shares
-    the base weights: the cost is its per-token log-probs, R x C x 4. beta = 0: 0 (no reference).
-    """
+    Scored with the adapter disabled, it shares the base weights: R x C x 4 of log-probs."""
     return s.generation_batch * s.completion_len * 4 if s.beta > 0 else 0
 
 
 def vllm_reservation(a: Architecture, s: Settings) -> int:
     """vLLM's pool when fast_inference: gpu_memory_utilization x the GPU memory free when the model loads
-    (gpu_free_bytes, else the budget). Unsloth rescales the share by free memory before it starts vLLM
-    (unsloth_zoo/vllm_utils.py: free x u, passed on as a share of the total), so the pool never exceeds what was
-    free; weights, KV pool and CUDA graphs live inside it and torch's allocator does not see it. Otherwise 0."""
+    (gpu_free_bytes, else the budget; Unsloth rescales the share by free memory, unsloth_zoo/vllm_utils.py)."""
     if not s.fast_inference:
         return 0
     return int(s.gpu_memory_utilization * (s.gpu_free_bytes or s.gpu_total_bytes))
 
 
 def vllm_minimum(a: Architecture, s: Settings) -> int:
-    """The least vLLM reservation that can run the step: 4-bit/16-bit weights + the KV cache of the
-    generation batch + VLLM_MIN_OVERHEAD (1 GiB for its activations and CUDA graphs)."""
+    """The least vLLM reservation that runs the step: weights + the generation KV cache + VLLM_MIN_OVERHEAD."""
     plain = dataclasses.replace(s, fast_inference=False)
     return base_weights(a, plain) + kv_cache(a, plain) + VLLM_MIN_OVERHEAD
 
@@ -219,19 +171,9 @@ def cuda_context(a: Architecture, s: Settings) -> int:
     return CUDA_CONTEXT_BYTES
 
 
-# --- generation phase ---------------------------------------------------------------------------
-
-
 def decode_kv_bytes(a: Architecture, s: Settings, rows: int) -> int:
-    """The KV cache of `rows` sequences decoded to S = P + C tokens: positions x 2 (key and value) x kv x cb, where
-
-    hf, and Unsloth's FastModel types (Gemma 3; transformers' cache): rows x kv_tokens(S); kv_tokens sums the
-        cached positions over layers, L x S, except that sliding-window layers keep at most the window.
-    unsloth (its fast decode buffers, grown `inc` positions at a time, inc = UNSLOTH_DECODE_INCREMENTS: 512, Gemma 2
-        256, plus the prefill's own cache, which the first decode step copies into them):
-        rows x L x (P + 1 + inc x ceil(C / inc) + P). The prefill's P is freed after that first step, so for
-        C > inc it is an upper bound.
-    """
+    """The KV cache of `rows` sequences decoded to S tokens: positions x 2 x kv x cb, positions rows x kv_tokens(S)
+    on transformers' cache, rows x L x (P + 1 + inc x ceil(C / inc) + P) in Unsloth's fast decode buffers."""
     increment = UNSLOTH_DECODE_INCREMENTS.get(a.model_type) if s.backend == "unsloth" else None
     if increment:
         positions = a.num_layers * (2 * s.prompt_len + 1 + increment * math.ceil(s.completion_len / increment))
@@ -242,36 +184,26 @@ def decode_kv_bytes(a: Architecture, s: Settings, rows: int) -> int:
 
 def kv_cache(a: Architecture, s: Settings) -> int:
     """Generation KV cache of the generation batch R: decode_kv_bytes(R), e.g. on unsloth
-    R x L x (P + 1 + 512 x ceil(C / 512) + P) x 2 x kv x cb. With vLLM the cache is inside vllm_reservation: 0.
-    """
-    if s.fast_inference:
-        return 0
-    return decode_kv_bytes(a, s, s.generation_batch)
+    R x L x (P + 1 + 512 x ceil(C / 512) + P) x 2 x kv x cb; 0 with vLLM."""
+    return 0 if s.fast_inference else decode_kv_bytes(a, s, s.generation_batch)
 
 
 def generation_workspace(a: Architecture, s: Settings) -> int:
     """Transient memory of generating: the prefill of one layer R x P x (H x rb + 2I x cb), the
     dequantized copy of the largest 4-bit weight max(in x out) x cb, and the last position's fp32
     logits and probabilities R x V x 4 x 2. With vLLM: 0 (inside its reservation)."""
-    if s.fast_inference:
-        return 0
-    return decode_workspace(a, s, s.generation_batch)
+    return 0 if s.fast_inference else decode_workspace(a, s, s.generation_batch)
 
 
 def decode_workspace(a: Architecture, s: Settings, rows: int) -> int:
     """generation_workspace's formula for `rows` sequences prefilled and sampled at once."""
     prefill = rows * s.prompt_len * (a.hidden_size * unquantized_bytes(s) + 2 * a.intermediate_size * s.compute_bytes)
-    sampling = rows * a.vocab_size * 4 * 2
-    return prefill + dequant_workspace(a, s) + sampling
-
-
-# --- evaluation phase ---------------------------------------------------------------------------
+    return prefill + dequant_workspace(a, s) + rows * a.vocab_size * 4 * 2
 
 
 def eval_kv_cache(a: Architecture, s: Settings) -> int:
     """KV cache of an evaluation through the sampling engine, E = eval_batch sequences at once: decode_kv_bytes(E),
-    e.g. L x kv x 2 x cb x E x S on hf; outside vLLM's reservation even when vLLM generates GRPO's rollouts. 0
-    without one."""
+    outside vLLM's reservation; 0 without one."""
     return decode_kv_bytes(a, s, s.eval_batch) if s.eval_batch else 0
 
 
@@ -279,9 +211,6 @@ def eval_workspace(a: Architecture, s: Settings) -> int:
     """Transient memory of that evaluation: decode_workspace(E), the prefill of one layer E x P x (H x rb + 2I x cb),
     the dequantized 4-bit weight, the sampled position's fp32 logits and probabilities E x V x 8. 0 without one."""
     return decode_workspace(a, s, s.eval_batch) if s.eval_batch else 0
-
-
-# --- training phase -----------------------------------------------------------------------------
 
 
 def dequant_workspace(a: Architecture, s: Settings) -> int:
@@ -295,15 +224,8 @@ def lora_grads(a: Architecture, s: Settings) -> int:
 
 
 def layer_activation_bytes_per_token(a: Architecture, s: Settings) -> int:
-    """What autograd keeps for one decoder layer, per token.
-
-    rb x (norms_per_layer + 2) x H        norm inputs and the two normed outputs feeding attention/MLP
-    + cb x (3q + 2kv                      q, k, v after RoPE and the attention output (SDPA) + o_proj input
-            + (q + kv if q/k norms)       inputs of the per-head q/k RMSNorms
-            + m x I                       MLP: m = 3 (gate, up, act x up) on hf; 2 with Unsloth's fused SwiGLU
-            + r x targets)                LoRA: the r-wide input of every lora_B
-    + 4 x (norms_per_layer + num_heads)   fp32 RMSNorm rstd and attention logsumexp
-    """
+    """What autograd keeps for one decoder layer, per token: rb x (norms + 2) x H + cb x (3q + 2kv (+ q + kv with
+    q/k norms) + m x I (m = 3 on hf, 2 with Unsloth's fused SwiGLU) + r x targets) + 4 x (norms + heads)."""
     targets = sum(1 for name in s.target_modules if name in a.linear_shapes())
     mlp = 2 if s.backend == "unsloth" else 3
     width = 3 * a.q_dim + 2 * a.kv_dim + mlp * a.intermediate_size + s.lora_r * targets
@@ -314,8 +236,7 @@ def layer_activation_bytes_per_token(a: Architecture, s: Settings) -> int:
 
 
 def prompts_in_micro_batch(s: Settings) -> int:
-    """k = min(b, R / G), at least 1: the distinct prompts one micro-batch can hold (TRL shuffles the generation
-    batch's rows before cutting micro-batches, so at worst every row of a micro-batch is another group's)."""
+    """k = min(b, R / G), at least 1: the distinct prompts one micro-batch can hold."""
     return max(1, min(s.per_device_batch, s.generation_batch // max(s.num_generations, 1)))
 
 
@@ -328,9 +249,7 @@ def forward_tokens(a: Architecture, s: Settings, shared: bool | None = None) -> 
 
 
 def attention_mask_bytes(s: Settings, shared: bool) -> int:
-    """The boolean attention mask of the training forward: b x S x S for a padded batch; hf shared prompt
-    b x C x (P + C) (each completion over its prompt and itself) + k x P x P (the prompts); Unsloth's
-    shared stream 0 (a FlexAttention block mask, one bit per 128 x 128 block)."""
+    """The training forward's bool mask: b x S x S; hf shared b x C x S + k x P x P; Unsloth's shared stream 0."""
     if not shared:
         return s.per_device_batch * s.seq_len * s.seq_len
     if s.prompt_sharing == "unsloth_prefix_grouper":
@@ -356,16 +275,8 @@ def activations(a: Architecture, s: Settings) -> int:
     """Activations of the training forward/backward of one micro-batch of T tokens (forward_tokens: b x S, or
     k x P + b x C with a shared-prompt pass).
 
-    no checkpointing:        L x T x layer_activation_bytes_per_token
-    plain checkpointing:     L x T x H x rb (each layer's saved input) + T x per_token (one layer recomputed)
-    Unsloth (offloaded):     2 x T x H x rb (inputs are offloaded to CPU RAM; two in flight) + T x per_token
-    always:                  + 4 x T x H x rb (final norm in/out, the gradient flowing between layers)
-                             + attention_mask_bytes (b x S x S for a padded batch)
-                             + dequant_workspace (4-bit)
-    Unsloth's PrefixGrouper with its self-verify: the full-row figure (b x S tokens; its graph is kept while a
-    no-grad shared pass is compared with it), + Ts x per_token without checkpointing (one layer of that no-grad pass,
-    Ts = k x P + b x C; with checkpointing it is smaller than the full-row pass's own one-layer term)
-    """
+    L x T x per_token; checkpointed L x T x H x rb + T x per_token (Unsloth offloads: 2 x T x H x rb); + 4 x T x H
+    x rb + mask + dequant; PrefixGrouper's self-verify keeps the full-row figure (+ its no-grad pass's layer)."""
     if s.prompt_sharing == "unsloth_prefix_grouper" and s.sharing_verify:
         verify = 0 if s.gradient_checkpointing else forward_tokens(a, s, True) * layer_activation_bytes_per_token(a, s)
         return _forward_activations(a, s, False) + verify
@@ -374,13 +285,7 @@ def activations(a: Architecture, s: Settings) -> int:
 
 def prompt_kv(a: Architecture, s: Settings) -> int:
     """The prompt's keys/values each completion row attends to, hf shared-prompt pass (0 otherwise: unshared rows
-    count theirs in the activations, Unsloth's shared stream keeps its prompt once):
-
-    no checkpointing:        L x b x P x 2 x kv x cb (the prompt's keys/values expanded to the b rows, kept by
-                             attention for the backward)
-    checkpointing:           L x k x P x 2 x kv x cb (each layer's prompt cache, an input of its recompute)
-                             + b x P x 2 x kv x cb (one layer's expanded copy)
-    """
+    count theirs in the activations): L x b x P x 2 x kv x cb, with checkpointing L x k x P x ... + one layer's b."""
     if s.prompt_sharing != "shared_prompt":
         return 0
     per_row_layer = s.prompt_len * 2 * a.kv_dim * s.compute_bytes
