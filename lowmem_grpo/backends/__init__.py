@@ -124,15 +124,12 @@ def load(recipe: Recipe, runtime: Runtime, *, with_lora: bool = True, adapter_pa
     with `with_lora` (lora.init_adapter, checked first by backends.adapter), frozen without. `model_path`: the
     located model.name (locate_model), when the caller has it."""
     path = model_path or locate_model(recipe.model.name)
-    backend, dtype, cuda = runtime.backend, runtime.dtype, runtime.cuda
+    backend, dtype = runtime.backend, runtime.dtype
     if runtime.dtype_reason:
         log.info("model.dtype=auto -> %s: %s", dtype, runtime.dtype_reason)
     try:
-        if backend == "unsloth":
-            model, tokenizer = _load_unsloth(recipe, path, dtype, cuda, with_lora, adapter_path,
-                                             fast_inference=runtime.fast_inference)
-        else:
-            model, tokenizer = _load_hf(recipe, path, dtype, cuda, with_lora, adapter_path)
+        loader = _load_unsloth if backend == "unsloth" else _load_hf
+        model, tokenizer = loader(recipe, path, runtime, with_lora, adapter_path)
     except OSError as exc:
         raise LowmemError(f"could not load model {recipe.model.name!r}: {exc}",
                           fix="check the hub id and network, or point model.name at a local folder") from exc
@@ -153,16 +150,16 @@ def nf4_config(compute_dtype: Any) -> Any:
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
-def _load_hf(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: bool,
-             adapter_path: str | None) -> tuple[Any, Any]:
+def _load_hf(recipe: Recipe, path: str, runtime: Runtime, with_lora: bool, adapter_path: str | None
+             ) -> tuple[Any, Any]:
     """Plain transformers + PEFT, the base quantized to nf4 on CUDA when asked: the backend that runs anywhere."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowmem_grpo.distributed import cuda_device_index
 
-    m, lora = recipe.model, recipe.lora
-    torch_dtype = getattr(torch, dtype)
+    m, lora, cuda = recipe.model, recipe.lora, runtime.cuda
+    torch_dtype = getattr(torch, runtime.dtype)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": m.trust_remote_code}
     quantized = m.load_in_4bit and cuda  # bitsandbytes 4-bit training needs CUDA kernels
     if quantized:
@@ -196,9 +193,9 @@ def _load_hf(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: bool,
     return get_peft_model(model, config), tokenizer
 
 
-def _load_unsloth(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: bool,
-                  adapter_path: str | None, *, fast_inference: bool = False) -> tuple[Any, Any]:
-    """Unsloth's FastLanguageModel (its CPU fallback without a GPU); `fast_inference`: its vLLM engine."""
+def _load_unsloth(recipe: Recipe, path: str, runtime: Runtime, with_lora: bool, adapter_path: str | None
+                  ) -> tuple[Any, Any]:
+    """Unsloth's FastLanguageModel (its CPU fallback without a GPU), with its vLLM engine for fast_inference."""
     import torch
     from unsloth import FastLanguageModel
 
@@ -209,9 +206,9 @@ def _load_unsloth(recipe: Recipe, path: str, dtype: str, cuda: bool, with_lora: 
         max_seq_length=m.max_seq_length,
         # auto on CUDA: Unsloth picks (float16 below compute capability 8, float32 for the models it forces to it),
         # and the loaded dtype (lowmem_grpo.device.model_dtype) sets the bf16/fp16 flags
-        dtype=None if cuda and m.dtype == "auto" else getattr(torch, dtype),
+        dtype=None if runtime.cuda and m.dtype == "auto" else getattr(torch, runtime.dtype),
         load_in_4bit=m.load_in_4bit,
-        fast_inference=fast_inference,
+        fast_inference=runtime.fast_inference,
         max_lora_rank=lora.max_lora_rank or lora.r,
         gpu_memory_utilization=m.gpu_memory_utilization,
         trust_remote_code=m.trust_remote_code,

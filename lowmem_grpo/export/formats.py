@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo.rundir import layout
-from lowmem_grpo.export import proof
 from lowmem_grpo.backends.adapter import name_original_base
-from lowmem_grpo.export.tokenizer_files import repair_byte_level_bpe
-from lowmem_grpo.rundir import telemetry
 from lowmem_grpo.errors import BadInputError, LowmemError
+from lowmem_grpo.export import proof
+from lowmem_grpo.export.tokenizer_files import repair_byte_level_bpe
+from lowmem_grpo.rundir import layout, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +51,12 @@ class ExportResult:
     adapter_effect: float | None = None
     proof_tokens: int = 0
     logit_scale: float = 0.0
-    checks: dict[str, float] = field(default_factory=dict)
-    """Each proof's max |logit difference| (prove, prove-4bit, prove-gguf)."""
-    tolerances: dict[str, float] = field(default_factory=dict)
-    """The bound each proof was judged against (`tolerance` is the last one's)."""
+    checks: dict[str, float] = field(default_factory=dict)  # each proof's max |logit difference|
+    tolerances: dict[str, float] = field(default_factory=dict)  # each proof's bound (`tolerance`: the last one's)
     gguf_type: str | None = None
-    gguf_proof: dict[str, Any] = field(default_factory=dict)
-    """The llama.cpp proof's figures (gguf_proof.prove_gguf)."""
-    score: dict[str, Any] | None = None
-    """Accuracy on the held-out problems beside the adapter's (score.summarize); None: not scored."""
-    file: str | None = None
-    """The model file a user loads (the .gguf); None for folder formats."""
+    gguf_proof: dict[str, Any] = field(default_factory=dict)  # the llama.cpp proof's figures
+    score: dict[str, Any] | None = None  # accuracy beside the adapter's (score.summarize); None: not scored
+    file: str | None = None  # the model file a user loads (the .gguf); None for folder formats
     size_bytes: int = 0
     seconds: float = 0.0
 

@@ -113,10 +113,6 @@ def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
     return tuple(None if f is None else bytes(f.parts[f.data[0]]).decode("utf-8") for f in fields)  # type: ignore
 
 
-def file_name(recipe_name: str, gguf_type: str) -> str:
-    return f"{recipe_name}-{GGUF_FILE_TYPES[gguf_type]}.gguf"
-
-
 LOGIT_SEQUENCES = 3
 GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16"}
 CONTEXT_MARGIN = 16
@@ -251,8 +247,8 @@ def export_gguf(job: Any, work: Path, tmp: Path, result: Any, done: Callable[[st
     """Convert (and quantize) the merged model in `work` into `tmp`, prove the file in llama.cpp, and score it."""
     kind = job.gguf_type
     sixteen = "bf16" if kind == "bf16" or (kind in QUANTIZED and job.dtype == "bfloat16") else "f16"
-    target = tmp / file_name(job.recipe.name, kind)
-    converted = target if kind not in QUANTIZED else work / file_name(job.recipe.name, sixteen)
+    target = tmp / f"{job.recipe.name}-{GGUF_FILE_TYPES[kind]}.gguf"
+    converted = target if kind not in QUANTIZED else work / f"{job.recipe.name}-{GGUF_FILE_TYPES[sixteen]}.gguf"
     clock = time.monotonic()
     convert(job.script, work, converted, sixteen)
     result.gguf_proof["convert_seconds"] = time.monotonic() - clock
