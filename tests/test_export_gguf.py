@@ -122,17 +122,17 @@ def test_the_old_tokenizer_crashes_llama_cpp_and_that_is_a_failed_proof(smol_run
     aborts on its first tokenization. The child process turns that into an error with its stderr tail."""
     pytest.importorskip("llama_cpp")
     from lowmem_grpo.errors import LowmemError
-    from lowmem_grpo.export import gguf_export
+    from lowmem_grpo.export import gguf_proof
     from lowmem_grpo.export.formats import export
 
     merged = tmp_path / "merged"
     export(smol_run, "merged-16bit", merged, dtype="float32", score=False)
     shutil.copy2(smol_run.parent / "model" / "tokenizer.json", merged / "tokenizer.json")  # as transformers saved it
     target = tmp_path / "old.gguf"
-    gguf_export.convert(gguf_export.find_converter(), merged, target, "f16")
-    assert gguf_export.tokenizer_kind(target) == ("llama", "default")
+    gguf_proof.convert(gguf_proof.find_converter(), merged, target, "f16")
+    assert gguf_proof.tokenizer_kind(target) == ("llama", "default")
     with pytest.raises(LowmemError, match="llama.cpp failed") as failed:
-        gguf_export.run_child({"job": "generate", "model": str(target), "prompts": ["<|im_start|>user\nHi"],
+        gguf_proof.run_child({"job": "generate", "model": str(target), "prompts": ["<|im_start|>user\nHi"],
                                "max_new_tokens": 4, "eos_ids": [2], "calculator": False, "n_ctx": 64}, "the proof")
     assert "out_of_range" in str(failed.value) or "signal" in str(failed.value)
 

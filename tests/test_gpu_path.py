@@ -433,7 +433,7 @@ def test_cli_train_of_a_gpu_recipe_exits_2_on_this_cpu_machine(tmp_path):
 
 
 def test_the_original_base_replaces_unsloths_prequantized_repo():
-    from lowmem_grpo.export.base_model import original_base
+    from lowmem_grpo.backends.adapter import original_base
 
     unsloth_repo = "unsloth/Qwen2.5-1.5B-Instruct-unsloth-bnb-4bit"
     assert original_base(unsloth_repo, "Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"

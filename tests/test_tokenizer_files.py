@@ -84,7 +84,7 @@ def test_converter_pin_llama_hf_vocab_takes_the_saved_tokenizer_and_not_the_repa
     import sys
 
     from lowmem_grpo.errors import BadInputError
-    from lowmem_grpo.export.gguf_export import find_converter
+    from lowmem_grpo.export.gguf_proof import find_converter
 
     try:
         gguf_py = find_converter().parent / "gguf-py"

@@ -1,9 +1,6 @@
 """The one place that branches on Unsloth vs plain transformers: import it, load model + tokenizer, add LoRA.
-
-`start` resolves a run's Runtime with the backend imported first: Unsloth patches trl/transformers/peft, and its
-import sets the CUDA allocator's configuration (PYTORCH_ALLOC_CONF=expandable_segments:True, unsloth_zoo/__init__.py),
-which torch reads once, when CUDA starts.
-"""
+Unsloth is imported first: it patches trl/transformers/peft and sets the CUDA allocator's configuration, which torch
+reads once, when CUDA starts."""
 
 from __future__ import annotations
 
@@ -32,36 +29,28 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     runtime: Runtime
-    """The run's Runtime, with the dtype the model was really loaded in (lowmem_grpo.device.model_dtype), not the
-    one asked for: Unsloth loads float16 on GPUs without native bfloat16 and float32 for the models it forces to it."""
+    """The run's Runtime with the dtype the model was really loaded in (Unsloth may load another than asked)."""
     model_path: str
 
     @property
     def backend(self) -> str:
-        """unsloth or hf."""
         return self.runtime.backend
 
     @property
     def device(self) -> str:
-        """cuda or cpu."""
         return self.runtime.device
 
     @property
     def dtype(self) -> str:
-        """The dtype the model was really loaded in."""
         return self.runtime.dtype
 
 
 def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFacts] | None = None, *,
           training: bool = True) -> tuple[Runtime, CudaFacts]:
-    """The run's Runtime and this machine's CudaFacts, in the order CUDA needs. First the Runtime from what is known
-    before CUDA starts (whether torch sees a GPU: lowmem_grpo.runtime.before_cuda), and for `training` every
-    combination it could not honour refused (lowmem_grpo.combinations.check) and a GPU recipe without a usable GPU
-    stopped (exit 2); then the backend imported (Unsloth sets the allocator configuration torch reads when CUDA
-    starts); only then the facts that start CUDA, and the Runtime again with the GPU's compute capability (the
-    dtype `auto` loads on CUDA). `facts`: known facts (a test's), or the function that reads them (default
-    lowmem_grpo.device.cuda_facts). Without `training` (an evaluation, the preflight) the run is on whatever this
-    machine has."""
+    """The run's Runtime and CudaFacts, in the order CUDA needs: the Runtime from what is known before CUDA starts
+    (for `training`, refused combinations and a GPU recipe without a GPU stop here, exit 2), the backend imported,
+    then the facts that start CUDA and the Runtime again with them. `facts`: known facts, or the function that reads
+    them. Without `training` the run is on whatever this machine has."""
     known = facts if isinstance(facts, CudaFacts) else None
     runtime = resolve(recipe, launch, known or before_cuda(recipe, training), training=training)
     if training:
@@ -77,8 +66,8 @@ def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFa
 
 
 def prepare(backend: str) -> str:
-    """Import `backend` (unsloth or hf, as resolved by lowmem_grpo.runtime) for the run: Unsloth first, before
-    anything imports trl/transformers/peft, so that it can patch them. Returns `backend`."""
+    """Import `backend` (unsloth or hf): Unsloth before anything imports trl/transformers/peft, so that it can patch
+    them. Returns `backend`."""
     if backend == "unsloth":
         if not is_installed("unsloth"):
             raise BadInputError("model.backend=unsloth but unsloth is not installed",
@@ -90,9 +79,13 @@ def prepare(backend: str) -> str:
 
 
 def is_unsloth_model(model: Any) -> bool:
-    """Whether `model` (or the model a PEFT wrapper holds) was loaded by Unsloth: Unsloth gives every model it
-    loads `for_inference` / `for_training`, which PEFT's wrappers pass through."""
+    """Whether `model` (or the model a PEFT wrapper holds) was loaded by Unsloth, which gives every model it loads
+    `for_inference` / `for_training`."""
     return hasattr(model, "for_inference") and hasattr(model, "for_training")
+
+
+def _hub_id(name: str) -> bool:
+    return not name.startswith((".", "/", "~")) and name.count("/") <= 1
 
 
 def locate_model(name: str) -> str:
@@ -105,16 +98,14 @@ def locate_model(name: str) -> str:
             raise BadInputError(f"model.name {name!r}: folder has no config.json",
                                 fix="point model.name at a saved model folder or a hub id")
         return str(path)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+    if not _hub_id(name):
         raise BadInputError(f"model.name {name!r}: no such folder", fix="check the path, or give a hub id like Org/Name")
     return name
 
 
 def on_hub(name: str) -> bool:
     """Whether model.name names a hub model (neither embedded nor a local path): loading it asks the hub."""
-    if is_embedded(name) or Path(name).expanduser().exists():
-        return False
-    return not name.startswith((".", "/", "~")) and name.count("/") <= 1  # locate_model's rule for a hub id
+    return not (is_embedded(name) or Path(name).expanduser().exists()) and _hub_id(name)
 
 
 def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
@@ -129,26 +120,16 @@ def present_target_modules(model: Any, wanted: list[str]) -> list[str]:
 
 def load(recipe: Recipe, runtime: Runtime, *, with_lora: bool = True, adapter_path: str | None = None,
          model_path: str | None = None) -> LoadedModel:
-    """Load the recipe's model as `runtime` says (backend, device, dtype) and attach a fresh LoRA adapter, or load
-    `adapter_path`: trainable as the starting LoRA with `with_lora` (lora.init_adapter, checked first by
-    backends.adapter), frozen without. The LoadedModel's Runtime has the dtype the model was really loaded in.
-
-    `model_path` is the already located `locate_model(recipe.model.name)`, when the caller has it.
-    """
+    """Load the recipe's model as `runtime` says and attach a fresh LoRA adapter, or load `adapter_path`: trainable
+    with `with_lora` (lora.init_adapter, checked first by backends.adapter), frozen without. `model_path`: the
+    located model.name (locate_model), when the caller has it."""
     path = model_path or locate_model(recipe.model.name)
-    backend, dtype, cuda = runtime.backend, runtime.dtype, runtime.cuda
+    backend, dtype = runtime.backend, runtime.dtype
     if runtime.dtype_reason:
         log.info("model.dtype=auto -> %s: %s", dtype, runtime.dtype_reason)
     try:
-        if backend == "unsloth":
-            from lowmem_grpo.backends.unsloth_backend import load_unsloth
-
-            model, tokenizer = load_unsloth(recipe, path, dtype, cuda, with_lora, adapter_path,
-                                            fast_inference=runtime.fast_inference)
-        else:
-            from lowmem_grpo.backends.hf_backend import load_hf
-
-            model, tokenizer = load_hf(recipe, path, dtype, cuda, with_lora, adapter_path)
+        loader = _load_unsloth if backend == "unsloth" else _load_hf
+        model, tokenizer = loader(recipe, path, runtime, with_lora, adapter_path)
     except OSError as exc:
         raise LowmemError(f"could not load model {recipe.model.name!r}: {exc}",
                           fix="check the hub id and network, or point model.name at a local folder") from exc
@@ -159,3 +140,100 @@ def load(recipe: Recipe, runtime: Runtime, *, with_lora: bool = True, adapter_pa
         log.info("asked for %s, the model was loaded in %s (%s decides on this GPU)", dtype, loaded, backend)
     log.info("loaded %s on %s (%s, %s, lora=%s)", path, runtime.device, backend, loaded, with_lora)
     return LoadedModel(model, tokenizer, runtime.loaded(loaded), path)
+
+
+def nf4_config(compute_dtype: Any) -> Any:
+    """bitsandbytes' 4-bit config: nf4 with double quantization (training's base, and a merged-4bit export)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def _load_hf(recipe: Recipe, path: str, runtime: Runtime, with_lora: bool, adapter_path: str | None
+             ) -> tuple[Any, Any]:
+    """Plain transformers + PEFT, the base quantized to nf4 on CUDA when asked: the backend that runs anywhere."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowmem_grpo.distributed import cuda_device_index
+
+    m, lora, cuda = recipe.model, recipe.lora, runtime.cuda
+    torch_dtype = getattr(torch, runtime.dtype)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": m.trust_remote_code}
+    quantized = m.load_in_4bit and cuda  # bitsandbytes 4-bit training needs CUDA kernels
+    if quantized:
+        kwargs["quantization_config"] = nf4_config(torch_dtype)
+        kwargs["device_map"] = {"": cuda_device_index()}  # this process's GPU: LOCAL_RANK under a launcher
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if cuda and not quantized:
+        model = model.to(f"cuda:{cuda_device_index()}")
+    if not (with_lora or adapter_path):
+        return model, tokenizer
+    from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.train.gradient_checkpointing)
+    if adapter_path and with_lora:  # a starting adapter (lora.init_adapter), trained further
+        # its own (checked) LoraConfig with the recipe's dropout, as a resumed run trains, and this run's base recorded
+        config = PeftConfig.from_pretrained(adapter_path)
+        config.lora_dropout = recipe.lora.dropout
+        config.base_model_name_or_path = path
+        return PeftModel.from_pretrained(model, adapter_path, is_trainable=True, config=config), tokenizer
+    if adapter_path:  # evaluation: frozen
+        return PeftModel.from_pretrained(model, adapter_path, is_trainable=False), tokenizer
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
+        target_modules=present_target_modules(model, lora.target_modules),
+    )
+    from transformers import set_seed
+
+    set_seed(recipe.train.seed)  # LoRA A is drawn from the global RNG, which torch seeds randomly per process
+    return get_peft_model(model, config), tokenizer
+
+
+def _load_unsloth(recipe: Recipe, path: str, runtime: Runtime, with_lora: bool, adapter_path: str | None
+                  ) -> tuple[Any, Any]:
+    """Unsloth's FastLanguageModel (its CPU fallback without a GPU), with its vLLM engine for fast_inference."""
+    import torch
+    from unsloth import FastLanguageModel
+
+    m, lora = recipe.model, recipe.lora
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        # evaluation (no with_lora): Unsloth loads the adapter on its base; training: the recipe's model
+        model_name=path if with_lora else (adapter_path or path),
+        max_seq_length=m.max_seq_length,
+        # auto on CUDA: Unsloth picks (float16 below compute capability 8, float32 for the models it forces to it),
+        # and the loaded dtype (lowmem_grpo.device.model_dtype) sets the bf16/fp16 flags
+        dtype=None if runtime.cuda and m.dtype == "auto" else getattr(torch, runtime.dtype),
+        load_in_4bit=m.load_in_4bit,
+        fast_inference=runtime.fast_inference,
+        max_lora_rank=lora.max_lora_rank or lora.r,
+        gpu_memory_utilization=m.gpu_memory_utilization,
+        trust_remote_code=m.trust_remote_code,
+        random_state=recipe.train.seed,
+    )
+    if not with_lora:
+        return model, tokenizer
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=present_target_modules(model, lora.target_modules),
+        use_gradient_checkpointing="unsloth" if recipe.train.gradient_checkpointing else False,
+        random_state=recipe.train.seed,
+    )
+    if adapter_path:
+        # a starting adapter's weights into the LoRA just built with the same (checked) shape, as transformers
+        # resumes a PEFT checkpoint; not FastLanguageModel.from_pretrained(adapter), which loads the base the
+        # adapter names instead of the recipe's resolved model
+        result = model.load_adapter(adapter_path, adapter_name="default", is_trainable=True)
+        stray = list(getattr(result, "unexpected_keys", []) or [])
+        missing = list(getattr(result, "missing_keys", []) or [])
+        if stray or missing:  # the shapes matched on paper, yet the tensors do not line up: say which
+            raise BadInputError(f"lora.init_adapter {adapter_path}: its tensors do not fit this model's LoRA "
+                                f"(unexpected {stray[:3]}, missing {missing[:3]})",
+                                fix="give an adapter trained on this model with these target modules")
+    return model, tokenizer

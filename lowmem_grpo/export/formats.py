@@ -1,12 +1,12 @@
-"""`lowmem-grpo export`: the trained adapter (lora), or a merged model (merged-16bit, merged-4bit, gguf) proven to
-be the trained model by its logits (proof) and scored on the run's held-out problems (score); docs/runs.md says
-how. Everything is written to a hidden folder beside --out and renamed into place at the end, so an interrupted or
-failed export leaves nothing at --out."""
+"""`lowmem-grpo export`: the adapter (lora), or a merged model (merged-16bit, merged-4bit, gguf) proven by its logits
+and scored on the held-out problems (docs/runs.md). Written to a hidden folder beside --out and renamed into place at
+the end, so an interrupted or failed export leaves nothing at --out."""
 
 from __future__ import annotations
 
+import filecmp
+import functools
 import gc
-import hashlib
 import importlib.util
 import logging
 import os
@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo.rundir import layout
-from lowmem_grpo.export import proof
-from lowmem_grpo.export.base_model import name_original_base
-from lowmem_grpo.export.tokenizer_files import repair_byte_level_bpe
-from lowmem_grpo.rundir import telemetry
+from lowmem_grpo.backends.adapter import name_original_base
 from lowmem_grpo.errors import BadInputError, LowmemError
+from lowmem_grpo.export import proof
+from lowmem_grpo.export.tokenizer_files import repair_byte_level_bpe
+from lowmem_grpo.rundir import layout, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +51,32 @@ class ExportResult:
     adapter_effect: float | None = None
     proof_tokens: int = 0
     logit_scale: float = 0.0
-    checks: dict[str, float] = field(default_factory=dict)
-    """Each proof's max |logit difference| (prove, prove-4bit, prove-gguf)."""
-    tolerances: dict[str, float] = field(default_factory=dict)
-    """The bound each proof was judged against (`tolerance` is the last one's)."""
+    checks: dict[str, float] = field(default_factory=dict)  # each proof's max |logit difference|
+    tolerances: dict[str, float] = field(default_factory=dict)  # each proof's bound (`tolerance`: the last one's)
     gguf_type: str | None = None
-    gguf_proof: dict[str, Any] = field(default_factory=dict)
-    """The llama.cpp proof's figures (gguf_proof.prove_gguf), and the file's tokenizer as llama.cpp reads it."""
-    score: dict[str, Any] | None = None
-    """The export's accuracy on the held-out problems beside the adapter's (score.summarize); None: not scored."""
-    file: str | None = None
-    """The exported model file a user loads (the .gguf), None for folder formats."""
+    gguf_proof: dict[str, Any] = field(default_factory=dict)  # the llama.cpp proof's figures
+    score: dict[str, Any] | None = None  # accuracy beside the adapter's (score.summarize); None: not scored
+    file: str | None = None  # the model file a user loads (the .gguf); None for folder formats
     size_bytes: int = 0
     seconds: float = 0.0
+
+
+@dataclass
+class _Job:
+    """What every phase of one export reads."""
+
+    run_dir: Path
+    recipe: Any
+    base_path: str
+    src: Path
+    tokenizer: Any
+    dtype: str
+    device: str
+    trust: bool
+    tolerance: float | None
+    score: bool
+    gguf_type: str = "f16"
+    script: Path | None = None
 
 
 def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None]:
@@ -105,33 +117,23 @@ def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
         raise BadInputError(f"--out {out} is not empty", fix="pass --overwrite to replace it, or choose another --out")
 
 
-class _Phases:
-    """A tqdm bar over the export's phases, and the caller's on_phase hook."""
-
-    def __init__(self, fmt: str, hook: Callable[[str], None] | None) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=len(PHASES[fmt]), desc=f"export {fmt}", unit="phase", disable=None)
-        self.hook = hook
-        self.started = time.monotonic()
-
-    def done(self, name: str) -> None:
-        log.debug("export phase %s done after %.1f s", name, time.monotonic() - self.started)
-        self.bar.set_postfix_str(name)
-        self.bar.update(1)
-        if self.hook:
-            self.hook(name)
-
-    def close(self) -> None:
-        self.bar.close()
+def _check_request(run_dir: Path, fmt: str, dtype: str | None) -> None:
+    if fmt not in FORMATS:
+        raise BadInputError(f"unknown export format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise BadInputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}", fix="use float32 or bfloat16")
+    if not (run_dir / layout.RECIPE_FILE).exists():
+        raise BadInputError(f"{run_dir} is not a run directory (no {layout.RECIPE_FILE})",
+                            fix="give the folder `lowmem-grpo train` wrote")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _check_4bit(device_ok: bool) -> None:
+    if not device_ok:
+        raise BadInputError("--format merged-4bit needs a CUDA GPU (bitsandbytes 4-bit serialization); "
+                            "none is visible", fix="run the export on a GPU machine, use --format merged-16bit, "
+                                                   "or --cpu-4bit (bitsandbytes' CPU backend, slow)")
+    if not importlib.util.find_spec("bitsandbytes"):
+        raise BadInputError("--format merged-4bit needs bitsandbytes", fix="pip install bitsandbytes")
 
 
 def _load_tokenizer(src: Path, base_path: str, trust_remote_code: bool) -> Any:
@@ -146,53 +148,9 @@ def _load_tokenizer(src: Path, base_path: str, trust_remote_code: bool) -> Any:
     return tokenizer
 
 
-def _export_lora(src: Path, tmp: Path, tokenizer: Any, phases: _Phases, base_name: str) -> None:
-    copied = [name for name in ADAPTER_FILES if (src / name).exists()]
-    for name in copied:
-        shutil.copy2(src / name, tmp / name)
-    tokenizer.save_pretrained(str(tmp))
-    repair_byte_level_bpe(tmp)
-    phases.done("copy")
-    for name in copied:
-        if _sha256(src / name) != _sha256(tmp / name):
-            raise LowmemError(f"copy of {name} differs from {src / name}", fix="check the disk and run again")
-    name_original_base(tmp, base_name)  # after the check: the copy is verified byte for byte first
-    phases.done("verify")
-
-
-def merge_adapter(model: Any) -> Any:
-    """The adapter merged into the base weights: PEFT's merge_and_unload."""
-    return model.merge_and_unload()
-
-
-def _merge(base_path: str, src: Path, target: Path, tokenizer: Any, inputs: list[list[int]], dtype: str,
-           device: str, trust_remote_code: bool, phases: _Phases, merge: Callable[[Any], Any]
-           ) -> tuple[list[Any], float]:
-    """Adapter-model logits and the adapter's effect; the model `merge` returns saved to `target`. The base is
-    reloaded in 16 bits (or float32) for Unsloth runs too: Unsloth's save_pretrained_merged over a 4-bit base would
-    merge into dequantized nf4 weights instead of the 16-bit original."""
-    from peft import PeftModel
-
-    base = proof.load_causal_lm(base_path, dtype, device, trust_remote_code)
-    model = PeftModel.from_pretrained(base, str(src)).eval()
-    phases.done("load")
-    with model.disable_adapter():
-        base_logits = proof.logits_on(model, inputs)
-    reference = proof.logits_on(model, inputs)
-    effect = proof.max_abs_diff(reference, base_logits)
-    merged = merge(model)
-    phases.done("merge")
-    merged.save_pretrained(str(target))
-    tokenizer.save_pretrained(str(target))
-    repair_byte_level_bpe(target)
-    if not (target / "generation_config.json").exists():
-        from transformers import GenerationConfig
-
-        GenerationConfig.from_model_config(merged.config).save_pretrained(str(target))
-    del merged, model, base
-    _free()
-    phases.done("save")
-    return reference, effect
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    tokenizer.save_pretrained(str(folder))
+    repair_byte_level_bpe(folder)
 
 
 def _free() -> None:
@@ -203,10 +161,176 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: list[list[int]],
-           tolerance: float | None, kind: str, result: ExportResult, phases: _Phases) -> float:
-    """Reload with plain transformers, compare logits with `reference`, fail above the tolerance
-    (`tolerance`, or the default for `kind` and the dtype, scaled by the reference logits)."""
+def merge_adapter(model: Any) -> Any:
+    """The adapter merged into the base weights: PEFT's merge_and_unload."""
+    return model.merge_and_unload()
+
+
+def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | None = None,
+           overwrite: bool = False, dtype: str | None = None, tolerance: float | None = None,
+           llama_cpp: str | Path | None = None, base: str | None = None, cpu_4bit: bool = False,
+           gguf_type: str = "f16", score: bool = True, on_phase: Callable[[str], None] | None = None,
+           merge: Callable[[Any], Any] = merge_adapter) -> ExportResult:
+    """Export a run's adapter in `fmt` to `out` (module docstring). `cpu_4bit`: merged-4bit on bitsandbytes' CPU
+    backend; `score`: answer the held-out problems with a merged export (gguf always does: its proof needs them);
+    `on_phase(name)` after each phase (whatever it raises aborts the export, leaving nothing); `merge(peft_model)`
+    merges the adapter."""
+    started = time.monotonic()
+    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+    _check_request(run_dir, fmt, dtype)
+    src, step = find_source(run_dir, checkpoint)
+    check_out_dir(out, overwrite, [run_dir / layout.ADAPTER_DIR, run_dir / layout.RECIPE_FILE,
+                                   *run_dir.glob(f"{layout.CHECKPOINT_PREFIX}*")])
+    script = None
+    if fmt == "gguf":  # before any model loads: exit 2 without the extra
+        from lowmem_grpo.export import gguf_proof
+
+        script = gguf_proof.check(gguf_type, llama_cpp)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if fmt == "merged-4bit":
+        _check_4bit(cuda or cpu_4bit)
+    from tqdm import tqdm
+
+    from lowmem_grpo.backends import locate_model
+    from lowmem_grpo.device import cuda_facts
+    from lowmem_grpo.recipe_io import load_recipe
+    from lowmem_grpo.runtime import auto_dtype
+
+    recipe = load_recipe(str(run_dir / layout.RECIPE_FILE))
+    base_name = base or recipe.model.name
+    base_path = locate_model(base_name)
+    trust = recipe.model.trust_remote_code
+    dtype = dtype or auto_dtype(cuda_facts())[0]
+    result = ExportResult(out=out, format=fmt, source=src, step=step, gguf_type=gguf_type if script else None)
+    if fmt != "lora":
+        proof.check_base_unquantized(base_path, trust)
+        result.dtype = dtype
+    tmp = _partial_dir(out)
+    bar = tqdm(total=len(PHASES[fmt]), desc=f"export {fmt}", unit="phase", disable=None)
+
+    def done(name: str) -> None:
+        log.debug("export phase %s done after %.1f s", name, time.monotonic() - started)
+        bar.set_postfix_str(name)
+        bar.update(1)
+        if on_phase:
+            on_phase(name)
+
+    try:
+        tokenizer = _load_tokenizer(src, base_path, trust)
+        job = _Job(run_dir, recipe, base_path, src, tokenizer, dtype, "cuda" if cuda else "cpu", trust, tolerance,
+                   score, gguf_type, script)
+        if fmt == "lora":
+            done("load")
+            _export_lora(src, tmp, tokenizer, done, base_name)
+        else:
+            _export_merged(fmt, job, tmp, result, done, merge)
+        from lowmem_grpo.export.card import write_card
+
+        write_card(tmp, run_dir, recipe, result, base_name, base_path)
+        done("card")
+        result.size_bytes = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    result.seconds = time.monotonic() - started
+    from lowmem_grpo.export.score import record
+
+    record(run_dir, result)
+    log.info("exported %s (%s) to %s in %.1f s", src, fmt, out, result.seconds)
+    return result
+
+
+def _export_lora(src: Path, tmp: Path, tokenizer: Any, done: Callable[[str], None], base_name: str) -> None:
+    copied = [name for name in ADAPTER_FILES if (src / name).exists()]
+    for name in copied:
+        shutil.copy2(src / name, tmp / name)
+    _save_tokenizer(tokenizer, tmp)
+    done("copy")
+    for name in copied:
+        if not filecmp.cmp(src / name, tmp / name, shallow=False):
+            raise LowmemError(f"copy of {name} differs from {src / name}", fix="check the disk and run again")
+    name_original_base(tmp, base_name)  # after the check: the copy is verified byte for byte first
+    done("verify")
+
+
+def _export_merged(fmt: str, job: _Job, tmp: Path, result: ExportResult, done: Callable[[str], None],
+                   merge: Callable[[Any], Any]) -> None:
+    inputs = proof.proof_inputs(job.tokenizer, job.recipe.data.system_prompt, job.recipe.data.prefill)
+    result.proof_tokens = sum(len(ids) for ids in inputs)
+    work = tmp / ".merged-16bit" if fmt != "merged-16bit" else tmp
+    work.mkdir(exist_ok=True)
+    reference = _merge(job, work, inputs, result, done, merge)
+    prove = functools.partial(_prove, reference=reference, inputs=inputs, result=result, done=done)
+    prove("prove", lambda: proof.load_causal_lm(work, job.dtype, job.device, job.trust),
+          None if fmt == "merged-4bit" else job.tolerance, "merged-16bit")
+    if fmt == "merged-4bit":
+        quantized = proof.load_causal_lm(work, job.dtype, job.device, job.trust, quantize_4bit=True)
+        quantized.save_pretrained(str(tmp))
+        _save_tokenizer(job.tokenizer, tmp)
+        del quantized
+        _free()
+        done("quantize")
+        from peft import PeftModel
+
+        nf4_base = proof.load_causal_lm(job.base_path, job.dtype, job.device, job.trust, True)
+        adapter4 = PeftModel.from_pretrained(nf4_base, str(job.src))
+        reference4 = proof.logits_on(adapter4.eval(), inputs)  # QLoRA: the adapter over the nf4 base
+        del adapter4, nf4_base
+        _free()
+        prove("prove-4bit", lambda: proof.load_causal_lm(tmp, job.dtype, job.device, job.trust), job.tolerance,
+              "merged-4bit", reference=reference4)
+    if fmt == "gguf":
+        from lowmem_grpo.export.gguf_proof import export_gguf
+
+        export_gguf(job, work, tmp, result, done)
+    else:
+        from lowmem_grpo.export.score import score_folder
+
+        score_folder(job, tmp, result)
+        done("score")
+    if work != tmp:
+        shutil.rmtree(work)
+
+
+def _merge(job: _Job, target: Path, inputs: list[list[int]], result: ExportResult, done: Callable[[str], None],
+           merge: Callable[[Any], Any]) -> list[Any]:
+    """Adapter-model logits (result.adapter_effect set); the merged model saved to `target`. The base is reloaded in
+    16 bits (or float32) for Unsloth runs too: merging into its 4-bit base would merge into dequantized nf4 weights."""
+    from peft import PeftModel
+
+    base = proof.load_causal_lm(job.base_path, job.dtype, job.device, job.trust)
+    model = PeftModel.from_pretrained(base, str(job.src)).eval()
+    done("load")
+    with model.disable_adapter():
+        base_logits = proof.logits_on(model, inputs)
+    reference = proof.logits_on(model, inputs)
+    result.adapter_effect = proof.max_abs_diff(reference, base_logits)
+    merged = merge(model)
+    done("merge")
+    merged.save_pretrained(str(target))
+    _save_tokenizer(job.tokenizer, target)
+    if not (target / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(merged.config).save_pretrained(str(target))
+    del merged, model, base
+    _free()
+    done("save")
+    log.info("the adapter moves the base model's logits by up to %.3g", result.adapter_effect)
+    if result.adapter_effect == 0:
+        log.warning("the adapter does not change the model's logits (an untrained adapter?)")
+    return reference
+
+
+def _prove(name: str, load: Callable[[], Any], tolerance: float | None, kind: str, *, reference: list[Any],
+           inputs: list[list[int]], result: ExportResult, done: Callable[[str], None]) -> None:
+    """Reload with plain transformers and compare logits with `reference`; fail above `tolerance` (default: the
+    one for `kind` and the dtype, scaled by the reference logits)."""
     scale = result.logit_scale = proof.logit_scale(reference)
     relative = tolerance is None and kind != "merged-4bit"  # nf4 re-quantizes W + s*B@A: judged absolutely
     if tolerance is None:
@@ -217,10 +341,9 @@ def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: lis
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise LowmemError(f"{name}: the exported model does not load with plain transformers: {exc}",
                           fix="see the error above; nothing was written") from exc
-    diff = proof.max_abs_diff(reference, proof.logits_on(model, inputs))
+    diff = result.max_abs_diff = result.checks[name] = proof.max_abs_diff(reference, proof.logits_on(model, inputs))
     del model
     _free()
-    result.checks[name] = diff
     log.info("%s: max |logit diff| vs the adapter model = %.3g (tolerance %.3g, %s, %d tokens, max |logit| %.3g)",
              name, diff, tolerance, result.dtype, result.proof_tokens, scale)
     failure = proof.judge(diff, tolerance, result.adapter_effect or 0.0, relative=relative)
@@ -228,125 +351,7 @@ def _prove(name: str, load: Callable[[], Any], reference: list[Any], inputs: lis
         raise LowmemError(f"{name}: the exported model's logits {failure} ({result.dtype}); nothing was written",
                           fix="export with --dtype float32 for an exact merge, or pass --tolerance if this "
                               "precision's rounding is acceptable")
-    phases.done(name)
-    return diff
-
-
-def _check_request(run_dir: Path, fmt: str, dtype: str | None) -> None:
-    """BadInputError for an unknown format or dtype, or a folder that is no run directory."""
-    if fmt not in FORMATS:
-        raise BadInputError(f"unknown export format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise BadInputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}", fix="use float32 or bfloat16")
-    if not (run_dir / layout.RECIPE_FILE).exists():
-        raise BadInputError(f"{run_dir} is not a run directory (no {layout.RECIPE_FILE})",
-                            fix="give the folder `lowmem-grpo train` wrote")
-
-
-def _check_4bit(device_ok: bool) -> None:
-    """merged-4bit needs bitsandbytes, and a CUDA GPU unless its CPU backend was asked for."""
-    if not device_ok:
-        raise BadInputError("--format merged-4bit needs a CUDA GPU (bitsandbytes 4-bit serialization); "
-                            "none is visible", fix="run the export on a GPU machine, use --format merged-16bit, "
-                                                   "or --cpu-4bit (bitsandbytes' CPU backend, slow)")
-    if not importlib.util.find_spec("bitsandbytes"):
-        raise BadInputError("--format merged-4bit needs bitsandbytes", fix="pip install bitsandbytes")
-
-
-@dataclass
-class _Job:
-    """What every phase of one export reads."""
-
-    run_dir: Path
-    recipe: Any
-    base_path: str
-    src: Path
-    tokenizer: Any
-    dtype: str
-    device: str
-    trust: bool
-    tolerance: float | None
-    score: bool
-    gguf_type: str = "f16"
-    script: Path | None = None
-
-
-def _check_gguf(fmt: str, gguf_type: str, llama_cpp: str | Path | None) -> Path | None:
-    """The converter for --format gguf, after checking the type and that the extra is installed (exit 2 otherwise:
-    before any model loads)."""
-    if fmt != "gguf":
-        return None
-    from lowmem_grpo.export import gguf_export
-
-    gguf_export.check_type(gguf_type)
-    gguf_export.check_runtime()
-    return gguf_export.find_converter(llama_cpp)
-
-
-def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | None = None,
-           overwrite: bool = False, dtype: str | None = None, tolerance: float | None = None,
-           llama_cpp: str | Path | None = None, base: str | None = None, cpu_4bit: bool = False,
-           gguf_type: str = "f16", score: bool = True, on_phase: Callable[[str], None] | None = None,
-           merge: Callable[[Any], Any] = merge_adapter) -> ExportResult:
-    """Export a run's adapter in `fmt` to `out`; see the module docstring. `cpu_4bit` lets merged-4bit run on
-    bitsandbytes' CPU backend when no GPU is visible (slow); `gguf_type`: f16, bf16, q8_0 or q4_k_m; `score`: answer
-    the run's held-out problems with a merged export (a GGUF export always does: its proof needs the answers);
-    `on_phase(name)` is called after each phase (load, merge, save, prove, card: a progress hook; whatever it raises
-    aborts the export, leaving nothing); `merge(peft_model) -> model` merges the adapter (PEFT's merge_and_unload; a
-    caller's own merge, or a broken one to check that the proof catches it)."""
-    started = time.monotonic()
-    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
-    _check_request(run_dir, fmt, dtype)
-    src, step = find_source(run_dir, checkpoint)
-    check_out_dir(out, overwrite, [run_dir / layout.ADAPTER_DIR, run_dir / layout.RECIPE_FILE,
-                                   *run_dir.glob(f"{layout.CHECKPOINT_PREFIX}*")])
-    script = _check_gguf(fmt, gguf_type, llama_cpp)
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if fmt == "merged-4bit":
-        _check_4bit(cuda or cpu_4bit)
-    from lowmem_grpo.backends import locate_model
-    from lowmem_grpo.device import cuda_facts
-    from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.runtime import auto_dtype
-
-    recipe = load_recipe(str(run_dir / layout.RECIPE_FILE))
-    base_path = locate_model(base or recipe.model.name)
-    trust = recipe.model.trust_remote_code
-    dtype = dtype or auto_dtype(cuda_facts())[0]
-    result = ExportResult(out=out, format=fmt, source=src, step=step, gguf_type=gguf_type if script else None)
-    if fmt != "lora":
-        proof.check_base_unquantized(base_path, trust)
-        result.dtype = dtype
-    tmp = _partial_dir(out)
-    phases = _Phases(fmt, on_phase)
-    try:
-        tokenizer = _load_tokenizer(src, base_path, trust)
-        job = _Job(run_dir, recipe, base_path, src, tokenizer, dtype, "cuda" if cuda else "cpu", trust, tolerance,
-                   score, gguf_type, script)
-        if fmt == "lora":
-            phases.done("load")
-            _export_lora(src, tmp, tokenizer, phases, base or recipe.model.name)
-        else:
-            _export_merged(fmt, job, tmp, result, phases, merge)
-        from lowmem_grpo.export.card import write_card
-
-        write_card(tmp, run_dir, recipe, result, base or recipe.model.name, base_path)
-        phases.done("card")
-        result.size_bytes = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        phases.close()
-    result.seconds = time.monotonic() - started
-    from lowmem_grpo.export.score import record
-
-    record(run_dir, result)
-    log.info("exported %s (%s) to %s in %.1f s", src, fmt, out, result.seconds)
-    return result
+    done(name)
 
 
 def _partial_dir(out: Path) -> Path:
@@ -357,55 +362,6 @@ def _partial_dir(out: Path) -> Path:
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the published folder gets normal permissions
     return tmp
-
-
-def _export_merged(fmt: str, job: _Job, tmp: Path, result: ExportResult, phases: _Phases,
-                   merge: Callable[[Any], Any]) -> None:
-    inputs = proof.proof_inputs(job.tokenizer, job.recipe.data.system_prompt, job.recipe.data.prefill)
-    result.proof_tokens = sum(len(ids) for ids in inputs)
-    work = tmp / ".merged-16bit" if fmt != "merged-16bit" else tmp
-    work.mkdir(exist_ok=True)
-    reference, result.adapter_effect = _merge(job.base_path, job.src, work, job.tokenizer, inputs, job.dtype,
-                                              job.device, job.trust, phases, merge)
-    log.info("the adapter moves the base model's logits by up to %.3g", result.adapter_effect)
-    if result.adapter_effect == 0:
-        log.warning("the adapter does not change the model's logits (an untrained adapter?)")
-    result.max_abs_diff = _prove("prove", lambda: proof.load_causal_lm(work, job.dtype, job.device, job.trust),
-                                 reference, inputs, None if fmt == "merged-4bit" else job.tolerance, "merged-16bit",
-                                 result, phases)
-    if fmt == "merged-4bit":
-        _quantize_4bit(job, work, tmp, inputs, result, phases)
-    if fmt == "gguf":
-        from lowmem_grpo.export.gguf_proof import export_gguf
-
-        export_gguf(job, work, tmp, result, phases.done)
-    else:
-        from lowmem_grpo.export.score import score_folder
-
-        score_folder(job, tmp, result)
-        phases.done("score")
-    if work != tmp:
-        shutil.rmtree(work)
-
-
-def _quantize_4bit(job: _Job, work: Path, tmp: Path, inputs: list[list[int]], result: ExportResult,
-                   phases: _Phases) -> None:
-    quantized = proof.load_causal_lm(work, job.dtype, job.device, job.trust, quantize_4bit=True)
-    quantized.save_pretrained(str(tmp))
-    job.tokenizer.save_pretrained(str(tmp))
-    repair_byte_level_bpe(tmp)
-    del quantized
-    _free()
-    phases.done("quantize")
-    from peft import PeftModel
-
-    adapter4 = PeftModel.from_pretrained(proof.load_causal_lm(job.base_path, job.dtype, job.device, job.trust, True),
-                                         str(job.src))
-    reference4 = proof.logits_on(adapter4.eval(), inputs)  # QLoRA: the adapter over the nf4 base
-    del adapter4
-    _free()
-    result.max_abs_diff = _prove("prove-4bit", lambda: proof.load_causal_lm(tmp, job.dtype, job.device, job.trust),
-                                 reference4, inputs, job.tolerance, "merged-4bit", result, phases)
 
 
 def _publish(tmp: Path, out: Path) -> None:

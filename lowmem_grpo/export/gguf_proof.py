@@ -1,50 +1,132 @@
-"""The proof that a GGUF file is the merged model, run in llama.cpp itself beside the merged model in transformers
-(docs/runs.md, GGUF): both answer the held-out problems greedily (score.held_out); any prompt llama.cpp tokenizes
-differently fails it; a 16-bit file passes with the same greedy texts or its teacher-forced logits within tolerance
-(proof.tolerance_for, proof.ADAPTER_SHARE); a quantized file fails only when it loses significantly more accuracy
-than its type's margin (QUANTIZED_MARGINS). The chat template the file carries is compared with the tokenizer's.
-"""
+"""GGUF files from a merged export, made by llama.cpp's converter and quantizer (the `gguf` extra, `make install-gguf`)
+and proven in llama.cpp beside the merged model in transformers on the held-out problems (docs/runs.md, GGUF). Each
+llama.cpp step runs in a child process (llama_runner), so a crash there is an error, not the caller's death."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import math
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo.errors import LowmemError
-from lowmem_grpo.export import gguf_export, proof, score
-from lowmem_grpo.export.gguf_export import QUANTIZED, run_child
+from lowmem_grpo.errors import BadInputError, LowmemError
+from lowmem_grpo.export import proof, score
 from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
+
+GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
+QUANTIZED = ("q8_0", "q4_k_m")
+GGUF_FILE_TYPES = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+CONVERTER = "convert_hf_to_gguf.py"
+LLAMA_CPP_ENV = "LLAMA_CPP_DIR"
+INSTALL = "make install-gguf"
+INSTALL_WHY = ("the `gguf` extra (llama-cpp-python 0.3.36, built from source at install, about 4 minutes on 2 cores, "
+               "and the converter of the same llama.cpp)")
+CHILD_TIMEOUT_S = 3600
+
+
+def find_converter(llama_cpp: str | Path | None = None) -> Path:
+    """The converter script: --llama-cpp / $LLAMA_CPP_DIR (a folder or the script), else the one the extra keeps in
+    PREFIX/share/lowmem_grpo/llama.cpp."""
+    given = llama_cpp or os.environ.get(LLAMA_CPP_ENV)
+    if given:
+        path = Path(given).expanduser()
+        script = path if path.is_file() else path / CONVERTER
+        if not script.is_file():
+            raise BadInputError(f"no {CONVERTER} at {script}",
+                                fix=f"name a llama.cpp folder that holds it, or leave out --llama-cpp and "
+                                    f"{LLAMA_CPP_ENV} to use the one `{INSTALL}` keeps")
+        return script
+    script = Path(sys.prefix) / "share" / "lowmem_grpo" / "llama.cpp" / CONVERTER
+    if not script.is_file():
+        raise BadInputError(f"--format gguf needs llama.cpp's {CONVERTER}, and {script.parent} has none",
+                            fix=f"run `{INSTALL}` ({INSTALL_WHY}), or pass --llama-cpp DIR")
+    return script
+
+
+def check(gguf_type: str, llama_cpp: str | Path | None) -> Path:
+    """The converter, after checking the type and that llama-cpp-python is installed (BadInputError otherwise)."""
+    if gguf_type not in GGUF_TYPES:
+        raise BadInputError(f"--gguf-type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}",
+                            fix="use f16 or bf16 (exact), or q8_0 / q4_k_m (quantized, proven by accuracy)")
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise BadInputError("--format gguf runs the file in llama.cpp to prove it, and llama-cpp-python is not "
+                            "installed", fix=f"run `{INSTALL}` ({INSTALL_WHY})")
+    return find_converter(llama_cpp)
+
+
+def _tail(text: str) -> str:
+    return "\n".join((text or "").strip().splitlines()[-15:])
+
+
+def run_child(job: dict[str, Any], what: str) -> dict[str, Any]:
+    """Run one llama_runner job in a child process; LowmemError with its stderr tail when it fails or crashes."""
+    with tempfile.TemporaryDirectory(prefix="lowmem-llama-") as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request.write_text(json.dumps({**job, "result": str(result)}), encoding="utf-8")
+        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding lowmem_grpo, for the child
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        cmd = [sys.executable, "-m", "lowmem_grpo.export.llama_runner", str(request)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env,
+                                  check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise LowmemError(f"{what}: llama.cpp did not finish in {CHILD_TIMEOUT_S} s",
+                              fix="see the log; nothing was written") from exc
+        if done.returncode != 0 or not result.is_file():
+            how = f"exit {done.returncode}" if done.returncode >= 0 else f"killed by signal {-done.returncode}"
+            raise LowmemError(f"{what}: llama.cpp failed ({how}):\n{_tail(done.stderr or done.stdout)}",
+                              fix="see the error above; nothing was written")
+        return json.loads(result.read_text(encoding="utf-8"))
+
+
+def convert(script: Path, merged: Path, target: Path, outtype: str) -> None:
+    """convert_hf_to_gguf.py `merged` -> `target` at `outtype` (f16, bf16 or f32), in a child process."""
+    cmd = [sys.executable, str(script), str(merged), "--outfile", str(target), "--outtype", outtype]
+    log.info("converting to GGUF: %s", " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=CHILD_TIMEOUT_S)
+    if done.returncode != 0 or not target.is_file():
+        raise LowmemError(f"{script.name} failed (exit {done.returncode}):\n{_tail(done.stderr or done.stdout)}",
+                          fix=f"reinstall the converter with `{INSTALL}`, or use a llama.cpp version that "
+                              "supports this architecture")
+
+
+def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
+    """The GGUF's tokenizer.ggml.model and tokenizer.ggml.pre (what llama.cpp tokenizes with)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as exc:
+        raise LowmemError(f"{path.name} is not a GGUF file llama.cpp can read: {exc}",
+                          fix="reinstall the converter with `make install-gguf`; nothing was written") from exc
+    fields = [reader.get_field(key) for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre")]
+    return tuple(None if f is None else bytes(f.parts[f.data[0]]).decode("utf-8") for f in fields)  # type: ignore
+
 
 LOGIT_SEQUENCES = 3
 GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16"}
 CONTEXT_MARGIN = 16
 QUANTIZED_MARGINS = {"q8_0": 0.05, "q4_k_m": 0.10}
-"""The accuracy (absolute, on the held-out problems) a quantized file may lose against the merged model before its
-proof fails; it fails only when the loss beyond the margin is significant: the paired 95% CI of (file - merged) lies
-wholly below -margin.
-
-The proof is there to catch a broken file (a wrong tokenizer, a bad conversion: word salad, accuracy collapsing
-toward zero), not the greedy flips quantization makes by design: on 100 problems four answers lost and none gained
-give -0.040 [-0.080, -0.010], a CI wholly below zero from a sound q8_0 file. Requiring the reverse (a CI wholly above
--margin, proven non-inferiority) would fail sound files on 100 problems, whose CI spans about +-0.05, and every file
-on the 8 problems of a run without a stage evaluation. q8_0 (8.5 bits per weight, near-lossless in llama.cpp's own
-measurements) is allowed 5 points; q4_k_m (about 5 bits, coarser by design) 10. A collapsed file loses far more than
-either. Where the merged model answers fewer than the margin correctly, accuracy cannot show a loss; the prompt-token
-check still holds."""
+"""Accuracy a quantized file may lose against the merged model: it fails when the paired 95% CI of (file - merged)
+lies wholly below -margin. The proof catches a broken file (accuracy collapsing), not the greedy flips quantization
+makes by design (four lost of 100 give -0.040 [-0.080, -0.010] from a sound q8_0 file); proven non-inferiority would
+fail sound files on 100 problems (CI about +-0.05). q8_0 is near-lossless, q4_k_m coarser by design."""
 SIXTEEN_BIT_RULE = ("passes with every greedy answer the same text as the merged model's, or with its logits within "
                     "the tolerance")
 
 
 def first_divergence(tokenizer: Any, ours: str, theirs: str) -> dict[str, Any]:
-    """Where two answers part: the token index (transformers' tokenization of both), both tokens, and the text
-    before them."""
+    """Where two answers part (transformers' tokenization of both): the token index, both tokens, the text before."""
     a, b = tokenizer.encode(ours, add_special_tokens=False), tokenizer.encode(theirs, add_special_tokens=False)
     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     piece = lambda ids: tokenizer.decode(ids[j:j + 1]) if j < len(ids) else "<end>"  # noqa: E731
@@ -73,25 +155,10 @@ def _logit_figures(target: Path, merged: Any, sequences: list[list[int]], n_ctx:
             "logit_scale": max(float(np.abs(b).max()) for b in theirs)}
 
 
-def _compare(examples: list[dict[str, Any]], reference: Any, answers: list[dict[str, Any]], tokenizer: Any
-             ) -> dict[str, Any]:
-    """Prompt tokens and greedy texts of llama.cpp's answers against transformers'."""
-    same_prompts = sum(tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"] == g["prompt_ids"]
-                       for ex, g in zip(examples, answers))
-    texts = [(r["completion"], (ex.get("prefill") or "") + g["text"])
-             for ex, r, g in zip(examples, reference.records, answers)]
-    differ = [i for i, (a, b) in enumerate(texts) if a != b]
-    out: dict[str, Any] = {"problems": len(examples), "same_prompt_tokens": same_prompts,
-                           "same_greedy_texts": len(texts) - len(differ)}
-    if differ:
-        out["first_divergence"] = {"problem": differ[0], **first_divergence(tokenizer, *texts[differ[0]])}
-    return out
-
-
 def judge_quantized(gguf_type: str, merged: list[list[Any]], export: list[list[Any]]
                     ) -> tuple[dict[str, Any], str | None]:
-    """The quantized rule on the verdicts of the merged model (transformers) and the file (llama.cpp) on the same
-    problems: its figures (the paired difference, the margin, the rule in words) and why it fails, or None."""
+    """The quantized rule on the verdicts of the merged model and the file on the same problems: its figures, and
+    why it fails or None."""
     margin = QUANTIZED_MARGINS[gguf_type]
     diff = score.difference(merged, export)
     figures = {"accuracy_difference": diff, "margin": margin,
@@ -107,6 +174,7 @@ def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, e
              reference: Any, export: list[list[Any]], dtype: str) -> str | None:
     """Why the file fails its proof, or None; the rule and its figures go into `figures`."""
     n = figures["problems"]
+    failure = None
     if gguf_type in QUANTIZED:
         rule, failure = judge_quantized(gguf_type, reference.verdicts, export)
         figures.update(rule)
@@ -129,25 +197,31 @@ def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, e
                                         f"its logits {failure}"
 
 
-def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, recipe: Any, dtype: str,
-               device: str, trust: bool, adapter_effect: float, tolerance: float | None
-               ) -> tuple[dict[str, Any], list[list[Any]]]:
-    """Run the proof; returns its figures and llama.cpp's verdicts on the held-out problems (for the score).
-    LowmemError when the file fails it or llama.cpp crashes."""
+def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tuple[dict[str, Any], list[list[Any]]]:
+    """Prove `target` against the merged model in `work`; returns the figures and llama.cpp's verdicts on the held-out
+    problems. LowmemError when the file fails it or llama.cpp crashes."""
     from lowmem_grpo.sampling.generate import eos_ids  # imports torch
 
+    tokenizer, recipe, gguf_type = job.tokenizer, job.recipe, job.gguf_type
     examples = score.held_out(recipe, tokenizer)
-    merged = proof.load_causal_lm(merged_dir, dtype, device, trust)
-    reference = score.answer_transformers(merged, tokenizer, examples, recipe, device)
-    budget = int(score.settings(recipe, device)["max_new_tokens"])
-    longest = max(len(tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]) for ex in examples)
-    n_ctx = longest + budget + CONTEXT_MARGIN
+    merged = proof.load_causal_lm(work, job.dtype, job.device, job.trust)
+    reference = score.answer_transformers(merged, tokenizer, examples, recipe, job.device)
+    budget = int(score.settings(recipe, job.device)["max_new_tokens"])
+    prompt_ids = [tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
+    n_ctx = max(map(len, prompt_ids)) + budget + CONTEXT_MARGIN
     generated = run_child({"job": "generate", "model": str(target), "prompts": [ex["prompt"] for ex in examples],
                            "max_new_tokens": budget, "eos_ids": sorted(eos_ids(merged, tokenizer)),
                            "calculator": bool(recipe.data.calculator), "n_ctx": n_ctx},
                           "the llama.cpp proof")
     answers = generated["generations"]
-    figures = _compare(examples, reference, answers, tokenizer)
+    texts = [(r["completion"], (ex.get("prefill") or "") + g["text"])
+             for ex, r, g in zip(examples, reference.records, answers)]
+    differ = [i for i, (a, b) in enumerate(texts) if a != b]
+    figures: dict[str, Any] = {"problems": len(examples),
+                               "same_prompt_tokens": sum(p == g["prompt_ids"] for p, g in zip(prompt_ids, answers)),
+                               "same_greedy_texts": len(texts) - len(differ)}
+    if differ:
+        figures["first_divergence"] = {"problem": differ[0], **first_divergence(tokenizer, *texts[differ[0]])}
     figures["llama_cpp_seconds"] = generated["seconds"]
     figures["calculator_results"] = sum(1 for g in answers if g["forced_tokens"])  # answers the calculator wrote into
     figures["chat_template_same"] = generated.get("chat_template") == getattr(tokenizer, "chat_template", None)
@@ -162,7 +236,7 @@ def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, r
              figures["same_prompt_tokens"], figures["problems"], figures["same_greedy_texts"], figures["problems"],
              figures["logits"]["max_abs_diff"], figures["logits"]["argmax_agreement"], figures["accuracy"],
              figures["merged_accuracy"])
-    failure = _verdict(figures, gguf_type, tolerance, adapter_effect, reference, export, dtype)
+    failure = _verdict(figures, gguf_type, job.tolerance, adapter_effect, reference, export, job.dtype)
     if failure:
         raise LowmemError(f"prove-gguf: the {gguf_type} file fails its proof in llama.cpp: {failure}; nothing was "
                           "written", fix="see the figures above; export f16 or q8_0, or check the converter")
@@ -170,24 +244,24 @@ def prove_gguf(target: Path, gguf_type: str, merged_dir: Path, tokenizer: Any, r
 
 
 def export_gguf(job: Any, work: Path, tmp: Path, result: Any, done: Callable[[str], None]) -> None:
-    """Convert the merged model in `work` (and quantize it) into `tmp`, prove the file in llama.cpp, and score it
-    beside the adapter; `done(phase)` after convert and prove-gguf."""
+    """Convert (and quantize) the merged model in `work` into `tmp`, prove the file in llama.cpp, and score it."""
     kind = job.gguf_type
     sixteen = "bf16" if kind == "bf16" or (kind in QUANTIZED and job.dtype == "bfloat16") else "f16"
-    target = tmp / gguf_export.file_name(job.recipe.name, kind)
-    converted = target if kind not in QUANTIZED else work / gguf_export.file_name(job.recipe.name, sixteen)
+    target = tmp / f"{job.recipe.name}-{GGUF_FILE_TYPES[kind]}.gguf"
+    converted = target if kind not in QUANTIZED else work / f"{job.recipe.name}-{GGUF_FILE_TYPES[sixteen]}.gguf"
     clock = time.monotonic()
-    gguf_export.convert(job.script, work, converted, sixteen)
+    convert(job.script, work, converted, sixteen)
     result.gguf_proof["convert_seconds"] = time.monotonic() - clock
     if kind in QUANTIZED:
-        result.gguf_proof["quantize_seconds"] = gguf_export.quantize(converted, target, kind)
+        answer = run_child({"job": "quantize", "src": str(converted), "dst": str(target), "type": kind},
+                           f"quantize to {GGUF_FILE_TYPES[kind]}")
+        result.gguf_proof["quantize_seconds"] = float(answer["seconds"])
         converted.unlink()
-    model, pre = gguf_export.tokenizer_kind(target)
+    model, pre = tokenizer_kind(target)
     result.gguf_proof.update({"tokenizer_model": model, "tokenizer_pre": pre, "bytes": target.stat().st_size})
     result.file = target.name
     done("convert")
-    figures, verdicts = prove_gguf(target, kind, work, job.tokenizer, job.recipe, job.dtype, job.device, job.trust,
-                                   result.adapter_effect or 0.0, job.tolerance)
+    figures, verdicts = prove_gguf(target, work, job, result.adapter_effect or 0.0)
     result.gguf_proof.update(figures)
     if job.recipe.train.eval.stage.problems:
         reference = score.stage_reference(job.run_dir, len(verdicts), job.src.name == layout.ADAPTER_DIR)

@@ -1,11 +1,6 @@
-"""The child process that runs a GGUF file in llama.cpp (llama-cpp-python, the `gguf` extra).
-
-`python -m lowmem_grpo.export.llama_runner REQUEST.json` reads one job and writes its answer to the request's
-`result` path; llama.cpp aborts the process on some broken files (std::out_of_range, GGML_ASSERT), so the caller
-(gguf_export.run_child) runs it apart and reads a crash as a failed proof. Jobs: generate (greedy continuations of
-prompt texts tokenized by llama.cpp, special tokens parsed, no BOS added; the calculator's results forced in as the
-sampling engine forces them), logits (teacher-forced, one .npz) and quantize (llama_model_quantize to Q8_0/Q4_K_M).
-"""
+"""`python -m lowmem_grpo.export.llama_runner REQUEST.json`: one llama.cpp job (generate, logits, quantize) in a
+child process, its answer written to the request's `result` path; llama.cpp aborts the process on some broken files,
+so gguf_proof.run_child reads a crash as a failed proof."""
 
 from __future__ import annotations
 
@@ -27,13 +22,9 @@ def _load(model: str, n_ctx: int, logits_all: bool = False) -> Any:
                  seed=0, n_threads=threads, n_threads_batch=threads)
 
 
-def _piece(llm: Any, token: int) -> str:
-    return llm.detokenize([token]).decode("utf-8", errors="ignore")
-
-
 def _forced(llm: Any, completion: list[int], token: int, calculator: bool) -> list[int]:
     """The calculator's tokens to append after `token` (none unless it closes an open `<<EXPR=`)."""
-    if not calculator or not _piece(llm, token).endswith("="):
+    if not calculator or not llm.detokenize([token]).decode("utf-8", errors="ignore").endswith("="):
         return []
     from lowmem_grpo.rewards.calculator import forced_text, pending_expression
 
@@ -69,6 +60,7 @@ def greedy(llm: Any, prompt: list[int], max_new_tokens: int, eos: set[int], calc
 
 
 def run_generate(job: dict[str, Any]) -> dict[str, Any]:
+    """Greedy continuations of prompt texts tokenized by llama.cpp (special tokens parsed, no BOS added)."""
     llm = _load(job["model"], int(job["n_ctx"]))
     eos = set(job.get("eos_ids") or []) | {llm.token_eos()}
     out = []
@@ -109,12 +101,6 @@ def run_quantize(job: dict[str, Any]) -> dict[str, Any]:
 JOBS = {"generate": run_generate, "logits": run_logits, "quantize": run_quantize}
 
 
-def main(argv: list[str]) -> int:
-    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    answer = JOBS[job["job"]](job)
-    Path(job["result"]).write_text(json.dumps(answer), encoding="utf-8")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    request = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    Path(request["result"]).write_text(json.dumps(JOBS[request["job"]](request)), encoding="utf-8")

@@ -1,7 +1,5 @@
-"""An export's accuracy on the run's held-out problems, beside the adapter's (docs/runs.md, "The gain survives
-export"): the stage evaluation's problems and greedy settings (evaluation.stages.greedy_settings), answered by a
-transformers-loaded export through run_eval or by a GGUF file through llama.cpp (llama_runner), paired per problem
-with the stage evaluation's `trained` verdicts in stage_eval.json (metrics.paired_bootstrap)."""
+"""An export's accuracy on the run's held-out problems with the stage evaluation's greedy settings, paired per problem
+with the stage evaluation's verdicts in stage_eval.json (docs/runs.md, "The gain survives export")."""
 
 from __future__ import annotations
 
@@ -18,13 +16,12 @@ from lowmem_grpo.runtime import cpu_paths
 
 log = logging.getLogger(__name__)
 
-PROOF_PROBLEMS = 8
-"""Held-out problems a GGUF proof answers when the run has no stage evaluation (train.eval.stage.problems = 0)."""
+PROOF_PROBLEMS = 8  # what a GGUF proof answers when the run has no stage evaluation
 METRIC = "strict_accuracy"
 
 
 def held_out(recipe: Any, tokenizer: Any) -> list[dict[str, Any]]:
-    """The stage evaluation's problems, or the first PROOF_PROBLEMS of the eval split when it had none."""
+    """The stage evaluation's problems, or the first PROOF_PROBLEMS of the eval split."""
     from lowmem_grpo.evaluation.evaluate import load_eval_examples
 
     return load_eval_examples(recipe, tokenizer, limit=recipe.train.eval.stage.problems or PROOF_PROBLEMS)
@@ -36,21 +33,21 @@ def settings(recipe: Any, device: str) -> dict[str, Any]:
 
 
 def answer_transformers(model: Any, tokenizer: Any, examples: list[dict[str, Any]], recipe: Any, device: str) -> Any:
-    """run_eval with the stage evaluation's greedy settings: an EvalResult (verdicts, records with the texts)."""
+    """run_eval with the stage evaluation's greedy settings: an EvalResult."""
     from lowmem_grpo.evaluation.evaluate import run_eval
 
     return run_eval(model, tokenizer, examples, **settings(recipe, device))
 
 
 def judged(examples: list[dict[str, Any]], generations: list[dict[str, Any]]) -> list[list[Verdict]]:
-    """Verdicts of llama.cpp's answers (llama_runner's generate: text, tokens, truncated), as run_eval judges."""
+    """Verdicts of llama.cpp's answers (llama_runner's generate), as run_eval judges."""
     return [[judge((ex.get("prefill") or "") + g["text"], ex["answer"], truncated=g["truncated"],
                    completion_tokens=g["tokens"])] for ex, g in zip(examples, generations, strict=True)]
 
 
 def stage_reference(run_dir: Path, problems: int, final: bool) -> dict[str, list[list[Verdict]]]:
-    """The stage evaluation's greedy verdicts of the adapter (`trained`) and the base model (`base`) on the same
-    `problems`; {} for a checkpoint export (`final` False) or when stage_eval.json has none of that size."""
+    """The stage evaluation's verdicts of the adapter (`trained`) and the base model (`base`) on `problems` problems;
+    {} for a checkpoint export (not `final`) or when stage_eval.json has none of that size."""
     path = Path(run_dir) / layout.STAGE_EVAL_FILE
     if not final or not path.is_file():
         return {}
@@ -69,8 +66,8 @@ def values(verdicts: list[list[Verdict]]) -> list[float]:
 
 def summarize(export: list[list[Verdict]], reference: dict[str, list[list[Verdict]]], seed: int = 0
               ) -> dict[str, Any]:
-    """The export's accuracy (mean and bootstrap CI), and with the stage evaluation's verdicts the adapter's and the
-    paired differences export - adapter, export - base and adapter - base."""
+    """The export's accuracy (mean and CI), and with the stage evaluation's verdicts the adapter's and the paired
+    differences export - adapter, export - base and adapter - base."""
     mine = values(export)
     out: dict[str, Any] = {"problems": len(mine), "metric": METRIC, "export": mean_ci(mine, seed=seed)}
     adapter = reference.get("trained")
@@ -87,7 +84,7 @@ def summarize(export: list[list[Verdict]], reference: dict[str, list[list[Verdic
 
 
 def difference(reference: list[list[Verdict]], export: list[list[Verdict]], seed: int = 0) -> dict[str, float]:
-    """The paired difference of strict accuracy export - reference, with its 95% bootstrap CI (diff, low, high)."""
+    """Strict accuracy export - reference, paired, with its 95% bootstrap CI (diff, low, high)."""
     return paired_bootstrap(values(reference), values(export), seed=seed)
 
 
@@ -108,8 +105,8 @@ def line(score: dict[str, Any]) -> str:
 
 
 def score_folder(job: Any, folder: Path, result: Any) -> None:
-    """A transformers-loaded export (`folder`) answers the held-out problems into result.score; skipped when not
-    asked (job.score) or without a stage evaluation (train.eval.stage.problems = 0) to pair with."""
+    """A transformers-loaded export answers the held-out problems into result.score, when asked and the run has a
+    stage evaluation to pair with."""
     from lowmem_grpo.export import proof
 
     problems = job.recipe.train.eval.stage.problems

@@ -12,12 +12,11 @@ from typing import Any
 
 from lowmem_grpo import distributed
 from lowmem_grpo.backends import LoadedModel, load, locate_model, start
-from lowmem_grpo.backends.adapter import check_init_adapter
+from lowmem_grpo.backends.adapter import check_init_adapter, name_original_base
 from lowmem_grpo.data import budget, grpo_examples, load_train_rows, recipe_examples
 from lowmem_grpo.device import CudaFacts
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
-from lowmem_grpo.export.base_model import name_original_base
 from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
 from lowmem_grpo.memory.plan import Plan
 from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards
