@@ -87,10 +87,6 @@ class Frame:
     distract: tuple[str, ...] = ()
     big: bool = True
 
-    @property
-    def tags(self) -> frozenset[str]:
-        return frozenset({"person"}) if self.holder is None else frozenset()
-
 
 @dataclass(frozen=True)
 class Phrasing:
@@ -296,5 +292,5 @@ def fill(template: str, words: Mapping[str, str], numbers: Mapping[str, int], it
 
 
 def tags_of(frame: Frame, item: Item) -> frozenset[str]:
-    """What a phrasing's `needs` are checked against: the frame's and item's tags, `container` when it has one."""
-    return frame.tags | item.tags | ({"container"} if item.container else set())
+    """What a phrasing's `needs` are checked against: the item's tags, `person` and `container` where they apply."""
+    return item.tags | ({"person"} if frame.holder is None else set()) | ({"container"} if item.container else set())
