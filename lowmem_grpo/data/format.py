@@ -84,14 +84,9 @@ def clean_reasoning(solution: str, calculator: bool = False) -> str:
     """The reasoning lines of a GSM8K solution: no "####" line, blank line or format tag, the annotations removed
     or, with `calculator`, in the calculator's form (`<<49-4=45>>45`)."""
     body = solution.rpartition("####")[0] if "####" in solution else solution
-    lines = []
-    for line in body.splitlines():
-        line = _calculator_line(line) if calculator else _ANNOTATION_RE.sub("", line)
-        line = _TAG_RE.sub("", line)
-        line = re.sub(r"[ \t]+", " ", line).strip()
-        if line:
-            lines.append(line)
-    return "\n".join(lines)
+    lines = (_calculator_line(line) if calculator else _ANNOTATION_RE.sub("", line) for line in body.splitlines())
+    lines = (re.sub(r"[ \t]+", " ", _TAG_RE.sub("", line)).strip() for line in lines)
+    return "\n".join(line for line in lines if line)
 
 
 def render_full_target(solution: str, calculator: bool = False) -> str:
