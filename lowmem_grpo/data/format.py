@@ -1,24 +1,11 @@
-"""The target format priming renders, and the prefill rule shared by priming, GRPO, preflight and eval.
+"""The target format priming renders (`<reasoning>` solution lines, `<answer>` the number after "####"), and the
+prefill rule shared by priming, GRPO, preflight and eval.
 
-A GSM8K worked solution becomes the target
-
-    <reasoning>
-    She starts with 7*7=49 fish.
-    She now has 49-4=45 fish.
-    </reasoning>
-    <answer>
-    45
-    </answer>
-
-The calculator annotations `<<7*7=49>>` are removed unless data.calculator is on: without a calculator at generation
-time nobody fills them in, and a model primed on them learns to write every result twice in a syntax no reward asks
-for. With data.calculator the sampling engine completes `<<EXPR=` with `RESULT>>` (rewards.calculator.forced_text),
-so priming keeps each annotation in that form and drops GSM8K's duplicate expression in front of it
+The calculator annotations `<<7*7=49>>` are removed, unless data.calculator is on: then each is kept in the form the
+sampling engine completes (`<<EXPR=` + `RESULT>>`) and GSM8K's duplicate expression in front of it is dropped
 (`49-4=<<49-4=45>>45` becomes `<<49-4=45>>45`, also where the prose writes "x" for "*" or "$" around it; arithmetic
-that runs on in front of the annotation is left as written). An annotation the calculator refuses is removed.
-
-The prefill (`data.prefill`, e.g. "<reasoning>\\n") is part of the prompt, so the SFT completion is the target minus
-the prefill, exactly the text GRPO samples after it; the rewards score prefill + completion. Torch-free.
+running on in front of it is left as written). An annotation the calculator refuses is removed. The prefill is part
+of the prompt, so the SFT completion is the target minus the prefill, the text GRPO samples after it.
 """
 
 from __future__ import annotations
@@ -37,27 +24,8 @@ _EXPRESSION_CHARS = frozenset("0123456789.,+-*/()")
 _COPY_RE = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?")
 _TAG_RE = re.compile(r"</?(?:reasoning|answer)>")
 _REASONING_OPEN = "<reasoning>\n"
-
-
 _TIMES = frozenset("xX\u00d7")  # how GSM8K's prose writes the "*" of its annotations: "12 x 2 = <<12*2=24>>24"
 _OPERATOR_CHARS = frozenset("+-*/(.$\u00d7") | frozenset("0123456789")
-
-
-def _matches(prose: str, wanted: str) -> bool:
-    return prose == wanted or (wanted == "*" and prose in _TIMES)
-
-
-def _continues_expression(text: str, start: int) -> bool:
-    """Whether more arithmetic runs into text[start:] from the left: an expression character right against it
-    ("12+49-4", "1,200"), or an operator, digit or "x" between numbers across spaces ("2 + 49-4", "3 x 12 x 2")."""
-    if start > 0 and text[start - 1] in _EXPRESSION_CHARS:
-        return True
-    head = text[:start].rstrip()
-    if len(head) == start or not head:
-        return False
-    if head[-1] in _OPERATOR_CHARS:
-        return True
-    return head[-1] in _TIMES and head[:-1].rstrip()[-1:] in tuple("0123456789)")
 
 
 def _drop_duplicate(prefix: str, expr: str) -> str:
@@ -76,16 +44,21 @@ def _drop_duplicate(prefix: str, expr: str) -> str:
         if rest[end].isspace() or (rest[end] == "$" and wanted[-1] != "$"):
             dollar = dollar or rest[end] == "$"
             continue
-        if not _matches(rest[end], wanted.pop()):
+        char = wanted.pop()
+        if rest[end] != char and not (char == "*" and rest[end] in _TIMES):
             return prefix
     if wanted:
         return prefix
     start = end - 1 if end > 0 and rest[end - 1] == "$" else end
-    if _continues_expression(rest, start):
-        return prefix  # "12+49-4=" ends with more than the duplicate: left as written
-    dollar = dollar or start < end
-    head = rest[:start]
-    return head + ("$" if dollar else "")
+    # more arithmetic runs into it from the left, right against it ("12+49-4=", "1,200") or across spaces: an
+    # operator, a digit or an "x" between numbers ("2 + 49-4", "3 x 12 x 2"): left as written
+    if start > 0 and rest[start - 1] in _EXPRESSION_CHARS:
+        return prefix
+    head = rest[:start].rstrip()
+    if head and len(head) < start and (head[-1] in _OPERATOR_CHARS or (
+            head[-1] in _TIMES and head[:-1].rstrip()[-1:] in tuple("0123456789)"))):
+        return prefix
+    return rest[:start] + ("$" if dollar or start < end else "")
 
 
 def _calculator_line(line: str) -> str:
@@ -108,36 +81,23 @@ def _calculator_line(line: str) -> str:
 
 
 def clean_reasoning(solution: str, calculator: bool = False) -> str:
-    """The reasoning lines of a GSM8K solution: the "####" line dropped, `<<...>>` annotations removed, or with
-    `calculator` written the way the calculator completes them (`<<49-4=45>>45`).
-
-    Blank lines are dropped and the four format tags removed, so the text can sit inside the
-    reasoning block whatever the solution held.
-    """
+    """The reasoning lines of a GSM8K solution: no "####" line, blank line or format tag, the annotations removed
+    or, with `calculator`, in the calculator's form (`<<49-4=45>>45`)."""
     body = solution.rpartition("####")[0] if "####" in solution else solution
-    lines = []
-    for line in body.splitlines():
-        line = _calculator_line(line) if calculator else _ANNOTATION_RE.sub("", line)
-        line = _TAG_RE.sub("", line)
-        line = re.sub(r"[ \t]+", " ", line).strip()
-        if line:
-            lines.append(line)
-    return "\n".join(lines)
+    lines = (_calculator_line(line) if calculator else _ANNOTATION_RE.sub("", line) for line in body.splitlines())
+    lines = (re.sub(r"[ \t]+", " ", _TAG_RE.sub("", line)).strip() for line in lines)
+    return "\n".join(line for line in lines if line)
 
 
 def render_full_target(solution: str, calculator: bool = False) -> str:
-    """The whole assistant turn in the target format for one GSM8K solution (prefill included); `calculator`
-    keeps the annotations in the calculator's form (`clean_reasoning`)."""
+    """The whole assistant turn in the target format for one GSM8K solution (prefill included)."""
     answer = gold_number(solution)
     reasoning = clean_reasoning(solution, calculator) or f"The answer is {answer}."
     return f"{_REASONING_OPEN}{reasoning}\n</reasoning>\n<answer>\n{answer}\n</answer>"
 
 
 def check_prefill(prefill: str) -> None:
-    """Priming needs a prefill the target can follow: a start of "<reasoning>\\n", or a lead-in after it.
-
-    Raises RecipeError otherwise (the SFT completion would not continue the prompt GRPO samples from).
-    """
+    """RecipeError unless the target can follow the prefill: a start of "<reasoning>\\n", or a lead-in after it."""
     if _REASONING_OPEN.startswith(prefill):
         return
     lead_in = prefill[len(_REASONING_OPEN):]
@@ -151,13 +111,8 @@ def check_prefill(prefill: str) -> None:
 
 
 def render_target(solution: str, prefill: str = "", calculator: bool = False) -> str:
-    """The completion priming trains on: the target format for `solution`, minus the `prefill`.
-
-    `prefill + render_target(solution, prefill)` earns 1.0 under strict_format, soft_format,
-    integer, xml_count and correctness (against the solution's "####" number). A prefill that
-    goes on past "<reasoning>\\n" (a reasoning lead-in) is kept in front of the solution lines. `calculator`
-    keeps the annotations in the form the calculator completes (data.calculator).
-    """
+    """The completion priming trains on: the target for `solution` minus the `prefill` (a reasoning lead-in past
+    "<reasoning>\\n" stays in front of the solution lines); prefill + it earns 1.0 under every format reward."""
     check_prefill(prefill)
     full = render_full_target(solution, calculator)
     if full.startswith(prefill):
@@ -174,9 +129,6 @@ def primed_count(total: int, num_examples: int | None) -> int:
 
 def priming_pairs(examples: Sequence[dict[str, Any]], num_examples: int | None = None,
                   calculator: bool = False) -> list[dict[str, str]]:
-    """Prompt-completion rows for SFTTrainer from `build_examples` output (the first `num_examples`);
-    `calculator` renders the annotations for the calculator (data.calculator)."""
-    chosen = list(examples[:primed_count(len(examples), num_examples)])
-    return [{"prompt": ex["prompt"],
-             "completion": render_target(ex["solution"], ex.get("prefill") or "", calculator)}
-            for ex in chosen]
+    """Prompt-completion rows for SFTTrainer from `build_examples` output (the first `num_examples`)."""
+    return [{"prompt": ex["prompt"], "completion": render_target(ex["solution"], ex.get("prefill") or "", calculator)}
+            for ex in examples[:primed_count(len(examples), num_examples)]]

@@ -1,8 +1,5 @@
 """Generated GSM8K-style word problems at five levels (LEVELS), for curricula and held-out evaluation of seen and new
-wording (docs/data.md, "Generated problems").
-
-Rows follow GSM8K's schema (one solution line per calculation with its `<<expr=value>>` annotation, then `#### N`),
-so `sources.check_rows` and the prime stage take them unchanged, plus columns that say how the problem is told::
+wording (docs/data.md, "Generated problems"). Rows follow GSM8K's schema, plus columns that say how they are told::
 
     {"question": "Maya keeps 12 marbles in a jar. Liam has 3 times as many marbles as Maya. He loses 5 marbles. "
                  "How many marbles does Liam have now?",
@@ -10,10 +7,8 @@ so `sources.check_rows` and the prime stage take them unchanged, plus columns th
      "frame": "marbles", "phrasings": ["mul.times_as_many", "sub.loses"], "frame_seen": true,
      "phrasing_seen": true, "wording": "seen"}
 
-Train and test are disjoint by construction: a problem's split is a stable hash of its arithmetic (`split_of`), and
-the train split never uses HELDOUT_FRAMES nor HELDOUT_PHRASINGS. `level_of(question, answer)` and
-`wording_of(question)` recover the level and the wording from the text, so they survive check_rows, a jsonl round
-trip and TRL's dataset columns. Standard library only.
+A problem's split is a stable hash of its arithmetic (`split_of`), and the train split never uses HELDOUT_FRAMES nor
+HELDOUT_PHRASINGS; `level_of` and `wording_of` recover the level and wording from the text alone.
 """
 
 from __future__ import annotations
@@ -23,9 +18,9 @@ import random
 import re
 from typing import Any
 
-from lowmem_grpo.data.problem import BIG_MIN, Problem, Retry, Spec, build
+from lowmem_grpo.data.problem import BIG_MIN, Retry, Spec, build
 from lowmem_grpo.data.vocabulary import FRAMES, HELDOUT_FRAMES, HELDOUT_PHRASINGS, PHRASINGS
-from lowmem_grpo.data.wording import Wording, frame_of, wording_of
+from lowmem_grpo.data.wording import wording_of
 from lowmem_grpo.errors import DataError
 from lowmem_grpo.rewards.parsing import find_numbers
 
@@ -37,25 +32,21 @@ LEVELS: dict[int, str] = {
     5: "two or three steps with numbers at most 20, plus a distractor: a quantity in the question that the "
        "solution does not use",
 }
-"""The difficulty levels, each described in words."""
 
 STEPS: dict[int, tuple[int, int]] = {1: (1, 1), 2: (2, 2), 3: (3, 3), 4: (2, 3), 5: (2, 3)}
 """Per level, the (fewest, most) calculator steps of its solutions."""
 
 OPERATIONS: dict[str, str] = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-"""Every operation a step can take, by name (`operations` keeps to some of them), and its sign."""
+"""Every operation a step can take, by name, and its sign."""
 
 SPLITS: tuple[str, ...] = ("train", "test")
-"""The splits; `split_of` assigns every problem to exactly one of them."""
-
-TASKS: tuple[str, ...] = ("arithmetic",)
-"""The task families `generate_rows` knows."""
+TASKS: tuple[str, ...] = ("arithmetic",)  # the task families `generate_rows` knows
 
 WORDINGS: tuple[str, ...] = ("all", "seen", "heldout")
-"""What `generate_rows(stories=...)` accepts: for the test split, half seen and half held-out wording (all), only
-the train split's frames and phrasings (seen), or only problems with a held-out frame or phrasing (heldout)."""
+"""The test split's wording: half seen and half held-out (all), only the train split's frames and phrasings (seen),
+or only a held-out frame or phrasing (heldout)."""
 
-_TEST_PERCENT = 20  # share of the problem space (by arithmetic) that belongs to the test split
+_TEST_PERCENT = 20  # share of the problem space (by arithmetic) in the test split
 _MAX_MISSES = 5000  # consecutive rejected candidates before the space counts as exhausted
 _HELD_KINDS = ("frame", "phrasing", "both")  # what a held-out row holds out, in turn
 
@@ -70,28 +61,17 @@ def _annotations(answer: str) -> list[tuple[str, str]]:
     return [(expr.strip(), value.strip()) for expr, value in _ANNOTATION_RE.findall(answer)]
 
 
-def _bucket(key: str) -> int:
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % 100
-
-
 def split_of(answer: str) -> str:
-    """The split a problem belongs to, from its worked solution: "train" or "test".
-
-    The key is the problem's arithmetic (its `<<expr=value>>` annotations in order, or the whole
-    solution when it has none), hashed with blake2b, so the answer is the same on every machine
-    and in every process; about 20% of the problem space is test.
-    """
+    """"train" or "test": a blake2b hash of the problem's arithmetic (its annotations in order, else the whole
+    solution), the same on every machine; about 20% of the problem space is test."""
     steps = _annotations(answer)
     key = "|".join(f"{e}={v}" for e, v in steps) if steps else " ".join(answer.split())
-    return "test" if _bucket(key) < _TEST_PERCENT else "train"
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return "test" if int.from_bytes(digest, "big") % 100 < _TEST_PERCENT else "train"
 
 
 def parse_levels(spec: int | str) -> tuple[int, ...]:
-    """The levels a spec names: 3 or "3" -> (3,), "1-3" -> (1, 2, 3), "2,4" -> (2, 4).
-
-    Raises DataError for anything else (levels run from 1 to 5).
-    """
+    """The levels a spec names: 3 or "3" -> (3,), "1-3" -> (1, 2, 3), "2,4" -> (2, 4); DataError for anything else."""
     fix = f"use a level from 1 to {max(LEVELS)}, a range such as '1-3', or a list such as '2,4'"
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
         raise DataError(f"level spec {spec!r} is not a level, range or list", fix=fix)
@@ -113,8 +93,7 @@ def parse_levels(spec: int | str) -> tuple[int, ...]:
 
 
 def level_shares(spec: int | str) -> dict[int, float]:
-    """Each level's share of a mix a spec names, a level named k times weighing k: "1,2,2,2" -> {1: 0.25, 2: 0.75};
-    "2" -> {2: 1.0}; a range weighs its levels alike. Raises DataError as parse_levels does."""
+    """Each level's share of a mix, a level named k times weighing k: "1,2,2,2" -> {1: 0.25, 2: 0.75}."""
     levels = parse_levels(spec)
     text = str(spec).strip()
     counts = ([int(x) for x in text.split(",")] if "," in text else list(levels))
@@ -122,10 +101,7 @@ def level_shares(spec: int | str) -> dict[int, float]:
 
 
 def parse_operations(spec: str) -> tuple[str, ...]:
-    """The operations a comma-separated spec names, in the order of OPERATIONS: "sub,add" -> ("add", "sub").
-
-    Raises DataError for an empty spec or a name that is not one of add, sub, mul, div.
-    """
+    """The operations a comma-separated spec names, in the order of OPERATIONS: "sub,add" -> ("add", "sub")."""
     names = [n.strip() for n in spec.split(",")] if isinstance(spec, str) else []
     if not names or not all(names) or set(names) - set(OPERATIONS):
         raise DataError(f"operations {spec!r} are not some of {', '.join(OPERATIONS)}",
@@ -135,17 +111,10 @@ def parse_operations(spec: str) -> tuple[str, ...]:
 
 
 def level_of(question: str, answer: str) -> int:
-    """The level of a generated problem, recovered from its question and worked solution.
-
-    5 when the question holds a number the solution never uses (a distractor); else 4 when the
-    question holds a number of 100 or more; else 1, 2 or 3 by the number of calculator steps.
-    Meant for rows of `generate_rows` (in a trainer: the `question` and `solution` columns).
-    """
+    """The level of a generated problem: 5 when the question holds a number the solution never uses (a distractor);
+    else 4 when it holds a number of 100 or more; else 1, 2 or 3 by the number of calculator steps."""
     steps = _annotations(answer)
-    used = set()
-    for expr, value in steps:
-        used.update(re.findall(r"\d+", expr))
-        used.add(value)
+    used = {n for expr, value in steps for n in (*re.findall(r"\d+", expr), value)}
     given = [n.replace(",", "") for n in find_numbers(question)]
     if any(n not in used for n in given):
         return 5
@@ -154,15 +123,12 @@ def level_of(question: str, answer: str) -> int:
     return min(max(len(steps), 1), 3)
 
 
-def _kind(split: str, stories: str, index: int) -> str:
-    """What row `index` holds out: "seen" (nothing), or a held-out "frame", "phrasing" or "both"."""
-    if split == "train" or stories == "seen" or (stories == "all" and index % 2 == 0):
-        return "seen"
-    return _HELD_KINDS[(index // 2 if stories == "all" else index) % len(_HELD_KINDS)]
-
-
-def _spec(level: int, kind: str, ops: str) -> tuple[Spec, ...]:
-    """The specs of a row of `level` told in wording `kind`, one per step count of the level."""
+def _specs(level: int, split: str, stories: str, index: int, ops: str) -> tuple[Spec, ...]:
+    """The specs of row `index` at `level`, one per step count: seen wording, or in turn a held-out frame, phrasing
+    or both."""
+    kind = "seen"
+    if split == "test" and (stories == "heldout" or (stories == "all" and index % 2)):
+        kind = _HELD_KINDS[(index // 2 if stories == "all" else index) % len(_HELD_KINDS)]
     frames = _SEEN_FRAMES if kind in ("seen", "phrasing") else _HELD_FRAMES
     forced = _HELD_PHRASINGS if kind in ("phrasing", "both") else ()
     low, high = STEPS[level]
@@ -170,7 +136,12 @@ def _spec(level: int, kind: str, ops: str) -> tuple[Spec, ...]:
                  for steps in range(low, high + 1))
 
 
-def _check_arguments(split: str, task: str, stories: str, size: Any) -> None:
+def generate_rows(split: str, size: int, level: int | str, seed: int, task: str = "arithmetic",
+                  stories: str = "all", operations: str = ",".join(OPERATIONS)) -> list[dict[str, Any]]:
+    """`size` GSM8K-style rows of `split` at `level` (a level, "1-3" or "2,4": each row's level drawn uniformly),
+    with their wording columns; `stories` picks the test split's wording (WORDINGS). Deterministic, a smaller size a
+    prefix of a larger one, no question twice. DataError on a bad argument, or when the split runs out of new
+    problems at this level."""
     if split not in SPLITS:
         raise DataError(f"generated data has no split {split!r}", fix=f"use one of {', '.join(SPLITS)}")
     if task not in TASKS:
@@ -183,22 +154,6 @@ def _check_arguments(split: str, task: str, stories: str, size: Any) -> None:
                         fix="draw held-out wording from the test split, or use stories=all")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise DataError(f"size {size!r} is not a count of rows", fix="pass a whole number >= 0")
-
-
-def _row(problem: Problem) -> dict[str, Any]:
-    wording = Wording(problem.frame, problem.phrasings)
-    return {"question": problem.question, "answer": problem.answer, "frame": wording.frame,
-            "phrasings": list(wording.phrasings), "frame_seen": wording.frame_seen,
-            "phrasing_seen": wording.phrasing_seen, "wording": wording.group}
-
-
-def generate_rows(split: str, size: int, level: int | str, seed: int, task: str = "arithmetic",
-                  stories: str = "all", operations: str = ",".join(OPERATIONS)) -> list[dict[str, Any]]:
-    """`size` GSM8K-style rows of `split` at `level` (a level, "1-3" or "2,4": each row's level drawn uniformly),
-    with their wording columns; `stories` picks the test split's wording (WORDINGS). Deterministic, a smaller size a
-    prefix of a larger one, no question twice. DataError on a bad argument, or when the split runs out of new
-    problems at this level."""
-    _check_arguments(split, task, stories, size)
     levels, names = parse_levels(level), parse_operations(operations)
     ops = "".join(OPERATIONS[n] for n in names)
     stories = "all" if split == "train" else stories  # train is seen wording whatever is asked
@@ -207,19 +162,20 @@ def generate_rows(split: str, size: int, level: int | str, seed: int, task: str 
     seen: set[str] = set()
     while len(rows) < size:
         lv = rng.choice(levels)
-        specs = _spec(lv, _kind(split, stories, len(rows)), ops)
+        specs = _specs(lv, split, stories, len(rows), ops)
         for _ in range(_MAX_MISSES):
             try:
-                problem = build(rng, rng.choice(specs))
+                question, answer, wording = build(rng, rng.choice(specs))
             except Retry:
                 continue
-            if (problem.question not in seen and split_of(problem.answer) == split
-                    and wording_of(problem.question) == Wording(problem.frame, problem.phrasings)
-                    and level_of(problem.question, problem.answer) == lv):
+            if (question not in seen and split_of(answer) == split and wording_of(question) == wording
+                    and level_of(question, answer) == lv):
                 break
         else:
             raise DataError(f"found no new {split} problem at level {lv} in {_MAX_MISSES} tries after {len(rows)} "
                             f"rows", fix="ask for fewer rows, or mix in more levels or operations")
-        seen.add(problem.question)
-        rows.append(_row(problem))
+        seen.add(question)
+        rows.append({"question": question, "answer": answer, "frame": wording.frame,
+                     "phrasings": list(wording.phrasings), "frame_seen": wording.frame_seen,
+                     "phrasing_seen": wording.phrasing_seen, "wording": wording.group})
     return rows

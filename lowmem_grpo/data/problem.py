@@ -1,10 +1,5 @@
-"""One generated word problem: a frame told through a chain of phrasings, with its exact arithmetic.
-
-`build(rng, spec)` draws a frame from the spec's pool, then one step at a time an operation (uniformly among those
-a phrasing of the pool can say here), a phrasing of it, and its numbers; each step is one question sentence and one
-solution line with its `<<expr=value>>` annotation. Every value is a positive integer (shares divide exactly).
-Standard library only.
-"""
+"""One generated word problem: a frame told through a chain of phrasings, each step one question sentence and one
+solution line with its `<<expr=value>>` annotation; every value a positive integer (shares divide exactly)."""
 
 from __future__ import annotations
 
@@ -13,11 +8,10 @@ import re
 from dataclasses import dataclass
 
 from lowmem_grpo.data.vocabulary import MONEY, PEOPLE, RECEIVERS, RELATIVES, Frame, Item, Phrasing, fill, tags_of
+from lowmem_grpo.data.wording import Wording
 
-SMALL_MAX = 20
-"""Largest given number of a small problem."""
-BIG_MIN, BIG_MAX = 100, 2000
-"""Range of the large amounts of a big problem (level 4)."""
+SMALL_MAX = 20  # largest given number of a small problem
+BIG_MIN, BIG_MAX = 100, 2000  # range of the large amounts of a big problem (level 4)
 _DIVISORS = range(2, 13)
 
 
@@ -27,38 +21,16 @@ class Retry(Exception):
 
 @dataclass(frozen=True)
 class Spec:
-    """What one problem is drawn from."""
+    """What one problem is drawn from: its steps, frames and phrasings; `forced`, when given, the phrasings one step
+    (drawn at random) uses instead."""
 
     steps: int
     frames: tuple[Frame, ...]
     phrasings: tuple[Phrasing, ...]
-    """The phrasings a step may use."""
     forced: tuple[Phrasing, ...] = ()
-    """When given, one step (drawn at random) uses one of these instead."""
     ops: str = "+-*/"
     big: bool = False
     distractor: bool = False
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One drawn problem: its GSM8K question and worked solution, its arithmetic, and how it is told."""
-
-    question: str
-    answer: str
-    steps: tuple[tuple[str, int], ...]
-    """(expression, value) of each calculation, in order."""
-    frame: str
-    phrasings: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Person:
-    name: str
-    female: bool
-
-    def pronouns(self) -> tuple[str, str, str]:
-        return ("she", "her", "her") if self.female else ("he", "him", "his")
 
 
 class _Builder:
@@ -68,7 +40,7 @@ class _Builder:
         self.rng, self.frame, self.big = rng, frame, big
         self.item: Item = rng.choice(frame.items)
         self.fixed = {"rel": rng.choice(RELATIVES), **dict(zip(("receiver", "receivers"), rng.choice(RECEIVERS)))}
-        self.people: list[_Person] = [] if frame.holder else [_Person(*rng.choice(PEOPLE))]
+        self.people: list[tuple[str, bool]] = [] if frame.holder else [rng.choice(PEOPLE)]
         self.value = 0
         self.sentences: list[str] = []
         self.after: list[tuple[dict[str, str], Item]] = []  # the words and item after each sentence
@@ -76,8 +48,6 @@ class _Builder:
         self.steps: list[tuple[str, int]] = []
         self.used: list[str] = []
         self._said: set[str] = set()
-
-    # --- words -------------------------------------------------------------------------------
 
     def words(self) -> dict[str, str]:
         """The template words of the holder now, its item, and the problem's relative and receivers."""
@@ -87,25 +57,17 @@ class _Builder:
             words.update(Name=holder.capitalize(), name=holder, he="it", him="it", his="its", His="Its",
                          Sub=self.rng.choice((holder.capitalize(), "It")))
             return words
-        person = self.people[-1]
-        he, him, his = person.pronouns()
+        name, female = self.people[-1]
+        he, him, his = ("she", "her", "her") if female else ("he", "him", "his")
         # a pronoun could mean an earlier person of the same gender: then the name
-        ambiguous = any(p.female == person.female for p in self.people[:-1])
-        words.update(Name=person.name, name=person.name, he=he, him=him, his=his,
-                     His=f"{person.name}'s" if ambiguous else his.capitalize(),
-                     Sub=person.name if ambiguous or self.rng.random() < 0.3 else he.capitalize())
+        ambiguous = any(p[1] == female for p in self.people[:-1])
+        words.update(Name=name, name=name, he=he, him=him, his=his, His=f"{name}'s" if ambiguous else his.capitalize(),
+                     Sub=name if ambiguous or self.rng.random() < 0.3 else he.capitalize())
         return words
-
-    def new_person(self) -> _Person:
-        """Someone the comparison introduces: of the other gender than the holder, so pronouns stay clear."""
-        taken = {p.name for p in self.people}
-        options = [p for p in PEOPLE if p[0] not in taken and p[1] != self.people[-1].female]
-        return _Person(*self.rng.choice(options))
 
     def pick(self, templates: tuple[str, ...]) -> str:
         """A template of `templates`, one this problem has not said yet when there is one."""
-        fresh = [t for t in templates if t not in self._said] or list(templates)
-        choice = self.rng.choice(fresh)
+        choice = self.rng.choice([t for t in templates if t not in self._said] or list(templates))
         self._said.add(choice)
         return choice
 
@@ -113,23 +75,14 @@ class _Builder:
         self.sentences.append(sentence)
         self.after.append((self.words(), self.item))
 
-    # --- numbers -----------------------------------------------------------------------------
-
-    def small(self, low: int, high: int) -> int:
-        return self.rng.randint(low, high)
-
     def amount(self, high: int | None = None) -> int:
         """A given amount: 2 to 20, or for a big problem 100 to 2,000 in round steps."""
-        if not self.big:
-            top = SMALL_MAX if high is None else min(SMALL_MAX, high)
-            if top < 2:
-                raise Retry("no small amount fits")
-            return self.rng.randint(2, top)
-        top = BIG_MAX if high is None else min(BIG_MAX, high)
-        if top < BIG_MIN:
-            raise Retry("no big amount fits")
-        n = self.rng.randint(BIG_MIN, top)
-        return max(BIG_MIN, n - n % self.rng.choice((1, 5, 10, 25, 50)))
+        low, top = (BIG_MIN, BIG_MAX) if self.big else (2, SMALL_MAX)
+        top = top if high is None else min(top, high)
+        if top < low:
+            raise Retry("no amount fits")
+        n = self.rng.randint(low, top)
+        return max(BIG_MIN, n - n % self.rng.choice((1, 5, 10, 25, 50))) if self.big else n
 
     def feasible(self, phrasing: Phrasing, value: int) -> bool:
         """`value` allows the phrasing's numbers (something left to take away, an exact share)."""
@@ -146,23 +99,22 @@ class _Builder:
             b = self.amount(high=v - 1 if phrasing.op == "-" else None)
             return {"b": b}, f"{v}{phrasing.op}{b}", v + b if phrasing.op == "+" else v - b
         if draw == "groups":
-            g, k = self.small(2, 9), self.amount(high=600)
+            g, k = self.rng.randint(2, 9), self.amount(high=600)
             return {"g": g, "k": k}, f"{g}*{k}", g * k
         if draw in ("times", "price"):
-            n = self.small(2, 5) if draw == "times" else self.small(2, 9)
+            n = self.rng.randint(2, 5) if draw == "times" else self.rng.randint(2, 9)
             return {"k" if draw == "times" else "p": n}, f"{v}*{n}", v * n
         k = self.rng.choice([k for k in _DIVISORS if v % k == 0 and v // k >= 2])
         return {"k": k}, f"{v}/{k}", v // k
-
-    # --- steps -------------------------------------------------------------------------------
 
     def step(self, phrasing: Phrasing) -> None:
         """Say one step and write its solution line."""
         numbers, expr, value = self.numbers(phrasing)
         words = self.words()
-        if phrasing.effect == "other":
-            self.people.append(self.new_person())
-            words["Other"] = self.people[-1].name
+        if phrasing.effect == "other":  # someone of the other gender than the holder, so pronouns stay clear
+            taken = {p[0] for p in self.people}
+            self.people.append(self.rng.choice([p for p in PEOPLE if p[0] not in taken and p[1] != self.people[-1][1]]))
+            words["Other"] = self.people[-1][0]
         self.say(fill(self.pick(phrasing.says), words, numbers, self.item))
         if phrasing.effect == "money":
             self.item = MONEY
@@ -171,16 +123,12 @@ class _Builder:
             self.item = Item(one, many, frozenset())
         self.value = value
         self.after[-1] = (self.words(), self.item)
-        self.lines.append(fill(phrasing.line, {**self.words(), "calc": self.calc(expr, value)}, {}, self.item))
+        # the calculator annotation in the running item's unit (GSM8K's `$4*5=$<<4*5=20>>20` for dollars)
+        calc = (f"${expr}=$<<{expr}={value}>>{value}" if self.item.money
+                else f"{expr}=<<{expr}={value}>>{value} {self.item.noun(value)}")
+        self.lines.append(fill(phrasing.line, {**self.words(), "calc": calc}, {}, self.item))
         self.steps.append((expr, value))
         self.used.append(phrasing.key)
-
-    def calc(self, expr: str, value: int) -> str:
-        """`expr` computed with its calculator annotation, in the running item's unit (GSM8K's `$4*5=$<<4*5=20>>20`
-        for dollars)."""
-        if self.item.money:
-            return f"${expr}=$<<{expr}={value}>>{value}"
-        return f"{expr}=<<{expr}={value}>>{value} {self.item.noun(value)}"
 
     def distract(self) -> None:
         """A sentence with a quantity the solution never uses, before a sentence that does not open on a pronoun."""
@@ -208,11 +156,12 @@ def _choose(rng: random.Random, b: _Builder, pool: tuple[Phrasing, ...], spec: S
         raise Retry("no phrasing fits")
     op = rng.choice(ops)
     said = [p for p in fits if p.op == op]
-    return rng.choice([p for p in said if p.key not in b.used] or said)  # another phrasing when there is one
+    return rng.choice([p for p in said if p.key not in b.used] or said)
 
 
-def build(rng: random.Random, spec: Spec) -> Problem:
-    """One candidate problem of `spec`; raises Retry when the draw does not work out."""
+def build(rng: random.Random, spec: Spec) -> tuple[str, str, Wording]:
+    """The question, worked solution and wording of one candidate problem of `spec`; Retry when the draw does not
+    work out."""
     frame = rng.choice([f for f in spec.frames if f.big or not spec.big])
     b = _Builder(rng, frame, spec.big)
     forced = rng.randrange(spec.steps) if spec.forced else -1
@@ -227,6 +176,4 @@ def build(rng: random.Random, spec: Spec) -> Problem:
     ask = fill(phrasing.ask or frame.ask, b.words(), {}, b.item)  # about what the last step left
     if spec.distractor:
         b.distract()
-    question = " ".join(b.sentences + [ask])
-    answer = "\n".join(b.lines + [f"#### {b.value}"])
-    return Problem(question, answer, tuple(b.steps), frame.key, tuple(b.used))
+    return " ".join(b.sentences + [ask]), "\n".join(b.lines + [f"#### {b.value}"]), Wording(frame.key, tuple(b.used))

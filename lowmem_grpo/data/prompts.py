@@ -1,9 +1,6 @@
-"""Turn GSM8K rows into prompts: system prompt + question, rendered with the model's chat template (docs/data.md).
-
-Prompts are rendered to text here, not left as message lists, so that an assistant prefill can follow the generation
-prompt and the length TRL sees is the length measured here: TRL 1.x never truncates prompts, so the
-`max_prompt_length` rule is applied in this module.
-"""
+"""GSM8K rows as prompts: system prompt + question, rendered to text with the model's chat template (docs/data.md),
+so an assistant prefill can follow the generation prompt, and the `max_prompt_length` rule applied here (TRL 1.x
+never truncates prompts)."""
 
 from __future__ import annotations
 
@@ -17,22 +14,12 @@ from lowmem_grpo.rewards.parsing import gold_number
 log = logging.getLogger(__name__)
 
 
-def messages_for(question: str, system_prompt: str) -> list[dict[str, str]]:
-    """The conversation of one problem: the format instruction, then the question."""
+def render_prompt(tokenizer: Any, question: str, system_prompt: str, prefill: str = "") -> str:
+    """Chat-template text that generation continues from, with the prefill appended; a leading BOS is dropped from
+    the text when the tokenizer adds one itself (no prompt tokenized with two)."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
-    return messages
-
-
-def render_prompt(tokenizer: Any, question: str, system_prompt: str, prefill: str = "") -> str:
-    """Chat-template text that generation continues from, with the prefill appended.
-
-    A leading BOS token is dropped from the text when the tokenizer adds one itself, so that the
-    prompt is not tokenized with two BOS tokens.
-    """
-    text = tokenizer.apply_chat_template(
-        messages_for(question, system_prompt), tokenize=False, add_generation_prompt=True
-    )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     bos = getattr(tokenizer, "bos_token", None)
     if bos and text.startswith(bos):
         ids = tokenizer("x")["input_ids"]
@@ -60,67 +47,47 @@ def _truncate_question(tokenizer: Any, question: str, system_prompt: str, prefil
     return None
 
 
-def build_examples(
-    rows: list[dict[str, str]],
-    tokenizer: Any,
-    system_prompt: str,
-    prefill: str,
-    max_prompt_length: int,
-    long_prompts: str = "filter",
-) -> list[dict[str, Any]]:
-    """Examples with `prompt` (rendered text), `answer` (gold number), `question`, `solution`, `prefill`.
-
-    Raises DataError when no prompt fits `max_prompt_length`.
-    """
+def build_examples(rows: list[dict[str, str]], tokenizer: Any, system_prompt: str, prefill: str,
+                   max_prompt_length: int, long_prompts: str = "filter") -> list[dict[str, Any]]:
+    """Examples with `prompt` (rendered text), `answer` (gold number), `question`, `solution`, `prefill`; DataError
+    when no prompt fits `max_prompt_length`."""
     examples, dropped, truncated = [], 0, 0
     for row in rows:
-        text = render_prompt(tokenizer, row["question"], system_prompt, prefill)
+        text: str | None = render_prompt(tokenizer, row["question"], system_prompt, prefill)
         if prompt_length(tokenizer, text) > max_prompt_length:
-            if long_prompts == "truncate":
-                text = _truncate_question(tokenizer, row["question"], system_prompt, prefill, max_prompt_length)
-                truncated += text is not None
-            else:
-                text = None
+            text = (_truncate_question(tokenizer, row["question"], system_prompt, prefill, max_prompt_length)
+                    if long_prompts == "truncate" else None)
+            truncated += text is not None
             if text is None:
                 dropped += 1
                 continue
-        examples.append({
-            "prompt": text,
-            "answer": gold_number(row["answer"]),
-            "question": row["question"],
-            "solution": row["answer"],
-            "prefill": prefill,
-        })
+        examples.append({"prompt": text, "answer": gold_number(row["answer"]), "question": row["question"],
+                         "solution": row["answer"], "prefill": prefill})
     if dropped or truncated:
         log.info("prompt length rule (max %d tokens): %d dropped, %d truncated, %d kept",
                  max_prompt_length, dropped, truncated, len(examples))
     if not examples:
         raise DataError(
             f"no prompt fits data.max_prompt_length={max_prompt_length} tokens ({dropped} of {len(rows)} too long)",
-            fix="raise data.max_prompt_length (and model.max_seq_length), or use data.long_prompts=truncate",
-        )
+            fix="raise data.max_prompt_length (and model.max_seq_length), or use data.long_prompts=truncate")
     return examples
 
 
 def recipe_examples(rows: list[dict[str, str]], tokenizer: Any, data: Any) -> list[dict[str, Any]]:
-    """`build_examples` with the prompt settings of a recipe's data section (system prompt, prefill, length rule)."""
+    """`build_examples` with the prompt settings of a recipe's data section."""
     return build_examples(rows, tokenizer, data.system_prompt, data.prefill, data.max_prompt_length, data.long_prompts)
 
 
 def with_problem_columns(examples: list[dict[str, Any]], generated: bool) -> list[dict[str, Any]]:
-    """The examples with `problem_id` (their index, stable within a run) and `level` (the generated problem's
-    difficulty from its question and worked solution, lowmem_grpo.data.generated.level_of; 0 for other data),
-    the columns dynamic sampling and the curriculum key their statistics by. Reward functions receive them as
-    keyword arguments, which they take through **kwargs."""
+    """The examples with `problem_id` (their index) and `level` (`level_of` a generated problem, else 0), the columns
+    dynamic sampling and the curriculum key their statistics by (rewards take them through **kwargs)."""
     return [{**ex, "problem_id": i, "level": level_of(ex["question"], ex["solution"]) if generated else 0}
             for i, ex in enumerate(examples)]
 
 
 def grpo_examples(examples: list[dict[str, Any]], data: Any) -> list[dict[str, Any]]:
-    """The examples GRPO draws from: those of data.generated.grpo_levels (by lowmem_grpo.data.generated.level_of),
-    in the shares it names ("1,2,2,2": a quarter one-step, three quarters two-step; the most examples that keep
-    those shares, in their order), every example when it is unset. Priming and the stage evaluations keep every
-    level."""
+    """The examples GRPO draws from: those of data.generated.grpo_levels in the shares it names ("1,2,2,2": a quarter
+    one-step, three quarters two-step; the most examples that keep those shares, in their order), else all."""
     spec = data.generated.grpo_levels  # validate refuses it unless data.source=generated
     if spec is None:
         return examples

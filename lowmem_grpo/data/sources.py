@@ -1,32 +1,18 @@
-"""GSM8K sources: the hub, local files, and the embedded sample shipped in the package.
-
-Every source yields rows `{"question": str, "answer": str}` where answer is a worked solution
-ending in "#### N", checked here so that a malformed file fails before any model loads.
-"""
+"""GSM8K sources: the hub, local files, the embedded sample shipped in the package, and generated problems. Every
+row is checked to be `{"question": str, "answer": str}` ending in "#### N" before any model loads."""
 
 from __future__ import annotations
 
 import json
-import logging
 import random
 from pathlib import Path
 from typing import Any
 
 from lowmem_grpo.errors import DataError
-
-log = logging.getLogger(__name__)
+from lowmem_grpo.rewards.parsing import gold_number
 
 EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "resources" / "gsm8k"
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def embedded_path(split: str) -> Path:
-    """The shipped jsonl file of one split (train or test)."""
-    path = EMBEDDED_DIR / f"{split}.jsonl"
-    if not path.exists():
-        known = sorted(p.stem for p in EMBEDDED_DIR.glob("*.jsonl"))
-        raise DataError(f"the embedded sample has no split {split!r}", fix=f"use one of {', '.join(known)}")
-    return path
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -37,14 +23,24 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})", fix="write one JSON object per line") from exc
+            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})",
+                            fix="write one JSON object per line") from exc
     return rows
+
+
+def _load_dataset(args: tuple[str, ...], kwargs: dict[str, str], failure: str, fix: str) -> list[dict[str, Any]]:
+    import datasets  # heavy: only for the sources that need it
+
+    try:
+        table = datasets.load_dataset(*args, **kwargs)
+    except Exception as exc:
+        raise DataError(f"{failure}: {exc}", fix=fix) from exc
+    return [dict(row) for row in table]
 
 
 def _read_file(path: Path, split: str) -> list[dict[str, Any]]:
     if path.is_dir():
-        candidates = [path / f"{split}{ext}" for ext in FILE_FORMATS]
-        found = [c for c in candidates if c.exists()]
+        found = [path / f"{split}{ext}" for ext in FILE_FORMATS if (path / f"{split}{ext}").exists()]
         if not found:
             raise DataError(f"{path}: folder holds no {split}.jsonl/.json/.parquet/.csv",
                             fix=f"name the file {split}.jsonl (or .json, .parquet, .csv)")
@@ -54,30 +50,12 @@ def _read_file(path: Path, split: str) -> list[dict[str, Any]]:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}", fix="use .jsonl, .json, .parquet or .csv")
     if path.suffix.lower() == ".jsonl":
         return _read_jsonl(path)
-    import datasets  # heavy: only for the formats that need it
-
-    try:
-        table = datasets.load_dataset(fmt, data_files=str(path), split="train")
-    except Exception as exc:
-        raise DataError(f"{path}: could not be read as {fmt}: {exc}", fix="check the file's format") from exc
-    return [dict(row) for row in table]
-
-
-def _read_hub(name: str, config: str, split: str) -> list[dict[str, Any]]:
-    import datasets
-
-    try:
-        table = datasets.load_dataset(name, config, split=split)
-    except Exception as exc:
-        raise DataError(f"could not load {name} ({config}, split {split}) from the hub: {exc}",
-                        fix="check the network and the dataset id, or use data.source=embedded or a local file") from exc
-    return [dict(row) for row in table]
+    return _load_dataset((fmt,), {"data_files": str(path), "split": "train"}, f"{path}: could not be read as {fmt}",
+                         "check the file's format")
 
 
 def check_rows(rows: list[dict[str, Any]], origin: str) -> list[dict[str, str]]:
     """Keep question/answer, and require every answer to end in '#### N'."""
-    from lowmem_grpo.rewards.parsing import gold_number
-
     if not rows:
         raise DataError(f"{origin}: the dataset is empty", fix="point data.source at a file with problems in it")
     missing = [c for c in ("question", "answer") if c not in rows[0]]
@@ -101,9 +79,8 @@ def check_rows(rows: list[dict[str, Any]], origin: str) -> list[dict[str, str]]:
 
 def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_config: str = "main",
               generated: Any = None, stories: str = "all") -> list[dict[str, str]]:
-    """Rows of one split from `source`: hub, embedded, generated (with `generated`, the recipe's
-    data.generated section; `stories`: the test split's wording, lowmem_grpo.data.generated.WORDINGS), or a
-    file/folder path."""
+    """Rows of one split from `source`: hub, embedded, generated (`generated`: the recipe's data.generated section;
+    `stories`: the test split's wording, lowmem_grpo.data.generated.WORDINGS), or a file/folder path."""
     if source == "generated":
         from lowmem_grpo.data.generated import generate_rows
 
@@ -117,15 +94,26 @@ def load_rows(source: str, split: str, hub_name: str = "openai/gsm8k", hub_confi
                              operations=generated.operations)
         return check_rows(rows, f"generated {split}" + (f" ({stories} wording)" if stories != "all" else ""))
     if source == "embedded":
-        path = embedded_path(split)
-        return check_rows(_read_jsonl(path), f"embedded {split}")
+        return check_rows(_read_jsonl(embedded_path(split)), f"embedded {split}")
     if source == "hub":
-        return check_rows(_read_hub(hub_name, hub_config, split), f"{hub_name} {split}")
+        return check_rows(_load_dataset((hub_name, hub_config), {"split": split},
+                                        f"could not load {hub_name} ({hub_config}, split {split}) from the hub",
+                                        "check the network and the dataset id, or use data.source=embedded or a "
+                                        "local file"), f"{hub_name} {split}")
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"data.source {source!r}: no such file or folder",
                         fix="give an existing .jsonl/.json/.parquet/.csv path, or use hub or embedded")
     return check_rows(_read_file(path, split), str(path))
+
+
+def embedded_path(split: str) -> Path:
+    """The shipped jsonl file of one split (train or test)."""
+    path = EMBEDDED_DIR / f"{split}.jsonl"
+    if not path.exists():
+        known = sorted(p.stem for p in EMBEDDED_DIR.glob("*.jsonl"))
+        raise DataError(f"the embedded sample has no split {split!r}", fix=f"use one of {', '.join(known)}")
+    return path
 
 
 def source_exists(source: str) -> bool:

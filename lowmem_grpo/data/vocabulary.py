@@ -1,15 +1,12 @@
 """The vocabulary of the generated word problems (docs/data.md, "Wording: frames and phrasings"): FRAMES, the
-PHRASINGS of each operation, and the held-out ones. A phrasing is told in every frame whose item it fits
-(`Phrasing.needs` against `tags_of(frame, item)`), so the operation has to be read from the phrasing, whatever the
-frame.
+PHRASINGS of each operation, and the held-out ones. A phrasing is told in every frame whose item it fits.
 
-Templates: `{Sub}` is the holder as a sentence's subject (name or pronoun), `{Name}`/`{name}` the holder's name
-(capitalised / mid-sentence), `{he} {him} {his} {His}` its pronouns, `{Other}` the person a comparison introduces,
-`{rel}` a relative, `{receiver(s)}` who shares go to; the item's words (`Item.words`); numbers `{a}` (a start),
-`{b}` (an amount), `{g}` `{k}` (g containers of k, a multiplier, a divisor), `{p}` (a price), `{d}` (a
-distractor), each bare or as `{b:q}` "4 marbles" / "$4", `{b:more}` "4 more marbles" / "$4 more", `{b:fewer}`
-"4 fewer marbles" / "$4 less", `{b:of}` "4 of the marbles", `{p:$}` "$4". Solution lines add `{calc}`, the
-annotated computation in the result's unit. Standard library only.
+Template words: `{Sub}` the holder as a subject (name or pronoun), `{Name}`/`{name}` its name, `{he} {him} {his}
+{His}` its pronouns, `{Other}` a person a comparison introduces, `{rel}` a relative, `{receiver(s)}` who shares go
+to, and the item's words (`Item.words`). Numbers: `{a}` a start, `{b}` an amount, `{g}` `{k}` (g containers of k, a
+multiplier, a divisor), `{p}` a price, `{d}` a distractor; bare or as `{b:q}` "4 marbles" / "$4", `{b:more}` "4 more
+marbles", `{b:fewer}` "4 fewer marbles" / "$4 less", `{b:of}` "4 of the marbles", `{p:$}` "$4". Solution lines add
+`{calc}`, the annotated computation in the result's unit.
 """
 
 from __future__ import annotations
@@ -18,30 +15,24 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-NUMBER_FIELDS = frozenset("abgkpd")
-"""Template fields that are numbers (the rest are words)."""
+NUMBER_FIELDS = frozenset("abgkpd")  # template fields that are numbers (the rest are words)
 _FORMATTER = string.Formatter()
 
 
 @dataclass(frozen=True)
 class Item:
-    """What is counted: its nouns, the verbs it takes (`tags`), and the container it is kept in."""
+    """What is counted: its nouns for one and several ("meter of ribbon", "meters of ribbon"), the verbs it takes
+    (`tags`, a phrasing's `needs`), the (one, many, preposition) of the container it is kept in (None: no container
+    phrasings), the whole of it after "the" (`stuff`, empty: `many`), a measured item's unit (one, many) and whether
+    it is dollars (written "$4")."""
 
     one: str
-    """The noun for one: "marble", "meter of ribbon", "dollar"."""
     many: str
-    """The noun for several: "marbles", "meters of ribbon", "dollars"."""
     tags: frozenset[str]
-    """Verbs the item takes (a phrasing's `needs`): find, give, buy, earn, pick, win, make, collect, save, lose,
-    spend, eat, sell, use, arrange, share, ride."""
     container: tuple[str, str, str] | None = None
-    """(one, many, preposition) of what holds it: ("bag", "bags", "in"); None: no container phrasings."""
     stuff: str = ""
-    """The whole of it after "the": "marbles", "ribbon", "money"; empty = `many`."""
     unit: tuple[str, str] | None = None
-    """A measured item's unit, (one, many): "4 meters of the ribbon"."""
     money: bool = False
-    """Dollars, written "$4"."""
 
     @property
     def whole(self) -> str:
@@ -51,7 +42,6 @@ class Item:
         return self.one if n == 1 else self.many
 
     def amount(self, n: int, spec: str = "") -> str:
-        """The number `n` as a template writes it (see the module docstring for the specs)."""
         shown = f"{n:,}"
         if spec == "":
             return shown
@@ -65,7 +55,6 @@ class Item:
                 "fewer": f"{shown} fewer {self.noun(n)}"}[spec]
 
     def words(self) -> dict[str, str]:
-        """The item's template words."""
         mass = self.money or self.unit is not None
         one, many, prep = self.container or ("", "", "")
         return {"item": self.one, "items": self.many, "stuff": self.whole, "stuff_are": "is" if mass else "are",
@@ -78,60 +67,44 @@ class Item:
                 "group": "part" if mass else "group", "groups": "parts" if mass else "groups"}
 
 
-
 MONEY = Item("dollar", "dollars", frozenset({"earn", "save", "spend", "lose", "give", "find", "share"}),
              ("envelope", "envelopes", "in"), stuff="money", money=True)
-"""Dollars: the savings frame's item, and what a sale turns any sellable item into."""
+"""Dollars: the savings frame's item, and what a sale turns any item into."""
 
 
 @dataclass(frozen=True)
 class Frame:
-    """Who holds the quantity, what it is, where, and how a problem in it opens and asks."""
+    """Who holds the quantity, what it is, where: its name, the items one is drawn from per problem (no two frames
+    share a noun), the openings stating the start {a}, a thing holding the quantity ("the bus"; None: a person drawn
+    per problem), the question about the running quantity, distractor sentences with a {d} the solution never uses,
+    and whether it reads naturally with hundreds or thousands."""
 
     key: str
-    """The frame's name (HELDOUT_FRAMES, Wording.frame)."""
     items: tuple[Item, ...]
-    """What may be counted in it (one is drawn per problem); no two frames share an item noun."""
     openings: tuple[str, ...]
-    """First sentences stating the start amount {a}."""
     holder: str | None = None
-    """A thing holding the quantity ("the bus"); None: a person, drawn per problem."""
     ask: str = "{how_many} does {name} have now?"
-    """The question about the running quantity."""
     distract: tuple[str, ...] = ()
-    """Sentences with a quantity {d} the solution never uses (level 5)."""
     big: bool = True
-    """Reads naturally with hundreds or thousands (level 4)."""
-
-    @property
-    def tags(self) -> frozenset[str]:
-        return frozenset({"person"}) if self.holder is None else frozenset()
 
 
 @dataclass(frozen=True)
 class Phrasing:
-    """One way of saying one operation: the question sentence(s), the solution line, and where it may stand."""
+    """One way of saying one operation (+ - * /): its key ("add.finds"), the number it draws (amount {b}, groups {g}
+    of {k} as the problem's first quantity, times {k}, price {p} or divisor {k}), its question sentences (one drawn
+    per use), its solution line ({calc}), the tags the frame and item must have, its question when last (None: the
+    frame's), whether it may only stand last, and what it changes: "other" (a new person holds the result), "money"
+    (the result is dollars) or "container" (the result counts containers)."""
 
     key: str
-    """"op.name", e.g. "add.finds" (HELDOUT_PHRASINGS, Wording.phrasings)."""
     op: str
-    """The operation: + - * /."""
     draw: str
-    """The number it draws: amount ({b}), groups ({g} of {k}: the problem's first quantity), times ({k}), price
-    ({p}) or divisor ({k})."""
     says: tuple[str, ...]
-    """Question sentences, one drawn per use."""
     line: str
-    """The solution line; {calc} is the annotated computation."""
     needs: frozenset[str] = field(default_factory=frozenset)
-    """Tags the frame and the item must have (`person`: a person holds it; `container`: the item has one)."""
     ask: str | None = None
-    """The question when it is the last step; None: the frame's question about the running quantity."""
     last: bool = False
-    """Only as the last step (what is left is no longer the holder's running quantity)."""
     effect: str = ""
-    """What changes: "other" (a new person holds the result), "money" (the result is dollars), "container" (the
-    result counts containers)."""
 
     @property
     def start(self) -> bool:
@@ -198,7 +171,6 @@ PHRASINGS: tuple[Phrasing, ...] = (
     _p("div.keeps_one", "/", "divisor", "{Sub} sorts the {stuff} into {k} equal {groups} and keeps one {group}.",
        "{Sub} keeps {calc}.", "person share"),
 )
-"""Every phrasing, by operation."""
 
 
 def _item(one: str, many: str, tags: str, container: str = "", **kw: object) -> Item:
@@ -289,16 +261,13 @@ FRAMES: tuple[Frame, ...] = (
           ("A ferry leaves the dock with {a:q}.", "There are {a:q} on a small ferry."), holder="the ferry",
           ask="How many {items} are on {name} now?", distract=("The ferry is {d} meters long.",), big=False),
 )
-"""Every frame."""
 
 HELDOUT_FRAMES: tuple[str, ...] = ("stamps", "lemonade", "garden", "ferry")
-"""Frames the train split never tells a problem in: four of 24 (a collection, a measured item, a harvest, a
-vehicle), one of them (stamps) able to tell large numbers."""
+"""Frames the train split never tells: a collection, a measured item, a harvest, a vehicle."""
 
 HELDOUT_PHRASINGS: tuple[str, ...] = ("add.is_given", "add.more_than", "add.collects", "sub.gives_away", "sub.uses",
                                       "mul.rows_of", "mul.per_price", "div.each_gets", "div.same_each")
-"""Phrasings the train split never uses: at least one per operation, each a construction whose operation training
-teaches through other words ("n fewer than", "gives ... to", "each", "sells each ... for", "equally")."""
+"""Phrasings the train split never uses: at least one per operation, each taught through other words."""
 
 PEOPLE: tuple[tuple[str, bool], ...] = (
     ("Maya", True), ("Liam", False), ("Priya", True), ("Carlos", False), ("Hannah", True), ("Kenji", False),
@@ -311,6 +280,7 @@ RELATIVES = ("cousin", "neighbor", "best friend", "grandmother", "uncle", "aunt"
 RECEIVERS = (("friend", "friends"), ("classmate", "classmates"), ("cousin", "cousins"), ("teammate", "teammates"),
              ("neighbor", "neighbors"))
 
+
 def fill(template: str, words: Mapping[str, str], numbers: Mapping[str, int], item: Item) -> str:
     """A template written out: number fields in `item`'s words, the rest from `words`."""
     out = []
@@ -322,6 +292,5 @@ def fill(template: str, words: Mapping[str, str], numbers: Mapping[str, int], it
 
 
 def tags_of(frame: Frame, item: Item) -> frozenset[str]:
-    """What a phrasing's `needs` are checked against: the frame's and the item's tags, and `container` when the item
-    has one."""
-    return frame.tags | item.tags | ({"container"} if item.container else set())
+    """What a phrasing's `needs` are checked against: the item's tags, `person` and `container` where they apply."""
+    return item.tags | ({"person"} if frame.holder is None else set()) | ({"container"} if item.container else set())

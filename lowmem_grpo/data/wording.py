@@ -1,10 +1,8 @@
 """Reading a generated question back: its frame and the phrasing of each step, hence whether training saw them.
 
-`wording_of(question)` matches the first sentence against each frame's openings (and the products that can open a
-problem in it) and every later sentence against each phrasing's templates, with the vocabulary's own words in every
-slot (lowmem_grpo.data.vocabulary). The generator keeps only problems it reads back exactly, so the answer is right
-for every generated question, also after `check_rows` dropped every column but question and answer. Standard
-library only.
+The first sentence is matched against each frame's openings (and the products that can open a problem in it), every
+later one against each phrasing's templates, with the vocabulary's own words in every slot. The generator keeps only
+problems it reads back exactly, so the answer holds for every generated question, also after `check_rows`.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ def _alt(options: Iterable[str]) -> str:
 
 
 def _item_patterns(items: Sequence[Item]) -> dict[str, str]:
-    """Slot -> regex for the item-dependent slots and number fields, over `items`."""
     words = [i.words() for i in items]
     slots = {k: _alt(w[k] for w in words if w[k]) for k in words[0]}
     for spec in ("", "q", "more", "fewer", "of", "$"):
@@ -62,8 +59,7 @@ def _pattern(templates: Iterable[str], items: Sequence[Item]) -> re.Pattern[str]
 
 @functools.cache
 def _patterns() -> tuple[tuple[tuple[str, re.Pattern[str]], ...], tuple[tuple[str, re.Pattern[str]], ...]]:
-    """(phrasing key, its sentences) and (frame key, its first sentences: the openings and the products that can
-    open a problem in it); compiled on first use (a third of a second), not at import."""
+    """(phrasing key, its sentences) and (frame key, its first sentences); compiled on first use, not at import."""
     items = sorted({i for f in FRAMES for i in f.items} | {MONEY}, key=lambda i: i.one)
     phrasings = tuple((p.key, _pattern(p.says, items)) for p in PHRASINGS)
     firsts = tuple((f.key, _pattern(f.openings + tuple(s for p in PHRASINGS if p.start and any(
@@ -83,43 +79,29 @@ class Wording:
 
     @property
     def frame_seen(self) -> bool:
-        """The train split tells problems in this frame."""
         return self.frame not in HELDOUT_FRAMES
 
     @property
     def phrasing_seen(self) -> bool:
-        """The train split uses every one of these phrasings."""
         return not set(self.phrasings) & set(HELDOUT_PHRASINGS)
 
     @property
-    def seen(self) -> bool:
-        """Training saw both the frame and every phrasing."""
-        return self.frame_seen and self.phrasing_seen
-
-    @property
     def group(self) -> str:
-        """"seen", or "heldout" (a frame or a phrasing training never saw)."""
-        return "seen" if self.seen else "heldout"
-
-
-def frame_of(question: str) -> str | None:
-    """The frame (`Frame.key`) a generated question is told in, from its first sentence; None for a question no
-    frame opens that way (e.g. a real GSM8K problem)."""
-    first = _SENTENCE_END.split(question.strip(), maxsplit=1)[0]
-    found = [key for key, pattern in _patterns()[1] if pattern.fullmatch(first)]
-    return found[0] if len(found) == 1 else None
+        """"seen" (training saw the frame and every phrasing), or "heldout"."""
+        return "seen" if self.frame_seen and self.phrasing_seen else "heldout"
 
 
 def wording_of(question: str) -> Wording | None:
-    """The frame and the phrasings of a generated question (None when it is not one): each sentence before the
-    question is a step's phrasing, the frame's opening, or a distractor. A sentence that several phrasings could
-    have said reads as "?" (the generator never keeps such a question)."""
-    frame = frame_of(question)
-    if frame is None:
+    """The frame and the phrasings of a generated question; None when no frame opens it that way (e.g. a real GSM8K
+    problem). Each sentence before the question is a step's phrasing, the opening, or a distractor; a sentence that
+    several phrasings could have said reads as "?" (the generator never keeps such a question)."""
+    sentences = _SENTENCE_END.split(question.strip())
+    frames = [key for key, pattern in _patterns()[1] if pattern.fullmatch(sentences[0])]
+    if len(frames) != 1:
         return None
     found = []
-    for sentence in _SENTENCE_END.split(question.strip())[:-1]:
+    for sentence in sentences[:-1]:
         keys = [key for key, pattern in _patterns()[0] if pattern.fullmatch(sentence)]
         if keys:
             found.append(keys[0] if len(keys) == 1 else "?")
-    return Wording(frame, tuple(found))
+    return Wording(frames[0], tuple(found))

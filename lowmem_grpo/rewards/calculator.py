@@ -1,14 +1,12 @@
 """A calculator for GSM8K-style arithmetic: exact, bounded, and never `eval` (docs/rewards.md, "The calculator").
 
-The sampling engine forces `forced_text(EXPR)`, e.g. `45>>`, into a row whose text ends in `<<EXPR=`
-(`pending_expression`). `evaluate` is a hand-written tokenizer and recursive-descent parser over numbers and
-`+ - * / ( )` in exact rational arithmetic, every size bounded, so no text the model writes can make it slow, raise
-or run code. `calculations` finds every arithmetic statement of a completion, and `outcome` sorts a wrong answer by
-what went wrong in its last one. Standard library only.
+The sampling engine forces `forced_text(EXPR)` (e.g. `45>>`) after a row's open `<<EXPR=`; `calculations` finds the
+arithmetic statements of a completion, and `outcome` sorts a wrong answer by what went wrong in its last one.
 """
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -16,25 +14,13 @@ from typing import Any
 
 from .parsing import gold_value, parse_number
 
-MAX_EXPRESSION_CHARS = 120
-"""Longest expression evaluated, in characters (longer ones give None without being read)."""
-MAX_TOKENS = 64
-"""Most tokens (numbers, operators, parentheses) in one expression."""
-MAX_DEPTH = 8
-"""Deepest parenthesis nesting."""
-MAX_MAGNITUDE = 10**15
-"""Largest absolute value of any literal and of any intermediate result."""
-MAX_DENOMINATOR = 10**12
-"""Largest denominator of any intermediate result (in lowest terms)."""
-MAX_DECIMALS = 12
-"""Most digits after a literal's decimal point."""
-RESULT_DECIMALS = 6
-"""Decimal places `format_result` rounds a result to when it does not terminate within them."""
-
-OUTCOMES: tuple[str, ...] = (
-    "correct", "wrong_operation", "wrong_arithmetic", "both_wrong", "no_expression", "other",
-)
-"""Every `outcome` of an answer, in the order reports list them."""
+MAX_EXPRESSION_CHARS = 120  # longer expressions give None without being read
+MAX_TOKENS = 64  # numbers, operators and parentheses in one expression
+MAX_DEPTH = 8  # parenthesis nesting
+MAX_MAGNITUDE = 10**15  # of any literal and any intermediate result
+MAX_DENOMINATOR = 10**12  # of any intermediate result, in lowest terms
+MAX_DECIMALS = 12  # digits after a literal's decimal point
+RESULT_DECIMALS = 6  # places `format_result` rounds a non-terminating result to
 
 OUTCOME_DESCRIPTIONS: dict[str, str] = {
     "correct": "correct answer",
@@ -44,20 +30,20 @@ OUTCOME_DESCRIPTIONS: dict[str, str] = {
     "no_expression": "no arithmetic written",
     "other": "right last calculation, wrong answer (e.g. copied wrongly)",
 }
-"""One line per outcome, for tables."""
+"""Every `outcome` of an answer, in the order reports list them, with its line for tables."""
+OUTCOMES: tuple[str, ...] = tuple(OUTCOME_DESCRIPTIONS)
 
 
 class _Reject(Exception):
-    """Internal: the expression is outside what the calculator accepts."""
+    """The expression is outside what the calculator accepts."""
 
 
-_OPERATORS = frozenset("+-*/()")
-_SPACE = frozenset(" \t")
-_NUMBER_START = frozenset("0123456789.$")
-_DIGITS = frozenset("0123456789")
-# An unsigned literal: thousands in proper groups of three, or plain digits; an optional decimal part
-# (or a bare ".5"). ASCII digits only ([0-9], not \d, which takes any Unicode digit).
-_LITERAL_RE = re.compile(r"(?:([0-9]{1,3}(?:,[0-9]{3})+)(?![0-9,])|([0-9]+))(?:\.([0-9]+))?|\.([0-9]+)")
+# An operator, or a literal: an optional "$", thousands in proper groups of three or plain digits, an optional
+# decimal part (or a bare ".5"), not run on by a digit, "," "." or "$" ("1,2", "1.2.3", "5$"). ASCII digits only.
+_TOKEN_RE = re.compile(r"[ \t]*(?:([-+*/()])|(\$?(?:(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9,])|[0-9]+)(?:\.[0-9]+)?"
+                       r"|\.[0-9]+)(?![0-9,.$])))")
+_OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+_PRECEDENCE = (("+", "-"), ("*", "/"))
 
 
 def _checked(value: Fraction) -> Fraction:
@@ -66,140 +52,88 @@ def _checked(value: Fraction) -> Fraction:
     return value
 
 
-def _literal(expr: str, start: int) -> tuple[Fraction, int]:
-    """The number literal at `start` (an optional "$" first) and the index after it."""
-    pos = start + 1 if expr[start] == "$" else start
-    match = _LITERAL_RE.match(expr, pos)
-    if match is None:
-        raise _Reject
-    end = match.end()
-    if end < len(expr) and (expr[end] in _DIGITS or expr[end] in ",.$"):
-        raise _Reject  # "1,2", "1.2.3", "5$"
-    grouped, plain, decimals, bare = match.groups()
-    whole = (grouped or "").replace(",", "") or plain or "0"
-    frac = decimals if decimals is not None else bare
-    if frac is not None and len(frac) > MAX_DECIMALS:
-        raise _Reject
-    value = Fraction(int(whole)) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)
-    return _checked(value), end
-
-
-def _tokens(expr: str) -> list[tuple[str, Fraction | None]]:
-    tokens: list[tuple[str, Fraction | None]] = []
-    pos = 0
-    while pos < len(expr):
-        char = expr[pos]
-        if char in _SPACE:
-            pos += 1
+def _tokens(expr: str) -> list[str | Fraction]:
+    tokens: list[str | Fraction] = []
+    pos, end = 0, len(expr.rstrip(" \t"))
+    while pos < end:
+        match = _TOKEN_RE.match(expr, pos)
+        if match is None or len(tokens) == MAX_TOKENS:
+            raise _Reject
+        pos = match.end()
+        symbol, literal = match.groups()
+        if symbol:
+            tokens.append(symbol)
             continue
-        if char in _OPERATORS:
-            tokens.append((char, None))
-            pos += 1
-        elif char in _NUMBER_START:
-            value, pos = _literal(expr, pos)
-            tokens.append(("n", value))
-        else:
+        whole, _, decimals = literal.lstrip("$").replace(",", "").partition(".")
+        if len(decimals) > MAX_DECIMALS:
             raise _Reject
-        if len(tokens) > MAX_TOKENS:
-            raise _Reject
+        tokens.append(_checked(Fraction(int(whole + decimals), 10 ** len(decimals))))
     return tokens
 
 
-class _Parser:
-    """expr := term (("+"|"-") term)*; term := unary (("*"|"/") unary)*; unary := "-"? primary;
+def _parse(tokens: list[str | Fraction]) -> Fraction:
+    """Recursive descent: expr := term (("+"|"-") term)*; term := unary (("*"|"/") unary)*; unary := "-"? primary;
     primary := number | "(" expr ")". One minus at most per operand ("--1" is refused)."""
+    pos = 0
 
-    def __init__(self, tokens: list[tuple[str, Fraction | None]]) -> None:
-        self.tokens = tokens
-        self.pos = 0
-        self.depth = 0
-
-    def peek(self) -> str | None:
-        return self.tokens[self.pos][0] if self.pos < len(self.tokens) else None
-
-    def take(self) -> tuple[str, Fraction | None]:
-        if self.pos >= len(self.tokens):
+    def take() -> str | Fraction:
+        nonlocal pos
+        if pos == len(tokens):
             raise _Reject
-        token = self.tokens[self.pos]
-        self.pos += 1
-        return token
+        pos += 1
+        return tokens[pos - 1]
 
-    def parse(self) -> Fraction:
-        value = self.expr()
-        if self.pos != len(self.tokens):
-            raise _Reject  # trailing tokens: "2(3)", "1)"
-        return value
-
-    def expr(self) -> Fraction:
-        value = self.term()
-        while self.peek() in ("+", "-"):
-            op, _ = self.take()
-            right = self.term()
-            value = _checked(value + right if op == "+" else value - right)
-        return value
-
-    def term(self) -> Fraction:
-        value = self.unary()
-        while self.peek() in ("*", "/"):
-            op, _ = self.take()
-            right = self.unary()
-            if op == "/" and right == 0:
-                raise _Reject
-            value = _checked(value * right if op == "*" else value / right)
-        return value
-
-    def unary(self) -> Fraction:
-        if self.peek() == "-":
-            self.take()
-            return -self.primary()
-        return self.primary()
-
-    def primary(self) -> Fraction:
-        kind, value = self.take()
-        if kind == "n":
-            assert value is not None
+    def operand(level: int, depth: int) -> Fraction:
+        if level < len(_PRECEDENCE):
+            value = operand(level + 1, depth)
+            while pos < len(tokens) and tokens[pos] in _PRECEDENCE[level]:
+                sign = take()
+                right = operand(level + 1, depth)
+                if sign == "/" and right == 0:
+                    raise _Reject
+                value = _checked(_OPERATIONS[sign](value, right))  # type: ignore[index]
             return value
-        if kind != "(":
+        token = take()
+        negative = token == "-"
+        if negative:
+            token = take()
+        if token == "(":
+            if depth == MAX_DEPTH:
+                raise _Reject
+            token = operand(0, depth + 1)
+            if take() != ")":
+                raise _Reject
+        elif not isinstance(token, Fraction):
             raise _Reject
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise _Reject
-        inner = self.expr()
-        if self.take()[0] != ")":
-            raise _Reject
-        self.depth -= 1
-        return inner
+        return -token if negative else token
+
+    value = operand(0, 0)
+    if pos != len(tokens):
+        raise _Reject  # trailing tokens: "2(3)", "1)"
+    return value
 
 
 def evaluate(expr: Any) -> Fraction | None:
     """The exact value of an arithmetic expression, or None when the calculator does not accept it.
 
-    Accepted: numbers (``12``, ``3.5``, ``.5``, ``1,200``, an optional leading ``$``), ``+ - * /``,
-    parentheses, one unary minus per operand, spaces. Refused (None): anything else (letters, ``**``,
-    ``^``, ``%``, ``=``, Unicode digits), empty or unbalanced text, division by zero, and anything
-    past the bounds (`MAX_EXPRESSION_CHARS`, `MAX_TOKENS`, `MAX_DEPTH`, `MAX_MAGNITUDE`,
-    `MAX_DENOMINATOR`, `MAX_DECIMALS`). Never raises; the text is never executed.
+    Accepted: numbers (``12``, ``3.5``, ``.5``, ``1,200``, an optional leading ``$``), ``+ - * /``, parentheses, one
+    unary minus per operand, spaces. Anything else, and anything past the MAX_* bounds, is None; never raises.
     """
     if not isinstance(expr, str) or len(expr) > MAX_EXPRESSION_CHARS:
         return None
     try:
         tokens = _tokens(expr)
-        return _Parser(tokens).parse() if tokens else None
+        return _parse(tokens) if tokens else None
     except _Reject:
         return None
 
 
 def format_result(value: Fraction | int) -> str:
-    """The text of a result, as the engine forces it: ``45``, ``-3``, ``3.5``, ``0.333333``.
-
-    Integers are plain digits; a value with at most `RESULT_DECIMALS` decimal places is written
-    exactly; any other is rounded (half away from zero) to that many places, trailing zeros
-    stripped. No thousands separators.
-    """
+    """The text of a result as the engine forces it (``45``, ``-3``, ``3.5``, ``0.333333``): exact up to
+    `RESULT_DECIMALS` places, else rounded half away from zero, trailing zeros stripped, no thousands separators."""
     value = Fraction(value)
     scale = 10**RESULT_DECIMALS
-    scaled = abs(value) * scale
-    units = int(scaled + Fraction(1, 2))  # round half away from zero
+    units = int(abs(value) * scale + Fraction(1, 2))
     whole, frac = divmod(units, scale)
     text = str(whole)
     if frac:
@@ -209,43 +143,37 @@ def format_result(value: Fraction | int) -> str:
 
 def pending_expression(text: str) -> str | None:
     """EXPR when `text` ends with an open calculator call ``<<EXPR=`` (no ``>>`` after the ``<<``); else None.
-    Only the last `MAX_EXPRESSION_CHARS` + 3 characters are read (a longer EXPR would not evaluate anyway); an EXPR
-    holding ``=``, ``<``, ``>`` or a newline, or only spaces, is not a pending call."""
+    Only the last `MAX_EXPRESSION_CHARS` + 3 characters are read; an EXPR holding ``=``, ``<``, ``>`` or a newline,
+    or only spaces, is not a pending call."""
     if not text or text[-1] != "=":
         return None
     tail = text[-(MAX_EXPRESSION_CHARS + 3):]
     opened = tail.rfind("<<")
-    if opened < 0:
-        return None
     expr = tail[opened + 2:-1]
-    if not expr.strip() or any(char in expr for char in "=<>\n"):
+    if opened < 0 or not expr.strip() or any(char in expr for char in "=<>\n"):
         return None
     return expr
 
 
 def forced_text(expr: str) -> str | None:
-    """What the engine forces after ``<<EXPR=``: the result and ``>>`` (``"45>>"``), or None when
-    EXPR does not evaluate (then nothing is forced)."""
+    """What the engine forces after ``<<EXPR=``: the result and ``>>`` (``"45>>"``), or None (nothing forced)."""
     value = evaluate(expr)
     return None if value is None else format_result(value) + ">>"
 
 
 @dataclass(frozen=True)
 class Calculation:
-    """One arithmetic statement of a completion."""
+    """One arithmetic statement of a completion: its expression as written (stripped), its exact value (None when
+    the calculator refuses it), the number written after ``=`` (None when unreadable), and whether it is an
+    annotation ``<<E=C>>`` rather than plain text ``E = C``."""
 
     expr: str
-    """The expression as written (stripped), e.g. ``49-4``."""
     value: Fraction | None
-    """Its exact value (`evaluate`), or None when the calculator does not accept it."""
     written: Fraction | None
-    """The number written after ``=`` (for an annotation ``<<E=C>>``, its C), or None when unreadable."""
     annotation: bool
-    """True for a calculator annotation ``<<E=C>>``, False for plain text ``E = C``."""
 
     @property
     def arithmetic_right(self) -> bool:
-        """The written result equals the exact value."""
         return self.value is not None and self.written == self.value
 
 
@@ -256,7 +184,6 @@ _WRITTEN_RE = re.compile(r"[ \t]*(-?\$?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9
 _EQUALS_RE = re.compile(r"[0-9)][ \t]*=")
 _SENTENCE_BREAK_RE = re.compile(r"[.,][ \t]")
 _BINARY_RE = re.compile(r"[0-9)][ \t]*[-+*/]")
-_MASK = "\0"
 
 
 def _as_fraction(number: str) -> Fraction | None:
@@ -265,46 +192,36 @@ def _as_fraction(number: str) -> Fraction | None:
 
 
 def _plain_expression(text: str, equals: int) -> str | None:
-    """The expression written just before the "=" at `equals`: the run of expression characters
-    (at most `MAX_EXPRESSION_CHARS`) after the last ", " or ". " (prose punctuation, never inside a
-    number), without leading punctuation or unmatched "(" of the prose."""
+    """The expression just before the "=" at `equals`: the run of expression characters (at most
+    `MAX_EXPRESSION_CHARS`) after the last ", " or ". ", without the prose's leading punctuation or unmatched "("."""
     start = equals
     while start > 0 and equals - start < MAX_EXPRESSION_CHARS and text[start - 1] in _EXPRESSION_CHARS:
         start -= 1
     expr = _SENTENCE_BREAK_RE.split(text[start:equals])[-1].strip().lstrip(".,").strip()
     while expr.startswith("(") and expr.count("(") > expr.count(")"):
         expr = expr[1:].lstrip()
-    if not expr or _BINARY_RE.search(expr) is None:
-        return None  # "x = 5", "-5 = -5": no binary operator
-    return expr
+    return expr if _BINARY_RE.search(expr) else None  # "x = 5", "-5 = -5": no binary operator
 
 
 def calculations(text: str) -> list[Calculation]:
-    """Every arithmetic statement in `text`, in order: calculator annotations ``<<E=C>>`` and plain
-    ones such as ``12 - 5 = 7`` (an expression with at least one binary operator, ``=``, a number).
-
-    Linear in the length of `text`; an annotation's inside is not read a second time as plain text.
-    """
-    if not text:
-        return []
-    found: list[tuple[int, Calculation]] = []
-    for match in _ANNOTATION_RE.finditer(text):
-        expr = match.group(1).strip()
-        found.append((match.start(), Calculation(expr, evaluate(expr), _as_fraction(match.group(2)), True)))
-    masked = _ANNOTATION_RE.sub(lambda m: _MASK * len(m.group(0)), text) if found else text
+    """Every arithmetic statement in `text`, in order: annotations ``<<E=C>>`` and plain ones such as ``12 - 5 = 7``
+    (an expression with a binary operator, ``=``, a number). Linear in the length; an annotation is read once."""
+    found = [(match.start(), Calculation(match.group(1).strip(), evaluate(match.group(1).strip()),
+                                         _as_fraction(match.group(2)), True))
+             for match in _ANNOTATION_RE.finditer(text or "")]
+    masked = _ANNOTATION_RE.sub(lambda m: "\0" * len(m.group(0)), text or "")
     for candidate in _EQUALS_RE.finditer(masked):  # an "=" after a digit or ")", a number after it
         equals = candidate.end() - 1
         written = _WRITTEN_RE.match(masked, equals + 1)
         expr = _plain_expression(masked, equals) if written is not None else None
         if expr is not None:
             found.append((equals, Calculation(expr, evaluate(expr), _as_fraction(written.group(1)), False)))
-    found.sort(key=lambda item: item[0])
-    return [calc for _, calc in found]
+    return [calc for _, calc in sorted(found, key=lambda item: item[0])]
 
 
 def reasoning_text(text: str) -> str:
     """The part of a completion before its first ``<answer>`` (all of it when there is none)."""
-    return text.partition("<answer>")[0] if text else ""
+    return (text or "").partition("<answer>")[0]
 
 
 def last_calculation(text: str) -> Calculation | None:
@@ -314,16 +231,14 @@ def last_calculation(text: str) -> Calculation | None:
 
 
 def outcome(completion_text: str, gold: Any, answer_correct: bool) -> str:
-    """What an answer got wrong, one of `OUTCOMES` (OUTCOME_DESCRIPTIONS), judged on the last calculation of its
-    reasoning: its exact value against the gold answer (a number or a GSM8K solution ending in ``#### N``), and its
-    written result against its exact value."""
+    """What an answer got wrong (OUTCOMES), judged on the last calculation of its reasoning: its exact value against
+    the gold answer (a number or a solution ending in ``#### N``), its written result against its exact value."""
     if answer_correct:
         return "correct"
-    calc = last_calculation(completion_text or "")
+    calc = last_calculation(completion_text)
     if calc is None:
         return "no_expression"
     target = gold_value(gold)
-    value_right = calc.value is not None and target is not None and calc.value == Fraction(target)
-    if value_right:
+    if calc.value is not None and target is not None and calc.value == Fraction(target):
         return "other" if calc.arithmetic_right else "wrong_arithmetic"
     return "wrong_operation" if calc.arithmetic_right else "both_wrong"

@@ -1,11 +1,6 @@
-"""Where a chain of calculations broke: a wrong answer to a problem of several steps, judged step by step.
-
-A worked solution (GSM8K's, or the generator's) annotates each step `<<16-9=7>>`; its steps' results, in order,
-are the gold chain (`gold_chain`). `chain_outcome` compares a completion's calculations (the calculator's
-`calculations` of its reasoning) with that chain and names where it broke (CHAIN_DESCRIPTIONS); a step counts as
-reached when some calculation's exact value equals its result, whatever the order. `chain_steps` is a reward giving
-per-step credit for the same chain (docs/rewards.md). Standard library only.
-"""
+"""Where a chain of calculations broke: a wrong answer to a problem of several steps, judged step by step against
+the results of its worked solution's `<<expr=value>>` annotations (`gold_chain`); a step counts as reached when some
+calculation's exact value equals its result, whatever the order. `chain_steps` is the per-step reward."""
 
 from __future__ import annotations
 
@@ -18,11 +13,6 @@ from .calculator import calculations, evaluate, reasoning_text
 from .gsm8k import column_values, completion_texts
 from .registry import register
 
-CHAIN_OUTCOMES: tuple[str, ...] = (
-    "correct", "wrong_first_step", "stopped_early", "wrong_later_step", "went_on", "no_expression", "other",
-)
-"""Every `chain_outcome`, in the order reports list them."""
-
 CHAIN_DESCRIPTIONS: dict[str, str] = {
     "correct": "correct answer",
     "wrong_first_step": "wrong first step (its result never computed)",
@@ -32,28 +22,27 @@ CHAIN_DESCRIPTIONS: dict[str, str] = {
     "no_expression": "no arithmetic written",
     "other": "every step right, wrong answer (e.g. copied wrongly)",
 }
-"""One line per chain outcome, for tables."""
-
+"""Every `chain_outcome`, in the order reports list them, with its line for tables."""
+CHAIN_OUTCOMES: tuple[str, ...] = tuple(CHAIN_DESCRIPTIONS)
 _STEP_RE = re.compile(r"<<([^<>=\n]+)=([^<>\n]*)>>")
 
 
 def gold_chain(solution: str) -> list[Fraction]:
-    """The result of each annotated step of a worked solution, in order (its `<<expr=value>>` annotations, each
-    evaluated exactly); [] for a solution without annotations or with one the calculator refuses."""
+    """The exact result of each annotated step of a worked solution, in order; [] when it has none or the
+    calculator refuses one."""
     values = [evaluate(expr.strip()) for expr, _ in _STEP_RE.findall(solution or "")]
     return [] if any(v is None for v in values) else list(values)
 
 
 def steps_of(solution: str) -> int:
-    """How many calculations a worked solution makes (its annotations); 0 when it has none."""
+    """How many calculations a worked solution makes (its annotations)."""
     return len(gold_chain(solution))
 
 
 def chain_outcome(completion_text: str, solution: str, answer_correct: bool) -> str | None:
-    """Where the completion's chain broke against the worked `solution` (one of CHAIN_OUTCOMES): stopped_early when
-    its calculations are the chain's first steps in order, fewer than the chain has; went_on when it reached every
-    step, then wrote more calculations than the chain has, the last not the chain's; None when the solution has no
-    annotated steps to compare with."""
+    """Where the completion's chain broke against the worked `solution` (CHAIN_OUTCOMES): stopped_early when its
+    calculations are the chain's first steps in order, fewer than the chain has; went_on when it reached every step,
+    then wrote more calculations than the chain has, the last not the chain's; None without annotated steps."""
     chain = gold_chain(solution)
     if not chain:
         return None
@@ -74,26 +63,20 @@ def chain_outcome(completion_text: str, solution: str, answer_correct: bool) -> 
 
 def _written_values(completion_text: str) -> list[Fraction]:
     """The exact values of the calculations in a completion's reasoning, in order (refused ones left out)."""
-    return [c.value for c in calculations(reasoning_text(completion_text or "")) if c.value is not None]
+    return [c.value for c in calculations(reasoning_text(completion_text)) if c.value is not None]
 
 
 @register("chain_steps")
 def chain_steps(completions: Sequence[Any], solution: Sequence[Any] | None = None,
                 **kwargs: Any) -> list[float | None]:
-    """Per-step credit: the share of the worked `solution`'s steps whose result some calculation of the reasoning
-    has (`chain_outcome`'s sense of a step reached), 0.0 when the reasoning writes more calculations than the
-    chain has (so spraying calculations earns nothing), None where the solution has no annotated steps (TRL leaves
-    such a row out of this reward)."""
+    """The share of the worked `solution`'s steps some calculation of the reasoning reached; 0.0 when the reasoning
+    writes more calculations than the chain has (spraying earns nothing), None without annotated steps."""
     texts = completion_texts(completions, **kwargs)
     scores: list[float | None] = []
     for text, worked in zip(texts, column_values(solution, len(texts), "chain_steps", "solution", "solutions")):
-        chain = gold_chain(worked)
+        chain, written = gold_chain(worked), _written_values(text)
         if not chain:
             scores.append(None)
-            continue
-        written = _written_values(text)
-        if len(written) > len(chain):
-            scores.append(0.0)
-            continue
-        scores.append(sum(step in written for step in chain) / len(chain))
+        else:
+            scores.append(0.0 if len(written) > len(chain) else sum(step in written for step in chain) / len(chain))
     return scores

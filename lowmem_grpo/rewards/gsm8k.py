@@ -1,15 +1,10 @@
-"""GSM8K rewards for the ``<reasoning>...</reasoning><answer>...</answer>`` format.
-
-Each function follows TRL's protocol ``fn(completions, **kwargs) -> list[float]`` and
-returns its UNWEIGHTED score; see ``GSM8K_DEFAULT_WEIGHTS`` for the usual weights.
-Dataset columns arrive as keyword arguments: ``answer`` (gold, required by
-``correctness`` and ``expression``) and optionally ``prefill`` (see ``completion_texts``).
-"""
+"""GSM8K rewards for the ``<reasoning>...</reasoning><answer>...</answer>`` format, each UNWEIGHTED, in TRL's protocol
+``fn(completions, **kwargs) -> list[float]``; dataset columns (``answer``, ``prefill``) arrive as keyword arguments."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
@@ -18,13 +13,8 @@ from .calculator import last_calculation
 from .parsing import extract_answer_block, find_numbers, gold_value, parse_number
 from .registry import register
 
-GSM8K_DEFAULT_WEIGHTS: dict[str, float] = {
-    "correctness": 2.0,
-    "integer": 0.5,
-    "strict_format": 0.5,
-    "soft_format": 0.5,
-    "xml_count": 0.5,
-}
+GSM8K_DEFAULT_WEIGHTS: dict[str, float] = {"correctness": 2.0, "integer": 0.5, "strict_format": 0.5,
+                                           "soft_format": 0.5, "xml_count": 0.5}
 
 _TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
 # Block contents may span lines but may not contain any of the four tags.
@@ -46,42 +36,27 @@ def _message_text(content: Any) -> str:
 
 
 def _completion_text(completion: Any) -> str:
-    if completion is None:
-        return ""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        completion = [completion]
-    messages = [m for m in completion if isinstance(m, dict)]
+    if completion is None or isinstance(completion, str):
+        return completion or ""
+    messages = [m for m in ([completion] if isinstance(completion, dict) else completion) if isinstance(m, dict)]
     assistant = [m for m in messages if m.get("role") == "assistant"]
-    if assistant:
-        return _message_text(assistant[-1].get("content"))
-    return "".join(_message_text(m.get("content")) for m in messages)
+    return "".join(_message_text(m.get("content")) for m in (assistant[-1:] or messages))
 
 
 def completion_texts(completions: Sequence[Any], **kwargs: Any) -> list[str]:
-    """Plain text of each completion, with its ``prefill`` prepended when given.
-
-    A completion is a string, ``None`` (treated as ``""``), or a conversational message
-    list (the content of the last assistant message is used; without one, all contents
-    are joined). ``prefill`` (a list, one string per completion, entries may be ``None``)
-    is the part of the assistant turn the recipe wrote before generation.
-    """
+    """Plain text of each completion (a string, None as "", or a message list: its last assistant message, else all
+    contents joined), after its ``prefill`` (one string per completion, or None) when given."""
     texts = [_completion_text(c) for c in completions]
     prefill = kwargs.get("prefill")
     if prefill is None:
         return texts
-    if isinstance(prefill, str):
-        prefill = [prefill] * len(texts)
-    if len(prefill) != len(texts):
-        raise ValueError(f"got {len(prefill)} prefill entries for {len(texts)} completions")
-    return [(p or "") + t for p, t in zip(prefill, texts)]
+    return [(p or "") + t for p, t in zip(column_values(prefill, len(texts), "", "prefill", "prefill entries"), texts)]
 
 
 def column_values(values: Any, count: int, reward: str, column: str = "answer",
                   what: str = "gold answers") -> Sequence[Any]:
-    """A dataset column a reward needs (`column`, holding `what`), one entry per completion (a single value is
-    repeated); a missing column or one of another length is an error naming the reward."""
+    """A dataset column a reward needs, one entry per completion (a single value repeated); ValueError naming the
+    reward when it is missing or of another length."""
     if values is None:
         raise ValueError(f"{reward} needs the {what} as the `{column}` dataset column")
     if isinstance(values, (str, int, float, Decimal)):
@@ -91,18 +66,28 @@ def column_values(values: Any, count: int, reward: str, column: str = "answer",
     return values
 
 
+def _gold_scores(reward: str, completions: Sequence[Any], answer: Any, kwargs: dict[str, Any],
+                 right: Callable[[str, Decimal | None], bool]) -> list[float]:
+    texts = completion_texts(completions, **kwargs)
+    golds = column_values(answer, len(texts), reward)
+    return [float(right(text, gold_value(gold))) for text, gold in zip(texts, golds)]
+
+
+def _answer_right(text: str, target: Decimal | None) -> bool:
+    numbers = find_numbers(extract_answer_block(text))
+    return len(numbers) == 1 and target is not None and parse_number(numbers[0]) == target
+
+
+def _expression_right(text: str, target: Decimal | None) -> bool:
+    calc = last_calculation(text)
+    return calc is not None and calc.value is not None and target is not None and calc.value == Fraction(target)
+
+
 @register("correctness")
 def correctness(completions: Sequence[Any], answer: Sequence[Any] | None = None,
                 **kwargs: Any) -> list[float]:
     """1.0 when the answer block holds exactly one number equal to the gold ``answer``."""
-    texts = completion_texts(completions, **kwargs)
-    scores = []
-    for text, gold in zip(texts, column_values(answer, len(texts), "correctness")):
-        numbers = find_numbers(extract_answer_block(text))
-        target = gold_value(gold)
-        ok = len(numbers) == 1 and target is not None and parse_number(numbers[0]) == target
-        scores.append(1.0 if ok else 0.0)
-    return scores
+    return _gold_scores("correctness", completions, answer, kwargs, _answer_right)
 
 
 @register("expression")
@@ -110,14 +95,7 @@ def expression(completions: Sequence[Any], answer: Sequence[Any] | None = None,
                **kwargs: Any) -> list[float]:
     """1.0 when the exact value of the reasoning's last calculation (``<<E=C>>`` or ``E = C``) equals the gold
     ``answer``, whatever the model wrote as C: ``20-8=11`` for a gold 12 earns 1.0 (docs/rewards.md)."""
-    texts = completion_texts(completions, **kwargs)
-    scores = []
-    for text, gold in zip(texts, column_values(answer, len(texts), "expression")):
-        calc = last_calculation(text)
-        target = gold_value(gold)
-        ok = calc is not None and calc.value is not None and target is not None and calc.value == Fraction(target)
-        scores.append(1.0 if ok else 0.0)
-    return scores
+    return _gold_scores("expression", completions, answer, kwargs, _expression_right)
 
 
 @register("integer")
@@ -140,15 +118,10 @@ def soft_format(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     return [1.0 if _SOFT_RE.search(text) else 0.0 for text in completion_texts(completions, **kwargs)]
 
 
-def _xml_count_one(text: str) -> float:
-    score = 0.25 * sum(1 for tag in _TAGS if text.count(tag) == 1)
-    _, closer, tail = text.rpartition("</answer>")
-    if closer:
-        score -= XML_TAIL_PENALTY * len(tail.strip())
-    return score
-
-
 @register("xml_count")
 def xml_count(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """0.25 per tag present exactly once, minus 0.002 per character after the last ``</answer>``."""
-    return [_xml_count_one(text) for text in completion_texts(completions, **kwargs)]
+    texts = completion_texts(completions, **kwargs)
+    return [0.25 * sum(text.count(tag) == 1 for tag in _TAGS)
+            - XML_TAIL_PENALTY * len(text.rpartition("</answer>")[2].strip() if "</answer>" in text else "")
+            for text in texts]

@@ -1,9 +1,7 @@
-"""A guard around each reward function: a fault names the function, the step and the example. Standard library only.
+"""A guard around each reward function: a fault is a RewardError naming the function, the step and the example.
 
-TRL calls a reward as ``fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns)`` and
-expects one float or None per completion. A raise is a RewardError naming the function, the step and the first
-example that fails on its own (the batch re-run one example at a time); None elements pass through (TRL skips
-them), a bare None reads as None for every completion, with a warning once; NaN, infinite or non-numbers, or a
+A raise names the first example that fails on its own (the batch re-run one example at a time); None elements pass
+(TRL skips them), a bare None reads as None for every completion (warned once); NaN, infinite or non-numbers, or a
 list of the wrong length, are RewardErrors. The wrapper keeps the function's ``__name__`` (TRL logs by it).
 """
 
@@ -36,42 +34,29 @@ def _text(item: Any) -> str:
 
 
 def _step(kwargs: dict[str, Any]) -> str:
-    state = kwargs.get("trainer_state")
-    step = getattr(state, "global_step", None)
+    step = getattr(kwargs.get("trainer_state"), "global_step", None)
     return f"step {int(step) + 1}" if isinstance(step, int) else "an unknown step"
 
 
 def describe_example(kwargs: dict[str, Any], index: int, count: int) -> str:
     """'example I of N: question '...' (gold X), completion '...'' from the reward's keyword arguments."""
-    parts = [f"example {index} of {count}"]
-
     def column(name: str) -> Any:
         values = kwargs.get(name)
         return values[index] if isinstance(values, (list, tuple)) and index < len(values) else None
 
     question = column("question")
-    if question is None:
-        question = column("prompts")
-    if question is not None:
-        parts.append(f"question {_text(question)!r}")
-    gold = column("answer")
-    if gold is not None:
-        parts.append(f"gold {_text(gold)!r}")
-    completion = column("completions")
-    if completion is not None:
-        parts.append(f"completion {_text(completion)!r}")
-    return ": ".join(parts[:1]) + (": " + ", ".join(parts[1:]) if len(parts) > 1 else "")
-
-
-def _one_example(kwargs: dict[str, Any], index: int, count: int) -> dict[str, Any]:
-    return {k: ([v[index]] if isinstance(v, (list, tuple)) and len(v) == count else v) for k, v in kwargs.items()}
+    shown = (("question", column("prompts") if question is None else question), ("gold", column("answer")),
+             ("completion", column("completions")))
+    parts = [f"{label} {_text(value)!r}" for label, value in shown if value is not None]
+    return f"example {index} of {count}" + (": " + ", ".join(parts) if parts else "")
 
 
 def _first_failing(func: Callable[..., Any], kwargs: dict[str, Any], count: int) -> int | None:
     """The first example the function raises on when called with it alone; None when each passes alone."""
     for index in range(count):
         try:
-            func(**_one_example(kwargs, index, count))
+            func(**{k: ([v[index]] if isinstance(v, (list, tuple)) and len(v) == count else v)
+                    for k, v in kwargs.items()})
         except Exception:  # noqa: BLE001 - any exception marks the example
             return index
     return None
@@ -118,8 +103,8 @@ def guard_reward(func: Callable[..., Any]) -> Callable[..., Any]:
             scores = list(scores)
         except TypeError:
             raise RewardError(f"reward function {name!r} returned {type(scores).__name__}, not a list, at "
-                              f"{_step(kwargs)}",
-                              fix=f"return one float (or None) per completion from {name}") from None
+                              f"{_step(kwargs)}", fix=f"return one float (or None) per completion from {name}"
+                              ) from None
         if len(scores) != count:
             raise RewardError(f"reward function {name!r} returned {len(scores)} scores for {count} completions at "
                               f"{_step(kwargs)}", fix=f"return exactly one float (or None) per completion from {name}")

@@ -1,8 +1,7 @@
 """Name -> reward-function registry, plus ``package.module:function`` import strings.
 
-Reward functions follow TRL's protocol: ``fn(completions, **kwargs) -> list[float | None]``.
-TRL logs each one as ``rewards/<fn.__name__>/mean``, so a registered function's
-``__name__`` must equal its registry name.
+Reward functions follow TRL's protocol ``fn(completions, **kwargs) -> list[float | None]``; TRL logs each as
+``rewards/<fn.__name__>/mean``, so a registered function's ``__name__`` must equal its registry name.
 """
 
 from __future__ import annotations
@@ -17,30 +16,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _REGISTRY: dict[str, RewardFunc] = {}
 
-_SPEC_HELP = (
-    "Pass a registered name, or an import string of the form "
-    "'package.module:function' (e.g. 'lowmem_grpo.rewards.gsm8k:correctness')."
-)
-
 
 class UnknownRewardError(KeyError, ValueError):
-    """Raised by ``get_reward`` for a name that is neither registered nor an import string."""
+    """``get_reward`` got a name that is neither registered nor an import string."""
 
     def __str__(self) -> str:  # KeyError would otherwise repr() the message
         return str(self.args[0]) if self.args else ""
 
 
 class InvalidRewardSpecError(ImportError, ValueError):
-    """Raised by ``get_reward`` for an import string whose module or attribute is unusable."""
+    """``get_reward`` got an import string whose module or attribute is unusable."""
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def register(name: str) -> Callable[[F], F]:
-    """Decorator registering a reward function under ``name``.
-
-    ``name`` must equal the function's ``__name__`` (TRL logs by ``__name__``); a
-    callable without ``__name__`` (e.g. ``functools.partial``) gets it set. Registering
-    a different function under a taken name raises ``ValueError``.
-    """
+    """Decorator registering a reward function under ``name``, which must equal its ``__name__`` (set on a callable
+    without one, e.g. ``functools.partial``); another function under a taken name is a ValueError."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
 
@@ -51,12 +45,9 @@ def register(name: str) -> Callable[[F], F]:
         if fn_name is None:
             fn.__name__ = name  # type: ignore[attr-defined]
         elif fn_name != name:
-            raise ValueError(
-                f"reward registered as {name!r} has __name__ {fn_name!r}; they must match "
-                "because TRL logs rewards as 'rewards/<__name__>/mean'"
-            )
-        existing = _REGISTRY.get(name)
-        if existing is not None and _qualname(existing) != _qualname(fn):
+            raise ValueError(f"reward registered as {name!r} has __name__ {fn_name!r}; they must match "
+                             "because TRL logs rewards as 'rewards/<__name__>/mean'")
+        if name in _REGISTRY and _qualname(_REGISTRY[name]) != _qualname(fn):
             raise ValueError(f"a different reward is already registered as {name!r}")
         _REGISTRY[name] = fn
         return fn
@@ -64,50 +55,35 @@ def register(name: str) -> Callable[[F], F]:
     return decorator
 
 
-def _qualname(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
 def available_rewards() -> list[str]:
-    """Return the registered reward names, sorted."""
+    """The registered reward names, sorted."""
     return sorted(_REGISTRY)
 
 
 def _import_reward(spec: str) -> RewardFunc:
-    module_name, _, attr = spec.partition(":")
-    module_name, attr = module_name.strip(), attr.strip()
+    module_name, _, attr = (part.strip() for part in spec.partition(":"))
     if not module_name or not attr:
-        raise InvalidRewardSpecError(
-            f"malformed reward import string {spec!r}: expected 'package.module:function'"
-        )
+        raise InvalidRewardSpecError(f"malformed reward import string {spec!r}: expected 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
+        obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - a user's module may raise anything at import: name it, exit 2
-        raise InvalidRewardSpecError(
-            f"cannot import module {module_name!r} for reward {spec!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-    obj: Any = module
+        raise InvalidRewardSpecError(f"cannot import module {module_name!r} for reward {spec!r}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
-            raise InvalidRewardSpecError(
-                f"module {module_name!r} has no attribute {attr!r} (reward {spec!r})"
-            ) from exc
+            raise InvalidRewardSpecError(f"module {module_name!r} has no attribute {attr!r} (reward {spec!r})") from exc
     if not callable(obj):
-        raise InvalidRewardSpecError(
-            f"{spec!r} resolves to a non-callable {type(obj).__name__}, not a reward function"
-        )
+        raise InvalidRewardSpecError(f"{spec!r} resolves to a non-callable {type(obj).__name__}, not a reward function")
     return obj
 
 
 def get_reward(name: str | RewardFunc) -> RewardFunc:
-    """Return the reward registered as ``name``, or import a ``module:function`` string.
+    """The reward registered as ``name``, or a ``module:function`` import string's; a callable is returned unchanged.
 
-    A callable is returned unchanged. Unknown names raise ``UnknownRewardError``
-    (a ``KeyError`` and ``ValueError``) listing the known names with a did-you-mean;
-    unusable import strings raise ``InvalidRewardSpecError`` (an ``ImportError`` and
-    ``ValueError``).
+    UnknownRewardError (a KeyError and ValueError) lists the known names with a did-you-mean; an unusable import
+    string is an InvalidRewardSpecError (an ImportError and ValueError).
     """
     if callable(name):
         return name
@@ -121,7 +97,6 @@ def get_reward(name: str | RewardFunc) -> RewardFunc:
     known = available_rewards()
     close = difflib.get_close_matches(key, known, n=3)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise UnknownRewardError(
-        f"unknown reward {name!r}.{hint} Known rewards: {', '.join(known) or '(none)'}. "
-        + _SPEC_HELP
-    )
+    raise UnknownRewardError(f"unknown reward {name!r}.{hint} Known rewards: {', '.join(known) or '(none)'}. Pass a "
+                             "registered name, or an import string of the form 'package.module:function' (e.g. "
+                             "'lowmem_grpo.rewards.gsm8k:correctness').")
