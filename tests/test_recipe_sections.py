@@ -74,7 +74,7 @@ def test_every_committed_results_recipe_loads_to_the_settings_it_was_run_with(pa
             _assert_holds(loaded[section], values, section)
     fast = all(written["train"].get(k, True) for k in CPU_SWITCHES)
     for key, value in written["train"].items():
-        if key in FLAT:
+        if key in FLAT and not isinstance(value, dict):  # `preflight`: a flat key of old files, a section of new
             assert FLAT[key](recipe.train) == (fast if key in CPU_SWITCHES else value), key
         else:
             assert loaded["train"][key] == value, key
