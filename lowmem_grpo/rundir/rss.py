@@ -51,6 +51,42 @@ def high_water_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
+class _Sampler:
+    """The open watches, and the one thread that samples the RSS into all of them while any is open (nested spans
+    share each reading)."""
+
+    def __init__(self) -> None:
+        self.open: list[Watch] = []
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def add(self, watch: Watch) -> None:
+        with self.lock:
+            self.open.append(watch)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="lowmem-rss", daemon=True)
+                self.thread.start()
+
+    def remove(self, watch: Watch) -> None:
+        with self.lock:
+            self.open.remove(watch)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                watches = list(self.open)
+                if not watches:
+                    self.thread = None
+                    return
+            now = current_bytes()
+            for watch in watches:
+                watch.peak_bytes = max(watch.peak_bytes, now)
+            time.sleep(SAMPLE_SECONDS)
+
+
+SAMPLER = _Sampler()
+
+
 class Watch:
     """The peak RSS of a `with` block in bytes (`peak_bytes`); `exact` when it raised the high-water mark."""
 
@@ -58,23 +94,15 @@ class Watch:
         self.peak_bytes = 0
         self.exact = False
         self._mark = 0
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _sample(self) -> None:
-        while not self._done.wait(SAMPLE_SECONDS):
-            self.peak_bytes = max(self.peak_bytes, current_bytes())
 
     def __enter__(self) -> Watch:
         self._mark = high_water_bytes()
         self.peak_bytes = current_bytes()
-        self._thread = threading.Thread(target=self._sample, name="lowmem-rss", daemon=True)
-        self._thread.start()
+        SAMPLER.add(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._done.set()
-        self._thread.join()
+        SAMPLER.remove(self)
         self.peak_bytes = max(self.peak_bytes, current_bytes())
         mark = high_water_bytes()
         if mark > self._mark:  # the process's peak so far was reached inside this span: the exact value
