@@ -21,7 +21,7 @@ from lowmem_grpo.data.generated import level_of
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.sampling.generate import generate
 from lowmem_grpo.evaluation.metrics import weighted_rewards
-from lowmem_grpo.recipe import Recipe, goal_reward, resolved_rewards
+from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_rules import validate
 
 log = logging.getLogger(__name__)
@@ -197,8 +197,7 @@ def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]
         raise BadInputError(f"preflight prompts {n_prompts} must be at least 1", fix="e.g. --prompts 16")
     t = recipe.train
     chosen = preflight_examples(recipe, examples, n_prompts, primed)
-    weights = resolved_rewards(recipe)
-    goal = goal_reward(recipe)
+    weights, goal = loaded.runtime.rewards, loaded.runtime.goal_reward
     k = t.num_generations
     started = time.monotonic()
     texts, columns = _sample(recipe, loaded, chosen, t.seed)
@@ -238,10 +237,9 @@ def goal_fixes(recipe: Recipe) -> list[str]:
     ]
 
 
-def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
+def fixes(recipe: Recipe, result: PreflightResult) -> list[str]:
     """The likely fixes for a reward set without (enough) signal, most effective first."""
-    if result is not None and result.goal_share is not None and (result.goal_share > 0
-                                                                 or result.total_share >= WEAK_SHARE):
+    if result.goal_share is not None and (result.goal_share > 0 or result.total_share >= WEAK_SHARE):
         return goal_fixes(recipe)
     t, d, prime = recipe.train, recipe.data, recipe.prime
     if prime.enabled:
@@ -250,7 +248,7 @@ def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
     else:
         priming = ("enable format priming: prime.enabled=true (a short supervised warm start on the answer format, "
                    "so that sampled completions start to earn the format rewards)")
-    if "xml_count" in resolved_rewards(recipe):
+    if any(s.name == "xml_count" for s in result.rewards):
         partial = ("add a partial-credit reward that varies before the format is learned (a module:function "
                    "reward scoring partial progress; xml_count alone was not enough here)")
     else:
