@@ -167,6 +167,10 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
     from lowmem_grpo.train.callbacks import PeriodicEvalCallback, SamplingStateCallback, TelemetryCallback
     from lowmem_grpo.train.grpo import trainer_factory
 
+    examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off
+    ours = [] if sampling is None else [SamplingStateCallback(sampling)]
+    if recipe.train.eval.every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
+        ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir, loaded.runtime))
     weights, goal = loaded.runtime.rewards, loaded.runtime.goal_reward
     # a raise, a NaN or a wrong-length list is an error naming the function, the step and the example
     funcs = {name: guard_reward(get_reward(name)) for name in weights}
@@ -174,15 +178,10 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
     goal_name = funcs[goal].__name__ if goal else None  # TRL logs it under rewards/<function name>/mean
     recorder = CompletionRecorder(run_dir / layout.COMPLETIONS_FILE, recipe.train.completions_every,
                                   {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
-    ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
-                              goal=goal_name)]
-    if recipe.train.eval.every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
-        ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir, loaded.runtime))
-    examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off
-    if sampling is not None:
-        ours.append(SamplingStateCallback(sampling))
+    telemetry = TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
+                                  goal=goal_name)
     build = trainer_factory(loaded, Dataset.from_list(examples), run_dir, recorder.wrap_all(reward_funcs),
-                            list(weights.values()), [ours[0], *callbacks, *ours[1:]], sampling=sampling, goal=goal_name)
+                            list(weights.values()), [telemetry, *callbacks, *ours], sampling=sampling, goal=goal_name)
     return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=resume.checkpoint if resume else None)
 
 

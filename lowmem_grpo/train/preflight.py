@@ -174,8 +174,8 @@ def preflight_examples(recipe: Recipe, examples: list[dict[str, Any]], n_prompts
 
 
 def _sample(recipe: Recipe, loaded: LoadedModel, chosen: list[dict[str, Any]], seed: int
-            ) -> tuple[list[str], dict[str, list[Any]]]:
-    """num_generations completions for each chosen example and their reward columns."""
+            ) -> tuple[list[str], dict[str, list[Any]], dict[str, list[float]]]:
+    """num_generations completions for each chosen example, their reward columns and their scores."""
     t = recipe.train
     k = t.num_generations
     generations = generate(loaded.model, loaded.tokenizer, [ex["prompt"] for ex in chosen],
@@ -186,7 +186,7 @@ def _sample(recipe: Recipe, loaded: LoadedModel, chosen: list[dict[str, Any]], s
     texts = [g.text for samples in generations for g in samples]
     columns = {key: [ex.get(key) for ex in chosen for _ in range(k)] for key in chosen[0]}
     columns["prompts"] = columns.pop("prompt")
-    return texts, columns
+    return texts, columns, weighted_rewards(loaded.runtime.rewards, texts, columns)
 
 
 def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]], n_prompts: int,
@@ -200,15 +200,13 @@ def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]
     weights, goal = loaded.runtime.rewards, loaded.runtime.goal_reward
     k = t.num_generations
     started = time.monotonic()
-    texts, columns = _sample(recipe, loaded, chosen, t.seed)
-    scores = weighted_rewards(weights, texts, columns)
+    texts, columns, scores = _sample(recipe, loaded, chosen, t.seed)
     result = PreflightResult(*group_stats(scores, weights, k), len(chosen), k, t.temperature, goal=goal)
     # a refusal rests on more than a few draws: the next prompts of the same spread draw
     extra = preflight_examples(recipe, examples, refusal_prompts, primed)[len(chosen):] if result.no_signal else []
     if extra:
         log.info("preflight: %s; sampling %d more prompts before judging", result.shares(), len(extra))
-        more_texts, more_columns = _sample(recipe, loaded, extra, t.seed + 1)
-        more = weighted_rewards(weights, more_texts, more_columns)
+        more_texts, more_columns, more = _sample(recipe, loaded, extra, t.seed + 1)
         texts += more_texts
         columns = {key: values + more_columns[key] for key, values in columns.items()}
         scores = {name: values + more[name] for name, values in scores.items()}
