@@ -46,7 +46,18 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
              f"annotations, but task is {recipe.task!r}, whose data has none", "set data.calculator=false, or "
              "task=gsm8k with data.source=generated, embedded, hub (openai/gsm8k) or a file of GSM8K rows")
     _validate_train(recipe, num_processes)
-    _validate_prime(recipe)
+    p = recipe.prime
+    for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"):
+        _require(getattr(p, key) > 0, f"prime.{key}", f"is {getattr(p, key)}", "use a positive integer")
+    _require(p.num_examples is None or p.num_examples > 0, "prime.num_examples", f"is {p.num_examples}",
+             "use a positive number or leave it unset (all training problems)")
+    _require(p.learning_rate > 0 and math.isfinite(p.learning_rate), "prime.learning_rate",
+             f"is {p.learning_rate}", "use a positive learning rate, e.g. prime.learning_rate=2e-4")
+    _require(0 <= p.warmup_ratio < 1, "prime.warmup_ratio", f"is {p.warmup_ratio}", "use 0 <= warmup_ratio < 1")
+    if p.enabled:
+        _require(recipe.task == "gsm8k", "prime.enabled", f"priming renders GSM8K solutions; task is {recipe.task!r}",
+                 "set prime.enabled=false for other tasks")
+        check_prefill(d.prefill)
     _validate_rewards(recipe)
 
 
@@ -153,18 +164,3 @@ def _validate_rewards(recipe: Recipe) -> None:
              "moves up a level on the goal reward's pass rate, but the recipe has no goal reward",
              "add rewards.correctness (e.g. rewards.correctness=2.0) or name one as goal_reward, or set "
              "train.selection.curriculum=false")
-
-
-def _validate_prime(recipe: Recipe) -> None:
-    p = recipe.prime
-    for key in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"):
-        _require(getattr(p, key) > 0, f"prime.{key}", f"is {getattr(p, key)}", "use a positive integer")
-    _require(p.num_examples is None or p.num_examples > 0, "prime.num_examples", f"is {p.num_examples}",
-             "use a positive number or leave it unset (all training problems)")
-    _require(p.learning_rate > 0 and math.isfinite(p.learning_rate), "prime.learning_rate",
-             f"is {p.learning_rate}", "use a positive learning rate, e.g. prime.learning_rate=2e-4")
-    _require(0 <= p.warmup_ratio < 1, "prime.warmup_ratio", f"is {p.warmup_ratio}", "use 0 <= warmup_ratio < 1")
-    if p.enabled:
-        _require(recipe.task == "gsm8k", "prime.enabled", f"priming renders GSM8K solutions; task is {recipe.task!r}",
-                 "set prime.enabled=false for other tasks")
-        check_prefill(recipe.data.prefill)

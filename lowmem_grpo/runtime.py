@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from lowmem_grpo.device import CudaFacts, bf16_supported, cpu_auto_dtype, cuda_available, is_installed
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
-from lowmem_grpo.recipe import Recipe, TrainConfig
+from lowmem_grpo.recipe import Recipe, TrainConfig, goal_reward, resolved_rewards
 
 # the sampling settings lowmem_grpo's engine implements (TRL's defaults): plain sampling at the temperature
 PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
@@ -93,6 +93,10 @@ class Runtime:
     """The processes and DeepSpeed ZeRO stage the launcher set up."""
     cpu: CpuPaths
     """The CPU speed paths that run."""
+    rewards: dict[str, float]
+    """Reward name -> weight: the recipe's rewards, else the task's default set (recipe.resolved_rewards)."""
+    goal_reward: str | None
+    """The key of `rewards` that defines success (recipe.goal_reward); None: only the total."""
     dtype_reason: str = ""
     """Why model.dtype=auto became `dtype`; empty otherwise."""
 
@@ -151,7 +155,8 @@ def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[s
                    optimizer=t.optim if t.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch"),
                    sampler=rollout_plan(recipe, backend, device),
                    trainer="cpu" if (backend, device) == ("hf", "cpu") else "trl",
-                   generation_batch=t.generation_batch_size(launch.num_processes), eval_batch=eval_batch_size(t),
+                   generation_batch=t.generation_batch_size(launch.num_processes),
+                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), eval_batch=eval_batch_size(t),
                    fast_inference=m.fast_inference is True and (backend, device) == ("unsloth", "cuda"),
                    launch=launch, cpu=cpu_paths(t, device), dtype_reason=reason)
 

@@ -225,7 +225,7 @@ def test_periodic_eval_callback_logs_eval_metrics(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.train()
-    callback = PeriodicEvalCallback(recipe, tokenizer, tmp_path)
+    callback = PeriodicEvalCallback(recipe, tokenizer, tmp_path, cpu_runtime(recipe))
     for step in (1, 2):
         callback.on_step_end(None, TrainerState(global_step=step), TrainerControl(), model=model)
     lines = read_jsonl(tmp_path / "metrics.jsonl")

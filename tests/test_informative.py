@@ -210,7 +210,7 @@ def _trainer(model_dir: Path, run_dir: Path, *extra: str):
     from lowmem_grpo.backends import load, start
     from lowmem_grpo.distributed import Launch
     from lowmem_grpo.data import load_train_rows, recipe_examples
-    from lowmem_grpo.recipe import resolved_rewards
+    from lowmem_grpo.recipe import goal_reward_name, resolved_rewards
     from lowmem_grpo.rewards import get_reward
     from lowmem_grpo.train.informative import prepare_sampling
 
@@ -222,7 +222,7 @@ def _trainer(model_dir: Path, run_dir: Path, *extra: str):
 
     weights = resolved_rewards(recipe)
     build = trainer_factory(loaded, Dataset.from_list(examples), run_dir, [get_reward(n) for n in weights],
-                            list(weights.values()), [], sampling=sampling)
+                            list(weights.values()), [], sampling=sampling, goal=goal_reward_name(recipe))
     return build(recipe), loaded, examples, sampling
 
 

@@ -12,6 +12,7 @@ import pytest
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_io import apply_overrides
 from lowmem_grpo.train.preflight import PreflightResult, fixes, group_stats, render
+from tiny_run import cpu_runtime
 
 RIGHT = "<reasoning>\n3 + 15 = 18\n</reasoning>\n<answer>\n18\n</answer>"
 WRONG = "<reasoning>\n3 + 14 = 17\n</reasoning>\n<answer>\n17\n</answer>"
@@ -55,7 +56,7 @@ def test_nothing_earned_names_format_priming_first():
     text = render(result, recipe)
     assert result.no_signal and "sample 1 (prompt 0): total=0.000" in text
     assert text.index("prime.enabled=true") < text.index("partial-credit") < text.index("num_generations")
-    assert "temperature" in fixes(recipe)[3] and "data.prefill" in fixes(recipe)[4]
+    assert "temperature" in fixes(recipe, result)[3] and "data.prefill" in fixes(recipe, result)[4]
 
 
 def test_a_goal_varying_in_one_group_of_sixteen_warns_and_goes_on():
@@ -172,13 +173,12 @@ class FakeEngine:
 
 
 def _run(monkeypatch, varying: set[str], n_prompts: int, refusal_prompts: int, n_examples: int = 100):
-    from lowmem_grpo.runtime import CpuPaths
     from lowmem_grpo.train import preflight as module
 
     engine = FakeEngine(varying)
     monkeypatch.setattr(module, "generate", engine)
     recipe = apply_overrides(Recipe(), ["prime.enabled=false", "train.num_generations=4"])
-    loaded = SimpleNamespace(model=None, tokenizer=None, runtime=SimpleNamespace(cpu=CpuPaths()))
+    loaded = SimpleNamespace(model=None, tokenizer=None, runtime=cpu_runtime(recipe))
     result = module.preflight(recipe, loaded, _examples(n_examples), n_prompts, refusal_prompts=refusal_prompts)
     return result, engine
 
@@ -205,13 +205,12 @@ def test_no_signal_on_a_few_prompts_is_checked_on_more_before_a_refusal(monkeypa
 
 def test_train_refuses_no_signal_with_exit_3_and_warns_on_a_weak_one(monkeypatch, caplog):
     from lowmem_grpo.errors import EXIT_NO_SIGNAL, NoSignalError
-    from lowmem_grpo.runtime import CpuPaths
     from lowmem_grpo.train import preflight as module
     from lowmem_grpo.train.pipeline import require_reward_signal
 
     recipe = apply_overrides(Recipe(), ["prime.enabled=false", "train.num_generations=4",
                                         "train.preflight.prompts=8"])
-    loaded = SimpleNamespace(model=None, tokenizer=None, runtime=SimpleNamespace(cpu=CpuPaths()))
+    loaded = SimpleNamespace(model=None, tokenizer=None, runtime=cpu_runtime(recipe))
     examples = _examples(100)
     monkeypatch.setattr(module, "generate", FakeEngine(set()))
     with pytest.raises(NoSignalError) as refused:

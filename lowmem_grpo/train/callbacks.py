@@ -19,10 +19,9 @@ from transformers import TrainerCallback
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
 from lowmem_grpo.evaluation.progress import ProgressLog
 from lowmem_grpo.evaluation.stages import periodic_settings, problem_values
-from lowmem_grpo.recipe import resolved_rewards
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.health import WarningLatch
-from lowmem_grpo.runtime import CpuPaths
+from lowmem_grpo.runtime import Runtime
 from lowmem_grpo.sampling.sampler_check import MEAN_KEY, MAX_KEY, Figures, SamplerCheck
 
 log = logging.getLogger(__name__)
@@ -143,14 +142,14 @@ class SamplingStateCallback(TrainerCallback):
 class PeriodicEvalCallback(TrainerCallback):
     """Held-out evaluation every train.eval.every steps into metrics.jsonl and eval_steps.jsonl."""
 
-    def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path, cpu: CpuPaths = CpuPaths()) -> None:
+    def __init__(self, recipe: Any, tokenizer: Any, run_dir: Path, runtime: Runtime) -> None:
         self.train = recipe.train
         self.tokenizer = tokenizer
-        self.cpu = cpu
+        self.cpu = runtime.cpu
         self.examples = load_eval_examples(recipe, tokenizer, limit=recipe.train.eval.problems)  # bad data fails early
         self.metrics_path = Path(run_dir) / layout.METRICS_FILE
         self.steps_path = Path(run_dir) / layout.EVAL_STEPS_FILE
-        self.weights = resolved_rewards(recipe)
+        self.weights = runtime.rewards
         self.calculator = recipe.data.calculator
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any):

@@ -16,7 +16,7 @@ from trl import GRPOConfig
 
 from lowmem_grpo.runtime import Runtime
 from lowmem_grpo.errors import RecipeError
-from lowmem_grpo.recipe import Recipe, goal_reward_name
+from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_io import train_keys
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer, SamplerCheckCallback
 from lowmem_grpo.train.informative import SamplingState
@@ -86,9 +86,10 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_we
 
 def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list[Callable[..., Any]],
                     reward_weights: list[float], callbacks: Sequence[Any],
-                    sampling: SamplingState | None = None) -> Callable[[Recipe], Any]:
+                    sampling: SamplingState | None = None, goal: str | None = None) -> Callable[[Recipe], Any]:
     """`build(recipe) -> GRPOTrainer` for run_grpo (called again with lowered settings after an OOM); with `sampling`
-    the trainer draws prompts through it (the dataset then has `problem_id` and `level` columns)."""
+    the trainer draws prompts through it (the dataset then has `problem_id` and `level` columns) and counts a pass
+    on the reward function named `goal`."""
 
     def build(recipe: Recipe) -> Any:
         plan = loaded.runtime.sampler
@@ -114,7 +115,7 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         if sampling is not None:
             trainer.lowmem_sampling = sampling
             trainer.lowmem_dynamic_sampling = recipe.train.selection.dynamic_sampling
-            trainer.lowmem_goal = goal_reward_name(recipe)
+            trainer.lowmem_goal = goal
         NoSignalStepGuard.attach(trainer)  # always on: no optimizer step without an informative group
         PhaseTimer.attach(trainer)  # always on: time/<phase> keys in every log line (its cost is ~0.1 ms a step)
         return trainer

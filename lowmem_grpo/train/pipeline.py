@@ -19,9 +19,8 @@ from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
 from lowmem_grpo.memory.plan import Plan
-from lowmem_grpo.recipe import Recipe, goal_reward_name, resolved_rewards
+from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_io import dump_yaml
-from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
 from lowmem_grpo.runtime import CpuPaths, Runtime
@@ -46,24 +45,29 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     facts, or the function that reads them (default lowmem_grpo.device.cuda_facts). `cpu`: replaces the Runtime's
     CPU speed paths.
     """
-    runtime, cuda = setup(recipe, cuda)
-    runtime = runtime if cpu is None else dataclasses.replace(runtime, cpu=cpu)
+    runtime, cuda = setup(recipe, cuda, cpu)
     if not cuda.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
         rss.limit_heap_retention()
     peaks = rss.StagePeaks(trim=not cuda.available)  # the process's peak RSS in each stage, peak_rss.json, report
-    recipe, plan = fit_memory(recipe, explicit or set(), resume_dir, cuda)
+    plan = None  # the memory plan auto-fit chose; a resumed recipe.yaml holds the batch its first run planned
+    if resume_dir is None and (recipe.train.memory.auto_fit is False or distributed.world_size() > 1):
+        recipe = eval_batch_to_device(recipe, explicit or set(), facts=cuda)  # only the eval batch without auto-fit
+    elif resume_dir is None:  # fitted to the GPU's free memory
+        recipe, plan = fit_to_device(recipe, explicit or set(), facts=cuda)
     runtime = runtime.with_batches(recipe)
     log.info("%s", runtime.block().rstrip())
     rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
     with peaks.stage("convert"), distributed.main_process_first():  # an embedded model is converted once, by rank 0
         model_path = locate_model(recipe.model.name)  # a missing folder fails before the run dir exists
-    if resume_dir is None and budget.checked(recipe):  # a resumed run keeps the budget it started with
-        budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
     resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
     if resume is not None and resume.finished:
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
         return resume.run_dir
-    start_adapter = starting_adapter(recipe, model_path, resume)  # a mismatched lora.init_adapter fails here too
+    if resume_dir is None and budget.checked(recipe):  # a resumed run keeps the budget it started with
+        budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
+    start_adapter = None  # a fresh LoRA, or a checkpoint's; a mismatched lora.init_adapter fails before any load
+    if recipe.lora.init_adapter and not (resume and resume.checkpoint):
+        start_adapter = str(check_init_adapter(recipe.lora, recipe.model.name, model_path))
     # rank 0 picks it, all ranks use it; nothing is written into it until the data and the model are checked
     run_dir = resume.run_dir if resume else distributed.agree_on_run_dir(
         lambda: layout.choose_run_dir(recipe.output.dir, recipe.output.root, recipe.name))
@@ -74,9 +78,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     loaded.runtime.check_precision()  # a precision Unsloth would refuse on it: exit 2, before the run dir is written
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
     grpo_set = grpo_examples(examples, recipe.data)  # priming keeps every level; GRPO may draw from some
-    open_run_dir(run_dir, recipe, loaded.runtime, resume, plan)  # inputs are good: the run dir is written now
-    if distributed.is_main_process():
-        peaks.attach(run_dir / layout.PEAK_RSS_FILE)
+    open_run_dir(run_dir, recipe, loaded.runtime, resume, plan, peaks)  # inputs are good: the run dir is written now
     stages = stage_evals(recipe, loaded, run_dir, peaks)  # the same held-out problems after each stage
     measure(stages, loaded, "base")
     if start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
@@ -97,12 +99,13 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     return save_and_report(trainer, run_dir, recipe.model.name)
 
 
-def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None) -> tuple[Runtime, CudaFacts]:
-    """Validate the recipe, resolve its Runtime (backends.start: refused combinations stop here, before Unsloth is
-    imported first), join the process group, check the trainer fields and the logger."""
-    launch = distributed.launch(recipe.train.extra)
-    validate(recipe, num_processes=launch.num_processes)  # the recipe's own rules, before anything is imported
-    runtime, facts = start(recipe, launch, cuda)  # refuses what the run could not honour, before any import
+def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None,
+          cpu: CpuPaths | None) -> tuple[Runtime, CudaFacts]:
+    """Resolve the recipe's Runtime (backends.start: the recipe's rules and refused combinations stop here, before
+    Unsloth is imported first; `cpu` replaces its CPU paths), join the process group, check the trainer fields and
+    the logger."""
+    runtime, facts = start(recipe, distributed.launch(recipe.train.extra), cuda)
+    runtime = runtime if cpu is None else dataclasses.replace(runtime, cpu=cpu)
     distributed.setup(recipe.train.extra)  # nothing for one process
     from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after the backend
 
@@ -111,26 +114,10 @@ def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None) -> t
     return runtime, facts
 
 
-def fit_memory(recipe: Recipe, explicit: set[str], resume_dir: str | Path | None,
-               cuda: CudaFacts) -> tuple[Recipe, Plan | None]:
-    """The recipe fitted to the GPU's free memory (only the eval batch without auto-fit), and the plan."""
-    if resume_dir is not None:  # the resumed recipe.yaml holds the batch its first run planned
-        return recipe, None
-    if recipe.train.memory.auto_fit is False or distributed.world_size() > 1:
-        return eval_batch_to_device(recipe, explicit, facts=cuda), None
-    return fit_to_device(recipe, explicit, facts=cuda)
-
-
-def starting_adapter(recipe: Recipe, model_path: str, resume: checkpoints.ResumePoint | None) -> str | None:
-    """lora.init_adapter, checked before any model loads; None for a fresh LoRA or a checkpoint."""
-    if not recipe.lora.init_adapter or (resume is not None and resume.checkpoint is not None):
-        return None
-    return str(check_init_adapter(recipe.lora, recipe.model.name, model_path))
-
-
 def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkpoints.ResumePoint | None,
-                 plan: Plan | None) -> None:
-    """Rank 0 creates the run directory, or rewinds a resumed one to its checkpoint; env.json either way."""
+                 plan: Plan | None, peaks: rss.StagePeaks) -> None:
+    """Rank 0 creates the run directory, or rewinds a resumed one to its checkpoint; env.json and the peak RSS
+    record either way."""
     if not distributed.is_main_process():
         return
     if resume is None:
@@ -140,6 +127,7 @@ def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkp
     else:
         checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
     telemetry.write_env(run_dir, runtime.backend, runtime.dtype)
+    peaks.attach(run_dir / layout.PEAK_RSS_FILE)
 
 
 def stage_evals(recipe: Recipe, loaded: LoadedModel, run_dir: Path, peaks: rss.StagePeaks) -> StageEvals | None:
@@ -179,20 +167,21 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
     from lowmem_grpo.train.callbacks import PeriodicEvalCallback, SamplingStateCallback, TelemetryCallback
     from lowmem_grpo.train.grpo import trainer_factory
 
-    weights = resolved_rewards(recipe)
+    examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off
+    ours = [] if sampling is None else [SamplingStateCallback(sampling)]
+    if recipe.train.eval.every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
+        ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir, loaded.runtime))
+    weights, goal = loaded.runtime.rewards, loaded.runtime.goal_reward
     # a raise, a NaN or a wrong-length list is an error naming the function, the step and the example
-    reward_funcs = [guard_reward(get_reward(name)) for name in weights]
+    funcs = {name: guard_reward(get_reward(name)) for name in weights}
+    reward_funcs = list(funcs.values())
+    goal_name = funcs[goal].__name__ if goal else None  # TRL logs it under rewards/<function name>/mean
     recorder = CompletionRecorder(run_dir / layout.COMPLETIONS_FILE, recipe.train.completions_every,
                                   {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
-    ours = [TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
-                              goal=goal_reward_name(recipe))]
-    if recipe.train.eval.every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
-        ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir, loaded.runtime.cpu))
-    examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off
-    if sampling is not None:
-        ours.append(SamplingStateCallback(sampling))
+    telemetry = TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
+                                  goal=goal_name)
     build = trainer_factory(loaded, Dataset.from_list(examples), run_dir, recorder.wrap_all(reward_funcs),
-                            list(weights.values()), [ours[0], *callbacks, *ours[1:]], sampling=sampling)
+                            list(weights.values()), [telemetry, *callbacks, *ours], sampling=sampling, goal=goal_name)
     return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=resume.checkpoint if resume else None)
 
 

@@ -21,7 +21,7 @@ from lowmem_grpo.data.generated import level_of
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.sampling.generate import generate
 from lowmem_grpo.evaluation.metrics import weighted_rewards
-from lowmem_grpo.recipe import Recipe, goal_reward, resolved_rewards
+from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_rules import validate
 
 log = logging.getLogger(__name__)
@@ -174,8 +174,8 @@ def preflight_examples(recipe: Recipe, examples: list[dict[str, Any]], n_prompts
 
 
 def _sample(recipe: Recipe, loaded: LoadedModel, chosen: list[dict[str, Any]], seed: int
-            ) -> tuple[list[str], dict[str, list[Any]]]:
-    """num_generations completions for each chosen example and their reward columns."""
+            ) -> tuple[list[str], dict[str, list[Any]], dict[str, list[float]]]:
+    """num_generations completions for each chosen example, their reward columns and their scores."""
     t = recipe.train
     k = t.num_generations
     generations = generate(loaded.model, loaded.tokenizer, [ex["prompt"] for ex in chosen],
@@ -186,7 +186,7 @@ def _sample(recipe: Recipe, loaded: LoadedModel, chosen: list[dict[str, Any]], s
     texts = [g.text for samples in generations for g in samples]
     columns = {key: [ex.get(key) for ex in chosen for _ in range(k)] for key in chosen[0]}
     columns["prompts"] = columns.pop("prompt")
-    return texts, columns
+    return texts, columns, weighted_rewards(loaded.runtime.rewards, texts, columns)
 
 
 def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]], n_prompts: int,
@@ -197,19 +197,16 @@ def preflight(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]
         raise BadInputError(f"preflight prompts {n_prompts} must be at least 1", fix="e.g. --prompts 16")
     t = recipe.train
     chosen = preflight_examples(recipe, examples, n_prompts, primed)
-    weights = resolved_rewards(recipe)
-    goal = goal_reward(recipe)
+    weights, goal = loaded.runtime.rewards, loaded.runtime.goal_reward
     k = t.num_generations
     started = time.monotonic()
-    texts, columns = _sample(recipe, loaded, chosen, t.seed)
-    scores = weighted_rewards(weights, texts, columns)
+    texts, columns, scores = _sample(recipe, loaded, chosen, t.seed)
     result = PreflightResult(*group_stats(scores, weights, k), len(chosen), k, t.temperature, goal=goal)
     # a refusal rests on more than a few draws: the next prompts of the same spread draw
     extra = preflight_examples(recipe, examples, refusal_prompts, primed)[len(chosen):] if result.no_signal else []
     if extra:
         log.info("preflight: %s; sampling %d more prompts before judging", result.shares(), len(extra))
-        more_texts, more_columns = _sample(recipe, loaded, extra, t.seed + 1)
-        more = weighted_rewards(weights, more_texts, more_columns)
+        more_texts, more_columns, more = _sample(recipe, loaded, extra, t.seed + 1)
         texts += more_texts
         columns = {key: values + more_columns[key] for key, values in columns.items()}
         scores = {name: values + more[name] for name, values in scores.items()}
@@ -238,10 +235,9 @@ def goal_fixes(recipe: Recipe) -> list[str]:
     ]
 
 
-def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
+def fixes(recipe: Recipe, result: PreflightResult) -> list[str]:
     """The likely fixes for a reward set without (enough) signal, most effective first."""
-    if result is not None and result.goal_share is not None and (result.goal_share > 0
-                                                                 or result.total_share >= WEAK_SHARE):
+    if result.goal_share is not None and (result.goal_share > 0 or result.total_share >= WEAK_SHARE):
         return goal_fixes(recipe)
     t, d, prime = recipe.train, recipe.data, recipe.prime
     if prime.enabled:
@@ -250,7 +246,7 @@ def fixes(recipe: Recipe, result: PreflightResult | None = None) -> list[str]:
     else:
         priming = ("enable format priming: prime.enabled=true (a short supervised warm start on the answer format, "
                    "so that sampled completions start to earn the format rewards)")
-    if "xml_count" in resolved_rewards(recipe):
+    if any(s.name == "xml_count" for s in result.rewards):
         partial = ("add a partial-credit reward that varies before the format is learned (a module:function "
                    "reward scoring partial progress; xml_count alone was not enough here)")
     else:

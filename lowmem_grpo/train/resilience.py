@@ -120,16 +120,6 @@ def reset_unsloth_state(model: Any, modules: Any = None) -> None:
         model.for_training(use_gradient_checkpointing=getattr(model, "_unsloth_gradient_checkpointing", None))
 
 
-def _disk_full(exc: OSError, run_dir: Path, step: int) -> DiskFullError:
-    removed = checkpoints.remove_incomplete(run_dir) if distributed.is_main_process() else []
-    gone = f"; removed the incomplete checkpoint-{', checkpoint-'.join(map(str, removed))}" if removed else ""
-    return DiskFullError(
-        f"disk full while writing the run at step {step}: {exc.strerror or exc} ({exc.filename or run_dir}){gone}; "
-        f"last complete checkpoint: {_last_complete_text(run_dir)}",
-        fix=f"free space on the disk holding {run_dir} (or lower train.save_total_limit), then continue with "
-            f"{_resume_hint(run_dir)}")
-
-
 def _oom_stop(run_dir: Path, step: int, phase: str, retries: list[str], limit: int, reason: str) -> OutOfMemoryError:
     tried = "; ".join(retries) if retries else "nothing (no retry allowed)"
     return OutOfMemoryError(
@@ -194,9 +184,15 @@ def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[
                   trainer.state.global_step, _last_complete_text(run_dir), _resume_hint(run_dir))
         raise
     except OSError as exc:
-        if exc.errno in DISK_FULL_ERRNOS:
-            raise _disk_full(exc, run_dir, trainer.state.global_step) from exc
-        raise
+        if exc.errno not in DISK_FULL_ERRNOS:
+            raise
+        removed = checkpoints.remove_incomplete(run_dir) if distributed.is_main_process() else []
+        gone = f"; removed the incomplete checkpoint-{', checkpoint-'.join(map(str, removed))}" if removed else ""
+        raise DiskFullError(
+            f"disk full while writing the run at step {trainer.state.global_step}: {exc.strerror or exc} "
+            f"({exc.filename or run_dir}){gone}; last complete checkpoint: {_last_complete_text(run_dir)}",
+            fix=f"free space on the disk holding {run_dir} (or lower train.save_total_limit), then continue with "
+                f"{_resume_hint(run_dir)}") from exc
     except RewardError as exc:
         exc.fix = (f"{exc.fix}; then continue with {_resume_hint(run_dir)} "
                    f"(last complete checkpoint: {_last_complete_text(run_dir)})")
