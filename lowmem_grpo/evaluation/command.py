@@ -1,6 +1,5 @@
 """The `lowmem-grpo eval` flow: resolve model/adapter/recipe (MODEL may be a run directory), load once, evaluate
-(or compare), write eval.json and eval.jsonl (one line per problem and variant) into the output folder.
-"""
+(or compare), write eval.json and eval.jsonl (one line per problem and variant) into the output folder."""
 
 from __future__ import annotations
 
@@ -221,10 +220,7 @@ def run(opts: EvalOptions) -> dict[str, Any]:
     if opts.compare:
         with engine.disable_adapter() if lora is None else contextlib.nullcontext():  # vLLM: no LoRA request
             results["base"] = run_eval(engine, tokenizer, examples, **kwargs)
-        results["adapter"] = run_eval(engine, tokenizer, examples, lora_request=lora, **kwargs)
-    else:
-        results["adapter" if adapter else "model"] = run_eval(engine, tokenizer, examples,
-                                                              lora_request=lora, **kwargs)
+    results["adapter" if adapter else "model"] = run_eval(engine, tokenizer, examples, lora_request=lora, **kwargs)
     last = list(results.values())[-1]
     from lowmem_grpo.device import describe
 

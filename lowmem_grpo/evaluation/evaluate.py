@@ -53,11 +53,10 @@ def run_eval(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *,
     if not examples:
         raise BadInputError("no problems to evaluate", fix="check the data source, split and --limit")
     started = time.monotonic()
-    prompts = [ex["prompt"] for ex in examples]
-    generations = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                           num_samples=num_samples, temperature=temperature, seed=seed, progress=progress,
-                           engine=engine, lora_request=lora_request, merged=merged, on_progress=on_progress,
-                           calculator=calculator, attention=attention)
+    generations = generate(model, tokenizer, [ex["prompt"] for ex in examples], max_new_tokens=max_new_tokens,
+                           batch_size=batch_size, num_samples=num_samples, temperature=temperature, seed=seed,
+                           progress=progress, engine=engine, lora_request=lora_request, merged=merged,
+                           on_progress=on_progress, calculator=calculator, attention=attention)
     per_problem: list[list[Verdict]] = []
     records = []
     reward_sums: dict[str, float] = {}

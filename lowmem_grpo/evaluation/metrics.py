@@ -1,8 +1,5 @@
 """Evaluation metrics as pure functions of text (no torch): verdicts per completion, aggregates, bootstrap CIs.
-
-The rules are the reward set's own (strict: the `correctness` reward; lenient: the last number equals gold), applied
-to prefill + generated text exactly as the rewards see it in training.
-"""
+The rules are the rewards' own (strict: `correctness`; lenient: the last number equals gold) on prefill + output."""
 
 from __future__ import annotations
 
@@ -18,11 +15,10 @@ from lowmem_grpo.rewards.calculator import OUTCOMES, outcome
 from lowmem_grpo.rewards.chain import CHAIN_OUTCOMES, chain_outcome
 from lowmem_grpo.rewards.parsing import extract_answer_block, last_number, numbers_equal
 
-CORE_METRICS = ["strict_accuracy", "lenient_accuracy", "strict_format_rate", "soft_format_rate",
-                "mean_completion_tokens", "truncated_rate"]
 VERDICT_OF = {"strict_accuracy": "strict_correct", "lenient_accuracy": "lenient_correct",
               "strict_format_rate": "strict_format", "soft_format_rate": "soft_format",
               "mean_completion_tokens": "completion_tokens", "truncated_rate": "truncated"}
+CORE_METRICS = list(VERDICT_OF)
 BOOTSTRAP_RESAMPLES = 2000
 
 
@@ -115,7 +111,7 @@ def problem_value(verdicts: Sequence[Verdict], metric: str) -> float:
 def aggregate(per_problem: Sequence[Sequence[Verdict]]) -> dict[str, float]:
     """Core metrics over problems (each k sample verdicts; means over all completions), pass@k and mean@k if k > 1."""
     flat = [v for samples in per_problem for v in samples]
-    metrics = {name: _mean([float(getattr(v, VERDICT_OF[name])) for v in flat]) for name in CORE_METRICS}
+    metrics = {name: _mean([float(getattr(v, key)) for v in flat]) for name, key in VERDICT_OF.items()}
     metrics["num_problems"] = len(per_problem)
     metrics["num_completions"] = len(flat)
     k = max((len(s) for s in per_problem), default=1)
@@ -175,11 +171,11 @@ def compare(base: Sequence[Sequence[Verdict]], other: Sequence[Sequence[Verdict]
 
 
 def _fmt(metric: str, value: float) -> str:
-    if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
         return "-"
-    if metric in ("mean_completion_tokens", "num_problems", "num_completions"):
-        return f"{value:.1f}" if metric == "mean_completion_tokens" else f"{int(value)}"
-    return f"{value:.3f}"
+    if metric == "mean_completion_tokens":
+        return f"{value:.1f}"
+    return f"{int(value)}" if metric in ("num_problems", "num_completions") else f"{value:.3f}"
 
 
 def metrics_table(metrics: dict[str, float]) -> str:

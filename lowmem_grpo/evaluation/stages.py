@@ -1,7 +1,6 @@
 """What each stage of a run bought: held-out accuracy of the base model, the starting adapter, the primed and the
 trained adapter on the SAME problems, greedy and (train.eval.stage.samples = k) sampled, with 95% CIs per stage and
-paired between stages, also by wording and by number of calculations; `StageEvals` writes RUN_DIR/stage_eval.json.
-"""
+paired between stages, also by wording and by number of calculations; `StageEvals` writes RUN_DIR/stage_eval.json."""
 
 from __future__ import annotations
 
@@ -105,11 +104,9 @@ def summarize(per_stage: dict[str, list[list[Verdict]]], seed: int = 0,
     when there are several (and `steps_wording` with both)."""
     sampled = sampled or {}
     out = _summary(per_stage, seed, sampled)
+    lengths = {len(v) for v in (*per_stage.values(), *sampled.values())}
     for name, by in (("wording", groups), ("steps", steps)):
-        if by is None:
-            continue
-        lengths = {len(v) for v in (*per_stage.values(), *sampled.values())}
-        if lengths - {len(by)}:
+        if by is not None and lengths - {len(by)}:
             raise ValueError(f"{name} groups name {len(by)} problems, the verdicts {sorted(lengths)}")
     by_wording = groups is not None and any(g in WORDING_GROUPS for g in groups)
     if by_wording:
@@ -206,14 +203,11 @@ class StageEvals:
         generated = recipe.data.source == "generated"
         self.groups = wording_groups([ex.get("question") for ex in self.examples]) if generated else None
         self.steps = step_groups([ex.get("solution") for ex in self.examples])
-        self.verdicts: dict[str, list[list[Verdict]]] = {}
-        self.sampled: dict[str, list[list[Verdict]]] = {}
-        self.results: dict[str, Any] = {}
-        if self.path.exists():  # a resumed run keeps what it measured before the interruption
-            saved = json.loads(self.path.read_text(encoding="utf-8"))
-            self.results = saved.get("results", {})
-            self.verdicts = _load_verdicts(saved.get("verdicts", {}))
-            self.sampled = _load_verdicts(saved.get("sampled_verdicts", {}))
+        # a resumed run keeps what it measured before the interruption
+        saved = json.loads(self.path.read_text(encoding="utf-8")) if self.path.exists() else {}
+        self.results: dict[str, Any] = saved.get("results", {})
+        self.verdicts = _load_verdicts(saved.get("verdicts", {}))
+        self.sampled = _load_verdicts(saved.get("sampled_verdicts", {}))
 
     def measure(self, model: Any, stage: str) -> dict[str, float]:
         """Evaluate `model` as `stage` (unless measured or not wanted) and rewrite stage_eval.json."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from lowmem_grpo.backends import is_unsloth_model
 from lowmem_grpo.rewards.calculator import forced_text, pending_expression
+from lowmem_grpo.sampling.attention import cache_dtype
 
 CALCULATOR_TAIL_TOKENS = 64
 """A row's last tokens decoded to find an open `<<EXPR=` (the calculator refuses longer expressions anyway)."""
@@ -167,7 +168,6 @@ def sample_rows(model: Any, prompt_ids: list[list[int]], *, max_new_tokens: int,
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
         cache = None
         if contract.preallocate and getattr(model, "config", None) is not None:  # else a DynamicCache
-            from lowmem_grpo.sampling.attention import cache_dtype
             from lowmem_grpo.sampling.kv_cache import preallocated_cache
 
             cache = preallocated_cache(model.config, ids.size(1) + max_new_tokens, cache_dtype(model))

@@ -62,13 +62,9 @@ def choose_engine(model: Any, engine: str = "auto") -> str:
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     """The ids that end an answer: the generation_config's eos ids and the tokenizer's (as generate's)."""
-    ids: set[int] = set()
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if configured is not None:
-        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+    ids = set(configured) if isinstance(configured, (list, tuple)) else {configured}
+    return (ids | {tokenizer.eos_token_id}) - {None}
 
 
 def _required_eos(model: Any, tokenizer: Any) -> set[int]:

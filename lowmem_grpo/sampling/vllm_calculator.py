@@ -136,8 +136,7 @@ class EngineRounds:
 
 
 class ClientRounds:
-    """`sample` on TRL's VLLMClient (server mode): one call per distinct (budget, seed), the stops in
-    generation_kwargs."""
+    """`sample` on TRL's VLLMClient (server mode): one call per distinct (budget, seed), stops in generation_kwargs."""
 
     SIGNATURE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     """The settings VLLMClient.generate takes as arguments; the others go in its generation_kwargs."""
