@@ -52,8 +52,8 @@ def _checked(value: Fraction) -> Fraction:
     return value
 
 
-def _tokens(expr: str) -> list[str | Fraction]:
-    tokens: list[str | Fraction] = []
+def _tokens(expr: str) -> list[str | Fraction | None]:
+    tokens: list[str | Fraction | None] = []
     pos, end = 0, len(expr.rstrip(" \t"))
     while pos < end:
         match = _TOKEN_RE.match(expr, pos)
@@ -68,25 +68,23 @@ def _tokens(expr: str) -> list[str | Fraction]:
         if len(decimals) > MAX_DECIMALS:
             raise _Reject
         tokens.append(_checked(Fraction(int(whole + decimals), 10 ** len(decimals))))
-    return tokens
+    return tokens + [None]  # the end, which no rule accepts
 
 
-def _parse(tokens: list[str | Fraction]) -> Fraction:
+def _parse(tokens: list[str | Fraction | None]) -> Fraction:
     """Recursive descent: expr := term (("+"|"-") term)*; term := unary (("*"|"/") unary)*; unary := "-"? primary;
     primary := number | "(" expr ")". One minus at most per operand ("--1" is refused)."""
     pos = 0
 
-    def take() -> str | Fraction:
+    def take() -> str | Fraction | None:
         nonlocal pos
-        if pos == len(tokens):
-            raise _Reject
         pos += 1
         return tokens[pos - 1]
 
     def operand(level: int, depth: int) -> Fraction:
         if level < len(_PRECEDENCE):
             value = operand(level + 1, depth)
-            while pos < len(tokens) and tokens[pos] in _PRECEDENCE[level]:
+            while tokens[pos] in _PRECEDENCE[level]:
                 sign = take()
                 right = operand(level + 1, depth)
                 if sign == "/" and right == 0:
@@ -108,22 +106,19 @@ def _parse(tokens: list[str | Fraction]) -> Fraction:
         return -token if negative else token
 
     value = operand(0, 0)
-    if pos != len(tokens):
+    if tokens[pos] is not None:
         raise _Reject  # trailing tokens: "2(3)", "1)"
     return value
 
 
 def evaluate(expr: Any) -> Fraction | None:
-    """The exact value of an arithmetic expression, or None when the calculator does not accept it.
-
-    Accepted: numbers (``12``, ``3.5``, ``.5``, ``1,200``, an optional leading ``$``), ``+ - * /``, parentheses, one
-    unary minus per operand, spaces. Anything else, and anything past the MAX_* bounds, is None; never raises.
-    """
+    """The exact value of an arithmetic expression, or None (never raises) for anything but numbers (``12``, ``3.5``,
+    ``.5``, ``1,200``, an optional leading ``$``), ``+ - * /``, parentheses, one unary minus per operand and spaces,
+    or past the MAX_* bounds."""
     if not isinstance(expr, str) or len(expr) > MAX_EXPRESSION_CHARS:
         return None
     try:
-        tokens = _tokens(expr)
-        return _parse(tokens) if tokens else None
+        return _parse(_tokens(expr))
     except _Reject:
         return None
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -40,13 +39,11 @@ def _step(kwargs: dict[str, Any]) -> str:
 
 def describe_example(kwargs: dict[str, Any], index: int, count: int) -> str:
     """'example I of N: question '...' (gold X), completion '...'' from the reward's keyword arguments."""
-    def column(name: str) -> Any:
-        values = kwargs.get(name)
-        return values[index] if isinstance(values, (list, tuple)) and index < len(values) else None
-
-    question = column("question")
-    shown = (("question", column("prompts") if question is None else question), ("gold", column("answer")),
-             ("completion", column("completions")))
+    column = {name: values[index] for name, values in kwargs.items()
+              if isinstance(values, (list, tuple)) and index < len(values)}
+    question = column.get("question")
+    shown = (("question", column.get("prompts") if question is None else question), ("gold", column.get("answer")),
+             ("completion", column.get("completions")))
     parts = [f"{label} {_text(value)!r}" for label, value in shown if value is not None]
     return f"example {index} of {count}" + (": " + ", ".join(parts) if parts else "")
 
@@ -66,14 +63,11 @@ def _bad_value(value: Any) -> str | None:
     """Why one score cannot be trained on, or None when it can (None itself is TRL's skip)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        try:
-            value = float(value)  # numpy / torch scalars
-        except (TypeError, ValueError):
-            return f"{type(value).__name__} {_text(value)!r} is not a number"
-    if not math.isfinite(float(value)):
-        return f"{float(value)} is not finite"
-    return None
+    try:
+        number = float(value)  # numpy / torch scalars too
+    except (TypeError, ValueError):
+        return f"{type(value).__name__} {_text(value)!r} is not a number"
+    return None if math.isfinite(number) else f"{number} is not finite"
 
 
 def guard_reward(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,19 +6,19 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-# Last <answer>...</answer> pair: greedy prefix pushes the match to the last opener.
-_ANSWER_BLOCK_RE = re.compile(r".*<answer>(.*?)</answer>", re.DOTALL)
-# Properly grouped thousands (not followed by more digits) or a plain run of digits; an optional decimal part.
+_ANSWER_BLOCK_RE = re.compile(r".*<answer>(.*?)</answer>", re.DOTALL)  # the greedy prefix finds the last pair
 _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
-_SIGN_CHARS = "-+\u2212"
-_CURRENCY = "$\u20ac\u00a3"
-_SIGN = re.escape(_SIGN_CHARS)
-_CUR = re.escape(_CURRENCY)
+_SIGN = re.escape("-+\u2212")
+_CUR = re.escape("$\u20ac\u00a3")
 # A sign counts only when not glued to a preceding word/number ("3-5" is 3 and 5); it may sit on either side of a
 # currency sign ("-$5", "$-5").
 _NUMBER_RE = re.compile(rf"(?:(?<![\w{_SIGN}])(?P<sign>[{_SIGN}])(?=[{_CUR}]?\d))?(?:[{_CUR}](?P<sign2>[{_SIGN}])?)?"
                         rf"(?<!\d)(?P<num>{_UNSIGNED})")
-_TOKEN_RE = re.compile(rf"(?P<sign>[{_SIGN}])?(?P<num>{_UNSIGNED})")
+_TOKEN_RE = re.compile(rf"(?:(?P<sign>[{_SIGN}])[{_CUR}]?|[{_CUR}](?P<sign2>[{_SIGN}])?)?(?P<num>{_UNSIGNED})")
+
+
+def _signed(match: re.Match[str]) -> str:
+    return ("-" if (match.group("sign") or match.group("sign2")) in ("-", "\u2212") else "") + match.group("num")
 
 
 def extract_answer_block(text: str | None) -> str | None:
@@ -27,33 +27,23 @@ def extract_answer_block(text: str | None) -> str | None:
     return match.group(1) if match else None
 
 
-def _sign_prefix(sign: str | None) -> str:
-    return "-" if sign in ("-", "\u2212") else ""
-
-
 def find_numbers(text: str | None) -> list[str]:
-    """Every number token in ``text``, in order, with its digits, separators and decimal part, a minus as ``-``:
-    ``"$1,234.50"`` -> ``["1,234.50"]``, ``"3 + 4 = 7"`` -> ``["3", "4", "7"]``, ``"1, 2"`` -> ``["1", "2"]``."""
-    return [_sign_prefix(m.group("sign") or m.group("sign2")) + m.group("num") for m in _NUMBER_RE.finditer(text or "")]
+    """Every number token in ``text``, in order, a minus as ``-``: ``"$1,234.50"`` -> ``["1,234.50"]``,
+    ``"3 + 4 = 7"`` -> ``["3", "4", "7"]``, ``"1, 2"`` -> ``["1", "2"]``."""
+    return [_signed(m) for m in _NUMBER_RE.finditer(text or "")]
 
 
 def parse_number(token: str | None) -> Decimal | None:
     """One number token as a Decimal (``"$1,200."`` -> 1200, ``"007"`` -> 7), tolerating whitespace, a currency sign,
     a trailing ``%`` or period; None for words or a second number."""
-    if token is None:
-        return None
-    text = token.strip().rstrip(".").rstrip("%").strip()
-    sign = ""
-    if text and text[0] in _SIGN_CHARS:
-        sign, text = text[0], text[1:]
-    match = _TOKEN_RE.fullmatch(sign + (text[1:] if text and text[0] in _CURRENCY else text))
-    return Decimal(_sign_prefix(match.group("sign")) + match.group("num").replace(",", "")) if match else None
+    match = None if token is None else _TOKEN_RE.fullmatch(token.strip().rstrip(".").rstrip("%").strip())
+    return Decimal(_signed(match).replace(",", "")) if match else None
 
 
 def numbers_equal(a: str | None, b: str | None) -> bool:
     """Both tokens parse (``parse_number``) to the same value."""
-    left, right = parse_number(a), parse_number(b)
-    return left is not None and left == right
+    left = parse_number(a)
+    return left is not None and left == parse_number(b)
 
 
 def last_number(text: str | None) -> str | None:

@@ -1,8 +1,5 @@
-"""Name -> reward-function registry, plus ``package.module:function`` import strings.
-
-Reward functions follow TRL's protocol ``fn(completions, **kwargs) -> list[float | None]``; TRL logs each as
-``rewards/<fn.__name__>/mean``, so a registered function's ``__name__`` must equal its registry name.
-"""
+"""Reward functions (TRL's ``fn(completions, **kwargs) -> list[float | None]``) by registered name or by
+``package.module:function`` import string."""
 
 from __future__ import annotations
 
@@ -33,8 +30,8 @@ def _qualname(fn: Callable[..., Any]) -> str:
 
 
 def register(name: str) -> Callable[[F], F]:
-    """Decorator registering a reward function under ``name``, which must equal its ``__name__`` (set on a callable
-    without one, e.g. ``functools.partial``); another function under a taken name is a ValueError."""
+    """Decorator registering a reward function under ``name``, which must equal its ``__name__`` (TRL logs rewards
+    as ``rewards/<__name__>/mean``; set on a callable without one, e.g. ``functools.partial``)."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
 
@@ -69,11 +66,11 @@ def _import_reward(spec: str) -> RewardFunc:
     except Exception as exc:  # noqa: BLE001 - a user's module may raise anything at import: name it, exit 2
         raise InvalidRewardSpecError(f"cannot import module {module_name!r} for reward {spec!r}: "
                                      f"{type(exc).__name__}: {exc}") from exc
-    for part in attr.split("."):
-        try:
+    try:
+        for part in attr.split("."):
             obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise InvalidRewardSpecError(f"module {module_name!r} has no attribute {attr!r} (reward {spec!r})") from exc
+    except AttributeError as exc:
+        raise InvalidRewardSpecError(f"module {module_name!r} has no attribute {attr!r} (reward {spec!r})") from exc
     if not callable(obj):
         raise InvalidRewardSpecError(f"{spec!r} resolves to a non-callable {type(obj).__name__}, not a reward function")
     return obj
@@ -81,10 +78,7 @@ def _import_reward(spec: str) -> RewardFunc:
 
 def get_reward(name: str | RewardFunc) -> RewardFunc:
     """The reward registered as ``name``, or a ``module:function`` import string's; a callable is returned unchanged.
-
-    UnknownRewardError (a KeyError and ValueError) lists the known names with a did-you-mean; an unusable import
-    string is an InvalidRewardSpecError (an ImportError and ValueError).
-    """
+    UnknownRewardError (with a did-you-mean) for an unknown name, InvalidRewardSpecError for a bad import string."""
     if callable(name):
         return name
     if not isinstance(name, str):
