@@ -19,14 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.backends import locate_model
 from lowmem_grpo.backends.adapter import name_original_base
+from lowmem_grpo.device import cuda_facts
 from lowmem_grpo.errors import BadInputError, LowmemError
 from lowmem_grpo.export import gguf_proof, proof
 from lowmem_grpo.export.card import write_card
 from lowmem_grpo.export.score import record, score_folder
 from lowmem_grpo.export.tokenizer_files import repair_byte_level_bpe
+from lowmem_grpo.recipe_io import load_recipe
 from lowmem_grpo.rundir import layout, telemetry
 from lowmem_grpo.rundir.checkpoints import complete_checkpoints, is_complete
+from lowmem_grpo.runtime import auto_dtype
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +203,6 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
 def _load_job(run_dir: Path, src: Path, fmt: str, base: str | None, dtype: str | None, **options: Any) -> _Job:
     """The recipe, base model and tokenizer the phases read; a merged export refuses a quantized base here."""
     from transformers import AutoTokenizer
-
-    from lowmem_grpo.backends import locate_model
-    from lowmem_grpo.device import cuda_facts
-    from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.runtime import auto_dtype
 
     recipe = load_recipe(str(run_dir / layout.RECIPE_FILE))
     base_name = base or recipe.model.name
