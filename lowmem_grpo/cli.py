@@ -203,31 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("recipes", help="list the shipped recipes").set_defaults(func=cmd_recipes)
     sub.add_parser("doctor", help="print the environment and known-bad combinations").set_defaults(func=cmd_doctor)
 
-    _add_eval(sub)
-
-    p = sub.add_parser("check-rewards", help="reward preflight: would GRPO get a signal? (exit 3 if not); never trains")
-    p.add_argument("recipe", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
-    p.add_argument("overrides", nargs="*", help=overrides_help)
-    p.add_argument("--prompts", type=int, help="prompt groups to sample (default: train.preflight.prompts, 16)")
-    p.set_defaults(func=cmd_check_rewards)
-
-    _add_export(sub)
-
-    p = sub.add_parser("report", help="write plots/*.png and report.md for a run (also mid-run)")
-    p.add_argument("run_dir", help="the run directory `train` writes")
-    p.set_defaults(func=cmd_report)
-
-    p = sub.add_parser("plan", help="predicted peak GPU memory of a recipe, term by term, and the settings that fit")
-    p.add_argument("recipe", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
-    p.add_argument("overrides", nargs="*", help=overrides_help)
-    p.add_argument("--gpu-memory", metavar="SIZE", help="budget, e.g. 8GiB, 12GB, 24G (default: the recipe's "
-                   "gpu_memory_gb, else the visible GPU's memory)")
-    p.add_argument("--json", action="store_true", help="one JSON object: total_bytes, fits, terms, proposal, ...")
-    p.set_defaults(func=cmd_plan)
-    return parser
-
-
-def _add_eval(sub: Any) -> None:
     p = sub.add_parser("eval", help="GSM8K accuracy and format rates of a model, adapter or run (--compare: base vs "
                        "adapter)")
     p.add_argument("--model", required=True, help="hub id, local folder, embedded:NAME, or a run directory")
@@ -252,8 +227,12 @@ def _add_eval(sub: Any) -> None:
                    help="key.sub=value recipe overrides, e.g. data.generated.eval_stories=heldout")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("check-rewards", help="reward preflight: would GRPO get a signal? (exit 3 if not); never trains")
+    p.add_argument("recipe", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
+    p.add_argument("overrides", nargs="*", help=overrides_help)
+    p.add_argument("--prompts", type=int, help="prompt groups to sample (default: train.preflight.prompts, 16)")
+    p.set_defaults(func=cmd_check_rewards)
 
-def _add_export(sub: Any) -> None:
     p = sub.add_parser("export", help="export a run's adapter: lora, merged-16bit, merged-4bit or gguf (proven, "
                        "and scored on the run's held-out problems)")
     p.add_argument("run_dir", help="the run directory `train` wrote")
@@ -278,6 +257,19 @@ def _add_export(sub: Any) -> None:
     p.add_argument("--cpu-4bit", action="store_true",
                    help="let merged-4bit run on bitsandbytes' CPU backend when no GPU is visible (slow)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="write plots/*.png and report.md for a run (also mid-run)")
+    p.add_argument("run_dir", help="the run directory `train` writes")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("plan", help="predicted peak GPU memory of a recipe, term by term, and the settings that fit")
+    p.add_argument("recipe", help="recipes/NAME.py, a shipped recipe name, or RUN_DIR/recipe.yaml")
+    p.add_argument("overrides", nargs="*", help=overrides_help)
+    p.add_argument("--gpu-memory", metavar="SIZE", help="budget, e.g. 8GiB, 12GB, 24G (default: the recipe's "
+                   "gpu_memory_gb, else the visible GPU's memory)")
+    p.add_argument("--json", action="store_true", help="one JSON object: total_bytes, fits, terms, proposal, ...")
+    p.set_defaults(func=cmd_plan)
+    return parser
 
 
 def main(argv: list[str] | None = None, *, callbacks: Sequence[Any] = ()) -> int:
