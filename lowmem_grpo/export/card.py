@@ -82,8 +82,9 @@ def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_p
     return lines
 
 
-def model_card(run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str, files: list[str]) -> str:
-    """README.md text for an export folder."""
+def write_card(folder: Path, run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str) -> None:
+    """Write README.md into the export folder (listing the files already there)."""
+    files = sorted({p.name for p in folder.iterdir() if not p.name.startswith(".")} | {CARD_FILE})
     records = telemetry.read_metrics(run_dir)
     steps = [r for r in health.training_records(records) if result.step is None or int(r.get("step", 0)) <= result.step]
     last = steps[-1] if steps else None  # the last training record at or before the exported step
@@ -128,10 +129,4 @@ def model_card(run_dir: Path, recipe: Any, result: Any, base_name: str, base_pat
     lines += _how_to_load(result.format, result.out, base_name, files, recipe.data.system_prompt, recipe.data.prefill)
     lines += ["", "## Files", ""] + [f"- `{f}`" for f in files]
     lines += ["", "## Recipe", "", "```yaml", dump_yaml(recipe).rstrip(), "```", ""]
-    return "\n".join(lines)
-
-
-def write_card(folder: Path, run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str) -> None:
-    """Write README.md into the export folder (listing the files already there)."""
-    files = sorted({p.name for p in folder.iterdir() if not p.name.startswith(".")} | {CARD_FILE})
-    (folder / CARD_FILE).write_text(model_card(run_dir, recipe, result, base_name, base_path, files), encoding="utf-8")
+    (folder / CARD_FILE).write_text("\n".join(lines), encoding="utf-8")

@@ -4,6 +4,7 @@ the end, so an interrupted or failed export leaves nothing at --out."""
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import functools
 import gc
@@ -13,16 +14,23 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.backends import locate_model
 from lowmem_grpo.backends.adapter import name_original_base
+from lowmem_grpo.device import cuda_facts
 from lowmem_grpo.errors import BadInputError, LowmemError
-from lowmem_grpo.export import proof
+from lowmem_grpo.export import gguf_proof, proof
+from lowmem_grpo.export.card import write_card
+from lowmem_grpo.export.score import record, score_folder
 from lowmem_grpo.export.tokenizer_files import repair_byte_level_bpe
+from lowmem_grpo.recipe_io import load_recipe
 from lowmem_grpo.rundir import layout, telemetry
+from lowmem_grpo.rundir.checkpoints import complete_checkpoints, is_complete
+from lowmem_grpo.runtime import auto_dtype
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +75,13 @@ class _Job:
 
     run_dir: Path
     recipe: Any
+    base_name: str
     base_path: str
     src: Path
     tokenizer: Any
     dtype: str
-    device: str
     trust: bool
+    device: str
     tolerance: float | None
     score: bool
     gguf_type: str = "f16"
@@ -82,8 +91,6 @@ class _Job:
 def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None]:
     """The adapter folder to export (checkpoint-N, or the final adapter/) and its step."""
     if checkpoint is not None:
-        from lowmem_grpo.rundir.checkpoints import complete_checkpoints, is_complete
-
         src = run_dir / f"checkpoint-{checkpoint}"
         found = [step for step, _ in complete_checkpoints(run_dir)]
         fix = f"use --checkpoint with one of {found}" if found else "leave out --checkpoint"
@@ -117,7 +124,9 @@ def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
         raise BadInputError(f"--out {out} is not empty", fix="pass --overwrite to replace it, or choose another --out")
 
 
-def _check_request(run_dir: Path, fmt: str, dtype: str | None) -> None:
+def _check_request(run_dir: Path, fmt: str, out: Path, dtype: str | None, checkpoint: int | None,
+                   overwrite: bool) -> tuple[Path, int | None]:
+    """The adapter folder to export and its step, after refusing a bad format, dtype, run directory or --out."""
     if fmt not in FORMATS:
         raise BadInputError(f"unknown export format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -125,27 +134,27 @@ def _check_request(run_dir: Path, fmt: str, dtype: str | None) -> None:
     if not (run_dir / layout.RECIPE_FILE).exists():
         raise BadInputError(f"{run_dir} is not a run directory (no {layout.RECIPE_FILE})",
                             fix="give the folder `lowmem-grpo train` wrote")
+    src, step = find_source(run_dir, checkpoint)
+    check_out_dir(out, overwrite, [run_dir / layout.ADAPTER_DIR, run_dir / layout.RECIPE_FILE,
+                                   *run_dir.glob(f"{layout.CHECKPOINT_PREFIX}*")])
+    return src, step
 
 
-def _check_4bit(device_ok: bool) -> None:
-    if not device_ok:
+def _check_tools(fmt: str, gguf_type: str, llama_cpp: str | Path | None, cpu_4bit: bool) -> tuple[Path | None, str]:
+    """The GGUF converter (None for other formats) and the device, once what `fmt` needs is there."""
+    script = None
+    if fmt == "gguf":  # before any model loads: exit 2 without the extra
+        script = gguf_proof.check(gguf_type, llama_cpp)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if fmt == "merged-4bit" and not (cuda or cpu_4bit):
         raise BadInputError("--format merged-4bit needs a CUDA GPU (bitsandbytes 4-bit serialization); "
                             "none is visible", fix="run the export on a GPU machine, use --format merged-16bit, "
                                                    "or --cpu-4bit (bitsandbytes' CPU backend, slow)")
-    if not importlib.util.find_spec("bitsandbytes"):
+    if fmt == "merged-4bit" and not importlib.util.find_spec("bitsandbytes"):
         raise BadInputError("--format merged-4bit needs bitsandbytes", fix="pip install bitsandbytes")
-
-
-def _load_tokenizer(src: Path, base_path: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    where = src if (src / "tokenizer_config.json").exists() else base_path
-    tokenizer = AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if not getattr(tokenizer, "chat_template", None):
-        log.warning("the tokenizer has no chat template; the export will have none either")
-    return tokenizer
+    return script, "cuda" if cuda else "cpu"
 
 
 def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
@@ -177,37 +186,45 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
     merges the adapter."""
     started = time.monotonic()
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
-    _check_request(run_dir, fmt, dtype)
-    src, step = find_source(run_dir, checkpoint)
-    check_out_dir(out, overwrite, [run_dir / layout.ADAPTER_DIR, run_dir / layout.RECIPE_FILE,
-                                   *run_dir.glob(f"{layout.CHECKPOINT_PREFIX}*")])
-    script = None
-    if fmt == "gguf":  # before any model loads: exit 2 without the extra
-        from lowmem_grpo.export import gguf_proof
+    src, step = _check_request(run_dir, fmt, out, dtype, checkpoint, overwrite)
+    script, device = _check_tools(fmt, gguf_type, llama_cpp, cpu_4bit)
+    job = _load_job(run_dir, src, fmt, base, dtype, device=device, tolerance=tolerance, score=score,
+                    gguf_type=gguf_type, script=script)
+    result = ExportResult(out=out, format=fmt, source=src, step=step, gguf_type=gguf_type if script else None,
+                          dtype=None if fmt == "lora" else job.dtype)
+    with _progress(fmt, started, on_phase) as done:
+        _write(job, result, merge, done)
+    result.seconds = time.monotonic() - started
+    record(run_dir, result)
+    log.info("exported %s (%s) to %s in %.1f s", src, fmt, out, result.seconds)
+    return result
 
-        script = gguf_proof.check(gguf_type, llama_cpp)
-    import torch
 
-    cuda = torch.cuda.is_available()
-    if fmt == "merged-4bit":
-        _check_4bit(cuda or cpu_4bit)
-    from tqdm import tqdm
-
-    from lowmem_grpo.backends import locate_model
-    from lowmem_grpo.device import cuda_facts
-    from lowmem_grpo.recipe_io import load_recipe
-    from lowmem_grpo.runtime import auto_dtype
+def _load_job(run_dir: Path, src: Path, fmt: str, base: str | None, dtype: str | None, **options: Any) -> _Job:
+    """The recipe, base model and tokenizer the phases read; a merged export refuses a quantized base here."""
+    from transformers import AutoTokenizer
 
     recipe = load_recipe(str(run_dir / layout.RECIPE_FILE))
     base_name = base or recipe.model.name
     base_path = locate_model(base_name)
     trust = recipe.model.trust_remote_code
-    dtype = dtype or auto_dtype(cuda_facts())[0]
-    result = ExportResult(out=out, format=fmt, source=src, step=step, gguf_type=gguf_type if script else None)
     if fmt != "lora":
         proof.check_base_unquantized(base_path, trust)
-        result.dtype = dtype
-    tmp = _partial_dir(out)
+    where = src if (src / "tokenizer_config.json").exists() else base_path
+    tokenizer = AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("the tokenizer has no chat template; the export will have none either")
+    return _Job(run_dir, recipe, base_name, base_path, src, tokenizer, dtype or auto_dtype(cuda_facts())[0], trust,
+                **options)
+
+
+@contextlib.contextmanager
+def _progress(fmt: str, started: float, on_phase: Callable[[str], None] | None) -> Iterator[Callable[[str], None]]:
+    """`done(name)`, called after each phase: a progress bar step, then `on_phase`."""
+    from tqdm import tqdm
+
     bar = tqdm(total=len(PHASES[fmt]), desc=f"export {fmt}", unit="phase", disable=None)
 
     def done(name: str) -> None:
@@ -218,43 +235,40 @@ def export(run_dir: str | Path, fmt: str, out: str | Path, *, checkpoint: int | 
             on_phase(name)
 
     try:
-        tokenizer = _load_tokenizer(src, base_path, trust)
-        job = _Job(run_dir, recipe, base_path, src, tokenizer, dtype, "cuda" if cuda else "cpu", trust, tolerance,
-                   score, gguf_type, script)
-        if fmt == "lora":
-            done("load")
-            _export_lora(src, tmp, tokenizer, done, base_name)
-        else:
-            _export_merged(fmt, job, tmp, result, done, merge)
-        from lowmem_grpo.export.card import write_card
+        yield done
+    finally:
+        bar.close()
 
-        write_card(tmp, run_dir, recipe, result, base_name, base_path)
+
+def _write(job: _Job, result: ExportResult, merge: Callable[[Any], Any], done: Callable[[str], None]) -> None:
+    """Every phase into a hidden folder beside result.out, renamed into place only once all of them succeeded."""
+    tmp = _partial_dir(result.out)
+    try:
+        if result.format == "lora":
+            done("load")
+            _export_lora(job, tmp, done)
+        else:
+            _export_merged(result.format, job, tmp, result, done, merge)
+        write_card(tmp, job.run_dir, job.recipe, result, job.base_name, job.base_path)
         done("card")
         result.size_bytes = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-        _publish(tmp, out)
+        _publish(tmp, result.out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        bar.close()
-    result.seconds = time.monotonic() - started
-    from lowmem_grpo.export.score import record
-
-    record(run_dir, result)
-    log.info("exported %s (%s) to %s in %.1f s", src, fmt, out, result.seconds)
-    return result
 
 
-def _export_lora(src: Path, tmp: Path, tokenizer: Any, done: Callable[[str], None], base_name: str) -> None:
+def _export_lora(job: _Job, tmp: Path, done: Callable[[str], None]) -> None:
+    src = job.src
     copied = [name for name in ADAPTER_FILES if (src / name).exists()]
     for name in copied:
         shutil.copy2(src / name, tmp / name)
-    _save_tokenizer(tokenizer, tmp)
+    _save_tokenizer(job.tokenizer, tmp)
     done("copy")
     for name in copied:
         if not filecmp.cmp(src / name, tmp / name, shallow=False):
             raise LowmemError(f"copy of {name} differs from {src / name}", fix="check the disk and run again")
-    name_original_base(tmp, base_name)  # after the check: the copy is verified byte for byte first
+    name_original_base(tmp, job.base_name)  # after the check: the copy is verified byte for byte first
     done("verify")
 
 
@@ -285,12 +299,8 @@ def _export_merged(fmt: str, job: _Job, tmp: Path, result: ExportResult, done: C
         prove("prove-4bit", lambda: proof.load_causal_lm(tmp, job.dtype, job.device, job.trust), job.tolerance,
               "merged-4bit", reference=reference4)
     if fmt == "gguf":
-        from lowmem_grpo.export.gguf_proof import export_gguf
-
-        export_gguf(job, work, tmp, result, done)
+        gguf_proof.export_gguf(job, work, tmp, result, done)
     else:
-        from lowmem_grpo.export.score import score_folder
-
         score_folder(job, tmp, result)
         done("score")
     if work != tmp:

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.backends import nf4_config
+from lowmem_grpo.data import load_rows, render_prompt
 from lowmem_grpo.errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,6 @@ def load_causal_lm(path: str | Path, dtype: str, device: str, trust_remote_code:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowmem_grpo.backends import nf4_config
-
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "trust_remote_code": trust_remote_code}
     if quantize_4bit:
         kwargs["quantization_config"] = nf4_config(kwargs["dtype"])
@@ -76,8 +76,6 @@ def load_causal_lm(path: str | Path, dtype: str, device: str, trust_remote_code:
 
 def proof_inputs(tokenizer: Any, system_prompt: str, prefill: str) -> list[list[int]]:
     """Token ids of the fixed proof texts: chat prompt + prefill + worked solution, cut to PROOF_MAX_TOKENS."""
-    from lowmem_grpo.data import load_rows, render_prompt
-
     chat = getattr(tokenizer, "chat_template", None)
     rows = load_rows("embedded", "test")[:PROOF_PROMPTS]
     prompts = [(render_prompt(tokenizer, row["question"], system_prompt, prefill) if chat

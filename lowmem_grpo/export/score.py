@@ -9,9 +9,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from lowmem_grpo.errors import LowmemError
+from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
 from lowmem_grpo.evaluation.metrics import Verdict, judge, paired_bootstrap, problem_value
 from lowmem_grpo.evaluation.stages import greedy_settings, mean_ci
-from lowmem_grpo.rundir import layout
+from lowmem_grpo.export import proof
+from lowmem_grpo.rundir import export_scores, layout
+from lowmem_grpo.rundir.report import write_report
 from lowmem_grpo.runtime import cpu_paths
 
 log = logging.getLogger(__name__)
@@ -22,8 +26,6 @@ METRIC = "strict_accuracy"
 
 def held_out(recipe: Any, tokenizer: Any) -> list[dict[str, Any]]:
     """The stage evaluation's problems, or the first PROOF_PROBLEMS of the eval split."""
-    from lowmem_grpo.evaluation.evaluate import load_eval_examples
-
     return load_eval_examples(recipe, tokenizer, limit=recipe.train.eval.stage.problems or PROOF_PROBLEMS)
 
 
@@ -34,8 +36,6 @@ def settings(recipe: Any, device: str) -> dict[str, Any]:
 
 def answer_transformers(model: Any, tokenizer: Any, examples: list[dict[str, Any]], recipe: Any, device: str) -> Any:
     """run_eval with the stage evaluation's greedy settings: an EvalResult."""
-    from lowmem_grpo.evaluation.evaluate import run_eval
-
     return run_eval(model, tokenizer, examples, **settings(recipe, device))
 
 
@@ -107,8 +107,6 @@ def line(score: dict[str, Any]) -> str:
 def score_folder(job: Any, folder: Path, result: Any) -> None:
     """A transformers-loaded export answers the held-out problems into result.score, when asked and the run has a
     stage evaluation to pair with."""
-    from lowmem_grpo.export import proof
-
     problems = job.recipe.train.eval.stage.problems
     if not (job.score and problems):
         return
@@ -125,10 +123,6 @@ def record(run_dir: Path, result: Any) -> None:
     """A published export's score into the run's export_scores.json, and report.md rewritten with it."""
     if not result.score:
         return
-    from lowmem_grpo.errors import LowmemError
-    from lowmem_grpo.rundir import export_scores
-    from lowmem_grpo.rundir.report import write_report
-
     name = result.format + (f" {result.gguf_type}" if result.gguf_type else "")
     export_scores.record(run_dir, {"out": str(Path(result.out).resolve()), "format": name, "file": result.file,
                                    "step": result.step, "score": result.score, "size_bytes": result.size_bytes})
