@@ -48,6 +48,10 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _ratio(a: Any, b: Any) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
@@ -360,11 +364,7 @@ def model_path(name: str, work: Path) -> str:
 
 def summarize(probe: Probe, started: tuple[float, float], done: tuple[float, float]) -> dict[str, Any]:
     """Start-up, s/step (wall and CPU, between step ends), teardown and the logged phase records of one run."""
-    ends = probe.ends
-
-    def median(values: list[float]) -> float | None:
-        return statistics.median(values) if values else None
-
+    ends, median = probe.ends, _median
     gaps = [[b[i] - a[i] for a, b in zip(ends, ends[1:])] for i in range(4)]
     steps = [r for r in probe.logs if "step_time" in r]
     return {
@@ -480,8 +480,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's repeats as one result: the median of each number, the phase records pooled, every run kept."""
     out = dict(runs[0])
     for key in NUMERIC:
-        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
-        out[key] = statistics.median(values) if values else None
+        out[key] = _median([r[key] for r in runs if isinstance(r.get(key), (int, float))])
     out["phase_records"] = [rec for r in runs for rec in r["phase_records"]]
     out["runs"] = [{k: r.get(k) for k in NUMERIC + ("load",)} for r in runs]
     out["load"] = "; ".join(r["load"] for r in runs)
