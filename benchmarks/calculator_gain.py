@@ -5,14 +5,11 @@ held-out problems, greedy and sampled, with paired 95% CIs and what the answers 
     python benchmarks/calculator_gain.py RUN_DIR --data lowmem_grpo/resources/checking/arith_checking.jsonl
     python benchmarks/calculator_gain.py RUN_DIR --levels 2        (two-step generated problems only)
 
-RUN_DIR's recipe.yaml decides the model, prompts, eval split, data.calculator and the stage evaluation's settings,
-read as `lowmem-grpo eval RUN_DIR` reads it; the base model loads once and each stage switches adapters: base (off),
-primed (RUN_DIR/primed_adapter) and trained (RUN_DIR/adapter, else the newest checkpoint). Prints report.md's stage
-tables (lowmem_grpo.rundir.stage_tables: greedy, mean@k, pass@k with CIs, paired differences, outcomes, by wording
-and by number of steps) and the share of wrong answers that chose the wrong operation. --data PATH measures the
-problems of a GSM8K-format JSONL file instead; rows with `operation` or `steps` add a breakdown by each.
-Writes --out (default RUN_DIR/calculator_gain[-seen|-heldout|-levelsL|-STEM].json) with the command, the CPU's dtype,
-the load average and wall time; a rerun reuses every stage measured with the same settings and adapter weights.
+RUN_DIR's recipe.yaml decides the model, prompts and settings, as `lowmem-grpo eval RUN_DIR` reads it; the base
+model loads once and each stage switches adapters. Prints report.md's stage tables and the share of wrong answers
+that chose the wrong operation (--data: by `operation` or `steps` too, where the file's rows have them). Writes --out
+(default RUN_DIR/calculator_gain[-seen|-heldout|-levelsL|-STEM].json); a rerun reuses every stage measured with the
+same settings and adapter weights.
 """
 
 from __future__ import annotations

@@ -48,6 +48,10 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _ratio(a: Any, b: Any) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
@@ -360,11 +364,7 @@ def model_path(name: str, work: Path) -> str:
 
 def summarize(probe: Probe, started: tuple[float, float], done: tuple[float, float]) -> dict[str, Any]:
     """Start-up, s/step (wall and CPU, between step ends), teardown and the logged phase records of one run."""
-    ends = probe.ends
-
-    def median(values: list[float]) -> float | None:
-        return statistics.median(values) if values else None
-
+    ends, median = probe.ends, _median
     gaps = [[b[i] - a[i] for a, b in zip(ends, ends[1:])] for i in range(4)]
     steps = [r for r in probe.logs if "step_time" in r]
     return {
@@ -480,8 +480,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's repeats as one result: the median of each number, the phase records pooled, every run kept."""
     out = dict(runs[0])
     for key in NUMERIC:
-        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
-        out[key] = statistics.median(values) if values else None
+        out[key] = _median([r[key] for r in runs if isinstance(r.get(key), (int, float))])
     out["phase_records"] = [rec for r in runs for rec in r["phase_records"]]
     out["runs"] = [{k: r.get(k) for k in NUMERIC + ("load",)} for r in runs]
     out["load"] = "; ".join(r["load"] for r in runs)
@@ -537,17 +536,12 @@ def measure(spec: dict[str, Any], work: Path, pinned: bool, repeats: int, check_
 
 
 def cmd_step(args: argparse.Namespace) -> int:
-    """A GRPO step like for like: our train() before and after its CPU switches, and a plain TRL + PEFT script, all
-    built from the CPU default recipe, each in its own process.
+    """A GRPO step like for like: our train() before (--before's switches) and after (as shipped) its CPU switches,
+    and a plain TRL + PEFT script ("plain pinned": at train()'s mmap threshold), each in its own process.
 
-Only the model, model.dtype (--dtypes), train.max_steps change, without preflight or evaluation (--set: all sides);
---start primed: all sides start from the recipe's primed adapter. plain: TRL + PEFT from the same recipe
-(plain_grpo_values), the CPU-safe GRPOTrainer; "plain pinned": with MALLOC_MMAP_THRESHOLD_ at train()'s threshold.
-before: --before's switches off (default train.cpu.fast=false). after: as shipped. Each worker's fingerprint
-(GRPOConfig, LoRA, dtypes, row and LoRA hashes, rewards, optimizer, threads) must equal plain's, else exit 1 naming
-the keys (--check-only stops there). Printed (medians over --repeats, rotating order): s/step and CPU s/step,
-TRL's step_time, start-up, teardown, faults, kernel s, peak RSS, ratios, completions, time/<phase> means, our
-layer's and the phase timer's own cost."""
+All sides come from the CPU default recipe; each worker's fingerprint must equal plain's, else exit 1 naming the
+keys (--check-only stops there). Printed, medians over --repeats in rotating order: s/step, start-up, teardown,
+faults, peak RSS, ratios, completions, time/<phase> means, our layer's and the phase timer's own cost."""
     work = Path(args.work or tempfile.mkdtemp(prefix="step_cpu-"))
     if args.worker:
         step_worker(args.worker[0], Path(args.worker[1]), work, args.check_only)
@@ -665,9 +659,8 @@ def compare_decode(args: argparse.Namespace) -> str:
 def cmd_profile(args: argparse.Namespace) -> int:
     """torch.profiler tables of one GRPO step and one evaluation of the CPU default, as the package runs them.
 
---what step: GRPO step --profile-step of train() (OUT/step.txt); eval: greedy + --samples samples on --problems
-problems (OUT/eval.txt); decode: the engine's decode with DynamicCache vs the preallocated cache, alternating, and
-whether their rows agree (OUT/decode.txt). --set changes the recipe."""
+--what step: GRPO step --profile-step (OUT/step.txt); eval: greedy + --samples samples (OUT/eval.txt); decode:
+DynamicCache vs the preallocated cache, alternating, and whether their rows agree (OUT/decode.txt)."""
     args.out.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(f"before: {load_line()}\n")
     if args.what == "step":
@@ -790,10 +783,8 @@ def sampling_dtype(dtype: str, args: argparse.Namespace) -> None:
 def cmd_sampling(args: argparse.Namespace) -> int:
     """GRPO sampling before vs after, in one process: tokens/s of TRL's generation from the CPU default's trainer.
 
-The trainer as train() builds it (LoRA B random, seeded) samples --rows completions (--group per prompt, up to
---tokens) per configuration, alternating: unmerged, merged (adapter merged), merged+grouped (GQA without copying
-heads). Printed: wall and CPU s and tok/s (best, median), ratios to unmerged, identical completions; in 16-bit each
-one's logits against float32. --profile: torch.profiler's top operators."""
+Alternating: unmerged, merged (adapter merged), merged+grouped (GQA without copying heads); LoRA B random, seeded.
+Printed: wall and CPU s and tok/s, ratios to unmerged, identical completions; in 16-bit logits against float32."""
     if args.rows % args.group:
         raise SystemExit("--rows must be a multiple of --group")
     for dtype in args.dtypes.split(","):
@@ -802,11 +793,6 @@ one's logits against float32. --profile: torch.profiler's top operators."""
 
 
 # ---- shared-prompt and allocator: one loss pass -----------------------------------------------------------------
-
-def _status_kib(field: str) -> int:
-    return next((int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-                 if line.startswith(field + ":")), 0)
-
 
 def make_batch(tokenizer: Any, prompts: int, generations: int, prompt_length: int, completion: tuple[int, int],
                seed: int) -> tuple[Any, Any, int]:
@@ -829,13 +815,15 @@ def make_batch(tokenizer: Any, prompts: int, generations: int, prompt_length: in
 
 def one_pass(trainer: Any, ids: Any, mask: Any, width: int, share: bool, advantages: Any) -> dict:
     """Forward and backward of one micro-batch: seconds, peak RSS rise, kernel s, faults, tokens, log-probs."""
+    from lowmem_grpo.rundir import rss
+
     trainer.lowmem_shared_prompt = share
     trainer._metrics["train"].clear()
     trainer.model.zero_grad(set_to_none=True)
     completion_mask = mask[:, -width:]
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-        before = _status_kib("VmRSS")
+        before = rss.current_bytes()
     except OSError:
         before = None
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -852,7 +840,7 @@ def one_pass(trainer: Any, ids: Any, mask: Any, width: int, share: bool, advanta
     return {"forward": t1 - t0, "backward": t2 - t1, "total": t2 - t0, "cpu forward": c1 - c0,
             "cpu backward": c2 - c1, "cpu total": c2 - c0, "sys": after.ru_stime - usage.ru_stime,
             "faults": after.ru_minflt - usage.ru_minflt,
-            "peak_mib": None if before is None else (_status_kib("VmHWM") - before) / 1024,
+            "peak_mib": None if before is None else (rss.high_water_bytes() - before) / 2**20,
             "forwarded": round(ids.numel() * (1 - saved)), "logps": logps.detach(),
             "entropy": float((entropies * completion_mask).sum() / completion_mask.sum())}
 
@@ -879,10 +867,8 @@ def float32_errors(trainer: Any, loaded: Any, ids: Any, mask: Any, width: int, l
 def cmd_shared_prompt(args: argparse.Namespace) -> int:
     """The loss pass's forward + backward with the shared-prompt log-prob pass on and off, like for like.
 
-One micro-batch of --prompts x --generations rows (prompts of --prompt-length, completions of --completion-min..max
-tokens) through the trainer's log-prob pass, a GRPO loss and backward, alternating. Printed: seconds (median, min;
-wall, CPU), peak RSS rise (VmHWM, mmap threshold 64 KiB), tokens forwarded, ratios, the largest log-prob difference,
-and in 16-bit both against float32."""
+One micro-batch of random rows, alternating. Printed: seconds (wall, CPU), peak RSS rise (VmHWM, mmap threshold
+64 KiB), tokens forwarded, ratios, the largest log-prob difference, and in 16-bit both against float32."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # peak RSS that follows live memory (see above)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         os.execv(sys.executable, [sys.executable, *sys.argv])
@@ -931,10 +917,8 @@ and in 16-bit both against float32."""
 
 
 def cmd_allocator(args: argparse.Namespace) -> int:
-    """What glibc's mmap threshold costs a CPU loss pass: seconds, page faults and peak RSS at several thresholds.
-
-Each threshold (0 = glibc's dynamic one) in its own process: --repeats forward + backward passes of one micro-batch
-(--prompts prompts, --rows rows) after a warm-up; printed: the fastest passes, kernel s, faults, peak RSS."""
+    """What glibc's mmap threshold costs a CPU loss pass: seconds, page faults and peak RSS at several thresholds,
+    each (0 = glibc's dynamic one) in its own process."""
     if args.worker is not None:
         import torch
 
@@ -980,10 +964,8 @@ def overrides(args: argparse.Namespace, load: str, run_dir: Path) -> list[str]:
 
 
 def cmd_rss(args: argparse.Namespace) -> int:
-    """Peak resident memory (RSS) of CPU training, per stage and GRPO phase: the CPU default, short, and 4x8x64.
-
-Each load is one `lowmem-grpo train` process with --steps, --prime-steps and --stage-eval (extra arguments: recipe
-overrides); printed: the command, seconds, load, ru_maxrss and report.md's memory tables. --out: JSON."""
+    """Peak resident memory (RSS) of CPU training, per stage and GRPO phase: the CPU default, short, and 4x8x64,
+    each one `lowmem-grpo train` process; printed: seconds, load, ru_maxrss and report.md's memory tables."""
     from lowmem_grpo.rundir import layout, report, rss
 
     results, env = [], {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -157,27 +157,22 @@ def card_facts(gib: float):
 class CudaMemory:
     """torch's peak allocated bytes since the last reset, and the device memory in use."""
 
-    def reset(self) -> None:
+    def __init__(self) -> None:
         import torch
 
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        self.cuda = torch.cuda
+
+    def reset(self) -> None:
+        self.cuda.synchronize()
+        self.cuda.reset_peak_memory_stats()
 
     def peak(self) -> int:
-        import torch
-
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated())
+        self.cuda.synchronize()
+        return int(self.cuda.max_memory_allocated())
 
     def used(self) -> int:
-        import torch
-
-        free, total = torch.cuda.mem_get_info()
+        free, total = self.cuda.mem_get_info()
         return int(total - free)
-
-
-def _ignore(*args, **kwargs) -> None:
-    return None
 
 
 class PhaseProbe:
@@ -215,7 +210,7 @@ class PhaseProbe:
 
     def __getattr__(self, name: str):
         if name.startswith("on_"):
-            return _ignore
+            return lambda *args, **kwargs: None
         raise AttributeError(name)
 
 

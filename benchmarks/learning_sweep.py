@@ -8,14 +8,11 @@ the runner of queued training runs that this sweep and benchmarks/chains_queue.p
     python benchmarks/learning_sweep.py eval-checkpoint RUN_DIR STEP     # a curve point from checkpoint-STEP
     python benchmarks/learning_sweep.py row NAME RUN_DIR STEP --sweep-dir SWEEP --reference-run START_RUN
 
-A queue is a JSON list of configurations (`name`, `overrides` of recipes/smollm2_135m_arith_cpu.py, `why`, `status`).
-`run_next` trains the first pending (or interrupted) one under `flock /tmp/heavy.lock`, logged to RUNS/NAME.log,
-records its wall time (from its first logged line), load average and peak RSS, then the caller's steps.
-`run` queues the shared priming run, then every variant from its primed adapter (a priming variant primes anew),
-and writes each finished variant's row to SWEEP/results/NAME.json and SWEEP/table.md: greedy, mean@k and pass@k of
-the trained adapter with the paired CI against the primed one, train time, peak RSS, the informative share, the goal
-reward's first vs last third and the share of distinct greedy completions. `curve` pairs each periodic evaluation
-(eval_steps.jsonl) with step 0: the last stage measured before GRPO (primed, else start, else base).
+A queue is a JSON list of configurations (`name`, `overrides` of recipes/smollm2_135m_arith_cpu.py, `why`, `status`),
+each trained by `run_next` under `flock /tmp/heavy.lock`. `run` queues the shared priming run, then every variant
+from its primed adapter, and writes each finished variant's row to SWEEP/results/NAME.json and SWEEP/table.md: the
+trained adapter's accuracies with paired CIs against the primed one, train time, peak RSS, the informative share,
+the goal reward's first vs last third, distinct greedy completions. `curve` pairs each periodic evaluation with step 0.
 """
 
 from __future__ import annotations

@@ -235,9 +235,6 @@ class LogitRecorder:
         self.calls.append(out.logits[:, -1, :].float().cpu())
         return out
 
-    def parameters(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model.parameters(*args, **kwargs)
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
