@@ -122,6 +122,8 @@ class Runtime:
                 ("trainer", "lowmem_grpo's CPU trainer" if self.trainer == "cpu" else "TRL's trainer"),
                 ("generation batch", str(self.generation_batch)), ("eval batch", str(self.eval_batch)),
                 ("fast inference", "on (Unsloth's vLLM)" if self.fast_inference else "off"),
+                ("rewards", ", ".join(f"{k} x{w:g}" for k, w in self.rewards.items())
+                 + (f" (goal: {self.goal_reward})" if self.goal_reward else " (no goal reward: the total only)")),
                 ("processes", self.launch.describe())]
         return "runtime:\n" + "".join(f"  {k:<18}{v}\n" for k, v in rows)
 

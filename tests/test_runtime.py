@@ -52,13 +52,16 @@ def test_loaded_takes_the_dtype_the_model_was_really_loaded_in():
 
 
 def test_the_block_names_every_setting_once():
-    block = resolve(load_recipe(CPU_RECIPE), Launch(), NO_GPU, environ={}).block()
+    runtime = resolve(load_recipe(CPU_RECIPE), Launch(), NO_GPU, environ={})
+    block = runtime.block()
     lines = block.splitlines()
     assert lines[0] == "runtime:"
     keys = [line.split("  ")[1] if line.startswith("  ") else None for line in lines[1:]]
     assert keys == ["backend", "device", "dtype", "precision", "optimizer", "sampler", "trainer", "generation batch",
-                    "eval batch", "fast inference", "processes"]
+                    "eval batch", "fast inference", "rewards", "processes"]
     assert "lowmem_grpo's CPU trainer" in block and "lowmem_grpo's engine" in block
+    rewards = next(line for line in lines if line.startswith("  rewards "))
+    assert all(name in rewards for name in runtime.rewards) and rewards.endswith("(goal: correctness)")
 
 
 def test_the_planner_plans_a_one_process_cuda_run():

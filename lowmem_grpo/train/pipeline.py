@@ -19,7 +19,7 @@ from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
 from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
 from lowmem_grpo.memory.plan import Plan
-from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.recipe import Recipe, goal_reward_name
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
@@ -171,11 +171,10 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
     ours = [] if sampling is None else [SamplingStateCallback(sampling)]
     if recipe.train.eval.every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
         ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir, loaded.runtime))
-    weights, goal = loaded.runtime.rewards, loaded.runtime.goal_reward
+    weights = loaded.runtime.rewards
+    goal_name = goal_reward_name(recipe)  # what TRL logs it under, and what the report reads back from recipe.yaml
     # a raise, a NaN or a wrong-length list is an error naming the function, the step and the example
-    funcs = {name: guard_reward(get_reward(name)) for name in weights}
-    reward_funcs = list(funcs.values())
-    goal_name = funcs[goal].__name__ if goal else None  # TRL logs it under rewards/<function name>/mean
+    reward_funcs = [guard_reward(get_reward(name)) for name in weights]
     recorder = CompletionRecorder(run_dir / layout.COMPLETIONS_FILE, recipe.train.completions_every,
                                   {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
     telemetry = TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
