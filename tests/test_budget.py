@@ -94,7 +94,7 @@ def test_without_data_or_tokenizer_here_the_check_is_skipped_with_a_log_line(cap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smollm2_135m_arith_cpu", "smollm2_135m_gsm8k_cpu"])
+@pytest.mark.parametrize("name", ["smollm2_135m_arith_cpu", "smollm2_135m_chains_cpu", "smollm2_135m_gsm8k_cpu"])
 def test_the_shipped_cpu_recipes_budgets_fit_their_worked_solutions(name):
     """The recipes whose data is here (embedded, generated) pass the check with the embedded model's tokenizer."""
     from lowmem_grpo.backends import locate_model

@@ -71,3 +71,30 @@ def test_a_run_primes_on_every_level_and_trains_grpo_on_the_named_ones(tiny_mode
     assert f"GRPO draws from {two} of {len(rows)} training problems (data.generated.grpo_levels=2)" in log
     lines = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert lines and {level[line["question"]] for line in lines} == {2}
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def test_the_chains_recipe_is_the_cpu_default_on_one_and_two_step_problems():
+    from lowmem_grpo import DEFAULT_RECIPE
+    from lowmem_grpo.data import load_train_rows
+    from lowmem_grpo.recipe_io import recipe_to_dict
+
+    chains, default = load_recipe("recipes/smollm2_135m_chains_cpu.py"), load_recipe(DEFAULT_RECIPE)
+    validate(chains)
+    differs = {k for k, v in _flat(recipe_to_dict(chains)).items() if _flat(recipe_to_dict(default))[k] != v}
+    # rewards, GRPO's settings and the stage evaluation stay the default's: only the problems and priming's size move
+    assert differs == {"name", "description", "data.generated.levels", "data.generated.grpo_levels",
+                       "prime.num_examples", "prime.max_steps", "train.max_completion_length"}
+    rows = load_train_rows(chains.data)
+    primed = rows[:chains.prime.num_examples]
+    assert {level_of(r["question"], r["answer"]) for r in primed} == {1, 2}
+    grpo = grpo_examples([{"question": r["question"], "solution": r["answer"]} for r in rows], chains.data)
+    shares = level_shares(chains.data.generated.grpo_levels)
+    counts = [level_of(e["question"], e["solution"]) for e in grpo]
+    assert shares[2] > shares[1] and counts.count(1) == pytest.approx(len(counts) * shares[1], abs=2)
