@@ -83,16 +83,18 @@ def _flat(data: dict, prefix: str = "") -> dict:
 def test_the_chains_recipe_is_the_cpu_default_on_one_and_two_step_problems():
     from lowmem_grpo import DEFAULT_RECIPE
     from lowmem_grpo.data import load_train_rows
+    from lowmem_grpo.data.format import primed_count
     from lowmem_grpo.recipe_io import recipe_to_dict
 
     chains, default = load_recipe("recipes/smollm2_135m_chains_cpu.py"), load_recipe(DEFAULT_RECIPE)
     validate(chains)
-    differs = {k for k, v in _flat(recipe_to_dict(chains)).items() if _flat(recipe_to_dict(default))[k] != v}
+    before = _flat(recipe_to_dict(default))
+    differs = {k for k, v in _flat(recipe_to_dict(chains)).items() if before[k] != v}
     # rewards, GRPO's settings and the stage evaluation stay the default's: only the problems and priming's size move
     assert differs == {"name", "description", "data.generated.levels", "data.generated.grpo_levels",
                        "prime.num_examples", "prime.max_steps", "train.max_completion_length"}
     rows = load_train_rows(chains.data)
-    primed = rows[:chains.prime.num_examples]
+    primed = rows[:primed_count(len(rows), chains.prime.num_examples)]  # what priming trains on
     assert {level_of(r["question"], r["answer"]) for r in primed} == {1, 2}
     grpo = grpo_examples([{"question": r["question"], "solution": r["answer"]} for r in rows], chains.data)
     shares = level_shares(chains.data.generated.grpo_levels)
