@@ -51,10 +51,10 @@ def save_queue(queue: Path, configs: list[dict]) -> None:
     tmp.replace(queue)
 
 
-def train_logged(overrides: list[str], log_path: Path, lock: list[str] = LOCK) -> dict[str, Any]:
-    """One `lowmem-grpo train` process under `lock`, logged to `log_path`: exit code, wall seconds from its
+def train_logged(overrides: list[str], log_path: Path, lock: list[str] = LOCK, recipe: str = RECIPE) -> dict[str, Any]:
+    """One `lowmem-grpo train RECIPE` process under `lock`, logged to `log_path`: exit code, wall seconds from its
     first logged line, the load average then and at its end, and its peak RSS."""
-    cmd = [*lock, sys.executable, "-m", "lowmem_grpo.cli", "train", RECIPE, *overrides]
+    cmd = [*lock, sys.executable, "-m", "lowmem_grpo.cli", "train", recipe, *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     waited, started, load_before = time.time(), None, None
