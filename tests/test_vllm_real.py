@@ -169,3 +169,53 @@ def test_the_grpo_rollout_through_the_real_engine(parts, tmp_path):
     assert trainer.state.global_step == 1
     logged = trainer.state.log_history[0]
     assert logged["completions/mean_length"] > 0 and "loss" in logged
+
+
+def test_the_eval_check_passes_the_adapter_vllm_samples_and_refuses_another(parts):
+    """`eval --engine vllm`'s check on the real engine, greedy and sampled: vLLM given the policy's adapter passes;
+    vLLM given another adapter (the stale one) or none stops with VllmSamplerError (exit 2)."""
+    from lowmem_grpo.errors import VllmSamplerError
+    from lowmem_grpo.evaluation.vllm_check import check_engine
+
+    llm, tokenizer, model, live, stale = parts
+    for temperature in (0.0, 0.7):
+        kwargs = dict(dtype="float32", temperature=temperature, seed=3, max_new_tokens=32, calculator=True)
+        verdict = check_engine(llm, lora_request("live", 1, live), tokenizer, PROMPTS, lambda: model, **kwargs)
+        assert verdict.passed and verdict.figures.tokens > 30 and verdict.figures.mean < 1e-3, verdict
+        assert (verdict.choices is not None) == (temperature == 0.0)
+        for request in (lora_request("stale", 2, stale), None):
+            with pytest.raises(VllmSamplerError) as caught:
+                check_engine(llm, request, tokenizer, PROMPTS, lambda: model, **kwargs)
+            assert caught.value.exit_code == 2 and "--engine transformers" in caught.value.fix
+
+
+def test_eval_engine_vllm_of_a_run_checks_its_sampler(parts, tmp_path):
+    """`lowmem-grpo eval RUN --engine vllm` end to end: vLLM on the run's base with its adapter, the check's
+    figures in eval.json and the summary, the accuracy as the project's engine gets it (float32, greedy)."""
+    import json
+
+    from lowmem_grpo.evaluation.command import EvalOptions, render, run
+    import shutil
+
+    from lowmem_grpo.recipe_io import dump_yaml, load_recipe
+
+    _, _, _, live, _ = parts
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    demo = load_recipe(str(Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_arith_cpu.py"),
+                       ["model.dtype=float32"])
+    (run_dir / "recipe.yaml").write_text(dump_yaml(demo), encoding="utf-8")
+    shutil.copytree(live, run_dir / "adapter")
+    options = dict(model=str(run_dir), limit=4, max_new_tokens=40, progress=False)
+    on_vllm = run(EvalOptions(**options, engine="vllm", out=str(tmp_path / "vllm")))
+    check = on_vllm["settings"]["sampler_check"]
+    assert check["passed"] and check["rows"] == 4 and check["mean_abs_logprob_diff"] < 1e-3
+    assert on_vllm["settings"]["vllm_base"]["same_as_training"]
+    assert "sampler check:" in render(on_vllm) and "vLLM's base:" in render(on_vllm)
+    written = json.loads((tmp_path / "vllm" / "eval.json").read_text())
+    assert written["settings"]["sampler_check"] == check
+    on_engine = run(EvalOptions(**options, engine="transformers", out=str(tmp_path / "engine")))
+    assert on_engine["settings"]["sampler_check"] is None
+    texts = [[json.loads(line)["completion"] for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+             for name in ("vllm", "engine")]
+    assert texts[0] == texts[1]
