@@ -180,6 +180,21 @@ class BigramPolicy:
         return off()
 
 
+def test_the_bigram_policy_keeps_the_peft_models_contract():
+    """What BigramPolicy stands in for: PEFT's disable_adapter is a context manager without arguments, and
+    policy_scores reads only .logits of the call and the device of the first parameter."""
+    import inspect
+
+    from peft import PeftModel
+
+    from lowmem_grpo.sampling.sampler_check import policy_scores
+
+    assert list(inspect.signature(PeftModel.disable_adapter).parameters) == ["self"]
+    assert inspect.getsource(PeftModel.disable_adapter).lstrip().startswith("@contextmanager")
+    source = inspect.getsource(policy_scores)
+    assert "model(input_ids=" in source and ".logits" in source and "next(model.parameters()).device" in source
+
+
 def _table(seed: int, vocab: int = 12):
     import torch
 
