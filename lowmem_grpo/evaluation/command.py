@@ -222,7 +222,8 @@ def _clean(value: Any) -> Any:
 
 def run(opts: EvalOptions) -> dict[str, Any]:
     """Evaluate (or compare) and write eval.json + eval.jsonl; returns eval.json's content plus `out_dir`."""
-    from lowmem_grpo.backends import locate_model
+    from lowmem_grpo import distributed
+    from lowmem_grpo.backends import locate_model, start
     from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, compare
     from lowmem_grpo.evaluation.evaluate import run_eval
@@ -240,10 +241,6 @@ def run(opts: EvalOptions) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BadInputError(f"output folder {out_dir} cannot be created: {exc}", fix="pass a writable --out") from exc
-
-    from lowmem_grpo import distributed
-    from lowmem_grpo.backends import start
-
     runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)
     engine, tokenizer, lora, info = load_model(recipe, adapter, opts, runtime, run_dir)
     examples = recipe_examples(rows, tokenizer, d)
