@@ -1,4 +1,4 @@
-"""GGUF files from a merged export, made by llama.cpp's converter and quantizer (the `gguf` extra, `make install-gguf`)
+"""GGUF files from a merged export, made by llama.cpp's converter (export.converter) and quantizer (the `gguf` extra)
 and proven in llama.cpp beside the merged model in transformers on the held-out problems (docs/runs.md, GGUF). Each
 llama.cpp step runs in a child process (llama_runner), so a crash there is an error, not the caller's death."""
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from lowmem_grpo.errors import BadInputError, LowmemError
 from lowmem_grpo.export import proof, score
+from lowmem_grpo.export.converter import INSTALL, find_converter
 from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
@@ -26,31 +27,9 @@ log = logging.getLogger(__name__)
 GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
 QUANTIZED = ("q8_0", "q4_k_m")
 GGUF_FILE_TYPES = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
-CONVERTER = "convert_hf_to_gguf.py"
-LLAMA_CPP_ENV = "LLAMA_CPP_DIR"
-INSTALL = "make install-gguf"
-INSTALL_WHY = ("the `gguf` extra (llama-cpp-python 0.3.36, built from source at install, about 4 minutes on 2 cores, "
-               "and the converter of the same llama.cpp)")
+INSTALL_WHY = ("llama-cpp-python 0.3.36, built from source at install, about 4 minutes on 2 cores; "
+               "the converter of the same llama.cpp is fetched on first use")
 CHILD_TIMEOUT_S = 3600
-
-
-def find_converter(llama_cpp: str | Path | None = None) -> Path:
-    """The converter script: --llama-cpp / $LLAMA_CPP_DIR (a folder or the script), else the one the extra keeps in
-    PREFIX/share/lowmem_grpo/llama.cpp."""
-    given = llama_cpp or os.environ.get(LLAMA_CPP_ENV)
-    if given:
-        path = Path(given).expanduser()
-        script = path if path.is_file() else path / CONVERTER
-        if not script.is_file():
-            raise BadInputError(f"no {CONVERTER} at {script}",
-                                fix=f"name a llama.cpp folder that holds it, or leave out --llama-cpp and "
-                                    f"{LLAMA_CPP_ENV} to use the one `{INSTALL}` keeps")
-        return script
-    script = Path(sys.prefix) / "share" / "lowmem_grpo" / "llama.cpp" / CONVERTER
-    if not script.is_file():
-        raise BadInputError(f"--format gguf needs llama.cpp's {CONVERTER}, and {script.parent} has none",
-                            fix=f"run `{INSTALL}` ({INSTALL_WHY}), or pass --llama-cpp DIR")
-    return script
 
 
 def check(gguf_type: str, llama_cpp: str | Path | None) -> Path:
@@ -60,7 +39,7 @@ def check(gguf_type: str, llama_cpp: str | Path | None) -> Path:
                             fix="use f16 or bf16 (exact), or q8_0 / q4_k_m (quantized, proven by accuracy)")
     if importlib.util.find_spec("llama_cpp") is None:
         raise BadInputError("--format gguf runs the file in llama.cpp to prove it, and llama-cpp-python is not "
-                            "installed", fix=f"run `{INSTALL}` ({INSTALL_WHY})")
+                            "installed", fix=f"install the gguf extra ({INSTALL_WHY}): {INSTALL}")
     return find_converter(llama_cpp)
 
 
@@ -96,8 +75,8 @@ def convert(script: Path, merged: Path, target: Path, outtype: str) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=CHILD_TIMEOUT_S)
     if done.returncode != 0 or not target.is_file():
         raise LowmemError(f"{script.name} failed (exit {done.returncode}):\n{_tail(done.stderr or done.stdout)}",
-                          fix=f"reinstall the converter with `{INSTALL}`, or use a llama.cpp version that "
-                              "supports this architecture")
+                          fix="pass --llama-cpp with the converter of a llama.cpp version that supports this "
+                              "architecture; nothing was written")
 
 
 def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
@@ -108,7 +87,7 @@ def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as exc:
         raise LowmemError(f"{path.name} is not a GGUF file llama.cpp can read: {exc}",
-                          fix="reinstall the converter with `make install-gguf`; nothing was written") from exc
+                          fix="pass --llama-cpp with another llama.cpp's converter; nothing was written") from exc
     fields = [reader.get_field(key) for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre")]
     return tuple(None if f is None else bytes(f.parts[f.data[0]]).decode("utf-8") for f in fields)  # type: ignore
 
