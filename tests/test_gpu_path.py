@@ -1,5 +1,5 @@
-"""The CUDA path, checked on a CPU machine: precision from the loaded dtype, the sampling engine, vLLM as
-an opt-in, vLLM memory, the eval's mode and RNG, OOM residue, drivers and capabilities.
+"""The CUDA path, checked on a CPU machine: precision from the loaded dtype, the sampling engine, vLLM's auto
+choice, vLLM memory, the eval's mode and RNG, OOM residue, drivers and capabilities.
 
 No GPU is needed and nothing is monkeypatched: each function takes what it would ask the machine (a compute
 capability, a CudaFacts, a module table) as an argument, and the models are small fakes or the tiny test model.
@@ -27,6 +27,7 @@ def gpu(capability=(8, 6)) -> CudaFacts:
 
 
 NO_GPU = CudaFacts(torch_cuda=None, available=False)
+GIB = 2**30
 
 
 def runtime(*overrides: str, facts: CudaFacts = NO_GPU) -> Runtime:
@@ -203,25 +204,113 @@ def test_eval_neither_reseeds_nor_consumes_trainings_random_stream(tiny_model_di
     assert [g.text for g in first[0]] == [g.text for g in again[0]]  # the seed still makes it repeatable
 
 
-# --- 3. vLLM is opt-in ---------------------------------------------------------------------------
+# --- 3. vLLM: model.fast_inference=auto, decided from what is installed and the memory plan's room ---------
 
 
-def test_vllm_is_off_unless_asked_for():
+def _choice(*overrides: str, backend="unsloth", device="cuda", processes=1, vllm_problem=None, room=True):
+    from lowmem_grpo.runtime import choose_fast_inference
+
+    recipe = apply_overrides(Recipe(), list(overrides))
+    return choose_fast_inference(recipe, backend, device, processes, vllm_problem=vllm_problem, room=room)
+
+
+NOT_INSTALLED = "vLLM is not installed (the `vllm` extra)"
+
+
+def test_auto_turns_vllm_on_where_it_is_installed_and_the_plan_has_room():
+    assert Recipe().model.fast_inference == "auto"
+    on = _choice()
+    assert on.on and on.reason == "auto: vLLM is installed and the memory plan fits its pool beside training"
+    assert _choice(room=None).on and "checked when training starts" in _choice(room=None).reason
+    for off, why in [(_choice(room=False), "no room for vLLM's pool"),
+                     (_choice(vllm_problem=NOT_INSTALLED), NOT_INSTALLED),
+                     (_choice(backend="hf"), "this run is hf on cuda"),
+                     (_choice(device="cpu"), "this run is unsloth on cpu"),
+                     (_choice(processes=2), "2 processes"),
+                     (_choice("train.use_vllm=true"), "train.use_vllm"),
+                     (_choice("train.vllm_sampling=true"), "train.vllm_sampling")]:
+        assert not off.on and why in off.reason, off
+    # an explicit value is the user's: true runs on Unsloth on CUDA (doctor names a vLLM that cannot), false is off
+    assert _choice("model.fast_inference=true", vllm_problem=NOT_INSTALLED, room=False).on
+    assert not _choice("model.fast_inference=true", backend="hf").on  # combinations.check refuses it
+    for value in ("false", "null"):
+        assert _choice(f"model.fast_inference={value}").reason == f"model.fast_inference={value}"
+        assert not _choice(f"model.fast_inference={value}").on
+
+
+def test_vllm_problem_names_what_keeps_unsloth_from_using_the_installed_vllm():
+    from lowmem_grpo.device import vllm_problem
+
+    assert vllm_problem(None, bnb_plugin=False, load_in_4bit=True) == NOT_INSTALLED
+    assert "CPU build" in vllm_problem(("0.31.0", "cpu"), bnb_plugin=True, load_in_4bit=False)
+    assert "outside the supported 0.21.0-0.31.0" in vllm_problem(("0.33.0", "cuda"), bnb_plugin=True,
+                                                                  load_in_4bit=False)
+    assert "vllm-bnb-plugin" in vllm_problem(("0.31.0", "cuda"), bnb_plugin=False, load_in_4bit=True)
+    assert vllm_problem(("0.31.0", "cuda"), bnb_plugin=True, load_in_4bit=True) is None
+    assert vllm_problem(("0.31.0", "cuda"), bnb_plugin=False, load_in_4bit=False) is None
+    assert vllm_problem(("0.27.1", "cuda"), bnb_plugin=False, load_in_4bit=True) is None  # bitsandbytes in tree
+    assert "unknown" in vllm_problem(("?", "cuda"), bnb_plugin=True, load_in_4bit=True)
+
+
+def test_the_runtime_resolves_auto_from_this_environment_and_settles_it_into_the_recipe():
+    """resolve and settle_fast_inference ask this environment (installed_vllm_problem) and nothing else: on a GPU
+    the answer follows whether a usable vLLM is installed here; the settled recipe holds a bool from then on."""
+    from lowmem_grpo.device import installed_vllm_problem
     from lowmem_grpo.memory.plan import settings_for
+    from lowmem_grpo.recipe_io import dump_yaml, load_recipe
+    from lowmem_grpo.runtime import settle_fast_inference
 
-    recipe = apply_overrides(Recipe(), ["model.backend=unsloth"])
-    assert recipe.model.fast_inference is False
-    assert settings_for(recipe, 8 * 2**30).fast_inference is False  # whether or not vllm is installed
-    assert not runtime("model.backend=unsloth", "model.fast_inference=null", facts=gpu()).fast_inference
-    assert runtime("model.backend=unsloth", "model.fast_inference=true", facts=gpu()).fast_inference
-    assert not runtime("model.backend=hf", "model.fast_inference=true", facts=gpu()).fast_inference  # check refuses
-    on = apply_overrides(recipe, ["model.fast_inference=true"])
-    assert settings_for(on, 8 * 2**30).fast_inference is True
+    usable = installed_vllm_problem(True) is None
+    cpu = runtime()
+    assert not cpu.fast_inference and "this run is hf on cpu" in cpu.fast_inference_reason
+    assert "fast inference    off (auto: Unsloth's vLLM runs on the unsloth backend on CUDA" in cpu.block()
+    recipe = load_recipe("qwen2_5_1_5b_gsm8k", ["model.backend=unsloth"])
+    on_gpu = resolve(recipe, Launch(), gpu(), environ={})
+    assert on_gpu.fast_inference is usable and on_gpu.fast_inference_reason == _choice(
+        "model.backend=unsloth", vllm_problem=installed_vllm_problem(True), room=None).reason
+    assert settings_for(recipe, 8 * 2**30).fast_inference is usable  # the plan of an auto recipe, room unknown
+    for room in (False, True):
+        settled, run = settle_fast_inference(recipe, on_gpu, room)
+        assert settled.model.fast_inference is run.fast_inference is (usable and room)
+        assert f"fast_inference: {str(usable and room).lower()}" in dump_yaml(settled)  # what recipe.yaml keeps
+        assert settle_fast_inference(settled, run, not room) == (settled, run)  # settled once
+    assert recipe.model.fast_inference == "auto"  # the caller's recipe is left as it was
+
+
+def test_vllm_room_is_the_plan_fitting_vllms_pool_without_lowering_training():
+    """The shipped qwen2.5-1.5B recipe on cards of a given size (free = total - 0.6 GiB): the plan fits vLLM's pool
+    (0.6 of the free memory) beside training on its 8 GB card; qwen3-4B does not on 12 GB (auto-fit would have to
+    lower its batch) but does on its 24 GB card; nothing fits 3 GB."""
+    from lowmem_grpo.memory.fit import vllm_room
+    from lowmem_grpo.recipe_io import load_recipe
+
+    def card(gib: float) -> CudaFacts:
+        return CudaFacts(torch_cuda="13.0", available=True, capability=(8, 9), free_bytes=int((gib - 0.6) * GIB),
+                         total_bytes=int(gib * GIB))
+
+    qwen = load_recipe("qwen2_5_1_5b_gsm8k", ["model.backend=unsloth"])
+    qwen3 = load_recipe("qwen3_4b_gsm8k", ["model.backend=unsloth"])
+    assert vllm_room(qwen, set(), facts=card(8)) and not vllm_room(qwen, set(), facts=card(3))
+    assert not vllm_room(qwen3, set(), facts=card(12)) and vllm_room(qwen3, set(), facts=card(24))
+    assert not vllm_room(qwen, set(), facts=NO_GPU)
+    fixed = load_recipe("qwen2_5_1_5b_gsm8k", ["model.backend=unsloth", "train.memory.auto_fit=false"])
+    assert vllm_room(fixed, set(), facts=card(8)) and not vllm_room(fixed, set(), facts=card(4))
+
+
+def test_train_settles_auto_before_the_memory_fit_asking_the_plan_only_where_vllm_could_run():
+    """pipeline.settle_vllm: an hf run on a GPU is off without a plan (a model that does not exist is never looked
+    up); an explicit value passes through."""
+    from lowmem_grpo.train.pipeline import settle_vllm
+
+    recipe = apply_overrides(Recipe(), ["model.name=nobody/no-such-model", "model.backend=hf"])
+    settled, run = settle_vllm(recipe, resolve(recipe, Launch(), gpu(), environ={}), gpu(), set())
+    assert settled.model.fast_inference is False and not run.fast_inference and "hf on cuda" in run.fast_inference_reason
+    explicit = apply_overrides(recipe, ["model.fast_inference=true"])
+    target = resolve(explicit, Launch(), gpu(), environ={})
+    assert settle_vllm(explicit, target, gpu(), set()) == (explicit, target)
 
 
 # --- 4. vLLM memory and what an OOM retry may change ---------------------------------------------
-
-GIB = 2**30
 
 
 def _vllm_recipe(*extra: str):
