@@ -564,28 +564,98 @@ def _gpu_check():
     return module
 
 
-def test_gpu_check_arguments_and_the_rows_it_plans():
+def test_gpu_check_arguments_and_the_checks_it_plans():
     gpu_check = _gpu_check()
     args = gpu_check.parse_args([])
-    assert (args.recipe, args.steps, args.time_budget, args.card_gib) == ("qwen2_5_1_5b_gsm8k", 3, 420, 5.0)
-    assert args.variants.split(",") == ["unsloth-4bit", "engine-logits", "unsloth-calc", "gemma3-fastmodel",
-                                        "hf-4bit", "hf-4bit-shared", "hf-4bit-unshared", "unsloth-4bit-vllm"]
+    assert (args.recipe, args.steps, args.time_budget, args.card_gib, args.max_completion_length) == (
+        "qwen2_5_1_5b_gsm8k", 2, 420, None, 0)
+    assert args.variants.split(",") == ["qwen2_5_1_5b_gsm8k", "engine-logits", "gemma3_1b_gsm8k"]
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--variants", "unsloth-8bit"])
-    rows = gpu_check.planned_rows(args.variants.split(","), vllm_importable=False)
-    assert [skip is None for _, skip in rows] == [True] * 7 + [False]
-    # the pair differs in the CPU paths' switch only, without the checkpointing that keeps ours off the loss pass
-    on, off = (gpu_check.VARIANTS[v].overrides for v in gpu_check.SHARED_PAIR)
-    assert [o for o in off if o not in on] == ["train.cpu.fast=false"] and len(on) == len(off)
-    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+    checks = gpu_check.plan_checks(gpu_check.parse_args(["--variants", "engine-logits,unsloth-4bit-vllm"]), False)
+    assert [c.skipped for c in checks] == [None, gpu_check.NO_VLLM] and checks[1].seconds == 0
+    assert not gpu_check.plan_checks(gpu_check.parse_args(["--variants", "unsloth-4bit-vllm"]), True)[0].skipped
+    # every shipped recipe with a GPU memory figure is a check of its own name
+    from lowmem_grpo.recipe_io import load_recipe, shipped_recipes
 
-    shared, unshared = (apply_overrides(load_recipe(args.recipe), v).train for v in (on, off))
-    assert shared.cpu.fast and not unshared.cpu.fast
-    assert not shared.gradient_checkpointing and not unshared.gradient_checkpointing
-    assert all(skip is None for _, skip in gpu_check.planned_rows(args.variants.split(","), vllm_importable=True))
+    assert set(gpu_check.GPU_RECIPES) == {p.stem for p in shipped_recipes() if load_recipe(str(p)).gpu_memory_gb}
+    assert all(gpu_check.VARIANTS[name].recipe == name and gpu_check.VARIANTS[name].card
+               for name in gpu_check.GPU_RECIPES)
 
 
-def test_gpu_check_answers_help_on_cpu():
+def test_gpu_check_default_checks_fit_the_budget_with_room_to_spare():
+    """The planned seconds of the default checks stay within (1 - MARGIN) of the default --time-budget; they come
+    from the time model (a bigger model, a longer completion, more steps plan longer), not from constants."""
+    gpu_check = _gpu_check()
+    args = gpu_check.parse_args([])
+    checks = gpu_check.plan_checks(args, vllm_importable=False)
+    planned = {c.variant: round(c.seconds) for c in checks}
+    assert [c.variant for c in checks] == gpu_check.DEFAULT_VARIANTS and all(c.seconds > 0 for c in checks)
+    assert sum(c.seconds for c in checks) <= (1 - gpu_check.MARGIN) * args.time_budget, planned
+    everything = gpu_check.plan_checks(gpu_check.parse_args(["--variants", ",".join(gpu_check.GPU_RECIPES)]), False)
+    seconds = {c.variant: c.seconds for c in everything}
+    assert seconds["qwen3_4b_gsm8k"] > seconds["qwen2_5_3b_gsm8k"] > seconds["qwen2_5_1_5b_gsm8k_calc"]
+    assert sum(seconds.values()) > args.time_budget  # all of them do not fit one call
+    longer = gpu_check.plan_checks(gpu_check.parse_args(["--steps", "4"]), False)
+    assert all(a.seconds > b.seconds for a, b in zip(longer, checks) if gpu_check.VARIANTS[a.variant].kind == "train")
+    assert gpu_check.allotment(100, 1000) == gpu_check.ALLOTMENT * 100 and gpu_check.allotment(100, 60) == 60
+    assert "planned" in gpu_check.plan_table(checks, args.time_budget).splitlines()[-1]
+
+
+class Worker:
+    """Stands in for gpu_check.run_variant(args, variant, recipe, seconds) -> the check's result: it takes
+    `took[variant]` seconds of the fake clock (a check past its allotment returns the timeout's error row), and
+    records the file as it was when each check started."""
+
+    def __init__(self, clock, out, took):
+        self.clock, self.out, self.took, self.calls, self.seen = clock, out, took, [], []
+
+    def __call__(self, args, variant, recipe, seconds):
+        import json
+
+        self.calls.append((variant, recipe, seconds))
+        self.seen.append(json.loads(self.out.read_text()) if self.out.exists() else None)
+        spent = min(self.took[variant], seconds)
+        self.clock.now += spent
+        if spent < self.took[variant]:
+            return {"variant": variant, "recipe": recipe, "error": f"stopped after {seconds:.0f} s (its allotment)"}
+        return {"variant": variant, "recipe": recipe, "steps": 2, "seconds": spent}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_gpu_check_writes_one_file_after_every_check(tmp_path):
+    import json
+
+    gpu_check = _gpu_check()
+    args = gpu_check.parse_args(["--variants", "qwen2_5_1_5b_gsm8k,engine-logits,gemma3_1b_gsm8k,unsloth-4bit-vllm"])
+    checks = gpu_check.plan_checks(args, vllm_importable=False)
+    out, clock = tmp_path / "gpu_check.json", Clock()
+    worker = Worker(clock, out, {"qwen2_5_1_5b_gsm8k": 300, "engine-logits": 100, "gemma3_1b_gsm8k": 100})
+    results = gpu_check.run_checks(args, checks, out, runner=worker, clock=clock)
+    # the anchor ran past its allotment and was stopped there; the next fits, the third no longer does
+    anchor = checks[0].seconds * gpu_check.ALLOTMENT
+    assert [c[0] for c in worker.calls] == ["qwen2_5_1_5b_gsm8k", "engine-logits"]
+    assert worker.calls[0][2] == pytest.approx(anchor)
+    assert "its allotment" in results[0]["error"] and results[1]["steps"] == 2
+    assert results[2]["skipped"].startswith("skipped: planned") and results[3]["skipped"] == gpu_check.NO_VLLM
+    assert worker.seen[0] is None and [r["variant"] for r in worker.seen[1]["results"]] == ["qwen2_5_1_5b_gsm8k"]
+    document = json.loads(out.read_text())  # read back: the same results, the plan, the machine, the report
+    assert set(document) == {"args", "machine", "planned", "results", "report", "finished"} and document["finished"]
+    assert document["results"] == results and all("planned_s" in r for r in results)
+    assert [p["variant"] for p in document["planned"]] == [c.variant for c in checks]
+    assert document["args"]["time_budget"] == 420 and "versions" in document["machine"]
+    assert "its allotment" in document["report"] and "skipped: planned" in document["report"]
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_gpu_check_answers_help_and_its_plan_on_cpu():
     import subprocess
     import sys
     from pathlib import Path
@@ -593,6 +663,8 @@ def test_gpu_check_answers_help_on_cpu():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--card-gib" in out.stdout and "engine-logits" in out.stdout, out.stderr
+    planned = subprocess.run([sys.executable, str(script), "--plan"], capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0 and "of the 420 s budget" in planned.stdout, planned.stderr
 
 
 def test_gpu_check_variants_are_valid_recipes_that_check_what_they_say(tmp_path):
@@ -607,19 +679,25 @@ def test_gpu_check_variants_are_valid_recipes_that_check_what_they_say(tmp_path)
         recipes[name] = gpu_check.variant_recipe(args, name, tmp_path / "model", tmp_path / "rows.jsonl",
                                                  tmp_path / name)
         validate(recipes[name])
-        assert recipes[name].train.max_steps == (spec.steps or 3)
-    first = recipes["unsloth-4bit"].train  # the preflight on, random rewards allowed, a stage evaluation after GRPO
-    assert first.preflight.enabled and first.preflight.allow_no_signal and first.eval.stage.problems
-    assert first.eval.stage.stages == ["trained"]
+        assert recipes[name].train.max_steps == (spec.steps or 2)
+    anchor = recipes["qwen2_5_1_5b_gsm8k"]  # the shipped settings and completion length, a stage evaluation after
+    shipped = __import__("lowmem_grpo.recipe_io", fromlist=["x"]).load_recipe("qwen2_5_1_5b_gsm8k")
+    assert anchor.train.max_completion_length == shipped.train.max_completion_length == 512
+    assert anchor.model.backend == "auto" and not anchor.train.preflight.enabled
+    assert anchor.train.eval.stage.stages == ["trained"] and anchor.train.eval.stage.samples == 0
+    assert not recipes["gemma3_1b_gsm8k"].train.eval.stage.problems  # only the anchor evaluates
     calc = recipes["unsloth-calc"]
     assert calc.data.calculator and calc.model.backend == "unsloth" and calc.train.max_completion_length == 24
-    assert calc.train.max_steps == 2 and recipes["gemma3-fastmodel"].model.name == str(tmp_path / "model")
-    assert gpu_check.VARIANTS["gemma3-fastmodel"].recipe == "gemma3_1b_gsm8k"
-    # on the default card the plan cuts the evaluation batch, and the stage evaluation holds one planned batch
-    real = gpu_check.variant_recipe(args, "unsloth-4bit", "Qwen/Qwen2.5-1.5B-Instruct", tmp_path / "rows.jsonl",
+    assert recipes["gemma3_1b_gsm8k"].model.name == str(tmp_path / "model")
+    # on its 8 GB card the stage evaluation holds one batch as the plan sizes it
+    real = gpu_check.variant_recipe(args, "qwen2_5_1_5b_gsm8k", "Qwen/Qwen2.5-1.5B-Instruct", tmp_path / "rows.jsonl",
                                     tmp_path / "run")
-    p = plan(real, int(args.card_gib * GIB))
-    assert p.fits and p.eval_batch == real.train.eval.stage.problems == 64 < 128
+    p = plan(real, int(gpu_check.card_gib(args, real) * GIB))
+    assert gpu_check.card_gib(args, real) == 8 and p.fits
+    assert p.eval_batch == real.train.eval.stage.problems == 128
+    small = gpu_check.variant_recipe(gpu_check.parse_args(["--card-gib", "5"]), "qwen2_5_1_5b_gsm8k",
+                                     "Qwen/Qwen2.5-1.5B-Instruct", tmp_path / "rows.jsonl", tmp_path / "run")
+    assert small.train.eval.stage.problems == plan(small, 5 * GIB).eval_batch < 128  # a smaller card, a cut batch
 
 
 class FakeMemory:
@@ -657,7 +735,8 @@ def test_gpu_check_compares_the_evaluation_with_the_plan(tmp_path):
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     gpu_check = _gpu_check()
-    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), [*gpu_check.UNSLOTH, *gpu_check.PLANNED_EVAL])
+    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), gpu_check.UNSLOTH)
+    recipe = apply_overrides(recipe, gpu_check.planned_eval(recipe, 5))
     saved = plan(recipe, 5 * GIB).to_dict()  # what the run's memory_plan.json holds
     phases = gpu_check.predicted_phases(saved)
     resident = saved["allocated_bytes"] - saved["phases"][saved["peak_phase"]]
@@ -708,30 +787,17 @@ def test_gpu_check_table_shows_memory_speed_and_phase_timings():
     assert lines[0].split()[:3] == ["variant", "steps", "pred"] and "time/generation" in lines[0]
     assert "3.00" in lines[1] and "2.50" in lines[1] and "+20.0%" in lines[1] and "1536.0" in lines[1]
     assert "vllm does not import" in lines[2] and "OutOfMemoryError" in lines[3]
-    assert gpu_check.sharing_table(results) == ""  # the pair did not both run
 
 
-def test_gpu_check_compares_the_shared_prompt_pass_on_and_off():
-    gpu_check = _gpu_check()
-    on = {"variant": "hf-4bit-shared", "steps": 3, "predicted_allocated_shared": 4 * GIB, "max_allocated": 3 * GIB,
-          "step_s": 6.0, "phases": {"time/loss_forward": 1.0, "time/backward": 2.0},
-          "prompt_sharing": {"reason": "our shared-prompt pass runs"}}
-    off = {"variant": "hf-4bit-unshared", "steps": 3, "predicted_allocated_unshared": 5 * GIB,
-           "max_allocated": 4 * GIB, "step_s": 8.0, "phases": {"time/loss_forward": 2.0, "time/backward": 4.0}}
-    lines = gpu_check.sharing_table([on, off]).splitlines()
-    assert "our shared-prompt pass runs" in lines[0] and lines[1].split() == ["on", "off", "on/off"]
-    assert lines[2].split() == ["max", "alloc", "GiB", "3.00", "4.00", "0.75"]
-    assert lines[3].split()[-3:] == ["4.00", "5.00", "0.80"]
-    assert lines[4].split() == ["time/loss_forward", "s", "1.0", "2.0", "0.50"]
-    assert lines[5].split() == ["time/backward", "s", "2.0", "4.0", "0.50"]
-    assert lines[6].split() == ["s/step", "6.0", "8.0", "0.75"]
-    assert gpu_check.sharing_table([on, {**off, "error": "OutOfMemoryError"}]) == ""
-    # the predictions it compares: the planner's allocated bytes with the pass engaged and not
+def test_gpu_check_records_the_plans_peak_with_prompt_sharing_engaged_and_not():
+    """On CUDA the plan counts lowmem_grpo's shared-prompt pass as off (it runs on CPU only); the result carries the
+    planner's figure with it engaged beside it."""
     from lowmem_grpo.memory.plan import plan
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
-    predicted = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), gpu_check.VARIANTS["hf-4bit-shared"].overrides),
-                     80 * GIB)
+    gpu_check = _gpu_check()
+    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), [*gpu_check.HF, "train.gradient_checkpointing=false"])
+    predicted = plan(recipe, 80 * GIB)
     both = gpu_check.predicted_sharing(predicted)
     assert both["predicted_allocated_unshared"] == predicted.allocated_bytes > both["predicted_allocated_shared"]
 
