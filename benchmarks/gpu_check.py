@@ -736,6 +736,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(plan_table(checks, args.time_budget))
     if args.plan:
         return 0
+    if not machine()["gpus"]:  # a CPU run would write CPU figures into a file read as the GPU's
+        sys.stderr.write("error: gpu_check measures an NVIDIA GPU and nvidia-smi lists none here; nothing was run or "
+                         "written\nfix: run it on the GPU machine (see the top of this file); --plan prints the "
+                         "planned seconds anywhere\n")
+        return 2
     out = args.out or (os.environ["OUT"] + "/gpu_check.json" if os.environ.get("OUT") else None)
     results = run_checks(args, checks, Path(out) if out else None)
     sys.stdout.write(report(results))

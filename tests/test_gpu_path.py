@@ -304,7 +304,8 @@ def test_train_settles_auto_before_the_memory_fit_asking_the_plan_only_where_vll
 
     recipe = apply_overrides(Recipe(), ["model.name=nobody/no-such-model", "model.backend=hf"])
     settled, run = settle_vllm(recipe, resolve(recipe, Launch(), gpu(), environ={}), gpu(), set())
-    assert settled.model.fast_inference is False and not run.fast_inference and "hf on cuda" in run.fast_inference_reason
+    assert settled.model.fast_inference is False and not run.fast_inference
+    assert "hf on cuda" in run.fast_inference_reason
     explicit = apply_overrides(recipe, ["model.fast_inference=true"])
     target = resolve(explicit, Launch(), gpu(), environ={})
     assert settle_vllm(explicit, target, gpu(), set()) == (explicit, target)
@@ -622,6 +623,19 @@ class Worker:
         return {"variant": variant, "recipe": recipe, "steps": 2, "seconds": spent}
 
 
+def test_gpu_check_fakes_keep_the_contracts_they_stand_in_for():
+    """Worker stands in for run_variant (its arguments, a result row naming variant and recipe) and FakeMemory for
+    CudaMemory (the methods PhaseProbe calls)."""
+    import inspect
+
+    gpu_check = _gpu_check()
+    assert list(inspect.signature(gpu_check.run_variant).parameters) == ["args", "variant", "recipe", "seconds"]
+    assert list(inspect.signature(Worker.__call__).parameters)[1:] == ["args", "variant", "recipe", "seconds"]
+    assert list(inspect.signature(gpu_check.run_checks).parameters)[3:] == ["runner", "clock"]
+    public = lambda cls: {n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}  # noqa: E731
+    assert public(FakeMemory) == public(gpu_check.CudaMemory) == {"reset", "peak", "used"}
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0
@@ -665,6 +679,21 @@ def test_gpu_check_answers_help_and_its_plan_on_cpu():
     assert out.returncode == 0 and "--card-gib" in out.stdout and "engine-logits" in out.stdout, out.stderr
     planned = subprocess.run([sys.executable, str(script), "--plan"], capture_output=True, text=True, timeout=120)
     assert planned.returncode == 0 and "of the 420 s budget" in planned.stdout, planned.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="precondition: this machine has no usable CUDA GPU")
+def test_gpu_check_refuses_to_measure_a_machine_without_a_gpu(tmp_path):
+    """Run on a CPU machine, the check writes no file that could be read as a GPU measurement: exit 2, named."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run([sys.executable, str(script), "--out", str(out), "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "nvidia-smi lists none" in done.stderr and "--plan" in done.stderr, done.stderr
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
 
 
 def test_gpu_check_variants_are_valid_recipes_that_check_what_they_say(tmp_path):
