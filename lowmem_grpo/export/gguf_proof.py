@@ -202,6 +202,10 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
     if differ:
         figures["first_divergence"] = {"problem": differ[0], **first_divergence(tokenizer, *texts[differ[0]])}
     figures["llama_cpp_seconds"] = generated["seconds"]
+    figures["llama_cpp_repack"] = generated["repack"]
+    if not generated["repack"]:
+        log.warning("llama.cpp proof: this llama.cpp build has AMX kernels, which crash on K-quant files; the file is "
+                    "proven with weight repacking off (llama-cli / llama-server --no-repack on this CPU)")
     figures["calculator_results"] = sum(1 for g in answers if g["forced_tokens"])  # answers the calculator wrote into
     figures["chat_template_same"] = generated.get("chat_template") == getattr(tokenizer, "chat_template", None)
     figures["merged_accuracy"] = reference.metrics["strict_accuracy"]
@@ -225,6 +229,8 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
 def export_gguf(job: Any, work: Path, tmp: Path, result: Any, done: Callable[[str], None]) -> None:
     """Convert (and quantize) the merged model in `work` into `tmp`, prove the file in llama.cpp, and score it."""
     kind = job.gguf_type
+    # A quantized type is quantized from an exact 16-bit file (bf16 for a bfloat16 merge), which llama.cpp never runs:
+    # only the final file is proven (on a build with AMX kernels, with repacking off: llama_runner.repack_allowed).
     sixteen = "bf16" if kind == "bf16" or (kind in QUANTIZED and job.dtype == "bfloat16") else "f16"
     target = tmp / f"{job.recipe.name}-{GGUF_FILE_TYPES[kind]}.gguf"
     converted = target if kind not in QUANTIZED else work / f"{job.recipe.name}-{GGUF_FILE_TYPES[sixteen]}.gguf"
