@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or bf16 (proven by greedy texts / logits), q8_0 or q4_k_m (llama.cpp's quantization, proven by "
                    "accuracy); default f16")
     p.add_argument("--llama-cpp", metavar="DIR", help="--format gguf: a llama.cpp folder whose convert_hf_to_gguf.py "
-                   "to use (default: $LLAMA_CPP_DIR, else the one `make install-gguf` keeps)")
+                   "to use, or llama-cpp-python's source distribution file (default: $LLAMA_CPP_DIR, else the "
+                   "converter of the installed llama-cpp-python, fetched on first use)")
     p.add_argument("--no-score", action="store_true", help="skip answering the run's held-out problems with a merged "
                    "export (a gguf export answers them for its proof)")
     p.add_argument("--base", help="base model to merge into (default: the recipe's model.name)")

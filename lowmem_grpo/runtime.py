@@ -4,14 +4,16 @@ tell Unsloth from transformers."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lowmem_grpo.device import CudaFacts, bf16_supported, cpu_auto_dtype, cuda_available, is_installed
+from lowmem_grpo.device import (CudaFacts, bf16_supported, cpu_auto_dtype, cuda_available, installed_vllm_problem,
+                                is_installed)
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
-from lowmem_grpo.recipe import Recipe, TrainConfig, goal_reward, resolved_rewards
+from lowmem_grpo.recipe import AUTO, Recipe, TrainConfig, goal_reward, resolved_rewards
 
 # the sampling settings lowmem_grpo's engine implements (TRL's defaults): plain sampling at the temperature
 PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
@@ -40,6 +42,51 @@ class RolloutPlan:
         if self.vllm:
             return "vLLM with the calculator"
         return "lowmem_grpo's engine" + calculator if self.engine else "TRL's generation"
+
+
+@dataclass(frozen=True)
+class FastInference:
+    """Whether Unsloth's vLLM engine generates GRPO's rollouts (model.fast_inference resolved), and why."""
+
+    on: bool
+    reason: str
+
+
+def choose_fast_inference(recipe: Recipe, backend: str, device: str, processes: int, *, vllm_problem: str | None,
+                          room: bool | None) -> FastInference:
+    """model.fast_inference: true on the unsloth backend on CUDA, false and null off; auto on when the run is one
+    unsloth process on CUDA whose recipe samples on no other vLLM, `vllm_problem` is None (a CUDA vLLM that Unsloth
+    runs is installed: device.vllm_problem) and `room` is not False (the memory plan fits vLLM's pool beside training
+    on this GPU: memory.fit.vllm_room; None: not known yet, decided when training starts)."""
+    requested = recipe.model.fast_inference
+    engine = (backend, device) == ("unsloth", "cuda")
+    if requested != AUTO:
+        on = requested is True and engine
+        return FastInference(on, f"model.fast_inference={ {True: 'true', False: 'false', None: 'null'}.get(requested)}")
+    why_not = (f"Unsloth's vLLM runs on the unsloth backend on CUDA, this run is {backend} on {device}" if not engine
+               else f"{processes} processes: auto turns it on for one" if processes > 1
+               else "train.vllm_sampling samples on lowmem_grpo's own vLLM engine" if recipe.train.vllm_sampling
+               else "train.use_vllm samples on TRL's vLLM" if recipe.train.extra.get("use_vllm")
+               else vllm_problem
+               or ("the memory plan has no room for vLLM's pool beside training on this GPU" if room is False else None))
+    if why_not:
+        return FastInference(False, f"auto: {why_not}")
+    return FastInference(True, "auto: vLLM is installed and " + (
+        "the memory plan fits its pool beside training" if room else "the GPU's room is checked when training starts"))
+
+
+def settle_fast_inference(recipe: Recipe, runtime: Runtime, room: bool | None) -> tuple[Recipe, Runtime]:
+    """A recipe with model.fast_inference=auto, and its Runtime, with the choice for this GPU's `room` made: the
+    recipe holds true or false from here on (its recipe.yaml, a resume and the memory plan read that). Any other
+    recipe comes back as it is."""
+    if recipe.model.fast_inference != AUTO:
+        return recipe, runtime
+    choice = choose_fast_inference(recipe, runtime.backend, runtime.device, runtime.processes,
+                                   vllm_problem=installed_vllm_problem(recipe.model.load_in_4bit), room=room)
+    settled = copy.deepcopy(recipe)
+    settled.model.fast_inference = choice.on
+    return settled, dataclasses.replace(runtime, fast_inference=choice.on, fast_inference_reason=choice.reason,
+                                        sampler=rollout_plan(settled, runtime.backend, runtime.device, choice.on))
 
 
 @dataclass(frozen=True)
@@ -88,7 +135,8 @@ class Runtime:
     eval_batch: int
     """Sequences each stage and periodic evaluation decodes at once."""
     fast_inference: bool
-    """Unsloth's vLLM generation: only an explicit model.fast_inference=true, on the unsloth backend on CUDA."""
+    """Unsloth's vLLM generation (choose_fast_inference): true on the unsloth backend on CUDA, or auto there with a
+    usable vLLM installed and room for it."""
     launch: Launch
     """The processes and DeepSpeed ZeRO stage the launcher set up."""
     cpu: CpuPaths
@@ -99,6 +147,8 @@ class Runtime:
     """The key of `rewards` that defines success (recipe.goal_reward); None: only the total."""
     dtype_reason: str = ""
     """Why model.dtype=auto became `dtype`; empty otherwise."""
+    fast_inference_reason: str = ""
+    """Why fast_inference is on or off (choose_fast_inference)."""
 
     @property
     def cuda(self) -> bool:
@@ -121,7 +171,8 @@ class Runtime:
                 ("sampler", f"{self.sampler.describe()} ({self.sampler.reason})"),
                 ("trainer", "lowmem_grpo's CPU trainer" if self.trainer == "cpu" else "TRL's trainer"),
                 ("generation batch", str(self.generation_batch)), ("eval batch", str(self.eval_batch)),
-                ("fast inference", "on (Unsloth's vLLM)" if self.fast_inference else "off"),
+                ("fast inference", ("on (Unsloth's vLLM)" if self.fast_inference else "off")
+                 + (f" ({self.fast_inference_reason})" if self.fast_inference_reason else "")),
                 ("rewards", ", ".join(f"{k} x{w:g}" for k, w in self.rewards.items())
                  + (f" (goal: {self.goal_reward})" if self.goal_reward else " (no goal reward: the total only)")),
                 ("processes", self.launch.describe())]
@@ -142,24 +193,27 @@ class Runtime:
 
 
 def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[str, str] | None = None, *,
-            training: bool = True) -> Runtime:
+            training: bool = True, vllm_room: bool | None = None) -> Runtime:
     """The Runtime of `recipe` under `launch` on the machine `facts` describe. For `training`, a GPU recipe is
     resolved for CUDA wherever it is checked (`train` refuses it without a GPU); otherwise for CUDA where the
-    machine has it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE."""
+    machine has it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE; `vllm_room`: whether the memory plan
+    fits vLLM's pool on this GPU (None: not known; settle_fast_inference decides it once it is)."""
     cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
     m, t = recipe.model, recipe.train
     backend = backend_for(m.backend, cuda=cuda, launch=launch)
     auto, reason = auto_dtype(facts, environ, cuda=cuda)  # an unknown LOWMEM_GRPO_CPU_DTYPE stops a CPU run
     dtype, reason = (auto, reason) if m.dtype == "auto" else (m.dtype, "")
     device = "cuda" if cuda else "cpu"
+    fast = choose_fast_inference(recipe, backend, device, launch.num_processes, room=vllm_room, vllm_problem=(
+        installed_vllm_problem(m.load_in_4bit) if m.fast_inference == AUTO else None))
     return Runtime(backend=backend, device=device, dtype=dtype, precision=t.precision,
                    **_precision_flags(t.precision, dtype, cuda=cuda),
                    optimizer=t.optim if t.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch"),
-                   sampler=rollout_plan(recipe, backend, device),
+                   sampler=rollout_plan(recipe, backend, device, fast.on),
                    trainer="cpu" if (backend, device) == ("hf", "cpu") else "trl",
                    generation_batch=t.generation_batch_size(launch.num_processes),
                    rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), eval_batch=eval_batch_size(t),
-                   fast_inference=m.fast_inference is True and (backend, device) == ("unsloth", "cuda"),
+                   fast_inference=fast.on, fast_inference_reason=fast.reason,
                    launch=launch, cpu=cpu_paths(t, device), dtype_reason=reason)
 
 
@@ -217,18 +271,22 @@ def custom_sampling(recipe: Recipe) -> list[str]:
     return custom + (["generation_kwargs"] if extra.get("generation_kwargs") else [])
 
 
-def on_vllm(recipe: Recipe, backend: str) -> bool:
-    """Whether GRPO's generation runs on vLLM: TRL's train.use_vllm, or Unsloth's fast_inference engine."""
-    return bool(recipe.train.extra.get("use_vllm")) or (backend == "unsloth" and recipe.model.fast_inference is True)
+def on_vllm(recipe: Recipe, fast_inference: bool) -> bool:
+    """Whether GRPO's generation runs on vLLM: TRL's train.use_vllm, or Unsloth's engine (`fast_inference`, the
+    Runtime's)."""
+    return bool(recipe.train.extra.get("use_vllm")) or fast_inference
 
 
-def rollout_plan(recipe: Recipe, backend: str, device: str) -> RolloutPlan:
-    """How GRPO samples: the calculator on vLLM or the engine; else the engine for hf on CPU, or TRL's."""
+def rollout_plan(recipe: Recipe, backend: str, device: str, fast_inference: bool | None = None) -> RolloutPlan:
+    """How GRPO samples: the calculator on vLLM or the engine; else the engine for hf on CPU, or TRL's.
+    `fast_inference`: the Runtime's (default: an explicit model.fast_inference=true on the unsloth backend)."""
+    if fast_inference is None:
+        fast_inference = backend == "unsloth" and recipe.model.fast_inference is True
     custom = custom_sampling(recipe)
     if recipe.train.vllm_sampling:
         return RolloutPlan(False, recipe.data.calculator, "train.vllm_sampling", vllm=True, own_vllm=True)
     if recipe.data.calculator:
-        if on_vllm(recipe, backend):
+        if on_vllm(recipe, fast_inference):
             return RolloutPlan(False, True, "data.calculator on vLLM: rows stop at each token ending in '=', the "
                                "calculator's results are forced in (masked out) and the rows resubmitted", vllm=True)
         return RolloutPlan(True, True, "data.calculator: the engine forces the calculator's results (masked out)")

@@ -192,7 +192,7 @@ def test_gguf_with_an_empty_llama_cpp_dir_is_a_clear_error(run_dir, tmp_path):
     empty.mkdir()
     via_env = cli("export", str(run_dir), "--format", "gguf", "--out", str(out), env={"LLAMA_CPP_DIR": str(empty)})
     assert via_env.returncode == 2 and f"no convert_hf_to_gguf.py at {empty}" in via_env.stderr
-    assert "make install-gguf" in via_env.stderr
+    assert "the converter of the installed llama-cpp-python" in via_env.stderr
     assert not out.exists()
 
 

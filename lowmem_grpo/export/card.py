@@ -39,6 +39,10 @@ def _gguf_lines(result: Any) -> list[str]:
              f"- accuracy: llama.cpp {g.get('accuracy', float('nan')):.3f}, transformers "
              f"{g.get('merged_accuracy', float('nan')):.3f}",
              f"- the file's chat template is the tokenizer's: {'yes' if g.get('chat_template_same') else 'no'}"]
+    if g.get("llama_cpp_repack") is False:
+        lines.append("- proven with llama.cpp's weight repacking off: this llama.cpp build has AMX kernels, which "
+                     "crash on K-quant files; on a CPU with AMX run the file with `--no-repack` (llama-cli, "
+                     "llama-server)")
     if "tolerance" in g:
         lines.append(f"- logit tolerance: {g['tolerance']:.3g}")
     if "accuracy_difference" in g:

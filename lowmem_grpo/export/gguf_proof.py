@@ -1,4 +1,4 @@
-"""GGUF files from a merged export, made by llama.cpp's converter and quantizer (the `gguf` extra, `make install-gguf`)
+"""GGUF files from a merged export, made by llama.cpp's converter (export.converter) and quantizer (the `gguf` extra)
 and proven in llama.cpp beside the merged model in transformers on the held-out problems (docs/runs.md, GGUF). Each
 llama.cpp step runs in a child process (llama_runner), so a crash there is an error, not the caller's death."""
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from lowmem_grpo.errors import BadInputError, LowmemError
 from lowmem_grpo.export import proof, score
+from lowmem_grpo.export.converter import INSTALL, find_converter
 from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
@@ -26,31 +27,9 @@ log = logging.getLogger(__name__)
 GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
 QUANTIZED = ("q8_0", "q4_k_m")
 GGUF_FILE_TYPES = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
-CONVERTER = "convert_hf_to_gguf.py"
-LLAMA_CPP_ENV = "LLAMA_CPP_DIR"
-INSTALL = "make install-gguf"
-INSTALL_WHY = ("the `gguf` extra (llama-cpp-python 0.3.36, built from source at install, about 4 minutes on 2 cores, "
-               "and the converter of the same llama.cpp)")
+INSTALL_WHY = ("llama-cpp-python 0.3.36, built from source at install, about 4 minutes on 2 cores; "
+               "the converter of the same llama.cpp is fetched on first use")
 CHILD_TIMEOUT_S = 3600
-
-
-def find_converter(llama_cpp: str | Path | None = None) -> Path:
-    """The converter script: --llama-cpp / $LLAMA_CPP_DIR (a folder or the script), else the one the extra keeps in
-    PREFIX/share/lowmem_grpo/llama.cpp."""
-    given = llama_cpp or os.environ.get(LLAMA_CPP_ENV)
-    if given:
-        path = Path(given).expanduser()
-        script = path if path.is_file() else path / CONVERTER
-        if not script.is_file():
-            raise BadInputError(f"no {CONVERTER} at {script}",
-                                fix=f"name a llama.cpp folder that holds it, or leave out --llama-cpp and "
-                                    f"{LLAMA_CPP_ENV} to use the one `{INSTALL}` keeps")
-        return script
-    script = Path(sys.prefix) / "share" / "lowmem_grpo" / "llama.cpp" / CONVERTER
-    if not script.is_file():
-        raise BadInputError(f"--format gguf needs llama.cpp's {CONVERTER}, and {script.parent} has none",
-                            fix=f"run `{INSTALL}` ({INSTALL_WHY}), or pass --llama-cpp DIR")
-    return script
 
 
 def check(gguf_type: str, llama_cpp: str | Path | None) -> Path:
@@ -60,7 +39,7 @@ def check(gguf_type: str, llama_cpp: str | Path | None) -> Path:
                             fix="use f16 or bf16 (exact), or q8_0 / q4_k_m (quantized, proven by accuracy)")
     if importlib.util.find_spec("llama_cpp") is None:
         raise BadInputError("--format gguf runs the file in llama.cpp to prove it, and llama-cpp-python is not "
-                            "installed", fix=f"run `{INSTALL}` ({INSTALL_WHY})")
+                            "installed", fix=f"install the gguf extra ({INSTALL_WHY}): {INSTALL}")
     return find_converter(llama_cpp)
 
 
@@ -96,8 +75,8 @@ def convert(script: Path, merged: Path, target: Path, outtype: str) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=CHILD_TIMEOUT_S)
     if done.returncode != 0 or not target.is_file():
         raise LowmemError(f"{script.name} failed (exit {done.returncode}):\n{_tail(done.stderr or done.stdout)}",
-                          fix=f"reinstall the converter with `{INSTALL}`, or use a llama.cpp version that "
-                              "supports this architecture")
+                          fix="pass --llama-cpp with the converter of a llama.cpp version that supports this "
+                              "architecture; nothing was written")
 
 
 def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
@@ -108,7 +87,7 @@ def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as exc:
         raise LowmemError(f"{path.name} is not a GGUF file llama.cpp can read: {exc}",
-                          fix="reinstall the converter with `make install-gguf`; nothing was written") from exc
+                          fix="pass --llama-cpp with another llama.cpp's converter; nothing was written") from exc
     fields = [reader.get_field(key) for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre")]
     return tuple(None if f is None else bytes(f.parts[f.data[0]]).decode("utf-8") for f in fields)  # type: ignore
 
@@ -223,6 +202,10 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
     if differ:
         figures["first_divergence"] = {"problem": differ[0], **first_divergence(tokenizer, *texts[differ[0]])}
     figures["llama_cpp_seconds"] = generated["seconds"]
+    figures["llama_cpp_repack"] = generated["repack"]
+    if not generated["repack"]:
+        log.warning("llama.cpp proof: this llama.cpp build has AMX kernels, which crash on K-quant files; the file is "
+                    "proven with weight repacking off (llama-cli / llama-server --no-repack on this CPU)")
     figures["calculator_results"] = sum(1 for g in answers if g["forced_tokens"])  # answers the calculator wrote into
     figures["chat_template_same"] = generated.get("chat_template") == getattr(tokenizer, "chat_template", None)
     figures["merged_accuracy"] = reference.metrics["strict_accuracy"]
@@ -246,6 +229,8 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
 def export_gguf(job: Any, work: Path, tmp: Path, result: Any, done: Callable[[str], None]) -> None:
     """Convert (and quantize) the merged model in `work` into `tmp`, prove the file in llama.cpp, and score it."""
     kind = job.gguf_type
+    # A quantized type is quantized from an exact 16-bit file (bf16 for a bfloat16 merge), which llama.cpp never runs:
+    # only the final file is proven (on a build with AMX kernels, with repacking off: llama_runner.repack_allowed).
     sixteen = "bf16" if kind == "bf16" or (kind in QUANTIZED and job.dtype == "bfloat16") else "f16"
     target = tmp / f"{job.recipe.name}-{GGUF_FILE_TYPES[kind]}.gguf"
     converted = target if kind not in QUANTIZED else work / f"{job.recipe.name}-{GGUF_FILE_TYPES[sixteen]}.gguf"

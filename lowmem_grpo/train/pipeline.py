@@ -17,13 +17,13 @@ from lowmem_grpo.data import budget, grpo_examples, load_train_rows, recipe_exam
 from lowmem_grpo.device import CudaFacts
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
-from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
+from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device, vllm_room
 from lowmem_grpo.memory.plan import Plan
-from lowmem_grpo.recipe import Recipe, goal_reward_name
+from lowmem_grpo.recipe import AUTO, Recipe, goal_reward_name
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
-from lowmem_grpo.runtime import CpuPaths, Runtime
+from lowmem_grpo.runtime import CpuPaths, Runtime, settle_fast_inference
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.completions import CompletionRecorder
 from lowmem_grpo.rundir.report import write_report
@@ -46,6 +46,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     CPU speed paths.
     """
     runtime, cuda = setup(recipe, cuda, cpu)
+    recipe, runtime = settle_vllm(recipe, runtime, cuda, explicit or set())  # model.fast_inference=auto decided
     if not cuda.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
         rss.limit_heap_retention()
     peaks = rss.StagePeaks(trim=not cuda.available)  # the process's peak RSS in each stage, peak_rss.json, report
@@ -112,6 +113,18 @@ def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None,
     check_trainer_fields(recipe)
     telemetry.check_report_to(recipe.train.report_to)
     return runtime, facts
+
+
+def settle_vllm(recipe: Recipe, runtime: Runtime, cuda: CudaFacts, explicit: set[str]) -> tuple[Recipe, Runtime]:
+    """model.fast_inference=auto decided for this GPU (runtime.settle_fast_inference), the memory plan asked for vLLM's
+    room only where nothing else turns it off."""
+    if recipe.model.fast_inference != AUTO:
+        return recipe, runtime
+    room = vllm_room(recipe, explicit, facts=cuda) if runtime.fast_inference else None
+    recipe, runtime = settle_fast_inference(recipe, runtime, room)
+    log.log(logging.INFO if runtime.cuda else logging.DEBUG, "model.fast_inference=auto -> %s (%s)",
+            "on" if runtime.fast_inference else "off", runtime.fast_inference_reason)
+    return recipe, runtime
 
 
 def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkpoints.ResumePoint | None,
