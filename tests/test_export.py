@@ -216,7 +216,7 @@ def test_merged_4bit_is_retired_with_a_named_error(run_dir, tmp_path):
     done = cli("export", str(run_dir), "--format", "merged-4bit", "--out", str(tmp_path / "q"))
     assert done.returncode == 2, done.stderr[-2000:]
     assert "merged-4bit is retired" in done.stderr
-    assert "merged, merged-16bit, lora, gguf" in done.stderr and "q4_k_m" in done.stderr
+    assert "--format merged-16bit" in done.stderr and "--format gguf --gguf-type q4_k_m" in done.stderr
     assert not (tmp_path / "q").exists()
 
 
@@ -342,6 +342,20 @@ def test_the_default_export_keeps_a_small_adapter(run_dir, tiny_model_dir, tmp_p
     card = (out / "README.md").read_text()
     assert f"The merged weights are **{result.dtype}**" in card and "| float16 |" in card
     assert f"(merged, {result.dtype})" in card
+
+def test_the_cli_default_is_merged_and_says_its_precision(run_dir, tmp_path):
+    """`export RUN --out DIR` without --format: the merged export in the precision it measured, said on stdout, in
+    the log and in the card; --help says the same default."""
+    out = tmp_path / "default"
+    done = cli("export", str(run_dir), "--out", str(out), "--no-score")
+    assert done.returncode == 0, done.stderr[-2000:]
+    card = (out / "README.md").read_text()
+    dtype = card.split("The merged weights are **")[1].split("**")[0]
+    assert f"exported merged to {out}" in done.stdout and f"precision {dtype}: keeps" in done.stdout
+    assert f"precision of the export: {dtype}" in done.stderr
+    helped = cli("export", "--help")
+    assert "merged (default)" in " ".join(helped.stdout.split())
+
 
 
 def test_merged_16bit_refuses_an_adapter_no_16_bit_precision_keeps(run_dir, tmp_path):

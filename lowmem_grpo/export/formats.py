@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("merged", "merged-16bit", "lora", "gguf")
 DEFAULT_FORMAT = "merged"
-RETIRED = {"merged-4bit": "--format merged-4bit is retired: no user loaded its bitsandbytes 4-bit folders, and "
-                          "llama.cpp's 4-bit GGUF files are the 4-bit export people run"}
+RETIRED = {"merged-4bit": "--format merged-4bit is retired: no measurement showed its bitsandbytes 4-bit folder "
+                          "serving a use that merged-16bit (bitsandbytes quantizes it as it loads) or GGUF's 4-bit "
+                          "files (llama.cpp, Ollama) do not"}
 DTYPES = precision.CANDIDATES
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 PHASES = {
@@ -133,8 +134,8 @@ def _check_request(run_dir: Path, fmt: str, out: Path, dtype: str | None, checkp
                    overwrite: bool) -> tuple[Path, int | None]:
     """The adapter folder to export and its step, after refusing a bad format, dtype, run directory or --out."""
     if fmt in RETIRED:
-        raise BadInputError(RETIRED[fmt], fix=f"use one of {', '.join(FORMATS)} (--format gguf --gguf-type q4_k_m "
-                                              "for a 4-bit file)")
+        raise BadInputError(RETIRED[fmt], fix="export --format merged-16bit, or --format gguf --gguf-type q4_k_m "
+                                              "for a 4-bit file")
     if fmt not in FORMATS:
         raise BadInputError(f"unknown export format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:

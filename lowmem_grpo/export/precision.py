@@ -10,9 +10,9 @@ change_d = round_d(W + delta) - round_d(W). Two figures over every merged weight
 - error: |change_d - delta| / |delta|, the rounding error of the change against the change itself.
 
 bfloat16 has 8 significant bits: a change much smaller than a weight's rounding step is lost where the weight sits on
-the grid (bases stored in bfloat16), or turned into whole steps of noise where it does not (a float32 base such as the
-embedded SmolLM2, dequantized from a GGUF file, about a tenth of whose weights sit exactly on bfloat16's rounding ties,
-where any change moves them a half step: the projection alone then counts that noise as kept, above 100%).
+the grid (bases stored in bfloat16), or turned into whole steps of noise where it sits on a rounding tie (in the
+embedded SmolLM2, float32 dequantized from a GGUF file, 9.6% of the merged layers' weights do: any change moves them a
+half step its way, and the projection alone counts that noise as kept, above 100%).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ MIN_KEPT = 0.9
 """Every merged layer keeps at least this share of its change (kept)."""
 MAX_ERROR = 1.0
 """The rounding error of the change, over all merged weights, is at most the change itself (error). On the embedded
-SmolLM2 with the demo's priming adapter scaled by 1, 0.3, 0.1 and 0.02, the logits' error of the adapter's effect was
-0.08 to 0.25 of this weight error in bfloat16 and float16 (benchmarks/export_proof.py): at this bound the logits stay
-within the proof's bound (proof.MAX_EFFECT_ERROR, 0.25)."""
+SmolLM2 with a CPU-default run's adapter scaled by 1, 0.3, 0.1 and 0.02, the logits' error of the adapter's effect
+was 0.06 to 0.25 of this weight error in bfloat16 and float16 (`python benchmarks/export_proof.py RUN`, docs/runs.md):
+at this bound the logits stay within the proof's (proof.MAX_EFFECT_ERROR, 0.25)."""
 
 
 @dataclass(frozen=True)
