@@ -68,13 +68,13 @@ def test_merged_export_writes_a_byte_level_tokenizer_and_is_scored(smol_run, tmp
     from lowmem_grpo.rundir import export_scores, layout
 
     out = tmp_path / "merged"
-    result = export(smol_run, "merged-16bit", out, dtype="float32")
+    result = export(smol_run, "merged", out, dtype="float32")
     data = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
     assert data["model"]["byte_fallback"] is False and not needs_repair(data)
     assert result.score is not None and result.score["problems"] == 6 and "minus_adapter" in result.score
     assert "minus_base" in result.score
     entries = export_scores.read(smol_run)
-    assert [e["format"] for e in entries if e["out"] == str(out.resolve())] == ["merged-16bit"]
+    assert [e["format"] for e in entries if e["out"] == str(out.resolve())] == ["merged"]
     assert "## The gain survives export" in (smol_run / layout.REPORT_FILE).read_text(encoding="utf-8")
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "## Accuracy on the task" in card and "export - adapter" in card
@@ -103,17 +103,16 @@ def llama_cpp_has_amx_kernels() -> bool:
 
 
 @pytest.mark.gguf
-@pytest.mark.parametrize(("gguf_type", "dtype"), [("f16", "float32"), ("bf16", None), ("q8_0", "float32"),
-                                                  ("q4_k_m", None)])
-def test_gguf_export_runs_and_is_proven_in_llama_cpp(smol_run, tmp_path, gguf_type, dtype):
-    """Every --gguf-type the docs name; q4_k_m and bf16 at the export's default dtype, as the README runs them
-    (bfloat16 on a CPU with native bfloat16: the quantized file is made from a BF16 file)."""
+@pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0", "q4_k_m"])
+def test_gguf_export_runs_and_is_proven_in_llama_cpp(smol_run, tmp_path, gguf_type):
+    """Every --gguf-type the docs name, at the export's default precision as the README runs them (a quantized file
+    is made from the exact file of the precision that keeps the adapter)."""
     pytest.importorskip("llama_cpp")
     from lowmem_grpo.export.formats import export
     from lowmem_grpo.export.gguf_proof import GGUF_FILE_TYPES, QUANTIZED
 
     out = tmp_path / gguf_type
-    result = export(smol_run, "gguf", out, dtype=dtype, gguf_type=gguf_type, tolerance=1.0)
+    result = export(smol_run, "gguf", out, gguf_type=gguf_type, tolerance=1.0)
     assert result.file.endswith(f"-{GGUF_FILE_TYPES[gguf_type]}.gguf")
     files = [p.name for p in out.iterdir()]
     assert result.file in files and [f for f in files if f.endswith(".gguf")] == [result.file]
@@ -181,7 +180,7 @@ def test_the_old_tokenizer_crashes_llama_cpp_and_that_is_a_failed_proof(smol_run
     from lowmem_grpo.export.formats import export
 
     merged = tmp_path / "merged"
-    export(smol_run, "merged-16bit", merged, dtype="float32", score=False)
+    export(smol_run, "merged", merged, dtype="float32", score=False)
     shutil.copy2(smol_run.parent / "model" / "tokenizer.json", merged / "tokenizer.json")  # as transformers saved it
     target = tmp_path / "old.gguf"
     gguf_proof.convert(gguf_proof.find_converter(), merged, target, "f16")

@@ -537,16 +537,19 @@ def test_the_original_base_replaces_unsloths_prequantized_repo():
 
 def test_a_lost_adapter_fails_even_within_the_bf16_tolerance():
     """The issue's numbers: embedded SmolLM2 after 3 steps, max |logit| 43.7, adapter effect 1.6, bf16 tolerance
-    max(0.05, 0.1 x 43.7) = 4.4. A lost adapter differs by the whole effect."""
-    from lowmem_grpo.export.proof import judge, tolerance_for
+    max(0.05, 0.1 x 43.7) = 4.4. A lost adapter differs by the whole effect (a GGUF file against the merged model);
+    a merged export that lost it carries none of the effect: an error of 1."""
+    from lowmem_grpo.export.proof import judge, judge_effect, tolerance_for
 
-    tolerance = tolerance_for("merged-16bit", "bfloat16", 43.7)
+    tolerance = tolerance_for("bfloat16", 43.7)
     assert tolerance == pytest.approx(4.37)
     assert "lost the adapter" in judge(1.6, tolerance, 1.6, relative=True)
     assert judge(1.25, tolerance, 1.6, relative=True) is not None  # bf16 rounding as large as the adapter
-    assert judge(1.1e-4, tolerance_for("merged-16bit", "float32", 43.7), 1.6, relative=True) is None
+    assert judge(1.1e-4, tolerance_for("float32", 43.7), 1.6, relative=True) is None
     assert judge(1.25, 2.0, 1.6, relative=False) is None  # an explicit --tolerance judges absolutely
     assert "above the tolerance" in judge(2.5, 2.0, 10.0, relative=False)
+    assert "lost the adapter" in judge_effect({"kept": 0.0, "error": 1.0})
+    assert judge_effect({"kept": 0.97, "error": 0.09}) is None
 
 
 # --- the GPU check script: importable, its arguments and its table (CI never runs it) ------------

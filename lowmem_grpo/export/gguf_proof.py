@@ -24,9 +24,11 @@ from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
 
-GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
+GGUF_TYPES = ("auto", "f16", "bf16", "f32", "q8_0", "q4_k_m")
+"""auto: the converter's outtype of the merged model's precision (merged.GGUF_OUTTYPES: the smallest that keeps the
+adapter)."""
 QUANTIZED = ("q8_0", "q4_k_m")
-GGUF_FILE_TYPES = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+GGUF_FILE_TYPES = {"f16": "F16", "bf16": "BF16", "f32": "F32", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
 INSTALL_WHY = ("llama-cpp-python 0.3.36, built from source at install, about 4 minutes on 2 cores; "
                "the converter of the same llama.cpp is fetched on first use")
 CHILD_TIMEOUT_S = 3600
@@ -36,7 +38,8 @@ def check(gguf_type: str, llama_cpp: str | Path | None) -> Path:
     """The converter, after checking the type and that llama-cpp-python is installed (BadInputError otherwise)."""
     if gguf_type not in GGUF_TYPES:
         raise BadInputError(f"--gguf-type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}",
-                            fix="use f16 or bf16 (exact), or q8_0 / q4_k_m (quantized, proven by accuracy)")
+                            fix="leave it out (auto: the precision that keeps the adapter), use f16, bf16 or f32 "
+                                "(exact), or q8_0 / q4_k_m (quantized, proven by accuracy)")
     if importlib.util.find_spec("llama_cpp") is None:
         raise BadInputError("--format gguf runs the file in llama.cpp to prove it, and llama-cpp-python is not "
                             "installed", fix=f"install the gguf extra ({INSTALL_WHY}): {INSTALL}")
@@ -93,7 +96,8 @@ def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
 
 
 LOGIT_SEQUENCES = 3
-GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16"}
+GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+OUTTYPES = {dtype: kind for kind, dtype in GGUF_DTYPES.items()}  # the converter's outtype of a merged model's dtype
 CONTEXT_MARGIN = 16
 QUANTIZED_MARGINS = {"q8_0": 0.05, "q4_k_m": 0.10}
 """Accuracy a quantized file may lose against the merged model: it fails when the paired 95% CI of (file - merged)
@@ -167,7 +171,7 @@ def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, e
     logits = figures["logits"]
     # judged by the less precise of the file's dtype and the export's (the merged model's in transformers)
     judged_as = max(GGUF_DTYPES[gguf_type], dtype, key=("float32", "float16", "bfloat16").index)
-    bound = tolerance if tolerance is not None else proof.tolerance_for("gguf", judged_as, logits.get("logit_scale", 0.0))
+    bound = tolerance if tolerance is not None else proof.tolerance_for(judged_as, logits.get("logit_scale", 0.0))
     figures["tolerance"] = bound
     if figures["same_greedy_texts"] == n:
         return None
@@ -183,8 +187,9 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
 
     tokenizer, recipe, gguf_type = job.tokenizer, job.recipe, job.gguf_type
     examples = score.held_out(recipe, tokenizer)
+    batch = score.job_batch(job)
     merged = proof.load_causal_lm(work, job.dtype, job.device, job.trust)
-    reference = score.answer_transformers(merged, tokenizer, examples, recipe, job.device)
+    reference = score.answer_transformers(merged, tokenizer, examples, recipe, job.device, batch)
     budget = int(score.settings(recipe, job.device)["max_new_tokens"])
     prompt_ids = [tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
     n_ctx = max(map(len, prompt_ids)) + budget + CONTEXT_MARGIN
@@ -229,13 +234,13 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
 def export_gguf(job: Any, work: Path, tmp: Path, result: Any, done: Callable[[str], None]) -> None:
     """Convert (and quantize) the merged model in `work` into `tmp`, prove the file in llama.cpp, and score it."""
     kind = job.gguf_type
-    # A quantized type is quantized from an exact 16-bit file (bf16 for a bfloat16 merge), which llama.cpp never runs:
-    # only the final file is proven (on a build with AMX kernels, with repacking off: llama_runner.repack_allowed).
-    sixteen = "bf16" if kind == "bf16" or (kind in QUANTIZED and job.dtype == "bfloat16") else "f16"
+    # A quantized type is quantized from the exact file of the merge's precision, which llama.cpp never runs: only
+    # the final file is proven (on a build with AMX kernels, with repacking off: llama_runner.repack_allowed).
+    exact = OUTTYPES[job.dtype]
     target = tmp / f"{job.recipe.name}-{GGUF_FILE_TYPES[kind]}.gguf"
-    converted = target if kind not in QUANTIZED else work / f"{job.recipe.name}-{GGUF_FILE_TYPES[sixteen]}.gguf"
+    converted = target if kind not in QUANTIZED else work / f"{job.recipe.name}-{GGUF_FILE_TYPES[exact]}.gguf"
     clock = time.monotonic()
-    convert(job.script, work, converted, sixteen)
+    convert(job.script, work, converted, exact)
     result.gguf_proof["convert_seconds"] = time.monotonic() - clock
     if kind in QUANTIZED:
         answer = run_child({"job": "quantize", "src": str(converted), "dst": str(target), "type": kind},
