@@ -35,6 +35,10 @@ class RecipeError(BadInputError):
     """A recipe key is unknown, mistyped or inconsistent."""
 
 
+class RetiredSettingError(RecipeError):
+    """A recipe sets a feature lowmem_grpo no longer has; the fix names what to use instead."""
+
+
 class DataError(BadInputError):
     """A dataset is missing, malformed or empty."""
 

@@ -26,16 +26,10 @@ GRPO_PRIVATE = {
     "_generate_and_score_completions": (["self", "inputs"], [
         "self._generate(prompts)",  # the generation phase runs inside the batch preparation
         "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)",
-        '"completion_mask": completion_mask,',  # dynamic sampling masks out the rows of flat groups
     ]),
     "_calculate_rewards": (["self", "inputs", "prompts", "completions", "completion_ids_list"], [
         "rewards_per_func = gather(rewards_per_func)",  # every rank's rows, in rank order
         "return rewards_per_func",
-    ]),
-    "_get_train_sampler": (["self", "dataset"], [
-        "return RepeatSampler(",
-        "mini_repeat_count=self.num_generations,",
-        "repeat_count=self.num_iterations * self.args.steps_per_generation,",
     ]),
     "_generate_single_turn": (["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
                                "has_tool_images"], ["unwrapped_model.generate("]),

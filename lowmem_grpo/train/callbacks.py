@@ -115,30 +115,6 @@ class CompleteCheckpoints(TrainerCallback):
         _barrier()
 
 
-class SamplingStateCallback(TrainerCallback):
-    """Saves the SamplingState into each checkpoint and restores it when training starts from one."""
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
-        if state.global_step == 0:
-            self.state.reset()
-            return
-        folder = Path(args.output_dir) / f"{layout.CHECKPOINT_PREFIX}{state.global_step}"
-        if self.state.load(folder):
-            log.info("sampling state restored from %s%s", folder.name,
-                     f" (curriculum level {self.state.level})" if self.state.level is not None else "")
-        else:
-            log.warning("%s holds no %s: dynamic sampling / the curriculum start afresh", folder.name,
-                        layout.SAMPLING_STATE_FILE)
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any):
-        folder = Path(args.output_dir) / f"{layout.CHECKPOINT_PREFIX}{state.global_step}"
-        if state.is_world_process_zero and folder.is_dir():  # every rank holds the same state
-            self.state.save(folder)
-
-
 class PeriodicEvalCallback(TrainerCallback):
     """Held-out evaluation every train.eval.every steps into metrics.jsonl and eval_steps.jsonl."""
 

@@ -19,7 +19,6 @@ from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_io import train_keys
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer, SamplerCheckCallback
-from lowmem_grpo.train.informative import SamplingState
 from lowmem_grpo.train.trainer import grpo_trainer_class
 from lowmem_grpo.sampling.rollout import make_rollout
 from lowmem_grpo.sampling.sampler_check import SamplerCheck
@@ -85,11 +84,8 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_we
 
 
 def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list[Callable[..., Any]],
-                    reward_weights: list[float], callbacks: Sequence[Any],
-                    sampling: SamplingState | None = None, goal: str | None = None) -> Callable[[Recipe], Any]:
-    """`build(recipe) -> GRPOTrainer` for run_grpo (called again with lowered settings after an OOM); with `sampling`
-    the trainer draws prompts through it (the dataset then has `problem_id` and `level` columns) and counts a pass
-    on the reward function named `goal`."""
+                    reward_weights: list[float], callbacks: Sequence[Any]) -> Callable[[Recipe], Any]:
+    """`build(recipe) -> GRPOTrainer` for run_grpo (called again with lowered settings after an OOM)."""
 
     def build(recipe: Recipe) -> Any:
         plan = loaded.runtime.sampler
@@ -112,10 +108,6 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         trainer.lowmem_cpu_attention = cpu.attention
         on, why = trainer.shared_prompt_status()
         log.info("shared-prompt log-prob pass: %s (%s)", "on" if on else "off", why)
-        if sampling is not None:
-            trainer.lowmem_sampling = sampling
-            trainer.lowmem_dynamic_sampling = recipe.train.selection.dynamic_sampling
-            trainer.lowmem_goal = goal
         NoSignalStepGuard.attach(trainer)  # always on: no optimizer step without an informative group
         PhaseTimer.attach(trainer)  # always on: time/<phase> keys in every log line (its cost is ~0.1 ms a step)
         return trainer

@@ -28,7 +28,6 @@ from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.completions import CompletionRecorder
 from lowmem_grpo.rundir.report import write_report
 from lowmem_grpo.train import preflight as reward_preflight
-from lowmem_grpo.train.informative import prepare_sampling
 from lowmem_grpo.train.prime import prime
 from lowmem_grpo.train.resilience import run_grpo
 
@@ -164,11 +163,10 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
     """GRPO with guarded, recorded rewards and lowmem_grpo's callbacks, through run_grpo; returns the trainer."""
     from datasets import Dataset
 
-    from lowmem_grpo.train.callbacks import PeriodicEvalCallback, SamplingStateCallback, TelemetryCallback
+    from lowmem_grpo.train.callbacks import PeriodicEvalCallback, TelemetryCallback
     from lowmem_grpo.train.grpo import trainer_factory
 
-    examples, sampling = prepare_sampling(recipe, examples)  # dynamic sampling / curriculum; None when both off
-    ours = [] if sampling is None else [SamplingStateCallback(sampling)]
+    ours = []
     if recipe.train.eval.every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
         ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir, loaded.runtime))
     weights = loaded.runtime.rewards
@@ -180,7 +178,7 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
     telemetry = TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
                                   goal=goal_name)
     build = trainer_factory(loaded, Dataset.from_list(examples), run_dir, recorder.wrap_all(reward_funcs),
-                            list(weights.values()), [telemetry, *callbacks, *ours], sampling=sampling, goal=goal_name)
+                            list(weights.values()), [telemetry, *callbacks, *ours])
     return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=resume.checkpoint if resume else None)
 
 

@@ -6,87 +6,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
-from torch.utils.data import Sampler
 from trl import GRPOTrainer, SFTTrainer
-from trl.trainer.utils import nanstd
 
 from lowmem_grpo.sampling.generate import fast_sampling
 from lowmem_grpo.train import cpu_logprobs
-from lowmem_grpo.train.informative import SamplingState
 from lowmem_grpo.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-PASS_SCORE = 0.5
-"""A completion passes when its goal reward (lowmem_grpo.recipe.goal_reward) scores at least this."""
-
-
-class InformativeSampler(Sampler):
-    """TRL's RepeatSampler layout with the chunks drawn by a SamplingState; the attribute names are RepeatSampler's,
-    which Unsloth's context-parallel patch reads."""
-
-    def __init__(self, state: SamplingState, num_chunks: int, batch_size: int, mini_repeat_count: int,
-                 repeat_count: int) -> None:
-        super().__init__()
-        self.state = state
-        self.num_chunks = num_chunks
-        self.batch_size = batch_size
-        self.mini_repeat_count = mini_repeat_count
-        self.repeat_count = repeat_count
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        epoch, self.epoch = self.epoch, self.epoch + 1  # without set_epoch, the next pass is the next epoch
-        for c in range(epoch * self.num_chunks, (epoch + 1) * self.num_chunks):
-            # the loader reads one batch ahead: chunk c is drawn before chunk c-1 is scored
-            chunk = self.state.chunk(c, self.batch_size)
-            for _ in range(self.repeat_count):
-                for index in chunk:
-                    yield from [index] * self.mini_repeat_count
-
-    def __len__(self) -> int:
-        return self.num_chunks * self.batch_size * self.mini_repeat_count * self.repeat_count
-
-
-def _flat_groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Per group: True when its values do not vary, as TRL tests it."""
-    std = nanstd(values.view(-1, group_size), dim=1)
-    return torch.isclose(std, torch.zeros_like(std))
-
-
-def _passes(rewards: torch.Tensor, total: torch.Tensor, names: list[str], group_size: int,
-            goal: str | None) -> list[bool | None]:
-    """Each completion's pass (None: unscored): the goal reward, or a total above its group's mean."""
-    if goal is not None and goal in names:
-        scores = rewards[:, names.index(goal)]
-        outcome = scores >= PASS_SCORE
-    else:
-        grouped = total.view(-1, group_size)
-        outcome = (grouped > torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
-        scores = total
-    return [None if math.isnan(s) else bool(o) for s, o in zip(scores.tolist(), outcome.tolist())]
-
-
 class LowmemGRPOTrainer(GRPOTrainer):
     """GRPOTrainer with lowmem_grpo's seams, set as attributes after construction (Unsloth's __init__ rejects
-    unknown arguments): a PhaseTimer, a NoSignalStepGuard and the dynamic-sampling / curriculum state; unset, each
-    override only calls TRL's method."""
+    unknown arguments): a PhaseTimer and a NoSignalStepGuard; unset, each override only calls TRL's method."""
 
     lowmem_timer: Any = None
     lowmem_guard: Any = None
-    lowmem_sampling: SamplingState | None = None
-    lowmem_dynamic_sampling: bool = False
-    lowmem_goal: str | None = None
-    _lowmem_training = False
-    _lowmem_keep: torch.Tensor | None = None
 
     def add_step_metrics(self, record: dict[str, float]) -> None:
         """Values GRPOTrainer.log averages into the next log line."""
@@ -125,62 +61,13 @@ class LowmemGRPOTrainer(GRPOTrainer):
             self.lowmem_timer.count_tokens(sum(len(ids) for ids in generated[1]))
         return generated
 
-    def _get_train_sampler(self, dataset: Any = None) -> Sampler:
-        if self.lowmem_sampling is None:
-            return super()._get_train_sampler(dataset)
-        dataset = self.train_dataset if dataset is None else dataset
-        chunk = self.args.generation_batch_size // self.num_generations
-        if self.lowmem_sampling.rates is not None:
-            self.lowmem_sampling.rates.group_size = self.num_generations  # an OOM retry may have lowered it
-        # at least one chunk: a pool smaller than a chunk is drawn with repeats (RepeatSampler would yield nothing)
-        return InformativeSampler(self.lowmem_sampling, max(1, len(dataset) // chunk), chunk, self.num_generations,
-                                  self.num_iterations * self.args.steps_per_generation)
-
     def _generate_and_score_completions(self, inputs: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         with self._phase("_prepare"):  # the whole batch preparation; its remainder is time/prepare_other
-            self._lowmem_training = self.model.training  # TRL's own train/eval test, read before generation
-            self._lowmem_keep = None
-            output = super()._generate_and_score_completions(inputs, *args, **kwargs)
-            # all flat: no gradient either way, and keeping the rows keeps the entropy / clip metrics meaningful
-            if self.lowmem_dynamic_sampling and self._lowmem_keep is not None and bool(self._lowmem_keep.any()):
-                output = self._exclude_flat_groups(output, len(inputs))
-        return output
+            return super()._generate_and_score_completions(inputs, *args, **kwargs)
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any):
         with self._phase("rewards"):
-            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            if self._lowmem_training and self.lowmem_sampling is not None:  # evaluation must not teach the sampler
-                self._track_groups(inputs, rewards)
-        return rewards
-
-    def _track_groups(self, inputs: Any, rewards: torch.Tensor) -> None:
-        """Flat groups, the outcomes fed to the sampling state (alike on every rank), and the step's metrics."""
-        size = self.num_generations
-        ids = [int(i) for i in gather_object([x["problem_id"] for x in inputs])]
-        total = (rewards * self.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
-        total[torch.isnan(rewards).all(dim=1)] = torch.nan  # unscorable rows, as TRL leaves them out
-        flat = _flat_groups(total, size)
-        self._lowmem_keep = (~flat).repeat_interleave(size)
-        self._log_metric("groups/informative", 1.0 - flat.float().mean().item())
-        names = list(self.reward_func_names)
-        if self.lowmem_goal in names:
-            flat_pass = _flat_groups(rewards[:, names.index(self.lowmem_goal)], size)
-            self._log_metric("groups/informative_goal", 1.0 - flat_pass.float().mean().item())
-        self.lowmem_sampling.observe(ids, _passes(rewards, total, names, size, self.lowmem_goal))
-        per_step = (self.args.per_device_train_batch_size * self.accelerator.num_processes
-                    * self.args.gradient_accumulation_steps / size)
-        self._log_metric("groups/per_step", per_step)
-        if self.lowmem_sampling.level is not None:
-            self._log_metric("curriculum/level", float(self.lowmem_sampling.level))
-
-    def _exclude_flat_groups(self, output: dict[str, Any], rows: int) -> dict[str, Any]:
-        """Zero the completion mask of this rank's rows of flat groups. num_items_in_batch stays the whole batch's
-        token count, so a step with one varied group does not push as hard as one where all varied."""
-        start = self.accelerator.process_index * rows
-        mask = output["completion_mask"]
-        keep = self._lowmem_keep[start:start + rows].to(device=mask.device, dtype=mask.dtype)
-        output["completion_mask"] = mask * keep.unsqueeze(1)
-        return output
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     def shared_prompt_status(self) -> tuple[bool, str]:
         """Whether the log-prob passes share prompts, and why."""
