@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from lowmem_grpo.device import vllm_build
-from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.errors import RecipeError, RetiredSettingError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.runtime import Runtime, check_precision, custom_sampling, on_vllm
@@ -45,14 +45,19 @@ def _check_calculator(recipe: Recipe, target: Runtime) -> None:
                     "repetition_penalty or generation_kwargs",
                     f"remove train.{custom[0]} (train.temperature sets the sampling), or set data.calculator=false")
         return
+    if extra.get("vllm_mode", "colocate") != "colocate":
+        raise RetiredSettingError(f"data.calculator with train.vllm_mode={extra['vllm_mode']}: the calculator over "
+                                  "TRL's vLLM server mode was retired (never run on a real server)",
+                                  fix="use the colocated engine (train.vllm_mode=colocate, or model.fast_inference="
+                                      "true on Unsloth), or set data.calculator=false")
     if extra.get("vllm_structured_outputs_regex") is not None:
         _refuse("data.calculator with train.vllm_structured_outputs_regex: a row resubmitted after each '=' would "
                 "restart the regex", "remove train.vllm_structured_outputs_regex, or set data.calculator=false")
     tensor_parallel = extra.get("vllm_tensor_parallel_size", 1)  # a value of the wrong type: check_trainer_fields
-    if extra.get("vllm_mode", "colocate") != "server" and isinstance(tensor_parallel, int) and tensor_parallel > 1:
-        _refuse(f"data.calculator with train.vllm_tensor_parallel_size={tensor_parallel} in "
-                "colocate mode: TRL gathers a tensor-parallel group's prompts, the calculator's rounds do not",
-                "set train.vllm_tensor_parallel_size=1, or use train.vllm_mode=server")
+    if isinstance(tensor_parallel, int) and tensor_parallel > 1:
+        _refuse(f"data.calculator with train.vllm_tensor_parallel_size={tensor_parallel}: TRL gathers a "
+                "tensor-parallel group's prompts, the calculator's rounds do not",
+                "set train.vllm_tensor_parallel_size=1, or data.calculator=false")
 
 
 def _check_vllm_sampling(recipe: Recipe, target: Runtime) -> None:

@@ -101,8 +101,17 @@ def test_the_calculator_on_vllm_refuses_what_its_rounds_cannot_take():
     _refused(_recipe(*on, "train.vllm_structured_outputs_regex=a+"), ("hf", "cuda", ONE),
              "train.vllm_structured_outputs_regex", "remove train.vllm_structured_outputs_regex")
     _refused(_recipe(*on, "train.vllm_tensor_parallel_size=2"), ("hf", "cuda", ONE),
-             "train.vllm_tensor_parallel_size=2", "train.vllm_mode=server")
-    _check(_recipe(*on, "train.vllm_tensor_parallel_size=2", "train.vllm_mode=server"), ("hf", "cuda", ONE))
+             "train.vllm_tensor_parallel_size=2", "set train.vllm_tensor_parallel_size=1")
+
+
+def test_the_calculator_over_vllms_server_mode_is_retired_with_a_named_error():
+    from lowmem_grpo.errors import RetiredSettingError
+
+    with pytest.raises(RetiredSettingError, match="train.vllm_mode=server: the calculator over TRL's vLLM server "
+                                                  "mode was retired") as info:
+        _check(_recipe("data.calculator=true", "train.use_vllm=true", "train.vllm_mode=server"), ("hf", "cuda", ONE))
+    assert "train.vllm_mode=colocate" in info.value.fix and info.value.exit_code == 2
+    _check(_recipe("train.use_vllm=true", "train.vllm_mode=server"), ("hf", "cuda", ONE))  # TRL's own server mode
     for setting in ("train.vllm_structured_outputs_regex=a+", "train.vllm_tensor_parallel_size=2"):
         _check(_recipe("train.use_vllm=true", setting), ("hf", "cuda", ONE))  # TRL's own vLLM takes them
         _check(_recipe("data.calculator=true", setting), ("hf", "cuda", ONE))  # the engine ignores them

@@ -84,11 +84,18 @@ def test_sft_trainer_metrics_we_fill():
 
 
 def test_only_the_trainer_module_names_private_trl_trainer_members():
-    """`grep` for every private name of TRL's trainers (methods and attributes) over the package: one module."""
+    """`grep` for every private name of TRL's trainers and vLLM generation (methods and attributes) over the
+    package: one module."""
     private = {name for cls in (GRPOTrainer, SFTTrainer) for name in dir(cls) if re.fullmatch(r"_[a-z]\w*", name)}
     for cls in (GRPOTrainer, SFTTrainer):
         private |= set(re.findall(r"self\.(_[a-z]\w*)\s*=", inspect.getsource(cls)))
     private -= set(dir(object))
+    # TRL's vLLM generation: the attributes its colocate mode keeps (read by vllm_awake)
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    vllm_private = set(re.findall(r"self\.(_[a-z]\w*)\s*=", inspect.getsource(VLLMGeneration)))
+    assert "_llm_weights_sleeping" in vllm_private
+    private |= vllm_private
     found = {}
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()

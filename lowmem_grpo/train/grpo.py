@@ -19,7 +19,7 @@ from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_io import train_keys
 from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer, SamplerCheckCallback
-from lowmem_grpo.train.trainer import grpo_trainer_class
+from lowmem_grpo.train.trainer import grpo_trainer_class, vllm_awake
 from lowmem_grpo.sampling.rollout import make_rollout
 from lowmem_grpo.sampling.sampler_check import SamplerCheck
 from lowmem_grpo.sampling.vllm_engine import grpo_engine_spec
@@ -93,7 +93,7 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         check = SamplerCheck(loaded.dtype)
         cpu = loaded.runtime.cpu
         rollout = make_rollout(plan, loaded.tokenizer, cpu.merged, cpu.attention,
-                               grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check)
+                               grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check, vllm_awake)
         trainer_class = grpo_trainer_class(loaded.runtime)
         args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights)
         with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +17,23 @@ from lowmem_grpo.train import cpu_logprobs
 from lowmem_grpo.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+@contextlib.contextmanager
+def vllm_awake(generation: Any) -> Iterator[None]:
+    """vLLM's sleep mode around sampling.rollout.VllmRollout's rounds as TRL's colocate mode runs it
+    (VLLMGeneration.generate): slept weights re-pushed, the KV cache woken, back to sleep (level 2) afterwards."""
+    if generation.mode != "colocate" or not getattr(generation, "enable_sleep_mode", False):
+        yield
+        return
+    if getattr(generation, "_llm_weights_sleeping", False):
+        generation.sync_weights()
+    generation.llm.wake_up(tags=["kv_cache"])
+    try:
+        yield
+    finally:
+        generation.llm.sleep(level=2)
+        generation._llm_weights_sleeping = True
+
 
 class LowmemGRPOTrainer(GRPOTrainer):
     """GRPOTrainer with lowmem_grpo's seams, set as attributes after construction (Unsloth's __init__ rejects
