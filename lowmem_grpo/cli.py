@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-trainer-fields", dest="trainer_fields", action="store_false",
                    help="skip checking extra train keys against TRL's GRPOConfig (which imports trl)")
     p.add_argument("--accelerate-config", metavar="FILE", help="check the recipe as `accelerate launch --config_file "
-                   "FILE` would run it (its processes and DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero3.yaml; "
+                   "FILE` would run it (its processes and DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero2.yaml; "
                    "default: this process's launcher")
     p.set_defaults(func=cmd_validate)
 

