@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,13 +211,12 @@ def evaluation_info(recipe: Recipe, arch: Architecture, s: Settings, budget_byte
 
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
          allow_hub: bool = True, free_bytes: int | None = None,
-         env: Mapping[str, str] | None = None, fit_eval: bool | None = None) -> Plan:
-    """Predicted peak GPU memory of a recipe; `free_bytes`: the GPU memory free at load (else the budget), `env`:
-    where Unsloth's PrefixGrouper switches are read (None: os.environ), `fit_eval`: cut the evaluation batch to the
-    budget even when the recipe sets one."""
+         fit_eval: bool | None = None) -> Plan:
+    """Predicted peak GPU memory of a recipe; `free_bytes`: the GPU memory free at load (else the budget),
+    `fit_eval`: cut the evaluation batch to the budget even when the recipe sets one."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
-    sharing = ms.sharing_for(arch, planned(recipe), recipe, env=env)
+    sharing = ms.sharing_for(arch, planned(recipe), recipe)
     settings = settings_for(recipe, total_gpu, free_bytes or 0, sharing)
     info = evaluation_info(recipe, arch, settings, budget_bytes, fit_eval)
     if info["counted"]:
@@ -232,14 +230,11 @@ def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture 
 
 def sharing_figures(arch: Architecture, s: Settings, sharing: ms.Sharing) -> dict[str, int]:
     """The peak without prompt sharing, with the backend's pass engaged (even where it does not engage), their
-    difference and, on unsloth, the peak with its self-verify off."""
+    difference."""
     without = evaluate(arch, dataclasses.replace(s, prompt_sharing=ms.NONE, sharing_verify=False)).total_bytes
     engaged = dataclasses.replace(s, prompt_sharing=sharing.available, sharing_verify=sharing.verify)
     figures = {"peak_without_bytes": without, "peak_with_bytes": evaluate(arch, engaged).total_bytes}
     figures["saving_bytes"] = figures["peak_without_bytes"] - figures["peak_with_bytes"]
-    if sharing.available == ms.UNSLOTH:
-        unverified = dataclasses.replace(engaged, sharing_verify=False)
-        figures["peak_with_unverified_bytes"] = evaluate(arch, unverified).total_bytes
     return figures
 
 
@@ -276,17 +271,15 @@ def _sharing_lines(p: Plan) -> list[str]:
         return []
     f, sh, s = p.sharing_figures, p.sharing, p.settings
     k = mt.prompts_in_micro_batch(s)
-    name = "Unsloth's PrefixGrouper" if sh.available == ms.UNSLOTH else "our shared-prompt pass"
+    if sh.available == ms.NONE:
+        return [f"  prompt sharing: {sh.reason}"]
     engaged = "" if sh.applies != ms.NONE else " (if it engaged)"
     lines = [f"  prompt sharing: {sh.reason}",
              f"    training forward: {s.per_device_batch} x {s.seq_len} = {mt.forward_tokens(p.architecture, s, False)} "
              f"tokens per micro-batch without it, {k} x {s.prompt_len} + {s.per_device_batch} x {s.completion_len} = "
              f"{mt.forward_tokens(p.architecture, s, True)} with it",
-             f"    peak without prompt sharing {format_bytes(f['peak_without_bytes'])}, with {name}{engaged} "
+             f"    peak without prompt sharing {format_bytes(f['peak_without_bytes'])}, with our shared-prompt pass{engaged} "
              f"{format_bytes(f['peak_with_bytes'])} (saves {format_bytes(f['saving_bytes'])})"]
-    if "peak_with_unverified_bytes" in f:
-        lines.append(f"    with its self-verify off ({ms.PG_VERIFY_ENV}=0): "
-                     f"{format_bytes(f['peak_with_unverified_bytes'])}")
     return lines
 
 
