@@ -1,5 +1,5 @@
 """Which GRPO settings teach SmolLM2-135M on the CPU: one base configuration and one-change-at-a-time variants; and
-the runner of queued training runs that this sweep and benchmarks/chains_queue.py share.
+the runner of queued training runs that this sweep and benchmarks/seeds.py share.
 
     OMP_NUM_THREADS=1 python benchmarks/learning_sweep.py run --sweep-dir SWEEP [--steps 30] [--problems 100]
     python benchmarks/learning_sweep.py table --sweep-dir SWEEP          # the table of what has finished
