@@ -61,12 +61,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from lowmem_grpo.combinations import check
     from lowmem_grpo.data import source_exists
     from lowmem_grpo.data.budget import check_recipe_budget
-    from lowmem_grpo.runtime import before_cuda, resolve
+    from lowmem_grpo.runtime import before_cuda, place, resolve
 
     recipe = load_recipe(args.recipe, args.overrides)
     environ = distributed.launcher_environment(args.accelerate_config) if args.accelerate_config else None
-    target = resolve(recipe, distributed.launch(recipe.train.extra, environ), before_cuda(recipe))
-    check(recipe, target)  # what `train` checks before any model loads, on the Runtime it would run with
+    launch, facts = distributed.launch(recipe.train.extra, environ), before_cuda(recipe)
+    placed = place(recipe, launch, facts)
+    check(recipe, placed)  # what `train` checks before any model loads, where it would place the run
+    target = resolve(recipe, launch, facts, placed=placed)
     if not source_exists(recipe.data.source):
         raise BadInputError(f"data.source {recipe.data.source!r}: no such file or folder",
                             fix="give an existing path, or use hub or embedded")
@@ -77,7 +79,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         check_trainer_fields(recipe)
     sys.stdout.write(dump_yaml(recipe) if args.show else
-                     f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n{target.block()}")
+                     f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n{target.block(recipe)}")
     return EXIT_OK
 
 
@@ -171,7 +173,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget = parse_size(args.gpu_memory) if args.gpu_memory else default_budget(recipe)
     result = plan_with_proposal(recipe, budget)
     sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else
-                     planned(recipe).block() + format_plan(result, recipe.name))
+                     planned(recipe).block(recipe) + format_plan(result, recipe.name))
     return EXIT_OK
 
 

@@ -1,5 +1,5 @@
-"""The combinations a run could not honour, refused (exit 2, naming the fix) before any model loads on the Runtime
-`train` would run with, by `validate` and `train` alike."""
+"""The combinations a run could not honour, refused (exit 2, naming the fix) before any model loads, where `train`
+would place the run (runtime.place), by `validate` and `train` alike."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from lowmem_grpo.device import vllm_build
 from lowmem_grpo.errors import RecipeError, RetiredSettingError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_rules import validate
-from lowmem_grpo.runtime import Runtime, check_precision, custom_sampling, on_vllm
+from lowmem_grpo.runtime import Placement, check_precision, custom_sampling, on_vllm
 
-def check(recipe: Recipe, target: Runtime) -> None:
-    """The recipe's own rules, then every combination a run resolved to `target` could not honour: RecipeError /
+def check(recipe: Recipe, target: Placement) -> None:
+    """The recipe's own rules, then every combination a run placed at `target` could not honour: RecipeError /
     BadInputError naming the first and its fix."""
     if target.launch.zero_stage == 3:
         raise RetiredSettingError(f"DeepSpeed ZeRO-3 ({target.launch.describe()}) was retired: a LoRA run keeps the "
@@ -31,7 +31,7 @@ def _refuse(problem: str, fix: str) -> None:
     raise RecipeError(problem, fix=fix)
 
 
-def _check_calculator(recipe: Recipe, target: Runtime) -> None:
+def _check_calculator(recipe: Recipe, target: Placement) -> None:
     """The engine samples at the temperature only; the vLLM rounds resubmit each row after an "=" (restarting a
     structured-outputs regex) and gather no tensor-parallel group's prompts."""
     if not recipe.data.calculator:
@@ -59,7 +59,7 @@ def _check_calculator(recipe: Recipe, target: Runtime) -> None:
                 "set train.vllm_tensor_parallel_size=1, or data.calculator=false")
 
 
-def _check_vllm_sampling(recipe: Recipe, target: Runtime) -> None:
+def _check_vllm_sampling(recipe: Recipe, target: Placement) -> None:
     """train.vllm_sampling: its own engine beside an hf model in one process, a vLLM built for the device."""
     if target.backend != "hf" or target.launch.num_processes > 1:
         _refuse(f"train.vllm_sampling with the {target.backend} backend, {target.launch.describe()}: lowmem_grpo's "

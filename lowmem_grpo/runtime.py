@@ -4,7 +4,6 @@ tell Unsloth from transformers."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -70,23 +69,19 @@ class Runtime:
     device: str
     """cuda or cpu: cuda for a GPU recipe (gpu_memory_gb set) or where torch sees a GPU."""
     dtype: str
-    """The model's dtype: the one asked for until the model loads, then the one it was loaded in (`loaded`)."""
+    """The dtype the model is asked for (Unsloth on CUDA with model.dtype=auto picks its own: `flags`)."""
     bf16: bool
-    """GRPOConfig/SFTConfig bf16 (train.precision with the dtype; always set, TRL resolves None)."""
+    """bf16 for `dtype` (train.precision with the dtype; always set, TRL resolves None)."""
     fp16: bool
-    """GRPOConfig/SFTConfig fp16."""
+    """fp16 for `dtype`."""
     precision: str
-    """train.precision as the recipe gives it: `loaded` re-derives the flags from it."""
+    """train.precision as the recipe gives it: `flags` derives the flags of a loaded dtype from it."""
     optimizer: str
     """TrainingArguments.optim: train.optim, auto -> paged_adamw_8bit on CUDA, adamw_torch on CPU."""
     sampler: RolloutPlan
     """How GRPO samples its completions."""
     trainer: str
     """cpu (lowmem_grpo's CPU-safe trainers, for hf on CPU) or trl."""
-    generation_batch: int
-    """Completions generated per generation round on each process (train.generation_batch_size)."""
-    eval_batch: int
-    """Sequences each stage and periodic evaluation decodes at once."""
     fast_inference: bool
     """Unsloth's vLLM generation: only an explicit model.fast_inference=true, on the unsloth backend on CUDA."""
     launch: Launch
@@ -112,55 +107,75 @@ class Runtime:
         """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-2"."""
         return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
 
-    def block(self) -> str:
-        """The Runtime as `validate`, `plan` and `train` print it: one setting a line."""
+    def block(self, recipe: Recipe) -> str:
+        """The Runtime (with `recipe`'s batches) as `validate`, `plan` and `train` print it: one setting a line."""
         flags = "bf16" if self.bf16 else "fp16" if self.fp16 else "none (fp32 or the 16-bit weights as loaded)"
         rows = [("backend", self.backend), ("device", self.device),
                 ("dtype", self.dtype + (f" ({self.dtype_reason})" if self.dtype_reason else "")),
                 ("precision", f"{self.precision} -> {flags}"), ("optimizer", self.optimizer),
                 ("sampler", f"{self.sampler.describe()} ({self.sampler.reason})"),
                 ("trainer", "lowmem_grpo's CPU trainer" if self.trainer == "cpu" else "TRL's trainer"),
-                ("generation batch", str(self.generation_batch)), ("eval batch", str(self.eval_batch)),
+                ("generation batch", str(recipe.train.generation_batch_size(self.processes))),
+                ("eval batch", str(eval_batch_size(recipe.train))),
                 ("fast inference", "on (Unsloth's vLLM)" if self.fast_inference else "off"),
                 ("rewards", ", ".join(f"{k} x{w:g}" for k, w in self.rewards.items())
                  + (f" (goal: {self.goal_reward})" if self.goal_reward else " (no goal reward: the total only)")),
                 ("processes", self.launch.describe())]
         return "runtime:\n" + "".join(f"  {k:<18}{v}\n" for k, v in rows)
 
-    def loaded(self, dtype: str) -> Runtime:
-        """This Runtime with the dtype the model was loaded in (device.model_dtype) and the flags that follow."""
-        return dataclasses.replace(self, dtype=dtype, **_precision_flags(self.precision, dtype, cuda=self.cuda))
+    def flags(self, dtype: str) -> tuple[bool, bool]:
+        """(bf16, fp16) for the dtype the model was loaded in (device.model_dtype)."""
+        flags = _precision_flags(self.precision, dtype, cuda=self.cuda)
+        return flags["bf16"], flags["fp16"]
 
-    def check_precision(self) -> None:
-        """check_precision on this Runtime's dtype."""
-        check_precision(self.precision, cuda=self.cuda, backend=self.backend, dtype=self.dtype)
 
-    def with_batches(self, recipe: Recipe) -> Runtime:
-        """This Runtime with the batches of `recipe` (as auto-fit fitted them)."""
-        return dataclasses.replace(self, generation_batch=recipe.train.generation_batch_size(self.processes),
-                                   eval_batch=eval_batch_size(recipe.train))
+@dataclass(frozen=True)
+class Placement:
+    """Where a recipe runs under a launch, known before CUDA starts: what `combinations.check` judges and the
+    Runtime is resolved from."""
+
+    backend: str
+    device: str
+    fast_inference: bool
+    sampler: RolloutPlan
+    launch: Launch
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def processes(self) -> int:
+        return self.launch.num_processes
+
+    def describe(self) -> str:
+        return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
+
+
+def place(recipe: Recipe, launch: Launch, facts: CudaFacts, *, training: bool = True) -> Placement:
+    """For `training`, a GPU recipe is placed on CUDA wherever it is checked (`train` refuses it without a GPU);
+    otherwise on CUDA where the machine has it."""
+    cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
+    backend, device = backend_for(recipe.model.backend, cuda=cuda, launch=launch), "cuda" if cuda else "cpu"
+    return Placement(backend=backend, device=device, launch=launch, sampler=rollout_plan(recipe, backend, device),
+                     fast_inference=recipe.model.fast_inference is True and (backend, device) == ("unsloth", "cuda"))
 
 
 def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[str, str] | None = None, *,
-            training: bool = True) -> Runtime:
-    """The Runtime of `recipe` under `launch` on the machine `facts` describe. For `training`, a GPU recipe is
-    resolved for CUDA wherever it is checked (`train` refuses it without a GPU); otherwise for CUDA where the
-    machine has it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE."""
-    cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
+            training: bool = True, cpu: CpuPaths | None = None, placed: Placement | None = None) -> Runtime:
+    """The Runtime of `recipe` under `launch` on the machine `facts` describe, where `place` (or `placed`, placed
+    before CUDA started) puts it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE; `cpu` replaces the CPU
+    speed paths train.cpu.fast gives."""
+    at = placed or place(recipe, launch, facts, training=training)
     m, t = recipe.model, recipe.train
-    backend = backend_for(m.backend, cuda=cuda, launch=launch)
-    auto, reason = auto_dtype(facts, environ, cuda=cuda)  # an unknown LOWMEM_GRPO_CPU_DTYPE stops a CPU run
+    auto, reason = auto_dtype(facts, environ, cuda=at.cuda)  # an unknown LOWMEM_GRPO_CPU_DTYPE stops a CPU run
     dtype, reason = (auto, reason) if m.dtype == "auto" else (m.dtype, "")
-    device = "cuda" if cuda else "cpu"
-    return Runtime(backend=backend, device=device, dtype=dtype, precision=t.precision,
-                   **_precision_flags(t.precision, dtype, cuda=cuda),
-                   optimizer=t.optim if t.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch"),
-                   sampler=rollout_plan(recipe, backend, device),
-                   trainer="cpu" if (backend, device) == ("hf", "cpu") else "trl",
-                   generation_batch=t.generation_batch_size(launch.num_processes),
-                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), eval_batch=eval_batch_size(t),
-                   fast_inference=m.fast_inference is True and (backend, device) == ("unsloth", "cuda"),
-                   launch=launch, cpu=cpu_paths(t, device), dtype_reason=reason)
+    return Runtime(backend=at.backend, device=at.device, dtype=dtype, precision=t.precision,
+                   **_precision_flags(t.precision, dtype, cuda=at.cuda),
+                   optimizer=optimizer_for(t, cuda=at.cuda),
+                   sampler=at.sampler, trainer="cpu" if (at.backend, at.device) == ("hf", "cpu") else "trl",
+                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), fast_inference=at.fast_inference,
+                   launch=launch, cpu=cpu or cpu_paths(t, at.device), dtype_reason=reason)
 
 
 def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cuda: bool | None = None
@@ -184,8 +199,13 @@ def before_cuda(recipe: Recipe, training: bool = True) -> CudaFacts:
     return CudaFacts(torch_cuda=None, available=cuda_available())
 
 
+def optimizer_for(train: TrainConfig, *, cuda: bool) -> str:
+    """train.optim: auto -> paged_adamw_8bit on CUDA, adamw_torch on CPU."""
+    return train.optim if train.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch")
+
+
 def planned(recipe: Recipe) -> Runtime:
-    """The Runtime of a one-process CUDA run of `recipe`: what memory/ plans."""
+    """The Runtime of a one-process CUDA run of `recipe`: what `plan` prints (memory/ plans from `place`)."""
     return resolve(recipe, Launch(), GPU_PLAN)
 
 
@@ -239,19 +259,22 @@ def _precision_flags(precision: str, dtype: str, *, cuda: bool) -> dict[str, boo
     return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
 
 
-def check_precision(precision: str, *, cuda: bool, backend: str, dtype: str | None = None) -> None:
-    """BadInputError for a train.precision the Unsloth CUDA path would refuse or override: fp32 always, bf16/fp16
-    against the dtype the model was loaded in (`dtype`; None before it loads)."""
-    if not cuda or backend != "unsloth" or precision == "auto":
-        return
-    if precision == "fp32":
+def check_precision(precision: str, *, cuda: bool, backend: str) -> None:
+    """BadInputError for train.precision=fp32 on the Unsloth CUDA path, which overrides it (before the model loads;
+    check_loaded_dtype judges bf16/fp16 against the dtype it loads in)."""
+    if cuda and backend == "unsloth" and precision == "fp32":
         raise BadInputError(
-            f"train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
-            f"autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
-            f"check{f'; this model is {dtype}' if dtype else ''}); only the models it forces to float32 (Gemma 3) "
-            f"stay in float32, and train.precision=auto already gives them that",
-            fix="use model.backend=hf for float32 training, or train.precision=auto")
-    if dtype is None:
+            "train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
+            "autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
+            "check); only the models it forces to float32 (Gemma 3) stay in float32, and train.precision=auto "
+            "already gives them that", fix="use model.backend=hf for float32 training, or train.precision=auto")
+
+
+def check_loaded_dtype(runtime: Runtime, dtype: str) -> None:
+    """BadInputError for a train.precision of bf16/fp16 that Unsloth's trainer refuses on the dtype the model was
+    loaded in."""
+    precision = runtime.precision
+    if not runtime.cuda or runtime.backend != "unsloth" or precision not in ("bf16", "fp16"):
         return
     wanted = {"bf16": "bfloat16", "fp16": "float16"}[precision]
     if dtype in ("bfloat16", "float16") and dtype != wanted:

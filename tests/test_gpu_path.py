@@ -63,9 +63,7 @@ def test_model_dtype_reads_the_model_as_unsloth_does():
 
 def flags(run: Runtime, loaded: str) -> tuple[bool, bool]:
     """(bf16, fp16) once the model was loaded in `loaded`."""
-    after = run.loaded(loaded)
-    assert after.dtype == loaded
-    return after.bf16, after.fp16
+    return run.flags(loaded)
 
 
 def test_flags_follow_the_loaded_dtype_on_cuda():
@@ -79,23 +77,23 @@ def test_flags_follow_the_loaded_dtype_on_cuda():
 
 
 def test_unsloth_cuda_refuses_what_its_trainer_would_raise_on_or_override():
-    with pytest.raises(BadInputError, match="compute capability below 8"):  # Unsloth: "Model is in float16 ..."
-        runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()).loaded("float16").check_precision()
     from lowmem_grpo.combinations import check
+    from lowmem_grpo.runtime import check_loaded_dtype, place
 
+    with pytest.raises(BadInputError, match="compute capability below 8"):  # Unsloth: "Model is in float16 ..."
+        check_loaded_dtype(runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()), "float16")
+    check_loaded_dtype(runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()), "bfloat16")
     fp32 = apply_overrides(Recipe(), ["model.backend=unsloth", "train.precision=fp32"])
     with pytest.raises(BadInputError, match="autocast") as info:  # Unsloth turns fp32 into bf16/fp16 AMP
-        check(fp32, resolve(fp32, Launch(), gpu()))
+        check(fp32, place(fp32, Launch(), gpu()))
     assert "model.backend=hf" in info.value.fix
-    with pytest.raises(BadInputError, match="autocast"):
-        runtime("model.backend=unsloth", "train.precision=fp32", facts=gpu()).loaded("bfloat16").check_precision()
     assert flags(runtime("model.backend=unsloth", "train.precision=fp16", facts=gpu()), "float16") == (False, True)
 
 
 def test_grpo_config_takes_the_loaded_dtype(tmp_path):
     from lowmem_grpo.train.grpo import build_grpo_config
 
-    config = build_grpo_config(Recipe(), tmp_path, runtime("model.backend=hf").loaded("float16"), [1.0] * 5)
+    config = build_grpo_config(Recipe(), tmp_path, runtime("model.backend=hf"), [1.0] * 5, "float16")
     assert (config.bf16, config.fp16) == (False, False)  # CPU: no autocast whatever the weights
 
 

@@ -16,7 +16,8 @@ from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
 from lowmem_grpo.memory.terms import GIB, MIB, Settings
 from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.runtime import EVAL_BATCH, planned
+from lowmem_grpo.distributed import Launch
+from lowmem_grpo.runtime import EVAL_BATCH, GPU_PLAN, optimizer_for, place
 
 
 # name -> (function, phase, where it shows: "allocated" by torch, "device" only)
@@ -134,16 +135,16 @@ def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, gpu_free_bytes: int =
                  sharing: ms.Sharing | None = None) -> Settings:
     """The recipe's memory settings as a one-process CUDA run has them (runtime.planned)."""
     m, t = recipe.model, recipe.train
-    runtime = planned(recipe)
+    at = place(recipe, Launch(), GPU_PLAN)  # a one-process CUDA run
     fp32 = m.dtype == "float32" or t.precision == "fp32"
     sharing = sharing or ms.Sharing(ms.NONE, ms.NONE, "")
     return Settings(
-        backend=runtime.backend, load_in_4bit=m.load_in_4bit, compute_bytes=4 if fp32 else 2, lora_r=recipe.lora.r,
-        target_modules=tuple(recipe.lora.target_modules), optim=runtime.optimizer,
+        backend=at.backend, load_in_4bit=m.load_in_4bit, compute_bytes=4 if fp32 else 2, lora_r=recipe.lora.r,
+        target_modules=tuple(recipe.lora.target_modules), optim=optimizer_for(t, cuda=True),
         gradient_checkpointing=t.gradient_checkpointing, per_device_batch=t.per_device_train_batch_size,
-        generation_batch=runtime.generation_batch, num_generations=t.num_generations,
+        generation_batch=t.generation_batch_size(), num_generations=t.num_generations,
         prompt_len=recipe.data.max_prompt_length, completion_len=t.max_completion_length, beta=t.beta,
-        fast_inference=runtime.fast_inference, gpu_memory_utilization=m.gpu_memory_utilization,
+        fast_inference=at.fast_inference, gpu_memory_utilization=m.gpu_memory_utilization,
         gpu_total_bytes=gpu_total_bytes, gpu_free_bytes=gpu_free_bytes, prompt_sharing=sharing.applies,
         sharing_verify=sharing.verify)
 
@@ -216,7 +217,7 @@ def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture 
     `fit_eval`: cut the evaluation batch to the budget even when the recipe sets one."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
-    sharing = ms.sharing_for(arch, planned(recipe), recipe)
+    sharing = ms.sharing_for(arch, place(recipe, Launch(), GPU_PLAN), recipe)
     settings = settings_for(recipe, total_gpu, free_bytes or 0, sharing)
     info = evaluation_info(recipe, arch, settings, budget_bytes, fit_eval)
     if info["counted"]:

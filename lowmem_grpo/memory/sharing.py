@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from lowmem_grpo.memory.arch import Architecture
 from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.runtime import Runtime
+from lowmem_grpo.runtime import Placement
 
 HF = "shared_prompt"
 NONE = "none"
@@ -49,7 +49,7 @@ def hf_shared_prompt(arch: Architecture, *, shared_prompt: bool, num_generations
                            "micro-batch is forwarded once")
 
 
-def sharing_for(arch: Architecture, runtime: Runtime, recipe: Recipe) -> Sharing:
+def sharing_for(arch: Architecture, runtime: Placement, recipe: Recipe) -> Sharing:
     """The shared-prompt pass a recipe's training forward gets with `runtime`."""
     t = recipe.train
     if runtime.backend == "unsloth":

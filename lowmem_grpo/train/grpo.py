@@ -45,9 +45,12 @@ def check_trainer_fields(recipe: Recipe) -> None:
                               fix=f"give train.{key} a {type(default).__name__}")
 
 
-def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_weights: list[float]) -> GRPOConfig:
-    """GRPOConfig from the recipe's train section and the Runtime's optimizer, device and bf16/fp16 flags."""
+def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_weights: list[float],
+                      dtype: str | None = None) -> GRPOConfig:
+    """GRPOConfig from the recipe's train section, the Runtime's optimizer and device, and the bf16/fp16 flags of
+    `dtype`, the dtype the model was loaded in (default the Runtime's)."""
     t = recipe.train
+    bf16, fp16 = runtime.flags(dtype or runtime.dtype)
     return GRPOConfig(
         output_dir=str(run_dir),
         max_steps=t.max_steps,
@@ -77,8 +80,8 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_we
         reward_weights=reward_weights,
         use_cpu=not runtime.cuda,
         disable_tqdm=True,  # the telemetry line per step carries progress and ETA
-        bf16=runtime.bf16,
-        fp16=runtime.fp16,
+        bf16=bf16,
+        fp16=fp16,
         **t.extra,
     )
 
@@ -95,7 +98,7 @@ def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list
         rollout = make_rollout(plan, loaded.tokenizer, cpu.merged, cpu.attention,
                                grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check, vllm_awake)
         trainer_class = grpo_trainer_class(loaded.runtime)
-        args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights)
+        args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights, loaded.dtype)
         with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use
             warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
             trainer = trainer_class(model=loaded.model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from lowmem_grpo.rundir.report import write_report
 from lowmem_grpo.train import preflight as reward_preflight
 from lowmem_grpo.train.prime import prime
 from lowmem_grpo.train.resilience import run_grpo
+from lowmem_grpo.train.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -44,26 +44,32 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     facts, or the function that reads them (default lowmem_grpo.device.cuda_facts). `cpu`: replaces the Runtime's
     CPU speed paths.
     """
-    runtime, cuda = setup(recipe, cuda, cpu)
-    if not cuda.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
-        rss.limit_heap_retention()
-    peaks = rss.StagePeaks(trim=not cuda.available)  # the process's peak RSS in each stage, peak_rss.json, report
-    plan = None  # the memory plan auto-fit chose; a resumed recipe.yaml holds the batch its first run planned
-    if resume_dir is None and (recipe.train.memory.auto_fit is False or distributed.world_size() > 1):
-        recipe = eval_batch_to_device(recipe, explicit or set(), facts=cuda)  # only the eval batch without auto-fit
-    elif resume_dir is None:  # fitted to the GPU's free memory
-        recipe, plan = fit_to_device(recipe, explicit or set(), facts=cuda)
-    runtime = runtime.with_batches(recipe)
-    log.info("%s", runtime.block().rstrip())
-    rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
-    with peaks.stage("convert"), distributed.main_process_first():  # an embedded model is converted once, by rank 0
-        model_path = locate_model(recipe.model.name)  # a missing folder fails before the run dir exists
+    runtime, facts = setup(recipe, cuda, cpu)
     resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
     if resume is not None and resume.finished:
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
         return resume.run_dir
-    if resume_dir is None and budget.checked(recipe):  # a resumed run keeps the budget it started with
-        budget.check_budget(recipe, rows, budget.load_tokenizer(model_path, recipe.model.trust_remote_code))
+    run = make_run(recipe, runtime, facts, resume, explicit or set())
+    started = time.monotonic()
+    with run.peaks.stage("grpo"):
+        trainer = train_grpo(run, callbacks)
+    log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
+    measure(run, "trained")
+    return save_and_report(trainer, run.run_dir, run.recipe.model.name)
+
+
+def make_run(recipe: Recipe, runtime: Runtime, facts: CudaFacts, resume: checkpoints.ResumePoint | None,
+             explicit: set[str]) -> Run:
+    """Auto-fit, the data, the model and the run directory, checked in that order (bad input stops before the run
+    directory is written), then the stages before GRPO: the base (and start) evaluation, priming, the preflight."""
+    if not facts.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
+        rss.limit_heap_retention()
+    peaks = rss.StagePeaks(trim=not facts.available)  # the process's peak RSS in each stage, peak_rss.json, report
+    recipe, plan = fit(recipe, explicit, facts, resume)
+    log.info("%s", runtime.block(recipe).rstrip())
+    rows = load_train_rows(recipe.data)  # bad data fails here, before the model loads
+    with peaks.stage("convert"), distributed.main_process_first():  # an embedded model is converted once, by rank 0
+        model_path = locate_model(recipe.model.name)  # a missing folder fails before the run dir exists
     start_adapter = None  # a fresh LoRA, or a checkpoint's; a mismatched lora.init_adapter fails before any load
     if recipe.lora.init_adapter and not (resume and resume.checkpoint):
         start_adapter = str(check_init_adapter(recipe.lora, recipe.model.name, model_path))
@@ -71,31 +77,46 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     run_dir = resume.run_dir if resume else distributed.agree_on_run_dir(
         lambda: layout.choose_run_dir(recipe.output.dir, recipe.output.root, recipe.name))
     log.info("run directory: %s", run_dir)
-
-    with peaks.stage("load"):
-        loaded = load(recipe, runtime, model_path=model_path, adapter_path=start_adapter)  # flags follow its dtype
-    loaded.runtime.check_precision()  # a precision Unsloth would refuse on it: exit 2, before the run dir is written
+    with peaks.stage("load"):  # a precision Unsloth would refuse on the loaded dtype stops here (exit 2)
+        loaded = load(recipe, runtime, model_path=model_path, adapter_path=start_adapter)
+    if resume is None and budget.checked(recipe):  # a resumed run keeps the budget it started with
+        budget.check_budget(recipe, rows, loaded.tokenizer)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
-    grpo_set = grpo_examples(examples, recipe.data)  # priming keeps every level; GRPO may draw from some
-    open_run_dir(run_dir, recipe, loaded.runtime, resume, plan, peaks)  # inputs are good: the run dir is written now
-    stages = stage_evals(recipe, loaded, run_dir, peaks)  # the same held-out problems after each stage
-    measure(stages, loaded, "base")
-    if start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
-        measure(stages, loaded, "start")
-    if recipe.prime.enabled and not (resume and resume.checkpoint):  # a checkpoint already holds the primed adapter
-        with peaks.stage("prime"):
-            prime(loaded.model, loaded.tokenizer, examples, recipe, run_dir, loaded.runtime)
-        measure(stages, loaded, "primed")
-    if recipe.train.preflight.enabled and resume is None:  # a resumed run already passed it
-        with peaks.stage("preflight"):
-            require_reward_signal(recipe, loaded, grpo_set)
+    stages = None  # the per-stage held-out evaluation (rank 0); a resumed run keeps what its file holds
+    if recipe.train.eval.stage.problems and distributed.is_main_process():
+        stages = StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks,
+                            cpu=runtime.cpu)
+    run = Run(recipe, loaded, run_dir, resume, examples, grpo_examples(examples, recipe.data), plan, peaks, stages,
+              start_adapter)
+    open_run_dir(run)  # inputs are good: the run dir is written now
+    before_grpo(run)
+    return run
 
-    started = time.monotonic()
-    with peaks.stage("grpo"):
-        trainer = train_grpo(recipe, loaded, grpo_set, run_dir, resume, callbacks)
-    log.info("trained %d steps in %.0f s", trainer.state.global_step, time.monotonic() - started)
-    measure(stages, loaded, "trained")
-    return save_and_report(trainer, run_dir, recipe.model.name)
+
+def fit(recipe: Recipe, explicit: set[str], facts: CudaFacts, resume: checkpoints.ResumePoint | None
+        ) -> tuple[Recipe, Plan | None]:
+    """The recipe fitted to the GPU's free memory and the plan chosen (auto-fit), or with only its evaluation batch
+    fitted; a resumed run's recipe.yaml holds the batch its first run planned."""
+    if resume is not None:
+        return recipe, None
+    if recipe.train.memory.auto_fit is False or distributed.world_size() > 1:
+        return eval_batch_to_device(recipe, explicit, facts=facts), None
+    return fit_to_device(recipe, explicit, facts=facts)
+
+
+def before_grpo(run: Run) -> None:
+    """The stages before GRPO, each skipped where the run directory already holds its output: the held-out
+    evaluations of the base (and starting adapter), priming, the reward preflight."""
+    measure(run, "base")
+    if run.start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
+        measure(run, "start")
+    if run.recipe.prime.enabled and not run.checkpoint:  # a checkpoint already holds the primed adapter
+        with run.peaks.stage("prime"):
+            prime(run.model, run.tokenizer, run.examples, run.recipe, run.run_dir, run.runtime, run.loaded.dtype)
+        measure(run, "primed")
+    if run.recipe.train.preflight.enabled and run.resume is None:  # a resumed run already passed it
+        with run.peaks.stage("preflight"):
+            require_reward_signal(run.recipe, run.loaded, run.grpo_examples)
 
 
 def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None,
@@ -103,8 +124,7 @@ def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None,
     """Resolve the recipe's Runtime (backends.start: the recipe's rules and refused combinations stop here, before
     Unsloth is imported first; `cpu` replaces its CPU paths), join the process group, check the trainer fields and
     the logger."""
-    runtime, facts = start(recipe, distributed.launch(recipe.train.extra), cuda)
-    runtime = runtime if cpu is None else dataclasses.replace(runtime, cpu=cpu)
+    runtime, facts = start(recipe, distributed.launch(recipe.train.extra), cuda, cpu=cpu)
     distributed.setup(recipe.train.extra)  # nothing for one process
     from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after the backend
 
@@ -113,32 +133,24 @@ def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None,
     return runtime, facts
 
 
-def open_run_dir(run_dir: Path, recipe: Recipe, runtime: Runtime, resume: checkpoints.ResumePoint | None,
-                 plan: Plan | None, peaks: rss.StagePeaks) -> None:
+def open_run_dir(run: Run) -> None:
     """Rank 0 creates the run directory, or rewinds a resumed one to its checkpoint; env.json and the peak RSS
     record either way."""
     if not distributed.is_main_process():
         return
-    if resume is None:
-        layout.create_run_dir(run_dir, dump_yaml(recipe))
-        if plan is not None:  # the predicted peak the chosen values fit
-            layout.write_json(run_dir / layout.PLAN_FILE, plan.to_dict())
+    if run.resume is None:
+        layout.create_run_dir(run.run_dir, dump_yaml(run.recipe))
+        if run.plan is not None:  # the predicted peak the chosen values fit
+            layout.write_json(run.run_dir / layout.PLAN_FILE, run.plan.to_dict())
     else:
-        checkpoints.prepare_resume(resume)  # drops incomplete checkpoints and the log lines after the checkpoint
-    telemetry.write_env(run_dir, runtime.backend, runtime.dtype)
-    peaks.attach(run_dir / layout.PEAK_RSS_FILE)
+        checkpoints.prepare_resume(run.resume)  # drops incomplete checkpoints and the log lines after the checkpoint
+    telemetry.write_env(run.run_dir, run.runtime.backend, run.loaded.dtype)
+    run.peaks.attach(run.run_dir / layout.PEAK_RSS_FILE)
 
 
-def stage_evals(recipe: Recipe, loaded: LoadedModel, run_dir: Path, peaks: rss.StagePeaks) -> StageEvals | None:
-    """The per-stage held-out evaluation (rank 0, train.eval.stage.problems problems), or None."""
-    if not recipe.train.eval.stage.problems or not distributed.is_main_process():
-        return None
-    return StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks, cpu=loaded.runtime.cpu)
-
-
-def measure(stages: StageEvals | None, loaded: LoadedModel, stage: str) -> None:
-    if stages is not None:
-        stages.measure(loaded.model, stage)
+def measure(run: Run, stage: str) -> None:
+    if run.stages is not None:
+        run.stages.measure(run.model, stage)
 
 
 def require_reward_signal(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]]) -> Any:
@@ -158,14 +170,14 @@ def require_reward_signal(recipe: Recipe, loaded: LoadedModel, examples: list[di
     return check
 
 
-def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any]], run_dir: Path, resume: Any,
-               callbacks: Sequence[Any]) -> Any:
+def train_grpo(run: Run, callbacks: Sequence[Any]) -> Any:
     """GRPO with guarded, recorded rewards and lowmem_grpo's callbacks, through run_grpo; returns the trainer."""
     from datasets import Dataset
 
     from lowmem_grpo.train.callbacks import PeriodicEvalCallback, TelemetryCallback
     from lowmem_grpo.train.grpo import trainer_factory
 
+    recipe, loaded, run_dir = run.recipe, run.loaded, run.run_dir
     ours = []
     if recipe.train.eval.every and distributed.is_main_process():  # held-out greedy eval, eval/* in metrics.jsonl
         ours.append(PeriodicEvalCallback(recipe, loaded.tokenizer, run_dir, loaded.runtime))
@@ -177,9 +189,9 @@ def train_grpo(recipe: Recipe, loaded: LoadedModel, examples: list[dict[str, Any
                                   {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
     telemetry = TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
                                   goal=goal_name)
-    build = trainer_factory(loaded, Dataset.from_list(examples), run_dir, recorder.wrap_all(reward_funcs),
+    build = trainer_factory(loaded, Dataset.from_list(run.grpo_examples), run_dir, recorder.wrap_all(reward_funcs),
                             list(weights.values()), [telemetry, *callbacks, *ours])
-    return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=resume.checkpoint if resume else None)
+    return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=run.checkpoint)
 
 
 def save_and_report(trainer: Any, run_dir: Path, base_name: str | None = None) -> Path:
