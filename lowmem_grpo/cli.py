@@ -39,18 +39,24 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from lowmem_grpo.errors import ResumeAfterOom
     from lowmem_grpo.rundir import checkpoints, layout
     from lowmem_grpo.train.pipeline import train
+    from lowmem_grpo.train.resilience import resume_in_fresh_process
 
-    if args.resume:  # the run's own recipe.yaml, from its last complete checkpoint
-        recipe = load_recipe(str(checkpoints.resume_recipe_path(args.resume, args.recipe, args.overrides)))
-        run_dir = train(recipe, resume_dir=args.resume, callbacks=args.callbacks)
-    elif args.recipe is None:
-        raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
-                            fix=f"e.g. lowmem-grpo train {DEFAULT_RECIPE} (the CPU default, what `make demo` runs)")
-    else:
-        run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides),
-                        callbacks=args.callbacks)
+    try:
+        if args.resume:  # the run's own recipe.yaml; each stage skips what the run directory holds
+            recipe = load_recipe(str(checkpoints.resume_recipe_path(args.resume, args.recipe, args.overrides)))
+            run_dir = train(recipe, resume_dir=args.resume, callbacks=args.callbacks)
+        elif args.recipe is None:
+            raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
+                                fix=f"e.g. lowmem-grpo train {DEFAULT_RECIPE} (the CPU default, what `make demo` runs)")
+        else:
+            run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides),
+                            callbacks=args.callbacks)
+    except ResumeAfterOom as exc:  # the lowered settings are in the run's recipe.yaml
+        log.warning("%s", str(exc).split("\n")[0])
+        resume_in_fresh_process(exc.run_dir, verbose=args.verbose)
     log.info("done: adapter in %s", Path(run_dir) / layout.ADAPTER_DIR)
     return EXIT_OK
 

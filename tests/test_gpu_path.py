@@ -7,7 +7,6 @@ capability, a CudaFacts, a module table) as an argument, and the models are smal
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -264,86 +263,6 @@ def test_oom_retry_never_changes_what_a_loaded_model_cannot_take():
         anyway = lower(recipe, phase=phase)
         assert anyway is not None and not set(anyway.changes) & LOAD_TIME_KEYS, anyway.describe()
     assert {"model.gpu_memory_utilization", "lora.r", "train.gradient_checkpointing"} <= LOAD_TIME_KEYS
-
-
-# --- 7. OOM retry residue ------------------------------------------------------------------------
-
-
-class OomOnceTrainer:
-    """A trainer whose train() fails like Unsloth's log-prob pass running out of memory: the hidden-states switch
-    left on, then torch.OutOfMemoryError; `fail=False` trains one step."""
-
-    def __init__(self, fail: bool):
-        self.fail = fail
-        self.state = SimpleNamespace(global_step=0, max_steps=1)
-        self.generation_batch = [torch.zeros(4)]  # TRL keeps the generation batch between its steps
-        self.accelerator = SimpleNamespace(free_memory=lambda: None)
-        self.optimizer = self.lr_scheduler = object()
-
-    def add_callback(self, callback):
-        pass
-
-    def drop_generation_batch(self):
-        self.generation_batch = None
-
-    def train(self, resume_from_checkpoint=None):
-        if self.fail:
-            os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "1"
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake)")
-        self.state.global_step = 1
-
-
-class UnslothTrainingModel(torch.nn.Module):
-    """Records, when put back into training mode, whether the failed trainer was already gone."""
-
-    def __init__(self):
-        super().__init__()
-        self.lora = torch.nn.Linear(2, 2)
-        self._unsloth_gradient_checkpointing = "unsloth"
-        self.failed_trainer = None  # a weakref, set by the test
-        self.seen: list = []
-
-    def for_training(self, use_gradient_checkpointing=None):
-        self.seen.append((use_gradient_checkpointing, self.failed_trainer() is None,
-                          os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES")))
-
-
-def test_oom_retry_drops_the_failed_trainer_and_resets_unsloths_switches(tmp_path):
-    import weakref
-
-    from lowmem_grpo.recipe import Recipe
-    from lowmem_grpo.train.resilience import run_grpo
-
-    model, built, before = UnslothTrainingModel(), [], os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES")
-
-    def build(recipe):
-        trainer = OomOnceTrainer(fail=not built)
-        if not built:
-            model.failed_trainer = weakref.ref(trainer)
-        built.append(os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES"))
-        return trainer
-
-    try:
-        finished = run_grpo(build, Recipe(), tmp_path, model=model, use_planner=False)
-    finally:
-        os.environ.pop("UNSLOTH_RETURN_HIDDEN_STATES", None)
-        if before is not None:
-            os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = before
-    assert finished.state.global_step == 1 and len(built) == 2
-    assert model.seen == [("unsloth", True, "0")]  # back in training mode, the failed trainer already freed
-    assert built[1] == "0"  # the retry's trainer does not start with hidden states as logits
-    assert (tmp_path / "oom_retries.jsonl").exists()
-
-
-def test_reset_unsloth_state_resets_the_checkpoint_buffers_when_unsloth_is_loaded():
-    from lowmem_grpo.train.resilience import reset_unsloth_state
-
-    reset = Recorder()
-    plain_model = torch.nn.Linear(2, 2)
-    reset_unsloth_state(plain_model, modules={"unsloth_zoo.gradient_checkpointing":
-                                              SimpleNamespace(reset_unsloth_gradient_checkpointing_buffers=reset)})
-    assert len(reset.calls) == 1
-    reset_unsloth_state(plain_model, modules={})  # no Unsloth: nothing to reset, nothing raised
 
 
 # --- 8. consumer GPUs and drivers ----------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The no-signal guard (lowmem_grpo.train.callbacks.NoSignalStepGuard): no optimizer step without an informative
-group, on a stub trainer and on the tiny model through trainer_factory; the trainer class the Runtime picks."""
+group, on a stub trainer and on the tiny model through build_trainer; the trainer class the Runtime picks."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _tiny_recipe(model_dir: Path, run_dir: Path, *extra: str):
 
 
 def _trainer(model_dir: Path, run_dir: Path, *extra: str):
-    """A GRPO trainer built as train() builds it (trainer_factory), on the tiny model."""
+    """A GRPO trainer built as train() builds it (build_trainer), on the tiny model."""
     from datasets import Dataset
 
     from lowmem_grpo.backends import load, start
@@ -30,15 +30,15 @@ def _trainer(model_dir: Path, run_dir: Path, *extra: str):
     from lowmem_grpo.data import load_train_rows, recipe_examples
     from lowmem_grpo.recipe import resolved_rewards
     from lowmem_grpo.rewards import get_reward
-    from lowmem_grpo.train.grpo import trainer_factory
+    from lowmem_grpo.train.grpo import build_trainer
 
     recipe = _tiny_recipe(model_dir, run_dir, *extra)
     loaded = load(recipe, start(recipe, Launch())[0], model_path=str(model_dir))
     examples = recipe_examples(load_train_rows(recipe.data), loaded.tokenizer, recipe.data)
     weights = resolved_rewards(recipe)
-    build = trainer_factory(loaded, Dataset.from_list(examples), run_dir, [get_reward(n) for n in weights],
+    trainer = build_trainer(loaded, recipe, Dataset.from_list(examples), run_dir, [get_reward(n) for n in weights],
                             list(weights.values()), [])
-    return build(recipe), loaded
+    return trainer, loaded
 
 
 def test_the_runtime_picks_the_cpu_trainer_for_hf_on_cpu_only():
@@ -84,8 +84,8 @@ class _StubModel:
 
 
 class _StubTrainer:
-    """What NoSignalStepGuard touches of a trainer (lowmem_grpo.train.trainer.LowmemGRPOTrainer): add_callback,
-    optimizer, accelerator, add_step_metrics; its compute_loss hands each training micro-batch to the guard."""
+    """What NoSignalStepGuard touches of a trainer (lowmem_grpo.train.trainer.LowmemGRPOTrainer): optimizer,
+    accelerator, add_step_metrics; its compute_loss hands each training micro-batch to the guard."""
 
     def __init__(self, optimizer) -> None:
         from collections import defaultdict
@@ -94,15 +94,11 @@ class _StubTrainer:
         self.accelerator = _StubAccelerator()
         self.model = _StubModel()
         self.metrics = defaultdict(list)
-        self.callbacks = []
         self.lowmem_guard = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self.lowmem_guard.judge(inputs)
         return 0.0
-
-    def add_callback(self, callback) -> None:
-        self.callbacks.append(callback)
 
     def add_step_metrics(self, record) -> None:
         for key, value in record.items():
@@ -117,8 +113,7 @@ def test_the_guard_skips_a_step_without_signal_and_steps_when_it_cannot_judge():
     weight = torch.nn.Parameter(torch.ones(3))
     weight.grad = torch.zeros(3)
     trainer = _StubTrainer(torch.optim.AdamW([weight], lr=0.1, weight_decay=0.5))
-    guard = NoSignalStepGuard.attach(trainer)
-    assert trainer.callbacks == [guard] and trainer.lowmem_guard is guard
+    guard = trainer.lowmem_guard = NoSignalStepGuard(trainer)  # as LowmemGRPOTrainer.__init__ makes it
     guard.on_train_begin(None, None, None)
     flat = {"advantages": torch.zeros(4), "completion_mask": torch.ones(4, 5)}
     cut = {"advantages": torch.tensor([0.0, 1.0, -1.0, 0.0]), "completion_mask": torch.tensor([[1] * 5, [0] * 5,

@@ -39,9 +39,6 @@ GRPO_PRIVATE = {
          "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"],
         ["return logps, entropies, aux_loss"]),
     "_log_metric": (["self", "name", "value"], ["self._pending_metrics[name].append(value)"]),
-    "_prepare_inputs": (["self", "generation_batch"], [  # drop_generation_batch: TRL regenerates when it is None
-        "if self._step % generate_every == 0 or self._buffered_inputs is None:",
-    ]),
     "log": (["self", "logs", "start_time"], [  # add_step_metrics: averaged into each log line, then cleared
         "for key, val in self._metrics[mode].items():",
         "self._metrics[mode].clear()",

@@ -129,7 +129,8 @@ def eval_lines(run_dir: Path) -> list[str]:
 
 
 def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
-    """The peak RSS in each stage (peak_rss.json) and each phase of a GRPO step (rss/<phase>); [] without either."""
+    """The peak RSS in each stage (peak_rss.json) and each phase of a GRPO step (rss/<phase>), and each CUDA
+    out-of-memory error's lowered settings (oom_retries.jsonl); [] without any."""
     data = rss.read(run_dir / layout.PEAK_RSS_FILE) or {}
     stages = data.get("stages") or []
     lines: list[str] = []
@@ -147,7 +148,11 @@ def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
         lines += [""] if lines else []
         lines.append("Peak RSS in each phase of a GRPO step (GiB, the largest logged step): "
                      + ", ".join(f"{k[len(rss.RSS_PREFIX):]} {v:.2f}" for k, v in peak.items()))
-    return lines
+    ooms = [f"- CUDA out of memory at step {t['step']} ({t['phase']}, {t['time']}): "
+            + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in t["changes"].items())
+            + f" ({t['how']}); continued from {t['resumed_from'] or 'step 0'} in a fresh process"
+            for t in layout.read_jsonl(run_dir / layout.OOM_FILE)]
+    return lines + (["", *ooms] if ooms else [])
 
 
 def goal_name(run_dir: Path) -> str | None:

@@ -40,10 +40,6 @@ class TelemetryCallback(TrainerCallback):
         self.recent: list[dict[str, Any]] = []  # the newest records, for the health checks
         self.latch = WarningLatch(goal)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
-        if self.recorder is not None:
-            self.recorder.flush(write=False)  # a retried attempt drops what its failed step recorded
-
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
         if self.recorder is not None:
             self.recorder.flush(write=state.is_world_process_zero)
@@ -189,14 +185,6 @@ class NoSignalStepGuard(TrainerCallback):
         self.seen = False  # any micro-batch judged since the last optimizer step
         self.skipped = 0
 
-    @classmethod
-    def attach(cls, trainer: Any) -> NoSignalStepGuard:
-        """Register the guard as the trainer's lowmem_guard and a callback."""
-        guard = cls(trainer)
-        trainer.lowmem_guard = guard
-        trainer.add_callback(guard)
-        return guard
-
     def judge(self, inputs: Any) -> None:
         self.seen = True
         self.informative = self.informative or carries_signal(inputs)
@@ -273,7 +261,7 @@ class PhaseTimer(TrainerCallback):
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
-        self.clock = CudaClock() if trainer.accelerator.device.type == "cuda" else WallClock()
+        self.clock: CudaClock | WallClock = WallClock()
         self.spans: list[tuple[str, Any, Any]] = []  # (phase, start mark, end mark) of the current step
         self.rss_peaks: dict[str, int] = {}  # phase -> peak RSS (bytes) of the current step (lowmem_grpo.rundir.rss)
         self.opened: dict[str, tuple[Any, rss.Watch]] = {}  # phase -> (start mark, its RSS watch), not yet closed
@@ -282,14 +270,8 @@ class PhaseTimer(TrainerCallback):
         self.begin: Any = None
         self.optimizer_start: Any = None
 
-    @classmethod
-    def attach(cls, trainer: Any) -> PhaseTimer:
-        """Register the timer as the trainer's lowmem_timer and its first callback."""
-        timer = cls(trainer)
-        trainer.lowmem_timer = timer
-        # first, so that its step end comes before telemetry, checkpoints and periodic eval (they are the next gap)
-        trainer.callback_handler.callbacks.insert(0, timer)
-        return timer
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        self.clock = CudaClock() if args.device.type == "cuda" else WallClock()
 
     def open(self, phase: str) -> None:
         """Start timing `phase` (and watching its RSS peak) until `close(phase)`."""

@@ -11,14 +11,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig
 
 from lowmem_grpo.runtime import Runtime
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_io import train_keys
-from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer, SamplerCheckCallback
+from lowmem_grpo.train.callbacks import SamplerCheckCallback
 from lowmem_grpo.train.trainer import grpo_trainer_class, vllm_awake
 from lowmem_grpo.sampling.rollout import make_rollout
 from lowmem_grpo.sampling.sampler_check import SamplerCheck
@@ -86,33 +85,23 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_we
     )
 
 
-def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list[Callable[..., Any]],
-                    reward_weights: list[float], callbacks: Sequence[Any]) -> Callable[[Recipe], Any]:
-    """`build(recipe) -> GRPOTrainer` for run_grpo (called again with lowered settings after an OOM)."""
-
-    def build(recipe: Recipe) -> Any:
-        plan = loaded.runtime.sampler
-        log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
-        check = SamplerCheck(loaded.dtype)
-        cpu = loaded.runtime.cpu
-        rollout = make_rollout(plan, loaded.tokenizer, cpu.merged, cpu.attention,
-                               grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check, vllm_awake)
-        trainer_class = grpo_trainer_class(loaded.runtime)
-        args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights, loaded.dtype)
-        with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use
-            warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
-            trainer = trainer_class(model=loaded.model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                                    processing_class=loaded.tokenizer, rollout_func=rollout,
-                                    callbacks=[SamplerCheckCallback(check), *callbacks])
-        trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
-        # attributes, not __init__ arguments: Unsloth's __init__ rejects unknown ones
-        trainer.lowmem_shared_prompt = cpu.shared_prompt
-        trainer.lowmem_merged_sampling = cpu.merged
-        trainer.lowmem_cpu_attention = cpu.attention
-        on, why = trainer.shared_prompt_status()
-        log.info("shared-prompt log-prob pass: %s (%s)", "on" if on else "off", why)
-        NoSignalStepGuard.attach(trainer)  # always on: no optimizer step without an informative group
-        PhaseTimer.attach(trainer)  # always on: time/<phase> keys in every log line (its cost is ~0.1 ms a step)
-        return trainer
-
-    return build
+def build_trainer(loaded: Any, recipe: Recipe, dataset: Any, run_dir: Path, reward_funcs: list[Callable[..., Any]],
+                  reward_weights: list[float], callbacks: Sequence[Any]) -> Any:
+    """The run's GRPO trainer (lowmem_grpo.train.trainer), built once: its GRPOConfig, the rollout the Runtime's
+    sampler plan picks, the CPU speed paths as its options, and every callback in its constructor."""
+    plan = loaded.runtime.sampler
+    log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
+    check = SamplerCheck(loaded.dtype)
+    cpu = loaded.runtime.cpu
+    rollout = make_rollout(plan, loaded.tokenizer, cpu.merged, cpu.attention,
+                           grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check, vllm_awake)
+    args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights, loaded.dtype)
+    with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use
+        warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
+        trainer = grpo_trainer_class(loaded.runtime)(
+            model=loaded.model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+            processing_class=loaded.tokenizer, rollout_func=rollout, options=cpu,
+            callbacks=[SamplerCheckCallback(check), *callbacks])
+    on, why = trainer.shared_prompt_status()
+    log.info("shared-prompt log-prob pass: %s (%s)", "on" if on else "off", why)
+    return trainer

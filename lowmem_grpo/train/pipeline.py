@@ -1,5 +1,6 @@
-"""`train()`, top to bottom: setup -> memory fit -> data -> run directory -> model -> prime -> preflight -> GRPO
--> save and report. Each step is a function below it that returns one thing."""
+"""`train()`, top to bottom: setup -> the run (memory fit, data, model, run directory) -> stage evaluations, prime,
+preflight -> GRPO -> save and report. Each stage asks the run directory (a resumed run's ResumePoint) whether its
+output is there, and skips or continues."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from lowmem_grpo.rundir.completions import CompletionRecorder
 from lowmem_grpo.rundir.report import write_report
 from lowmem_grpo.train import preflight as reward_preflight
 from lowmem_grpo.train.prime import prime
-from lowmem_grpo.train.resilience import run_grpo
+from lowmem_grpo.train.resilience import SignalGuard, run_grpo
 from lowmem_grpo.train.run import Run
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,11 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
           cpu: CpuPaths | None = None) -> Path:
     """Train the recipe's LoRA adapter (priming first when prime.enabled, then GRPO); returns the run directory.
 
-    `callbacks`: extra TrainerCallbacks for the GRPO trainer. `resume_dir`: continue that run from its last complete
-    checkpoint. `explicit`: dotted keys set on the command line, which auto-fit never changes. `cuda`: the GPU's
-    facts, or the function that reads them (default lowmem_grpo.device.cuda_facts). `cpu`: replaces the Runtime's
-    CPU speed paths.
+    `callbacks`: extra TrainerCallbacks for the GRPO trainer. `resume_dir`: continue that run, each stage skipping
+    what the run directory already holds (GRPO from its last complete checkpoint). `explicit`: dotted keys set on the
+    command line, which auto-fit never changes. `cuda`: the GPU's facts, or the function that reads them (default
+    lowmem_grpo.device.cuda_facts). `cpu`: replaces the Runtime's CPU speed paths. A CUDA out-of-memory error raises
+    ResumeAfterOom once the lowered settings are in the run's recipe.yaml (the CLI resumes in a fresh process).
     """
     runtime, facts = setup(recipe, cuda, cpu)
     resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
@@ -50,6 +52,15 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
         return resume.run_dir
     run = make_run(recipe, runtime, facts, resume, explicit or set())
+    measure(run, "base")
+    if run.start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
+        measure(run, "start")
+    if run.recipe.prime.enabled and not run.checkpoint:  # a checkpoint holds the primed adapter already
+        prime_stage(run)
+        measure(run, "primed")
+    if run.recipe.train.preflight.enabled and not run.checkpoint:  # GRPO checkpointed: it passed
+        with run.peaks.stage("preflight"):
+            require_reward_signal(run.recipe, run.loaded, run.grpo_examples)
     started = time.monotonic()
     with run.peaks.stage("grpo"):
         trainer = train_grpo(run, callbacks)
@@ -61,7 +72,7 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
 def make_run(recipe: Recipe, runtime: Runtime, facts: CudaFacts, resume: checkpoints.ResumePoint | None,
              explicit: set[str]) -> Run:
     """Auto-fit, the data, the model and the run directory, checked in that order (bad input stops before the run
-    directory is written), then the stages before GRPO: the base (and start) evaluation, priming, the preflight."""
+    directory is written); the run directory is written (or rewound) last."""
     if not facts.available:  # on CPU the process's RSS is the memory there is: freed tensors go back to the OS
         rss.limit_heap_retention()
     peaks = rss.StagePeaks(trim=not facts.available)  # the process's peak RSS in each stage, peak_rss.json, report
@@ -82,15 +93,25 @@ def make_run(recipe: Recipe, runtime: Runtime, facts: CudaFacts, resume: checkpo
     if resume is None and budget.checked(recipe):  # a resumed run keeps the budget it started with
         budget.check_budget(recipe, rows, loaded.tokenizer)
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
-    stages = None  # the per-stage held-out evaluation (rank 0); a resumed run keeps what its file holds
+    stages = None  # the per-stage held-out evaluation (rank 0); its file holds what a resumed run measured
     if recipe.train.eval.stage.problems and distributed.is_main_process():
         stages = StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks,
                             cpu=runtime.cpu)
     run = Run(recipe, loaded, run_dir, resume, examples, grpo_examples(examples, recipe.data), plan, peaks, stages,
               start_adapter)
     open_run_dir(run)  # inputs are good: the run dir is written now
-    before_grpo(run)
     return run
+
+
+def prime_stage(run: Run) -> None:
+    """Priming, or the primed adapter a resumed run's directory holds complete, loaded into the policy."""
+    primed = run.run_dir / layout.PRIMED_ADAPTER_DIR
+    if run.resume is not None and run.resume.primed:
+        run.model.load_adapter(str(primed), run.model.active_adapter, is_trainable=True)
+        log.info("priming: %s is complete, loaded", primed)
+        return
+    with run.peaks.stage("prime"):
+        prime(run.model, run.tokenizer, run.examples, run.recipe, run.run_dir, run.runtime, run.loaded.dtype)
 
 
 def fit(recipe: Recipe, explicit: set[str], facts: CudaFacts, resume: checkpoints.ResumePoint | None
@@ -102,21 +123,6 @@ def fit(recipe: Recipe, explicit: set[str], facts: CudaFacts, resume: checkpoint
     if recipe.train.memory.auto_fit is False or distributed.world_size() > 1:
         return eval_batch_to_device(recipe, explicit, facts=facts), None
     return fit_to_device(recipe, explicit, facts=facts)
-
-
-def before_grpo(run: Run) -> None:
-    """The stages before GRPO, each skipped where the run directory already holds its output: the held-out
-    evaluations of the base (and starting adapter), priming, the reward preflight."""
-    measure(run, "base")
-    if run.start_adapter:  # what the adapter brought before this run, so GRPO's own gain is not credited with it
-        measure(run, "start")
-    if run.recipe.prime.enabled and not run.checkpoint:  # a checkpoint already holds the primed adapter
-        with run.peaks.stage("prime"):
-            prime(run.model, run.tokenizer, run.examples, run.recipe, run.run_dir, run.runtime, run.loaded.dtype)
-        measure(run, "primed")
-    if run.recipe.train.preflight.enabled and run.resume is None:  # a resumed run already passed it
-        with run.peaks.stage("preflight"):
-            require_reward_signal(run.recipe, run.loaded, run.grpo_examples)
 
 
 def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None,
@@ -171,11 +177,11 @@ def require_reward_signal(recipe: Recipe, loaded: LoadedModel, examples: list[di
 
 
 def train_grpo(run: Run, callbacks: Sequence[Any]) -> Any:
-    """GRPO with guarded, recorded rewards and lowmem_grpo's callbacks, through run_grpo; returns the trainer."""
+    """GRPO with guarded, recorded rewards and lowmem_grpo's callbacks, on a trainer built once; returns it."""
     from datasets import Dataset
 
-    from lowmem_grpo.train.callbacks import PeriodicEvalCallback, TelemetryCallback
-    from lowmem_grpo.train.grpo import trainer_factory
+    from lowmem_grpo.train.callbacks import CompleteCheckpoints, PeriodicEvalCallback, TelemetryCallback
+    from lowmem_grpo.train.grpo import build_trainer
 
     recipe, loaded, run_dir = run.recipe, run.loaded, run.run_dir
     ours = []
@@ -189,9 +195,13 @@ def train_grpo(run: Run, callbacks: Sequence[Any]) -> Any:
                                   {f.__name__: w for f, w in zip(reward_funcs, weights.values())})
     telemetry = TelemetryCallback(run_dir, layout.GRPO_STAGE, [f.__name__ for f in reward_funcs], recorder,
                                   goal=goal_name)
-    build = trainer_factory(loaded, Dataset.from_list(run.grpo_examples), run_dir, recorder.wrap_all(reward_funcs),
-                            list(weights.values()), [telemetry, *callbacks, *ours])
-    return run_grpo(build, recipe, run_dir, model=loaded.model, resume_from=run.checkpoint)
+    guard = SignalGuard()
+    # the checkpoint marker last: a test's fault injector among `callbacks` hits an unfinished checkpoint
+    trainer = build_trainer(loaded, recipe, Dataset.from_list(run.grpo_examples), run_dir,
+                            recorder.wrap_all(reward_funcs), list(weights.values()),
+                            [telemetry, *callbacks, *ours, CompleteCheckpoints(run_dir, recipe.train.save_total_limit,
+                                                                              guard)])
+    return run_grpo(trainer, recipe, run_dir, guard, run.checkpoint)
 
 
 def save_and_report(trainer: Any, run_dir: Path, base_name: str | None = None) -> Path:

@@ -12,7 +12,7 @@ from typing import Any
 from lowmem_grpo.data.format import priming_pairs
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.rundir import layout
+from lowmem_grpo.rundir import checkpoints, layout
 from lowmem_grpo.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     if trainer.is_world_process_zero():  # one writer under a multi-process launch
         model.save_pretrained(str(adapter_dir))
         tokenizer.save_pretrained(str(adapter_dir))
+        checkpoints.write_marker(adapter_dir, trainer.state.global_step)  # complete: a resumed run loads it
     losses = [f'{h["loss"]:.3f}' for h in trainer.state.log_history if "loss" in h] or ["-"]
     log.info("primed %d steps in %.0f s (loss %s -> %s); adapter saved to %s", trainer.state.global_step, seconds,
              losses[0], losses[-1], adapter_dir)

@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformers.trainer_callback import PrinterCallback
 from trl import GRPOTrainer, SFTTrainer
 
 from lowmem_grpo.sampling.generate import fast_sampling
+from lowmem_grpo.runtime import CpuPaths, Runtime
 from lowmem_grpo.train import cpu_logprobs
-from lowmem_grpo.runtime import Runtime
+from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -36,36 +38,36 @@ def vllm_awake(generation: Any) -> Iterator[None]:
 
 
 class LowmemGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with lowmem_grpo's seams, set as attributes after construction (Unsloth's __init__ rejects
-    unknown arguments): a PhaseTimer and a NoSignalStepGuard; unset, each override only calls TRL's method."""
+    """GRPOTrainer with lowmem_grpo's seams: `options`, the CPU speed paths (taken before Unsloth's __init__, which
+    rejects unknown arguments), and its own PhaseTimer and NoSignalStepGuard first among the callbacks it is given.
+    TRL's PrinterCallback goes: the telemetry line replaces its raw dict dumps."""
 
-    lowmem_timer: Any = None
-    lowmem_guard: Any = None
+    def __init__(self, *args: Any, options: CpuPaths = CpuPaths(), callbacks: Any = None, **kwargs: Any) -> None:
+        self.options = options
+        # first, so that the timer's step end comes before telemetry, checkpoints and periodic eval (the next gap)
+        self.lowmem_timer, self.lowmem_guard = PhaseTimer(self), NoSignalStepGuard(self)
+        super().__init__(*args, callbacks=[self.lowmem_timer, self.lowmem_guard, *(callbacks or [])], **kwargs)
+        self.remove_callback(PrinterCallback)
 
     def add_step_metrics(self, record: dict[str, float]) -> None:
         """Values GRPOTrainer.log averages into the next log line."""
         for key, value in record.items():
             self._metrics["train"][key].append(value)
 
-    def drop_generation_batch(self) -> None:
-        self._buffered_inputs = None
-
     def _phase(self, phase: str) -> Any:
-        return contextlib.nullcontext() if self.lowmem_timer is None else self.lowmem_timer.span(phase)
+        return self.lowmem_timer.span(phase)
 
     def training_step(self, *args: Any, **kwargs: Any):
         loss = super().training_step(*args, **kwargs)
-        if self.lowmem_timer is not None:
-            self.lowmem_timer.close("backward")  # opened when compute_loss returned: the loss's scaling and backward
+        self.lowmem_timer.close("backward")  # opened when compute_loss returned: the loss's scaling and backward
         return loss
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any):
-        if self.lowmem_guard is not None and self.model.training:  # an evaluation pass teaches nothing
+        if self.model.training:  # an evaluation pass teaches nothing
             self.lowmem_guard.judge(inputs)
         with self._phase("loss_forward"):
             loss = super().compute_loss(model, inputs, *args, **kwargs)
-        if self.lowmem_timer is not None:
-            self.lowmem_timer.open("backward")
+        self.lowmem_timer.open("backward")
         return loss
 
     def _generate(self, prompts: Any, *args: Any, **kwargs: Any):
@@ -75,8 +77,7 @@ class LowmemGRPOTrainer(GRPOTrainer):
         """TRL's generation, timed; oom.phase_of reads this frame's name."""
         with self._phase("generation"):
             generated = super()._generate(prompts, *args, **kwargs)
-        if self.lowmem_timer is not None:  # its second item holds one id list per completion
-            self.lowmem_timer.count_tokens(sum(len(ids) for ids in generated[1]))
+        self.lowmem_timer.count_tokens(sum(len(ids) for ids in generated[1]))  # one id list per completion
         return generated
 
     def _generate_and_score_completions(self, inputs: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -96,13 +97,10 @@ class LowmemGRPOTrainer(GRPOTrainer):
 class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
     """LowmemGRPOTrainer for the hf backend without a GPU (TRL's log-prob kernel is Triton only)."""
 
-    lowmem_shared_prompt: bool = True
-    lowmem_merged_sampling: bool = True
-    lowmem_cpu_attention: bool = True
     _lowmem_merge_logged = False
 
     def shared_prompt_status(self) -> tuple[bool, str]:
-        if not self.lowmem_shared_prompt:
+        if not self.options.shared_prompt:
             return False, "not among the run's CPU speed paths: train.cpu.fast=false"
         reason = cpu_logprobs.unsupported(self.model)
         if reason:
@@ -113,7 +111,7 @@ class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
         return True, "each distinct prompt of a micro-batch is forwarded once, its completions read its KV cache"
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
-        with fast_sampling(self.model, self.lowmem_merged_sampling, self.lowmem_cpu_attention) as merged:
+        with fast_sampling(self.model, self.options.merged, self.options.attention) as merged:
             if not self._lowmem_merge_logged:
                 self._lowmem_merge_logged = True
                 log.info(merged.describe())
@@ -130,7 +128,7 @@ class CpuSafeGRPOTrainer(LowmemGRPOTrainer):
         logps, entropies, saved = cpu_logprobs.logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, temperature=self.temperature,
             compute_entropy=compute_entropy, entropy_grad=getattr(self, "_entropy_bonus_enabled", True),
-            shared_prompt=self.lowmem_shared_prompt, attention=self.lowmem_cpu_attention,
+            shared_prompt=self.options.shared_prompt, attention=self.options.attention,
             autocast=self.accelerator.autocast)
         # this rank's share (no collective: the passes differ in number per step)
         self._metrics["train" if self.model.training else "eval"]["shared_prompt/tokens_saved"].append(saved)
