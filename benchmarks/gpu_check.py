@@ -1,7 +1,7 @@
 """The first check of the CUDA path on a GPU machine, in one call of at most 8 minutes, offline.
 
 Every check runs in its own process until --time-budget (the rest is listed as skipped), on models built on the
-machine (benchmarks/scripted_model.py): the recipe's architecture with random weights (the real memory), or a small
+machine (tests/scripted_model.py): the recipe's architecture with random weights (the real memory), or a small
 scripted model whose greedy rows write `<<7*6=`, end at EOS or run out.
 
   unsloth-4bit       GRPO through train() (unsloth, 4-bit, preflight, a stage evaluation) auto-fit to a --card-gib
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]  # scripted_model: the builders and the reward
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/scripted_model.py: the builders and the reward
 GIB = 2**30
 RANDOM_REWARD = "rewards={scripted_model:random_reward: 1.0}"
 PREFLIGHT = ["train.preflight.enabled=true", "train.preflight.allow_no_signal=true", "train.preflight.prompts=2"]

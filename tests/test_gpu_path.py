@@ -584,10 +584,10 @@ def _benchmark(name):
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    """The scripted llama of benchmarks/scripted_model.py, built and loaded in bfloat16 on CPU, and its tokenizer."""
+    """The scripted llama of tests/scripted_model.py, built and loaded in bfloat16 on CPU, and its tokenizer."""
+    import scripted_model as sm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sm = _benchmark("scripted_model")
     folder = sm.build_scripted_model("llama", tmp_path_factory.mktemp("scripted") / "llama")
     return sm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), AutoTokenizer.from_pretrained(folder)
 
@@ -644,7 +644,8 @@ def test_a_chat_prompt_makes_every_scripted_rollout_call_the_calculator(scripted
 
 
 def test_engine_calls_map_back_to_their_rows():
-    sm = _benchmark("scripted_model")
+    import scripted_model as sm
+
     # 4 rows of 1, 5, 2 and 5 tokens: the engine drops the ended ones once a quarter of the batch has ended
     assert sm.rows_of_calls([4, 4, 2, 2, 2], [1, 5, 2, 5]) == [[0, 1, 2, 3]] * 2 + [[1, 3]] * 3
     logits = [torch.full((4, 2), 0.0), torch.full((4, 2), 1.0), torch.tensor([[2.0] * 2, [3.0] * 2])]

@@ -378,7 +378,6 @@ def test_fit_to_device_without_cuda_and_the_saved_plan(tmp_path):
 
 
 def test_gpu_benchmark_tokenizer_and_prompts_have_the_real_sizes(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import scripted_model
 
     tokenizer = scripted_model.build_tokenizer(tmp_path, 1000)
