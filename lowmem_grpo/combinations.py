@@ -65,7 +65,7 @@ def _check_vllm_sampling(recipe: Recipe, target: Placement) -> None:
         _refuse(f"train.vllm_sampling with the {target.backend} backend, {target.launch.describe()}: lowmem_grpo's "
                 "own vLLM engine samples for one hf-backend process", "set model.backend=hf and run one process, "
                 "or on a GPU use model.backend=unsloth with model.fast_inference=true")
-    if on_vllm(recipe, target.backend):
+    if on_vllm(recipe, target.fast_inference):
         _refuse("train.vllm_sampling with train.use_vllm or model.fast_inference: two vLLM engines",
                 "keep one: train.vllm_sampling (lowmem_grpo's engine) or TRL's / Unsloth's")
     build = vllm_build()

@@ -148,7 +148,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin in (Union, types.UnionType):  # every union of the recipe is `T | None`
         return None if value is None else _coerce(value, args[0], key)
     if origin is Literal:
-        if value not in args:
+        if isinstance(value, str) and any(isinstance(a, bool) for a in args):  # an override's raw "true"/"false"
+            value = {"true": True, "false": False}.get(value.lower(), value)
+        if not any(value == a and type(value) is type(a) for a in args):
             raise RecipeError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}",
                               fix=f"use one of {', '.join(map(str, args))}")
         return value

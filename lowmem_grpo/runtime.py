@@ -4,13 +4,15 @@ tell Unsloth from transformers."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lowmem_grpo.device import CudaFacts, bf16_supported, cpu_auto_dtype, cuda_available, is_installed
+from lowmem_grpo.device import (CudaFacts, bf16_supported, cpu_auto_dtype, cuda_available, installed_vllm_problem,
+                                is_installed)
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
-from lowmem_grpo.recipe import Recipe, TrainConfig, goal_reward, resolved_rewards
+from lowmem_grpo.recipe import AUTO, Recipe, TrainConfig, goal_reward, resolved_rewards
 
 # the sampling settings lowmem_grpo's engine implements (TRL's defaults): plain sampling at the temperature
 PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
@@ -39,6 +41,55 @@ class RolloutPlan:
         if self.vllm:
             return "vLLM with the calculator"
         return "lowmem_grpo's engine" + calculator if self.engine else "TRL's generation"
+
+
+@dataclass(frozen=True)
+class FastInference:
+    """Whether Unsloth's vLLM engine generates GRPO's rollouts (model.fast_inference resolved), and why."""
+
+    on: bool
+    reason: str
+
+
+def choose_fast_inference(recipe: Recipe, backend: str, device: str, processes: int, *, vllm_problem: str | None,
+                          room: bool | None) -> FastInference:
+    """model.fast_inference: true on the unsloth backend on CUDA, false and null off; auto on when the run is one
+    unsloth process on CUDA whose recipe samples on no other vLLM, `vllm_problem` is None (a CUDA vLLM that Unsloth
+    runs is installed: device.vllm_problem) and `room` is not False (the memory plan fits vLLM's pool beside training
+    on this GPU: memory.fit.vllm_room; None: not known yet, decided when training starts)."""
+    requested = recipe.model.fast_inference
+    engine = (backend, device) == ("unsloth", "cuda")
+    if requested != AUTO:
+        on = requested is True and engine
+        return FastInference(on, f"model.fast_inference={ {True: 'true', False: 'false', None: 'null'}.get(requested)}")
+    why_not = (f"Unsloth's vLLM runs on the unsloth backend on CUDA, this run is {backend} on {device}" if not engine
+               else f"{processes} processes: auto turns it on for one" if processes > 1
+               else "train.vllm_sampling samples on lowmem_grpo's own vLLM engine" if recipe.train.vllm_sampling
+               else "train.use_vllm samples on TRL's vLLM" if recipe.train.extra.get("use_vllm")
+               else vllm_problem
+               or ("the memory plan has no room for vLLM's pool beside training on this GPU" if room is False else None))
+    if why_not:
+        return FastInference(False, f"auto: {why_not}")
+    return FastInference(True, "auto: vLLM is installed and " + (
+        "the memory plan fits its pool beside training" if room else "the GPU's room is checked when training starts"))
+
+
+def fast_inference_for(recipe: Recipe, backend: str, device: str, processes: int, *,
+                       room: bool | None = None) -> FastInference:
+    """choose_fast_inference asking this environment whether a vLLM that Unsloth runs is installed (only for
+    model.fast_inference=auto)."""
+    problem = installed_vllm_problem(recipe.model.load_in_4bit) if recipe.model.fast_inference == AUTO else None
+    return choose_fast_inference(recipe, backend, device, processes, vllm_problem=problem, room=room)
+
+
+def settle_fast_inference(recipe: Recipe, runtime: Runtime) -> Recipe:
+    """A recipe with model.fast_inference=auto with the Runtime's choice in it: it holds true or false from here on
+    (its recipe.yaml, a resume and the memory plan read that). Any other recipe comes back as it is."""
+    if recipe.model.fast_inference != AUTO:
+        return recipe
+    settled = copy.deepcopy(recipe)
+    settled.model.fast_inference = runtime.fast_inference
+    return settled
 
 
 @dataclass(frozen=True)
@@ -83,7 +134,8 @@ class Runtime:
     trainer: str
     """cpu (lowmem_grpo's CPU-safe trainers, for hf on CPU) or trl."""
     fast_inference: bool
-    """Unsloth's vLLM generation: only an explicit model.fast_inference=true, on the unsloth backend on CUDA."""
+    """Unsloth's vLLM generation (choose_fast_inference): true on the unsloth backend on CUDA, or auto there with a
+    usable vLLM installed and room for it."""
     launch: Launch
     """The processes and DeepSpeed ZeRO stage the launcher set up."""
     cpu: CpuPaths
@@ -94,6 +146,8 @@ class Runtime:
     """The key of `rewards` that defines success (recipe.goal_reward); None: only the total."""
     dtype_reason: str = ""
     """Why model.dtype=auto became `dtype`; empty otherwise."""
+    fast_inference_reason: str = ""
+    """Why fast_inference is on or off (choose_fast_inference)."""
 
     @property
     def cuda(self) -> bool:
@@ -117,7 +171,8 @@ class Runtime:
                 ("trainer", "lowmem_grpo's CPU trainer" if self.trainer == "cpu" else "TRL's trainer"),
                 ("generation batch", str(recipe.train.generation_batch_size(self.processes))),
                 ("eval batch", str(eval_batch_size(recipe.train))),
-                ("fast inference", "on (Unsloth's vLLM)" if self.fast_inference else "off"),
+                ("fast inference", ("on (Unsloth's vLLM)" if self.fast_inference else "off")
+                 + (f" ({self.fast_inference_reason})" if self.fast_inference_reason else "")),
                 ("rewards", ", ".join(f"{k} x{w:g}" for k, w in self.rewards.items())
                  + (f" (goal: {self.goal_reward})" if self.goal_reward else " (no goal reward: the total only)")),
                 ("processes", self.launch.describe())]
@@ -157,25 +212,30 @@ def place(recipe: Recipe, launch: Launch, facts: CudaFacts, *, training: bool = 
     otherwise on CUDA where the machine has it."""
     cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
     backend, device = backend_for(recipe.model.backend, cuda=cuda, launch=launch), "cuda" if cuda else "cpu"
-    return Placement(backend=backend, device=device, launch=launch, sampler=rollout_plan(recipe, backend, device),
-                     fast_inference=recipe.model.fast_inference is True and (backend, device) == ("unsloth", "cuda"))
+    fast = fast_inference_for(recipe, backend, device, launch.num_processes).on  # auto: the GPU's room unknown yet
+    return Placement(backend=backend, device=device, launch=launch, fast_inference=fast,
+                     sampler=rollout_plan(recipe, backend, device, fast))
 
 
 def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[str, str] | None = None, *,
-            training: bool = True, cpu: CpuPaths | None = None, placed: Placement | None = None) -> Runtime:
-    """The Runtime of `recipe` under `launch` on the machine `facts` describe, where `place` (or `placed`, placed
-    before CUDA started) puts it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE; `cpu` replaces the CPU
-    speed paths train.cpu.fast gives."""
-    at = placed or place(recipe, launch, facts, training=training)
+            training: bool = True, cpu: CpuPaths | None = None, vllm_room: bool | None = None) -> Runtime:
+    """The Runtime of `recipe` under `launch` on the machine `facts` describe, where `place` puts it. `environ`
+    (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE; `cpu` replaces the CPU speed paths train.cpu.fast gives;
+    `vllm_room`: whether the memory plan fits vLLM's pool on this GPU (memory.fit.vllm_room; None: not known), for
+    model.fast_inference=auto."""
+    at = place(recipe, launch, facts, training=training)
     m, t = recipe.model, recipe.train
     auto, reason = auto_dtype(facts, environ, cuda=at.cuda)  # an unknown LOWMEM_GRPO_CPU_DTYPE stops a CPU run
     dtype, reason = (auto, reason) if m.dtype == "auto" else (m.dtype, "")
+    fast = fast_inference_for(recipe, at.backend, at.device, launch.num_processes, room=vllm_room)
     return Runtime(backend=at.backend, device=at.device, dtype=dtype, precision=t.precision,
                    **_precision_flags(t.precision, dtype, cuda=at.cuda),
                    optimizer=optimizer_for(t, cuda=at.cuda),
-                   sampler=at.sampler, trainer="cpu" if (at.backend, at.device) == ("hf", "cpu") else "trl",
-                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), fast_inference=at.fast_inference,
-                   launch=launch, cpu=cpu or cpu_paths(t, at.device), dtype_reason=reason)
+                   sampler=rollout_plan(recipe, at.backend, at.device, fast.on),
+                   trainer="cpu" if (at.backend, at.device) == ("hf", "cpu") else "trl",
+                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), fast_inference=fast.on,
+                   fast_inference_reason=fast.reason, launch=launch, cpu=cpu or cpu_paths(t, at.device),
+                   dtype_reason=reason)
 
 
 def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cuda: bool | None = None
@@ -229,18 +289,22 @@ def custom_sampling(recipe: Recipe) -> list[str]:
     return custom + (["generation_kwargs"] if extra.get("generation_kwargs") else [])
 
 
-def on_vllm(recipe: Recipe, backend: str) -> bool:
-    """Whether GRPO's generation runs on vLLM: TRL's train.use_vllm, or Unsloth's fast_inference engine."""
-    return bool(recipe.train.extra.get("use_vllm")) or (backend == "unsloth" and recipe.model.fast_inference is True)
+def on_vllm(recipe: Recipe, fast_inference: bool) -> bool:
+    """Whether GRPO's generation runs on vLLM: TRL's train.use_vllm, or Unsloth's engine (`fast_inference`, the
+    Runtime's)."""
+    return bool(recipe.train.extra.get("use_vllm")) or fast_inference
 
 
-def rollout_plan(recipe: Recipe, backend: str, device: str) -> RolloutPlan:
-    """How GRPO samples: the calculator on vLLM or the engine; else the engine for hf on CPU, or TRL's."""
+def rollout_plan(recipe: Recipe, backend: str, device: str, fast_inference: bool | None = None) -> RolloutPlan:
+    """How GRPO samples: the calculator on vLLM or the engine; else the engine for hf on CPU, or TRL's.
+    `fast_inference`: the Runtime's (default: an explicit model.fast_inference=true on the unsloth backend)."""
+    if fast_inference is None:
+        fast_inference = backend == "unsloth" and recipe.model.fast_inference is True
     custom = custom_sampling(recipe)
     if recipe.train.vllm_sampling:
         return RolloutPlan(False, recipe.data.calculator, "train.vllm_sampling", vllm=True, own_vllm=True)
     if recipe.data.calculator:
-        if on_vllm(recipe, backend):
+        if on_vllm(recipe, fast_inference):
             return RolloutPlan(False, True, "data.calculator on vLLM: rows stop at each token ending in '=', the "
                                "calculator's results are forced in (masked out) and the rows resubmitted", vllm=True)
         return RolloutPlan(True, True, "data.calculator: the engine forces the calculator's results (masked out)")

@@ -16,7 +16,7 @@ from lowmem_grpo.combinations import check
 from lowmem_grpo.device import CudaFacts, cuda_available, cuda_facts, is_installed, model_dtype, require_gpu
 from lowmem_grpo.distributed import Launch, cuda_device_index
 from lowmem_grpo.errors import BadInputError, LowmemError
-from lowmem_grpo.recipe import Recipe
+from lowmem_grpo.recipe import AUTO, Recipe
 from lowmem_grpo.runtime import CpuPaths, Runtime, before_cuda, check_loaded_dtype, place, resolve
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,14 @@ class LoadedModel:
 
 
 def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFacts] | None = None, *,
-          training: bool = True, cpu: CpuPaths | None = None) -> tuple[Runtime, CudaFacts]:
+          training: bool = True, cpu: CpuPaths | None = None,
+          vllm_room: Callable[[CudaFacts], bool] | None = None) -> tuple[Runtime, CudaFacts]:
     """The run's Runtime and CudaFacts, in the order CUDA needs: the recipe placed by what is known before CUDA
     starts (for `training`, refused combinations and a GPU recipe without a GPU stop here, exit 2), the backend
     imported, then the facts that start CUDA and the Runtime, resolved once, with them. `facts`: known facts, or the
     function that reads them. Without `training` the run is on whatever this machine has. `cpu`: the CPU speed paths
-    instead of train.cpu.fast's."""
+    instead of train.cpu.fast's. `vllm_room(facts)`: whether the memory plan fits vLLM's pool on this GPU, asked only
+    where model.fast_inference=auto would turn vLLM on."""
     known = facts if isinstance(facts, CudaFacts) else None
     placed = place(recipe, launch, known or before_cuda(recipe, training), training=training)
     if training:
@@ -60,7 +62,9 @@ def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFa
     require_gpu(recipe.gpu_memory_gb if training else None, known)  # e.g. a GPU this torch has no kernels for
     # the model loads where torch sees a GPU; facts a caller gives (a test's GPU) size the auto-fit only
     device = dataclasses.replace(known, available=known.available and cuda_available())
-    return resolve(recipe, launch, device, training=training, cpu=cpu), known
+    ask = vllm_room is not None and placed.fast_inference and recipe.model.fast_inference == AUTO
+    return resolve(recipe, launch, device, training=training, cpu=cpu,
+                   vllm_room=vllm_room(known) if ask else None), known
 
 
 def prepare(backend: str) -> None:

@@ -210,6 +210,23 @@ def evaluation_info(recipe: Recipe, arch: Architecture, s: Settings, budget_byte
             "workspace_bytes": mt.eval_workspace(arch, sized), "peak_bytes": evaluation_peak(arch, s, rows)}
 
 
+def scoring_settings(compute_bytes: int, prompt_len: int, completion_len: int) -> Settings:
+    """A plain transformers model with `compute_bytes` a weight decoding greedily, as a merged export's score runs
+    it: no 4-bit base, LoRA, optimizer or GRPO batch beside it."""
+    return Settings(backend="hf", load_in_4bit=False, compute_bytes=compute_bytes, lora_r=0, target_modules=(),
+                    optim="sgd", gradient_checkpointing=False, per_device_batch=1, generation_batch=0,
+                    num_generations=1, prompt_len=prompt_len, completion_len=completion_len, beta=0.0,
+                    fast_inference=False, gpu_memory_utilization=0.0, gpu_total_bytes=0)
+
+
+def scoring_batch(arch: Architecture, compute_bytes: int, prompt_len: int, completion_len: int, upper: int,
+                  budget_bytes: int) -> int:
+    """Sequences a merged export's score decodes at once: the largest of `upper` (the run's evaluation batch) and the
+    powers of two below it whose evaluation peak with the merged weights fits `budget_bytes`; 1 when none does."""
+    s = scoring_settings(compute_bytes, prompt_len, completion_len)
+    return choose_eval_batch(arch, s, upper, 1, budget_bytes)
+
+
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
          allow_hub: bool = True, free_bytes: int | None = None,
          fit_eval: bool | None = None) -> Plan:

@@ -17,13 +17,13 @@ from lowmem_grpo.data import budget, grpo_examples, load_train_rows, recipe_exam
 from lowmem_grpo.device import CudaFacts
 from lowmem_grpo.errors import NoSignalError
 from lowmem_grpo.evaluation.stages import StageEvals
-from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device
+from lowmem_grpo.memory.fit import eval_batch_to_device, fit_to_device, vllm_room
 from lowmem_grpo.memory.plan import Plan
-from lowmem_grpo.recipe import Recipe, goal_reward_name
+from lowmem_grpo.recipe import AUTO, Recipe, goal_reward_name
 from lowmem_grpo.recipe_io import dump_yaml
 from lowmem_grpo.rewards import get_reward
 from lowmem_grpo.rewards.guard import guard_reward
-from lowmem_grpo.runtime import CpuPaths, Runtime
+from lowmem_grpo.runtime import CpuPaths, Runtime, settle_fast_inference
 from lowmem_grpo.rundir import checkpoints, layout, rss, telemetry
 from lowmem_grpo.rundir.completions import CompletionRecorder
 from lowmem_grpo.rundir.report import write_report
@@ -46,7 +46,8 @@ def train(recipe: Recipe, *, callbacks: Sequence[Any] = (), resume_dir: str | Pa
     lowmem_grpo.device.cuda_facts). `cpu`: replaces the Runtime's CPU speed paths. A CUDA out-of-memory error raises
     ResumeAfterOom once the lowered settings are in the run's recipe.yaml (the CLI resumes in a fresh process).
     """
-    runtime, facts = setup(recipe, cuda, cpu)
+    runtime, facts = setup(recipe, cuda, cpu, explicit or set())
+    recipe = settle_vllm(recipe, runtime)  # model.fast_inference=auto decided: recipe.yaml holds the choice
     resume = checkpoints.resume_point(resume_dir, recipe.train.max_steps) if resume_dir else None
     if resume is not None and resume.finished:
         log.info("%s already finished (checkpoint-%d and adapter/): nothing to resume", resume.run_dir, resume.step)
@@ -125,18 +126,28 @@ def fit(recipe: Recipe, explicit: set[str], facts: CudaFacts, resume: checkpoint
     return fit_to_device(recipe, explicit, facts=facts)
 
 
-def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None,
-          cpu: CpuPaths | None) -> tuple[Runtime, CudaFacts]:
+def setup(recipe: Recipe, cuda: CudaFacts | Callable[[], CudaFacts] | None, cpu: CpuPaths | None,
+          explicit: set[str]) -> tuple[Runtime, CudaFacts]:
     """Resolve the recipe's Runtime (backends.start: the recipe's rules and refused combinations stop here, before
-    Unsloth is imported first; `cpu` replaces its CPU paths), join the process group, check the trainer fields and
-    the logger."""
-    runtime, facts = start(recipe, distributed.launch(recipe.train.extra), cuda, cpu=cpu)
+    Unsloth is imported first; `cpu` replaces its CPU paths; model.fast_inference=auto asks the memory plan for vLLM's
+    room, keeping the `explicit` settings), join the process group, check the trainer fields and the logger."""
+    runtime, facts = start(recipe, distributed.launch(recipe.train.extra), cuda, cpu=cpu,
+                           vllm_room=lambda gpu: vllm_room(recipe, explicit, facts=gpu))
     distributed.setup(recipe.train.extra)  # nothing for one process
     from lowmem_grpo.train.grpo import check_trainer_fields  # imports trl: after the backend
 
     check_trainer_fields(recipe)
     telemetry.check_report_to(recipe.train.report_to)
     return runtime, facts
+
+
+def settle_vllm(recipe: Recipe, runtime: Runtime) -> Recipe:
+    """model.fast_inference=auto with the Runtime's choice in it (runtime.settle_fast_inference), logged."""
+    if recipe.model.fast_inference != AUTO:
+        return recipe
+    log.log(logging.INFO if runtime.cuda else logging.DEBUG, "model.fast_inference=auto -> %s (%s)",
+            "on" if runtime.fast_inference else "off", runtime.fast_inference_reason)
+    return settle_fast_inference(recipe, runtime)
 
 
 def open_run_dir(run: Run) -> None:
