@@ -2,7 +2,7 @@
 
 Each check runs in its own process, in priority order, for at most ALLOTMENT x its planned seconds and never past
 --time-budget (what does not fit is listed as skipped). Its models are built on the machine
-(benchmarks/scripted_model.py): the recipe's architecture with random weights (the real memory; no EOS, so every
+(tests/scripted_model.py): the recipe's architecture with random weights (the real memory; no EOS, so every
 completion runs to max_completion_length, the planner's worst case), or a small scripted model whose greedy rows
 write `<<7*6=`, end at EOS or run out.
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]  # scripted_model: the builders and the reward
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/scripted_model.py: the builders and the reward
 GIB = 2**30
 RANDOM_REWARD = "rewards={scripted_model:random_reward: 1.0}"
 PREFLIGHT = ["train.preflight.enabled=true", "train.preflight.allow_no_signal=true", "train.preflight.prompts=2"]

@@ -39,18 +39,24 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from lowmem_grpo.errors import ResumeAfterOom
     from lowmem_grpo.rundir import checkpoints, layout
     from lowmem_grpo.train.pipeline import train
+    from lowmem_grpo.train.resilience import resume_in_fresh_process
 
-    if args.resume:  # the run's own recipe.yaml, from its last complete checkpoint
-        recipe = load_recipe(str(checkpoints.resume_recipe_path(args.resume, args.recipe, args.overrides)))
-        run_dir = train(recipe, resume_dir=args.resume, callbacks=args.callbacks)
-    elif args.recipe is None:
-        raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
-                            fix=f"e.g. lowmem-grpo train {DEFAULT_RECIPE} (the CPU default, what `make demo` runs)")
-    else:
-        run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides),
-                        callbacks=args.callbacks)
+    try:
+        if args.resume:  # the run's own recipe.yaml; each stage skips what the run directory holds
+            recipe = load_recipe(str(checkpoints.resume_recipe_path(args.resume, args.recipe, args.overrides)))
+            run_dir = train(recipe, resume_dir=args.resume, callbacks=args.callbacks)
+        elif args.recipe is None:
+            raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
+                                fix=f"e.g. lowmem-grpo train {DEFAULT_RECIPE} (the CPU default, what `make demo` runs)")
+        else:
+            run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides),
+                            callbacks=args.callbacks)
+    except ResumeAfterOom as exc:  # the lowered settings are in the run's recipe.yaml
+        log.warning("%s", str(exc).split("\n")[0])
+        resume_in_fresh_process(exc.run_dir, verbose=args.verbose)
     log.info("done: adapter in %s", Path(run_dir) / layout.ADAPTER_DIR)
     return EXIT_OK
 
@@ -61,12 +67,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from lowmem_grpo.combinations import check
     from lowmem_grpo.data import source_exists
     from lowmem_grpo.data.budget import check_recipe_budget
-    from lowmem_grpo.runtime import before_cuda, resolve
+    from lowmem_grpo.runtime import before_cuda, place, resolve
 
     recipe = load_recipe(args.recipe, args.overrides)
     environ = distributed.launcher_environment(args.accelerate_config) if args.accelerate_config else None
-    target = resolve(recipe, distributed.launch(recipe.train.extra, environ), before_cuda(recipe))
-    check(recipe, target)  # what `train` checks before any model loads, on the Runtime it would run with
+    launch, facts = distributed.launch(recipe.train.extra, environ), before_cuda(recipe)
+    placed = place(recipe, launch, facts)
+    check(recipe, placed)  # what `train` checks before any model loads, where it would place the run
+    target = resolve(recipe, launch, facts)
     if not source_exists(recipe.data.source):
         raise BadInputError(f"data.source {recipe.data.source!r}: no such file or folder",
                             fix="give an existing path, or use hub or embedded")
@@ -77,7 +85,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         check_trainer_fields(recipe)
     sys.stdout.write(dump_yaml(recipe) if args.show else
-                     f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n{target.block()}")
+                     f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n{target.block(recipe)}")
     return EXIT_OK
 
 
@@ -179,7 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget = parse_size(args.gpu_memory) if args.gpu_memory else default_budget(recipe)
     result = plan_with_proposal(recipe, budget)
     sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else
-                     planned(recipe).block() + format_plan(result, recipe.name))
+                     planned(recipe).block(recipe) + format_plan(result, recipe.name))
     return EXIT_OK
 
 
@@ -204,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-trainer-fields", dest="trainer_fields", action="store_false",
                    help="skip checking extra train keys against TRL's GRPOConfig (which imports trl)")
     p.add_argument("--accelerate-config", metavar="FILE", help="check the recipe as `accelerate launch --config_file "
-                   "FILE` would run it (its processes and DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero3.yaml; "
+                   "FILE` would run it (its processes and DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero2.yaml; "
                    "default: this process's launcher")
     p.set_defaults(func=cmd_validate)
 

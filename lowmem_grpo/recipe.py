@@ -166,18 +166,6 @@ class PreflightConfig:
 
 
 @dataclass
-class SelectionConfig:
-    """Which problems GRPO draws: all alike, or informative ones and easy levels first (train.informative)."""
-
-    dynamic_sampling: bool = False
-    """Draw problems whose recent groups varied more often, and keep agreeing groups out of the loss (DAPO)."""
-    curriculum: bool = False
-    """Start on the easiest generated level, move up when its pass rate reaches promote_at (data.source=generated)."""
-    promote_at: float = 0.6
-    """Recent goal-reward pass rate on the current level that moves the curriculum up a level."""
-
-
-@dataclass
 class MemoryConfig:
     """Fitting the run to the GPU's memory, before it starts and after an out-of-memory error."""
 
@@ -257,8 +245,6 @@ class TrainConfig:
     """Held-out evaluation: periodic and per stage."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     """The reward preflight before GRPO."""
-    selection: SelectionConfig = field(default_factory=SelectionConfig)
-    """Which training problems GRPO draws: dynamic sampling, the curriculum."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Auto-fit and out-of-memory retries."""
     cpu: CpuConfig = field(default_factory=CpuConfig)

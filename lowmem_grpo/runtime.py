@@ -5,7 +5,6 @@ tell Unsloth from transformers."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -75,18 +74,22 @@ def choose_fast_inference(recipe: Recipe, backend: str, device: str, processes: 
         "the memory plan fits its pool beside training" if room else "the GPU's room is checked when training starts"))
 
 
-def settle_fast_inference(recipe: Recipe, runtime: Runtime, room: bool | None) -> tuple[Recipe, Runtime]:
-    """A recipe with model.fast_inference=auto, and its Runtime, with the choice for this GPU's `room` made: the
-    recipe holds true or false from here on (its recipe.yaml, a resume and the memory plan read that). Any other
-    recipe comes back as it is."""
+def fast_inference_for(recipe: Recipe, backend: str, device: str, processes: int, *,
+                       room: bool | None = None) -> FastInference:
+    """choose_fast_inference asking this environment whether a vLLM that Unsloth runs is installed (only for
+    model.fast_inference=auto)."""
+    problem = installed_vllm_problem(recipe.model.load_in_4bit) if recipe.model.fast_inference == AUTO else None
+    return choose_fast_inference(recipe, backend, device, processes, vllm_problem=problem, room=room)
+
+
+def settle_fast_inference(recipe: Recipe, runtime: Runtime) -> Recipe:
+    """A recipe with model.fast_inference=auto with the Runtime's choice in it: it holds true or false from here on
+    (its recipe.yaml, a resume and the memory plan read that). Any other recipe comes back as it is."""
     if recipe.model.fast_inference != AUTO:
-        return recipe, runtime
-    choice = choose_fast_inference(recipe, runtime.backend, runtime.device, runtime.processes,
-                                   vllm_problem=installed_vllm_problem(recipe.model.load_in_4bit), room=room)
+        return recipe
     settled = copy.deepcopy(recipe)
-    settled.model.fast_inference = choice.on
-    return settled, dataclasses.replace(runtime, fast_inference=choice.on, fast_inference_reason=choice.reason,
-                                        sampler=rollout_plan(settled, runtime.backend, runtime.device, choice.on))
+    settled.model.fast_inference = runtime.fast_inference
+    return settled
 
 
 @dataclass(frozen=True)
@@ -117,23 +120,19 @@ class Runtime:
     device: str
     """cuda or cpu: cuda for a GPU recipe (gpu_memory_gb set) or where torch sees a GPU."""
     dtype: str
-    """The model's dtype: the one asked for until the model loads, then the one it was loaded in (`loaded`)."""
+    """The dtype the model is asked for (Unsloth on CUDA with model.dtype=auto picks its own: `flags`)."""
     bf16: bool
-    """GRPOConfig/SFTConfig bf16 (train.precision with the dtype; always set, TRL resolves None)."""
+    """bf16 for `dtype` (train.precision with the dtype; always set, TRL resolves None)."""
     fp16: bool
-    """GRPOConfig/SFTConfig fp16."""
+    """fp16 for `dtype`."""
     precision: str
-    """train.precision as the recipe gives it: `loaded` re-derives the flags from it."""
+    """train.precision as the recipe gives it: `flags` derives the flags of a loaded dtype from it."""
     optimizer: str
     """TrainingArguments.optim: train.optim, auto -> paged_adamw_8bit on CUDA, adamw_torch on CPU."""
     sampler: RolloutPlan
     """How GRPO samples its completions."""
     trainer: str
     """cpu (lowmem_grpo's CPU-safe trainers, for hf on CPU) or trl."""
-    generation_batch: int
-    """Completions generated per generation round on each process (train.generation_batch_size)."""
-    eval_batch: int
-    """Sequences each stage and periodic evaluation decodes at once."""
     fast_inference: bool
     """Unsloth's vLLM generation (choose_fast_inference): true on the unsloth backend on CUDA, or auto there with a
     usable vLLM installed and room for it."""
@@ -159,18 +158,19 @@ class Runtime:
         return self.launch.num_processes
 
     def describe(self) -> str:
-        """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-3"."""
+        """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-2"."""
         return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
 
-    def block(self) -> str:
-        """The Runtime as `validate`, `plan` and `train` print it: one setting a line."""
+    def block(self, recipe: Recipe) -> str:
+        """The Runtime (with `recipe`'s batches) as `validate`, `plan` and `train` print it: one setting a line."""
         flags = "bf16" if self.bf16 else "fp16" if self.fp16 else "none (fp32 or the 16-bit weights as loaded)"
         rows = [("backend", self.backend), ("device", self.device),
                 ("dtype", self.dtype + (f" ({self.dtype_reason})" if self.dtype_reason else "")),
                 ("precision", f"{self.precision} -> {flags}"), ("optimizer", self.optimizer),
                 ("sampler", f"{self.sampler.describe()} ({self.sampler.reason})"),
                 ("trainer", "lowmem_grpo's CPU trainer" if self.trainer == "cpu" else "TRL's trainer"),
-                ("generation batch", str(self.generation_batch)), ("eval batch", str(self.eval_batch)),
+                ("generation batch", str(recipe.train.generation_batch_size(self.processes))),
+                ("eval batch", str(eval_batch_size(recipe.train))),
                 ("fast inference", ("on (Unsloth's vLLM)" if self.fast_inference else "off")
                  + (f" ({self.fast_inference_reason})" if self.fast_inference_reason else "")),
                 ("rewards", ", ".join(f"{k} x{w:g}" for k, w in self.rewards.items())
@@ -178,43 +178,64 @@ class Runtime:
                 ("processes", self.launch.describe())]
         return "runtime:\n" + "".join(f"  {k:<18}{v}\n" for k, v in rows)
 
-    def loaded(self, dtype: str) -> Runtime:
-        """This Runtime with the dtype the model was loaded in (device.model_dtype) and the flags that follow."""
-        return dataclasses.replace(self, dtype=dtype, **_precision_flags(self.precision, dtype, cuda=self.cuda))
+    def flags(self, dtype: str) -> tuple[bool, bool]:
+        """(bf16, fp16) for the dtype the model was loaded in (device.model_dtype)."""
+        flags = _precision_flags(self.precision, dtype, cuda=self.cuda)
+        return flags["bf16"], flags["fp16"]
 
-    def check_precision(self) -> None:
-        """check_precision on this Runtime's dtype."""
-        check_precision(self.precision, cuda=self.cuda, backend=self.backend, dtype=self.dtype)
 
-    def with_batches(self, recipe: Recipe) -> Runtime:
-        """This Runtime with the batches of `recipe` (as auto-fit fitted them)."""
-        return dataclasses.replace(self, generation_batch=recipe.train.generation_batch_size(self.processes),
-                                   eval_batch=eval_batch_size(recipe.train))
+@dataclass(frozen=True)
+class Placement:
+    """Where a recipe runs under a launch, known before CUDA starts: what `combinations.check` judges and the
+    Runtime is resolved from."""
+
+    backend: str
+    device: str
+    fast_inference: bool
+    sampler: RolloutPlan
+    launch: Launch
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def processes(self) -> int:
+        return self.launch.num_processes
+
+    def describe(self) -> str:
+        return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
+
+
+def place(recipe: Recipe, launch: Launch, facts: CudaFacts, *, training: bool = True) -> Placement:
+    """For `training`, a GPU recipe is placed on CUDA wherever it is checked (`train` refuses it without a GPU);
+    otherwise on CUDA where the machine has it."""
+    cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
+    backend, device = backend_for(recipe.model.backend, cuda=cuda, launch=launch), "cuda" if cuda else "cpu"
+    fast = fast_inference_for(recipe, backend, device, launch.num_processes).on  # auto: the GPU's room unknown yet
+    return Placement(backend=backend, device=device, launch=launch, fast_inference=fast,
+                     sampler=rollout_plan(recipe, backend, device, fast))
 
 
 def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[str, str] | None = None, *,
-            training: bool = True, vllm_room: bool | None = None) -> Runtime:
-    """The Runtime of `recipe` under `launch` on the machine `facts` describe. For `training`, a GPU recipe is
-    resolved for CUDA wherever it is checked (`train` refuses it without a GPU); otherwise for CUDA where the
-    machine has it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE; `vllm_room`: whether the memory plan
-    fits vLLM's pool on this GPU (None: not known; settle_fast_inference decides it once it is)."""
-    cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
+            training: bool = True, cpu: CpuPaths | None = None, vllm_room: bool | None = None) -> Runtime:
+    """The Runtime of `recipe` under `launch` on the machine `facts` describe, where `place` puts it. `environ`
+    (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE; `cpu` replaces the CPU speed paths train.cpu.fast gives;
+    `vllm_room`: whether the memory plan fits vLLM's pool on this GPU (memory.fit.vllm_room; None: not known), for
+    model.fast_inference=auto."""
+    at = place(recipe, launch, facts, training=training)
     m, t = recipe.model, recipe.train
-    backend = backend_for(m.backend, cuda=cuda, launch=launch)
-    auto, reason = auto_dtype(facts, environ, cuda=cuda)  # an unknown LOWMEM_GRPO_CPU_DTYPE stops a CPU run
+    auto, reason = auto_dtype(facts, environ, cuda=at.cuda)  # an unknown LOWMEM_GRPO_CPU_DTYPE stops a CPU run
     dtype, reason = (auto, reason) if m.dtype == "auto" else (m.dtype, "")
-    device = "cuda" if cuda else "cpu"
-    fast = choose_fast_inference(recipe, backend, device, launch.num_processes, room=vllm_room, vllm_problem=(
-        installed_vllm_problem(m.load_in_4bit) if m.fast_inference == AUTO else None))
-    return Runtime(backend=backend, device=device, dtype=dtype, precision=t.precision,
-                   **_precision_flags(t.precision, dtype, cuda=cuda),
-                   optimizer=t.optim if t.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch"),
-                   sampler=rollout_plan(recipe, backend, device, fast.on),
-                   trainer="cpu" if (backend, device) == ("hf", "cpu") else "trl",
-                   generation_batch=t.generation_batch_size(launch.num_processes),
-                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), eval_batch=eval_batch_size(t),
-                   fast_inference=fast.on, fast_inference_reason=fast.reason,
-                   launch=launch, cpu=cpu_paths(t, device), dtype_reason=reason)
+    fast = fast_inference_for(recipe, at.backend, at.device, launch.num_processes, room=vllm_room)
+    return Runtime(backend=at.backend, device=at.device, dtype=dtype, precision=t.precision,
+                   **_precision_flags(t.precision, dtype, cuda=at.cuda),
+                   optimizer=optimizer_for(t, cuda=at.cuda),
+                   sampler=rollout_plan(recipe, at.backend, at.device, fast.on),
+                   trainer="cpu" if (at.backend, at.device) == ("hf", "cpu") else "trl",
+                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), fast_inference=fast.on,
+                   fast_inference_reason=fast.reason, launch=launch, cpu=cpu or cpu_paths(t, at.device),
+                   dtype_reason=reason)
 
 
 def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cuda: bool | None = None
@@ -238,25 +259,22 @@ def before_cuda(recipe: Recipe, training: bool = True) -> CudaFacts:
     return CudaFacts(torch_cuda=None, available=cuda_available())
 
 
+def optimizer_for(train: TrainConfig, *, cuda: bool) -> str:
+    """train.optim: auto -> paged_adamw_8bit on CUDA, adamw_torch on CPU."""
+    return train.optim if train.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch")
+
+
 def planned(recipe: Recipe) -> Runtime:
-    """The Runtime of a one-process CUDA run of `recipe`: what memory/ plans."""
+    """The Runtime of a one-process CUDA run of `recipe`: what `plan` prints (memory/ plans from `place`)."""
     return resolve(recipe, Launch(), GPU_PLAN)
 
 
 def backend_for(requested: str, *, cuda: bool, launch: Launch) -> str:
     """model.backend: auto -> unsloth with CUDA, Unsloth installed and one process, else hf. An explicit unsloth
-    runs under DDP and ZeRO-1/2 (each rank holds the whole model), not ZeRO-3 (unsloth/kernels/utils.py
-    get_lora_parameters reads base weights outside the module forward where ZeRO-3 gathers them)."""
-    if requested == "unsloth" and launch.zero_stage == 3:
-        raise BadInputError(f"model.backend=unsloth under DeepSpeed ZeRO-3 ({launch.describe()}): Unsloth's fused "
-                            "LoRA kernels read each layer's base weight directly, outside the module forward where "
-                            "ZeRO-3 gathers its partitioned parameters",
-                            fix="set model.backend=hf for ZeRO-3, or launch unsloth with DDP or ZeRO-2 "
-                                "(recipes/accelerate/ddp.yaml, zero2.yaml)")
+    runs under DDP and ZeRO-1/2 (each rank holds the whole model)."""
     if requested != "auto":
         return requested
-    alone = launch.num_processes == 1 and launch.zero_stage != 3
-    return "unsloth" if cuda and alone and is_installed("unsloth") else "hf"
+    return "unsloth" if cuda and launch.num_processes == 1 and is_installed("unsloth") else "hf"
 
 
 def eval_batch_size(train: TrainConfig) -> int:
@@ -305,19 +323,22 @@ def _precision_flags(precision: str, dtype: str, *, cuda: bool) -> dict[str, boo
     return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
 
 
-def check_precision(precision: str, *, cuda: bool, backend: str, dtype: str | None = None) -> None:
-    """BadInputError for a train.precision the Unsloth CUDA path would refuse or override: fp32 always, bf16/fp16
-    against the dtype the model was loaded in (`dtype`; None before it loads)."""
-    if not cuda or backend != "unsloth" or precision == "auto":
-        return
-    if precision == "fp32":
+def check_precision(precision: str, *, cuda: bool, backend: str) -> None:
+    """BadInputError for train.precision=fp32 on the Unsloth CUDA path, which overrides it (before the model loads;
+    check_loaded_dtype judges bf16/fp16 against the dtype it loads in)."""
+    if cuda and backend == "unsloth" and precision == "fp32":
         raise BadInputError(
-            f"train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
-            f"autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
-            f"check{f'; this model is {dtype}' if dtype else ''}); only the models it forces to float32 (Gemma 3) "
-            f"stay in float32, and train.precision=auto already gives them that",
-            fix="use model.backend=hf for float32 training, or train.precision=auto")
-    if dtype is None:
+            "train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
+            "autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
+            "check); only the models it forces to float32 (Gemma 3) stay in float32, and train.precision=auto "
+            "already gives them that", fix="use model.backend=hf for float32 training, or train.precision=auto")
+
+
+def check_loaded_dtype(runtime: Runtime, dtype: str) -> None:
+    """BadInputError for a train.precision of bf16/fp16 that Unsloth's trainer refuses on the dtype the model was
+    loaded in."""
+    precision = runtime.precision
+    if not runtime.cuda or runtime.backend != "unsloth" or precision not in ("bf16", "fp16"):
         return
     wanted = {"bf16": "bfloat16", "fp16": "float16"}[precision]
     if dtype in ("bfloat16", "float16") and dtype != wanted:

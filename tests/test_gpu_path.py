@@ -7,7 +7,6 @@ capability, a CudaFacts, a module table) as an argument, and the models are smal
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -64,9 +63,7 @@ def test_model_dtype_reads_the_model_as_unsloth_does():
 
 def flags(run: Runtime, loaded: str) -> tuple[bool, bool]:
     """(bf16, fp16) once the model was loaded in `loaded`."""
-    after = run.loaded(loaded)
-    assert after.dtype == loaded
-    return after.bf16, after.fp16
+    return run.flags(loaded)
 
 
 def test_flags_follow_the_loaded_dtype_on_cuda():
@@ -80,23 +77,23 @@ def test_flags_follow_the_loaded_dtype_on_cuda():
 
 
 def test_unsloth_cuda_refuses_what_its_trainer_would_raise_on_or_override():
-    with pytest.raises(BadInputError, match="compute capability below 8"):  # Unsloth: "Model is in float16 ..."
-        runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()).loaded("float16").check_precision()
     from lowmem_grpo.combinations import check
+    from lowmem_grpo.runtime import check_loaded_dtype, place
 
+    with pytest.raises(BadInputError, match="compute capability below 8"):  # Unsloth: "Model is in float16 ..."
+        check_loaded_dtype(runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()), "float16")
+    check_loaded_dtype(runtime("model.backend=unsloth", "train.precision=bf16", facts=gpu()), "bfloat16")
     fp32 = apply_overrides(Recipe(), ["model.backend=unsloth", "train.precision=fp32"])
     with pytest.raises(BadInputError, match="autocast") as info:  # Unsloth turns fp32 into bf16/fp16 AMP
-        check(fp32, resolve(fp32, Launch(), gpu()))
+        check(fp32, place(fp32, Launch(), gpu()))
     assert "model.backend=hf" in info.value.fix
-    with pytest.raises(BadInputError, match="autocast"):
-        runtime("model.backend=unsloth", "train.precision=fp32", facts=gpu()).loaded("bfloat16").check_precision()
     assert flags(runtime("model.backend=unsloth", "train.precision=fp16", facts=gpu()), "float16") == (False, True)
 
 
 def test_grpo_config_takes_the_loaded_dtype(tmp_path):
     from lowmem_grpo.train.grpo import build_grpo_config
 
-    config = build_grpo_config(Recipe(), tmp_path, runtime("model.backend=hf").loaded("float16"), [1.0] * 5)
+    config = build_grpo_config(Recipe(), tmp_path, runtime("model.backend=hf"), [1.0] * 5, "float16")
     assert (config.bf16, config.fp16) == (False, False)  # CPU: no autocast whatever the weights
 
 
@@ -253,8 +250,8 @@ def test_vllm_problem_names_what_keeps_unsloth_from_using_the_installed_vllm():
 
 
 def test_the_runtime_resolves_auto_from_this_environment_and_settles_it_into_the_recipe():
-    """resolve and settle_fast_inference ask this environment (installed_vllm_problem) and nothing else: on a GPU
-    the answer follows whether a usable vLLM is installed here; the settled recipe holds a bool from then on."""
+    """resolve asks this environment (installed_vllm_problem) and the room it is given, nothing else: on a GPU the
+    answer follows whether a usable vLLM is installed here; the settled recipe holds a bool from then on."""
     from lowmem_grpo.device import installed_vllm_problem
     from lowmem_grpo.memory.plan import settings_for
     from lowmem_grpo.recipe_io import dump_yaml, load_recipe
@@ -263,17 +260,18 @@ def test_the_runtime_resolves_auto_from_this_environment_and_settles_it_into_the
     usable = installed_vllm_problem(True) is None
     cpu = runtime()
     assert not cpu.fast_inference and "this run is hf on cpu" in cpu.fast_inference_reason
-    assert "fast inference    off (auto: Unsloth's vLLM runs on the unsloth backend on CUDA" in cpu.block()
+    assert "fast inference    off (auto: Unsloth's vLLM runs on the unsloth backend on CUDA" in cpu.block(Recipe())
     recipe = load_recipe("qwen2_5_1_5b_gsm8k", ["model.backend=unsloth"])
     on_gpu = resolve(recipe, Launch(), gpu(), environ={})
     assert on_gpu.fast_inference is usable and on_gpu.fast_inference_reason == _choice(
         "model.backend=unsloth", vllm_problem=installed_vllm_problem(True), room=None).reason
     assert settings_for(recipe, 8 * 2**30).fast_inference is usable  # the plan of an auto recipe, room unknown
     for room in (False, True):
-        settled, run = settle_fast_inference(recipe, on_gpu, room)
+        run = resolve(recipe, Launch(), gpu(), environ={}, vllm_room=room)
+        settled = settle_fast_inference(recipe, run)
         assert settled.model.fast_inference is run.fast_inference is (usable and room)
         assert f"fast_inference: {str(usable and room).lower()}" in dump_yaml(settled)  # what recipe.yaml keeps
-        assert settle_fast_inference(settled, run, not room) == (settled, run)  # settled once
+        assert settle_fast_inference(settled, on_gpu) is settled  # settled once
     assert recipe.model.fast_inference == "auto"  # the caller's recipe is left as it was
 
 
@@ -297,18 +295,26 @@ def test_vllm_room_is_the_plan_fitting_vllms_pool_without_lowering_training():
     assert vllm_room(fixed, set(), facts=card(8)) and not vllm_room(fixed, set(), facts=card(4))
 
 
-def test_train_settles_auto_before_the_memory_fit_asking_the_plan_only_where_vllm_could_run():
-    """pipeline.settle_vllm: an hf run on a GPU is off without a plan (a model that does not exist is never looked
-    up); an explicit value passes through."""
+def test_start_asks_the_plan_for_vllms_room_only_where_auto_could_turn_it_on():
+    """backends.start resolves the Runtime once, asking the plan for vLLM's room only where model.fast_inference=auto
+    would turn it on (resolve takes the answer: the test above); an hf run on a GPU and an explicit value never ask.
+    pipeline.settle_vllm writes the choice into the recipe. (The unsloth backend is not started here: its import
+    patches trl and transformers for the rest of the process.)"""
+    from lowmem_grpo.backends import start
     from lowmem_grpo.train.pipeline import settle_vllm
 
-    recipe = apply_overrides(Recipe(), ["model.name=nobody/no-such-model", "model.backend=hf"])
-    settled, run = settle_vllm(recipe, resolve(recipe, Launch(), gpu(), environ={}), gpu(), set())
-    assert settled.model.fast_inference is False and not run.fast_inference
-    assert "hf on cuda" in run.fast_inference_reason
-    explicit = apply_overrides(recipe, ["model.fast_inference=true"])
-    target = resolve(explicit, Launch(), gpu(), environ={})
-    assert settle_vllm(explicit, target, gpu(), set()) == (explicit, target)
+    asked = []
+
+    def room(facts: CudaFacts) -> bool:
+        asked.append(facts)
+        return False
+
+    hf = apply_overrides(Recipe(), ["model.name=nobody/no-such-model", "model.backend=hf"])
+    run, _ = start(hf, Launch(), gpu(), vllm_room=room)
+    assert asked == [] and not run.fast_inference and "hf on cuda" in run.fast_inference_reason
+    assert settle_vllm(hf, run).model.fast_inference is False
+    explicit = apply_overrides(hf, ["model.fast_inference=false"])
+    assert settle_vllm(explicit, start(explicit, Launch(), gpu(), vllm_room=room)[0]) is explicit and asked == []
 
 
 # --- 4. vLLM memory and what an OOM retry may change ---------------------------------------------
@@ -356,86 +362,6 @@ def test_oom_retry_never_changes_what_a_loaded_model_cannot_take():
         anyway = lower(recipe, phase=phase)
         assert anyway is not None and not set(anyway.changes) & LOAD_TIME_KEYS, anyway.describe()
     assert {"model.gpu_memory_utilization", "lora.r", "train.gradient_checkpointing"} <= LOAD_TIME_KEYS
-
-
-# --- 7. OOM retry residue ------------------------------------------------------------------------
-
-
-class OomOnceTrainer:
-    """A trainer whose train() fails like Unsloth's log-prob pass running out of memory: the hidden-states switch
-    left on, then torch.OutOfMemoryError; `fail=False` trains one step."""
-
-    def __init__(self, fail: bool):
-        self.fail = fail
-        self.state = SimpleNamespace(global_step=0, max_steps=1)
-        self.generation_batch = [torch.zeros(4)]  # TRL keeps the generation batch between its steps
-        self.accelerator = SimpleNamespace(free_memory=lambda: None)
-        self.optimizer = self.lr_scheduler = object()
-
-    def add_callback(self, callback):
-        pass
-
-    def drop_generation_batch(self):
-        self.generation_batch = None
-
-    def train(self, resume_from_checkpoint=None):
-        if self.fail:
-            os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "1"
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake)")
-        self.state.global_step = 1
-
-
-class UnslothTrainingModel(torch.nn.Module):
-    """Records, when put back into training mode, whether the failed trainer was already gone."""
-
-    def __init__(self):
-        super().__init__()
-        self.lora = torch.nn.Linear(2, 2)
-        self._unsloth_gradient_checkpointing = "unsloth"
-        self.failed_trainer = None  # a weakref, set by the test
-        self.seen: list = []
-
-    def for_training(self, use_gradient_checkpointing=None):
-        self.seen.append((use_gradient_checkpointing, self.failed_trainer() is None,
-                          os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES")))
-
-
-def test_oom_retry_drops_the_failed_trainer_and_resets_unsloths_switches(tmp_path):
-    import weakref
-
-    from lowmem_grpo.recipe import Recipe
-    from lowmem_grpo.train.resilience import run_grpo
-
-    model, built, before = UnslothTrainingModel(), [], os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES")
-
-    def build(recipe):
-        trainer = OomOnceTrainer(fail=not built)
-        if not built:
-            model.failed_trainer = weakref.ref(trainer)
-        built.append(os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES"))
-        return trainer
-
-    try:
-        finished = run_grpo(build, Recipe(), tmp_path, model=model, use_planner=False)
-    finally:
-        os.environ.pop("UNSLOTH_RETURN_HIDDEN_STATES", None)
-        if before is not None:
-            os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = before
-    assert finished.state.global_step == 1 and len(built) == 2
-    assert model.seen == [("unsloth", True, "0")]  # back in training mode, the failed trainer already freed
-    assert built[1] == "0"  # the retry's trainer does not start with hidden states as logits
-    assert (tmp_path / "oom_retries.jsonl").exists()
-
-
-def test_reset_unsloth_state_resets_the_checkpoint_buffers_when_unsloth_is_loaded():
-    from lowmem_grpo.train.resilience import reset_unsloth_state
-
-    reset = Recorder()
-    plain_model = torch.nn.Linear(2, 2)
-    reset_unsloth_state(plain_model, modules={"unsloth_zoo.gradient_checkpointing":
-                                              SimpleNamespace(reset_unsloth_gradient_checkpointing_buffers=reset)})
-    assert len(reset.calls) == 1
-    reset_unsloth_state(plain_model, modules={})  # no Unsloth: nothing to reset, nothing raised
 
 
 # --- 8. consumer GPUs and drivers ----------------------------------------------------------------
@@ -854,10 +780,10 @@ def _benchmark(name):
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    """The scripted llama of benchmarks/scripted_model.py, built and loaded in bfloat16 on CPU, and its tokenizer."""
+    """The scripted llama of tests/scripted_model.py, built and loaded in bfloat16 on CPU, and its tokenizer."""
+    import scripted_model as sm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sm = _benchmark("scripted_model")
     folder = sm.build_scripted_model("llama", tmp_path_factory.mktemp("scripted") / "llama")
     return sm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), AutoTokenizer.from_pretrained(folder)
 
@@ -914,7 +840,8 @@ def test_a_chat_prompt_makes_every_scripted_rollout_call_the_calculator(scripted
 
 
 def test_engine_calls_map_back_to_their_rows():
-    sm = _benchmark("scripted_model")
+    import scripted_model as sm
+
     # 4 rows of 1, 5, 2 and 5 tokens: the engine drops the ended ones once a quarter of the batch has ended
     assert sm.rows_of_calls([4, 4, 2, 2, 2], [1, 5, 2, 5]) == [[0, 1, 2, 3]] * 2 + [[1, 3]] * 3
     logits = [torch.full((4, 2), 0.0), torch.full((4, 2), 1.0), torch.tensor([[2.0] * 2, [3.0] * 2])]
