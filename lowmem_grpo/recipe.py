@@ -15,6 +15,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "<answer>\n...\n</answer>"
 )
 
+AUTO = "auto"
+
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # GRPOConfig fields the recipe owns elsewhere; setting them under `train` would be silently ignored.
@@ -41,8 +43,10 @@ class ModelConfig:
     """Longest prompt + completion the model is prepared for."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Compute dtype; auto = bf16 on GPUs >= sm80 and CPUs with native bf16, fp16 on older GPUs, else fp32."""
-    fast_inference: bool | None = False
-    """Generate with vLLM through Unsloth (backend unsloth, CUDA; the `vllm` extra); None is off too."""
+    fast_inference: Literal[True, False, "auto"] | None = "auto"
+    """Generate with vLLM through Unsloth (backend unsloth, CUDA; the `vllm` extra). auto: on when such a vLLM is
+    installed, the run is one unsloth process on CUDA and the memory plan fits vLLM's pool (runtime.
+    choose_fast_inference); None is off."""
     gpu_memory_utilization: float = 0.6
     """Share of GPU memory vLLM reserves with fast_inference (of free memory via Unsloth, of total in `eval`)."""
     trust_remote_code: bool = False
@@ -162,18 +166,6 @@ class PreflightConfig:
 
 
 @dataclass
-class SelectionConfig:
-    """Which problems GRPO draws: all alike, or informative ones and easy levels first (train.informative)."""
-
-    dynamic_sampling: bool = False
-    """Draw problems whose recent groups varied more often, and keep agreeing groups out of the loss (DAPO)."""
-    curriculum: bool = False
-    """Start on the easiest generated level, move up when its pass rate reaches promote_at (data.source=generated)."""
-    promote_at: float = 0.6
-    """Recent goal-reward pass rate on the current level that moves the curriculum up a level."""
-
-
-@dataclass
 class MemoryConfig:
     """Fitting the run to the GPU's memory, before it starts and after an out-of-memory error."""
 
@@ -253,8 +245,6 @@ class TrainConfig:
     """Held-out evaluation: periodic and per stage."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     """The reward preflight before GRPO."""
-    selection: SelectionConfig = field(default_factory=SelectionConfig)
-    """Which training problems GRPO draws: dynamic sampling, the curriculum."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Auto-fit and out-of-memory retries."""
     cpu: CpuConfig = field(default_factory=CpuConfig)

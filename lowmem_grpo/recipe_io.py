@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.errors import RecipeError, RetiredSettingError
 from lowmem_grpo.recipe import Recipe, TrainConfig
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -36,15 +36,53 @@ FLAT_TRAIN_KEYS = {
     "preflight": "preflight.enabled",
     "preflight_prompts": "preflight.prompts",
     "allow_no_signal": "preflight.allow_no_signal",
-    "dynamic_sampling": "selection.dynamic_sampling",
-    "curriculum": "selection.curriculum",
-    "curriculum_promote_at": "selection.promote_at",
     "auto_fit": "memory.auto_fit",
     "oom_retries": "memory.oom_retries",
     **dict.fromkeys(("shared_prompt", "merged_sampling", "cpu_attention", "sampling_engine"), "cpu.fast"),
 }
 """Flat train keys -> their key under train. The four CPU speed switches read as train.cpu.fast: false when a file
 turns any of them off."""
+
+
+_NO_GAIN = "no run in docs/results.md gained from it (one lost 15 points of held-out accuracy)"
+RETIRED_KEYS: dict[str, tuple[Any, str, str]] = {
+    "train.selection.dynamic_sampling": (False, f"dynamic sampling was retired: {_NO_GAIN}",
+                                         "remove the key: GRPO draws every problem alike, and a step whose groups "
+                                         "all agree takes no optimizer step (docs/signal.md)"),
+    "train.selection.curriculum": (False, f"the curriculum was retired: {_NO_GAIN}",
+                                   "remove the key; data.generated.grpo_levels chooses the levels GRPO trains on"),
+    "train.selection.promote_at": (0.6, "the curriculum (and its promote_at) was retired",
+                                   "remove the key; data.generated.grpo_levels chooses the levels GRPO trains on"),
+    "train.dynamic_sampling": (False, f"dynamic sampling was retired: {_NO_GAIN}", "remove the key"),
+    "train.curriculum": (False, f"the curriculum was retired: {_NO_GAIN}",
+                         "remove the key; data.generated.grpo_levels chooses the levels GRPO trains on"),
+    "train.curriculum_promote_at": (0.6, "the curriculum was retired", "remove the key"),
+}
+"""Keys of features lowmem_grpo no longer has -> (their old default, why, fix). A recipe.yaml written before holds
+them at the default, which is read as absent; any other value is a RetiredSettingError."""
+
+
+def retired(key: str, value: Any) -> bool:
+    """True when `key` is retired and `value` its old default (nothing to honour); RetiredSettingError otherwise."""
+    if key not in RETIRED_KEYS:
+        return False
+    default, why, fix = RETIRED_KEYS[key]
+    if value != default:
+        raise RetiredSettingError(f"{key}={value!r}: {why}", fix=fix)
+    return True
+
+
+def _drop_retired(train: dict[str, Any]) -> None:
+    """Remove the train section's retired keys (and emptied sections) in place, refusing any not at its default."""
+    for key in [k for k in train if f"train.{k}" in RETIRED_KEYS]:
+        retired(f"train.{key}", train.pop(key))
+    for name, section in list(train.items()):
+        if isinstance(section, dict) and any(f"train.{name}.{k}" in RETIRED_KEYS for k in section):
+            for key in list(section):
+                if retired(f"train.{name}.{key}", section[key]):
+                    del section[key]
+            if not section:
+                del train[name]
 
 
 def flat_train_key(path: list[str], value: Any = None) -> list[str]:
@@ -75,6 +113,7 @@ def _sectioned(data: Any) -> Any:
         return data
     data = copy.deepcopy(data)
     train = data["train"]
+    _drop_retired(train)
     # popped first: `preflight: true` gives way to its section
     flat = {k: train.pop(k) for k in list(train) if k in FLAT_TRAIN_KEYS and not isinstance(train[k], dict)}
     moved = set()
@@ -109,7 +148,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin in (Union, types.UnionType):  # every union of the recipe is `T | None`
         return None if value is None else _coerce(value, args[0], key)
     if origin is Literal:
-        if value not in args:
+        if isinstance(value, str) and any(isinstance(a, bool) for a in args):  # an override's raw "true"/"false"
+            value = {"true": True, "false": False}.get(value.lower(), value)
+        if not any(value == a and type(value) is type(a) for a in args):
             raise RecipeError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}",
                               fix=f"use one of {', '.join(map(str, args))}")
         return value
@@ -192,6 +233,8 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise RecipeError(f"override {text!r}: value is not valid YAML ({exc})", fix="quote the value") from exc
+        if retired(key.strip(), value):
+            continue
         path = flat_train_key(key.strip().split("."), value)
         node = data
         for depth, part in enumerate(path[:-1]):
@@ -227,6 +270,10 @@ def _from_module(path: Path) -> Recipe:
         recipe = build()
     except TypeError as exc:
         found = re.search(r"TrainConfig.__init__\(\) got an unexpected keyword argument '(\w+)'", str(exc))
+        if found and any(k.startswith(f"train.{found.group(1)}") for k in RETIRED_KEYS):
+            key = next(k for k in RETIRED_KEYS if k.startswith(f"train.{found.group(1)}"))
+            raise RetiredSettingError(f"{path}: TrainConfig({found.group(1)}=...): {RETIRED_KEYS[key][1]}",
+                                      fix=RETIRED_KEYS[key][2]) from exc
         if not found or found.group(1) not in FLAT_TRAIN_KEYS:
             raise
         key, new = found.group(1), FLAT_TRAIN_KEYS[found.group(1)]

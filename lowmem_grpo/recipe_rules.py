@@ -6,7 +6,7 @@ import math
 
 from lowmem_grpo.data.format import check_prefill
 from lowmem_grpo.errors import DataError, RecipeError
-from lowmem_grpo.recipe import MANAGED_TRAINER_FIELDS, GeneratedDataConfig, Recipe, goal_reward
+from lowmem_grpo.recipe import MANAGED_TRAINER_FIELDS, GeneratedDataConfig, Recipe
 
 
 def _require(condition: bool, key: str, problem: str, fix: str) -> None:
@@ -110,11 +110,6 @@ def _validate_train(recipe: Recipe, num_processes: int) -> None:
              "use 0 (stop at the first OOM) or more")
     _require(0 <= t.max_truncated_targets <= 1, "train.max_truncated_targets", f"is {t.max_truncated_targets}",
              "use a share in [0, 1], e.g. 0.02 (1 = never check)")
-    _require(0 < t.selection.promote_at <= 1, "train.selection.promote_at", f"is {t.selection.promote_at}",
-             "use a pass rate in (0, 1], e.g. 0.6")
-    _require(not t.selection.curriculum or d.source == "generated", "train.selection.curriculum",
-             f"moves through data.generated.levels, but data.source is {d.source!r}",
-             "set data.source=generated, or train.selection.dynamic_sampling=true for any data")
     for key, owner in MANAGED_TRAINER_FIELDS.items():
         _require(key not in t.extra, f"train.{key}", "is set by lowmem_grpo", f"set {owner} instead")
 
@@ -160,7 +155,3 @@ def _validate_rewards(recipe: Recipe) -> None:
         _require(recipe.goal_reward in rewards, "goal_reward", f"{recipe.goal_reward!r} is not one of the rewards "
                  f"({', '.join(rewards)})", f"add rewards.{recipe.goal_reward}, or name one of "
                  f"{', '.join(rewards)} as goal_reward")
-    _require(not recipe.train.selection.curriculum or goal_reward(recipe) is not None, "train.selection.curriculum",
-             "moves up a level on the goal reward's pass rate, but the recipe has no goal reward",
-             "add rewards.correctness (e.g. rewards.correctness=2.0) or name one as goal_reward, or set "
-             "train.selection.curriculum=false")

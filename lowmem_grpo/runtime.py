@@ -4,14 +4,15 @@ tell Unsloth from transformers."""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lowmem_grpo.device import CudaFacts, bf16_supported, cpu_auto_dtype, cuda_available, is_installed
+from lowmem_grpo.device import (CudaFacts, bf16_supported, cpu_auto_dtype, cuda_available, installed_vllm_problem,
+                                is_installed)
 from lowmem_grpo.distributed import Launch
 from lowmem_grpo.errors import BadInputError
-from lowmem_grpo.recipe import Recipe, TrainConfig, goal_reward, resolved_rewards
+from lowmem_grpo.recipe import AUTO, Recipe, TrainConfig, goal_reward, resolved_rewards
 
 # the sampling settings lowmem_grpo's engine implements (TRL's defaults): plain sampling at the temperature
 PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
@@ -43,6 +44,55 @@ class RolloutPlan:
 
 
 @dataclass(frozen=True)
+class FastInference:
+    """Whether Unsloth's vLLM engine generates GRPO's rollouts (model.fast_inference resolved), and why."""
+
+    on: bool
+    reason: str
+
+
+def choose_fast_inference(recipe: Recipe, backend: str, device: str, processes: int, *, vllm_problem: str | None,
+                          room: bool | None) -> FastInference:
+    """model.fast_inference: true on the unsloth backend on CUDA, false and null off; auto on when the run is one
+    unsloth process on CUDA whose recipe samples on no other vLLM, `vllm_problem` is None (a CUDA vLLM that Unsloth
+    runs is installed: device.vllm_problem) and `room` is not False (the memory plan fits vLLM's pool beside training
+    on this GPU: memory.fit.vllm_room; None: not known yet, decided when training starts)."""
+    requested = recipe.model.fast_inference
+    engine = (backend, device) == ("unsloth", "cuda")
+    if requested != AUTO:
+        on = requested is True and engine
+        return FastInference(on, f"model.fast_inference={ {True: 'true', False: 'false', None: 'null'}.get(requested)}")
+    why_not = (f"Unsloth's vLLM runs on the unsloth backend on CUDA, this run is {backend} on {device}" if not engine
+               else f"{processes} processes: auto turns it on for one" if processes > 1
+               else "train.vllm_sampling samples on lowmem_grpo's own vLLM engine" if recipe.train.vllm_sampling
+               else "train.use_vllm samples on TRL's vLLM" if recipe.train.extra.get("use_vllm")
+               else vllm_problem
+               or ("the memory plan has no room for vLLM's pool beside training on this GPU" if room is False else None))
+    if why_not:
+        return FastInference(False, f"auto: {why_not}")
+    return FastInference(True, "auto: vLLM is installed and " + (
+        "the memory plan fits its pool beside training" if room else "the GPU's room is checked when training starts"))
+
+
+def fast_inference_for(recipe: Recipe, backend: str, device: str, processes: int, *,
+                       room: bool | None = None) -> FastInference:
+    """choose_fast_inference asking this environment whether a vLLM that Unsloth runs is installed (only for
+    model.fast_inference=auto)."""
+    problem = installed_vllm_problem(recipe.model.load_in_4bit) if recipe.model.fast_inference == AUTO else None
+    return choose_fast_inference(recipe, backend, device, processes, vllm_problem=problem, room=room)
+
+
+def settle_fast_inference(recipe: Recipe, runtime: Runtime) -> Recipe:
+    """A recipe with model.fast_inference=auto with the Runtime's choice in it: it holds true or false from here on
+    (its recipe.yaml, a resume and the memory plan read that). Any other recipe comes back as it is."""
+    if recipe.model.fast_inference != AUTO:
+        return recipe
+    settled = copy.deepcopy(recipe)
+    settled.model.fast_inference = runtime.fast_inference
+    return settled
+
+
+@dataclass(frozen=True)
 class CpuPaths:
     """lowmem_grpo's CPU speed paths, each exact to float rounding, each an argument of the code it speeds (so its
     own test switches it alone); sampling through the engine is the RolloutPlan's."""
@@ -70,25 +120,22 @@ class Runtime:
     device: str
     """cuda or cpu: cuda for a GPU recipe (gpu_memory_gb set) or where torch sees a GPU."""
     dtype: str
-    """The model's dtype: the one asked for until the model loads, then the one it was loaded in (`loaded`)."""
+    """The dtype the model is asked for (Unsloth on CUDA with model.dtype=auto picks its own: `flags`)."""
     bf16: bool
-    """GRPOConfig/SFTConfig bf16 (train.precision with the dtype; always set, TRL resolves None)."""
+    """bf16 for `dtype` (train.precision with the dtype; always set, TRL resolves None)."""
     fp16: bool
-    """GRPOConfig/SFTConfig fp16."""
+    """fp16 for `dtype`."""
     precision: str
-    """train.precision as the recipe gives it: `loaded` re-derives the flags from it."""
+    """train.precision as the recipe gives it: `flags` derives the flags of a loaded dtype from it."""
     optimizer: str
     """TrainingArguments.optim: train.optim, auto -> paged_adamw_8bit on CUDA, adamw_torch on CPU."""
     sampler: RolloutPlan
     """How GRPO samples its completions."""
     trainer: str
     """cpu (lowmem_grpo's CPU-safe trainers, for hf on CPU) or trl."""
-    generation_batch: int
-    """Completions generated per generation round on each process (train.generation_batch_size)."""
-    eval_batch: int
-    """Sequences each stage and periodic evaluation decodes at once."""
     fast_inference: bool
-    """Unsloth's vLLM generation: only an explicit model.fast_inference=true, on the unsloth backend on CUDA."""
+    """Unsloth's vLLM generation (choose_fast_inference): true on the unsloth backend on CUDA, or auto there with a
+    usable vLLM installed and room for it."""
     launch: Launch
     """The processes and DeepSpeed ZeRO stage the launcher set up."""
     cpu: CpuPaths
@@ -99,6 +146,8 @@ class Runtime:
     """The key of `rewards` that defines success (recipe.goal_reward); None: only the total."""
     dtype_reason: str = ""
     """Why model.dtype=auto became `dtype`; empty otherwise."""
+    fast_inference_reason: str = ""
+    """Why fast_inference is on or off (choose_fast_inference)."""
 
     @property
     def cuda(self) -> bool:
@@ -109,58 +158,84 @@ class Runtime:
         return self.launch.num_processes
 
     def describe(self) -> str:
-        """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-3"."""
+        """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-2"."""
         return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
 
-    def block(self) -> str:
-        """The Runtime as `validate`, `plan` and `train` print it: one setting a line."""
+    def block(self, recipe: Recipe) -> str:
+        """The Runtime (with `recipe`'s batches) as `validate`, `plan` and `train` print it: one setting a line."""
         flags = "bf16" if self.bf16 else "fp16" if self.fp16 else "none (fp32 or the 16-bit weights as loaded)"
         rows = [("backend", self.backend), ("device", self.device),
                 ("dtype", self.dtype + (f" ({self.dtype_reason})" if self.dtype_reason else "")),
                 ("precision", f"{self.precision} -> {flags}"), ("optimizer", self.optimizer),
                 ("sampler", f"{self.sampler.describe()} ({self.sampler.reason})"),
                 ("trainer", "lowmem_grpo's CPU trainer" if self.trainer == "cpu" else "TRL's trainer"),
-                ("generation batch", str(self.generation_batch)), ("eval batch", str(self.eval_batch)),
-                ("fast inference", "on (Unsloth's vLLM)" if self.fast_inference else "off"),
+                ("generation batch", str(recipe.train.generation_batch_size(self.processes))),
+                ("eval batch", str(eval_batch_size(recipe.train))),
+                ("fast inference", ("on (Unsloth's vLLM)" if self.fast_inference else "off")
+                 + (f" ({self.fast_inference_reason})" if self.fast_inference_reason else "")),
                 ("rewards", ", ".join(f"{k} x{w:g}" for k, w in self.rewards.items())
                  + (f" (goal: {self.goal_reward})" if self.goal_reward else " (no goal reward: the total only)")),
                 ("processes", self.launch.describe())]
         return "runtime:\n" + "".join(f"  {k:<18}{v}\n" for k, v in rows)
 
-    def loaded(self, dtype: str) -> Runtime:
-        """This Runtime with the dtype the model was loaded in (device.model_dtype) and the flags that follow."""
-        return dataclasses.replace(self, dtype=dtype, **_precision_flags(self.precision, dtype, cuda=self.cuda))
+    def flags(self, dtype: str) -> tuple[bool, bool]:
+        """(bf16, fp16) for the dtype the model was loaded in (device.model_dtype)."""
+        flags = _precision_flags(self.precision, dtype, cuda=self.cuda)
+        return flags["bf16"], flags["fp16"]
 
-    def check_precision(self) -> None:
-        """check_precision on this Runtime's dtype."""
-        check_precision(self.precision, cuda=self.cuda, backend=self.backend, dtype=self.dtype)
 
-    def with_batches(self, recipe: Recipe) -> Runtime:
-        """This Runtime with the batches of `recipe` (as auto-fit fitted them)."""
-        return dataclasses.replace(self, generation_batch=recipe.train.generation_batch_size(self.processes),
-                                   eval_batch=eval_batch_size(recipe.train))
+@dataclass(frozen=True)
+class Placement:
+    """Where a recipe runs under a launch, known before CUDA starts: what `combinations.check` judges and the
+    Runtime is resolved from."""
+
+    backend: str
+    device: str
+    fast_inference: bool
+    sampler: RolloutPlan
+    launch: Launch
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def processes(self) -> int:
+        return self.launch.num_processes
+
+    def describe(self) -> str:
+        return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
+
+
+def place(recipe: Recipe, launch: Launch, facts: CudaFacts, *, training: bool = True) -> Placement:
+    """For `training`, a GPU recipe is placed on CUDA wherever it is checked (`train` refuses it without a GPU);
+    otherwise on CUDA where the machine has it."""
+    cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
+    backend, device = backend_for(recipe.model.backend, cuda=cuda, launch=launch), "cuda" if cuda else "cpu"
+    fast = fast_inference_for(recipe, backend, device, launch.num_processes).on  # auto: the GPU's room unknown yet
+    return Placement(backend=backend, device=device, launch=launch, fast_inference=fast,
+                     sampler=rollout_plan(recipe, backend, device, fast))
 
 
 def resolve(recipe: Recipe, launch: Launch, facts: CudaFacts, environ: Mapping[str, str] | None = None, *,
-            training: bool = True) -> Runtime:
-    """The Runtime of `recipe` under `launch` on the machine `facts` describe. For `training`, a GPU recipe is
-    resolved for CUDA wherever it is checked (`train` refuses it without a GPU); otherwise for CUDA where the
-    machine has it. `environ` (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE."""
-    cuda = facts.available or (training and bool(recipe.gpu_memory_gb))
+            training: bool = True, cpu: CpuPaths | None = None, vllm_room: bool | None = None) -> Runtime:
+    """The Runtime of `recipe` under `launch` on the machine `facts` describe, where `place` puts it. `environ`
+    (default os.environ) holds LOWMEM_GRPO_CPU_DTYPE; `cpu` replaces the CPU speed paths train.cpu.fast gives;
+    `vllm_room`: whether the memory plan fits vLLM's pool on this GPU (memory.fit.vllm_room; None: not known), for
+    model.fast_inference=auto."""
+    at = place(recipe, launch, facts, training=training)
     m, t = recipe.model, recipe.train
-    backend = backend_for(m.backend, cuda=cuda, launch=launch)
-    auto, reason = auto_dtype(facts, environ, cuda=cuda)  # an unknown LOWMEM_GRPO_CPU_DTYPE stops a CPU run
+    auto, reason = auto_dtype(facts, environ, cuda=at.cuda)  # an unknown LOWMEM_GRPO_CPU_DTYPE stops a CPU run
     dtype, reason = (auto, reason) if m.dtype == "auto" else (m.dtype, "")
-    device = "cuda" if cuda else "cpu"
-    return Runtime(backend=backend, device=device, dtype=dtype, precision=t.precision,
-                   **_precision_flags(t.precision, dtype, cuda=cuda),
-                   optimizer=t.optim if t.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch"),
-                   sampler=rollout_plan(recipe, backend, device),
-                   trainer="cpu" if (backend, device) == ("hf", "cpu") else "trl",
-                   generation_batch=t.generation_batch_size(launch.num_processes),
-                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), eval_batch=eval_batch_size(t),
-                   fast_inference=m.fast_inference is True and (backend, device) == ("unsloth", "cuda"),
-                   launch=launch, cpu=cpu_paths(t, device), dtype_reason=reason)
+    fast = fast_inference_for(recipe, at.backend, at.device, launch.num_processes, room=vllm_room)
+    return Runtime(backend=at.backend, device=at.device, dtype=dtype, precision=t.precision,
+                   **_precision_flags(t.precision, dtype, cuda=at.cuda),
+                   optimizer=optimizer_for(t, cuda=at.cuda),
+                   sampler=rollout_plan(recipe, at.backend, at.device, fast.on),
+                   trainer="cpu" if (at.backend, at.device) == ("hf", "cpu") else "trl",
+                   rewards=resolved_rewards(recipe), goal_reward=goal_reward(recipe), fast_inference=fast.on,
+                   fast_inference_reason=fast.reason, launch=launch, cpu=cpu or cpu_paths(t, at.device),
+                   dtype_reason=reason)
 
 
 def auto_dtype(facts: CudaFacts, environ: Mapping[str, str] | None = None, *, cuda: bool | None = None
@@ -184,25 +259,22 @@ def before_cuda(recipe: Recipe, training: bool = True) -> CudaFacts:
     return CudaFacts(torch_cuda=None, available=cuda_available())
 
 
+def optimizer_for(train: TrainConfig, *, cuda: bool) -> str:
+    """train.optim: auto -> paged_adamw_8bit on CUDA, adamw_torch on CPU."""
+    return train.optim if train.optim != "auto" else ("paged_adamw_8bit" if cuda else "adamw_torch")
+
+
 def planned(recipe: Recipe) -> Runtime:
-    """The Runtime of a one-process CUDA run of `recipe`: what memory/ plans."""
+    """The Runtime of a one-process CUDA run of `recipe`: what `plan` prints (memory/ plans from `place`)."""
     return resolve(recipe, Launch(), GPU_PLAN)
 
 
 def backend_for(requested: str, *, cuda: bool, launch: Launch) -> str:
     """model.backend: auto -> unsloth with CUDA, Unsloth installed and one process, else hf. An explicit unsloth
-    runs under DDP and ZeRO-1/2 (each rank holds the whole model), not ZeRO-3 (unsloth/kernels/utils.py
-    get_lora_parameters reads base weights outside the module forward where ZeRO-3 gathers them)."""
-    if requested == "unsloth" and launch.zero_stage == 3:
-        raise BadInputError(f"model.backend=unsloth under DeepSpeed ZeRO-3 ({launch.describe()}): Unsloth's fused "
-                            "LoRA kernels read each layer's base weight directly, outside the module forward where "
-                            "ZeRO-3 gathers its partitioned parameters",
-                            fix="set model.backend=hf for ZeRO-3, or launch unsloth with DDP or ZeRO-2 "
-                                "(recipes/accelerate/ddp.yaml, zero2.yaml)")
+    runs under DDP and ZeRO-1/2 (each rank holds the whole model)."""
     if requested != "auto":
         return requested
-    alone = launch.num_processes == 1 and launch.zero_stage != 3
-    return "unsloth" if cuda and alone and is_installed("unsloth") else "hf"
+    return "unsloth" if cuda and launch.num_processes == 1 and is_installed("unsloth") else "hf"
 
 
 def eval_batch_size(train: TrainConfig) -> int:
@@ -217,18 +289,22 @@ def custom_sampling(recipe: Recipe) -> list[str]:
     return custom + (["generation_kwargs"] if extra.get("generation_kwargs") else [])
 
 
-def on_vllm(recipe: Recipe, backend: str) -> bool:
-    """Whether GRPO's generation runs on vLLM: TRL's train.use_vllm, or Unsloth's fast_inference engine."""
-    return bool(recipe.train.extra.get("use_vllm")) or (backend == "unsloth" and recipe.model.fast_inference is True)
+def on_vllm(recipe: Recipe, fast_inference: bool) -> bool:
+    """Whether GRPO's generation runs on vLLM: TRL's train.use_vllm, or Unsloth's engine (`fast_inference`, the
+    Runtime's)."""
+    return bool(recipe.train.extra.get("use_vllm")) or fast_inference
 
 
-def rollout_plan(recipe: Recipe, backend: str, device: str) -> RolloutPlan:
-    """How GRPO samples: the calculator on vLLM or the engine; else the engine for hf on CPU, or TRL's."""
+def rollout_plan(recipe: Recipe, backend: str, device: str, fast_inference: bool | None = None) -> RolloutPlan:
+    """How GRPO samples: the calculator on vLLM or the engine; else the engine for hf on CPU, or TRL's.
+    `fast_inference`: the Runtime's (default: an explicit model.fast_inference=true on the unsloth backend)."""
+    if fast_inference is None:
+        fast_inference = backend == "unsloth" and recipe.model.fast_inference is True
     custom = custom_sampling(recipe)
     if recipe.train.vllm_sampling:
         return RolloutPlan(False, recipe.data.calculator, "train.vllm_sampling", vllm=True, own_vllm=True)
     if recipe.data.calculator:
-        if on_vllm(recipe, backend):
+        if on_vllm(recipe, fast_inference):
             return RolloutPlan(False, True, "data.calculator on vLLM: rows stop at each token ending in '=', the "
                                "calculator's results are forced in (masked out) and the rows resubmitted", vllm=True)
         return RolloutPlan(True, True, "data.calculator: the engine forces the calculator's results (masked out)")
@@ -247,19 +323,22 @@ def _precision_flags(precision: str, dtype: str, *, cuda: bool) -> dict[str, boo
     return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
 
 
-def check_precision(precision: str, *, cuda: bool, backend: str, dtype: str | None = None) -> None:
-    """BadInputError for a train.precision the Unsloth CUDA path would refuse or override: fp32 always, bf16/fp16
-    against the dtype the model was loaded in (`dtype`; None before it loads)."""
-    if not cuda or backend != "unsloth" or precision == "auto":
-        return
-    if precision == "fp32":
+def check_precision(precision: str, *, cuda: bool, backend: str) -> None:
+    """BadInputError for train.precision=fp32 on the Unsloth CUDA path, which overrides it (before the model loads;
+    check_loaded_dtype judges bf16/fp16 against the dtype it loads in)."""
+    if cuda and backend == "unsloth" and precision == "fp32":
         raise BadInputError(
-            f"train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
-            f"autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
-            f"check{f'; this model is {dtype}' if dtype else ''}); only the models it forces to float32 (Gemma 3) "
-            f"stay in float32, and train.precision=auto already gives them that",
-            fix="use model.backend=hf for float32 training, or train.precision=auto")
-    if dtype is None:
+            "train.precision=fp32 with model.backend=unsloth on CUDA: Unsloth's trainer turns fp32 into bf16/fp16 "
+            "autocast on any GPU that reports bfloat16, emulated included (unsloth/models/rl.py, mixed-precision "
+            "check); only the models it forces to float32 (Gemma 3) stay in float32, and train.precision=auto "
+            "already gives them that", fix="use model.backend=hf for float32 training, or train.precision=auto")
+
+
+def check_loaded_dtype(runtime: Runtime, dtype: str) -> None:
+    """BadInputError for a train.precision of bf16/fp16 that Unsloth's trainer refuses on the dtype the model was
+    loaded in."""
+    precision = runtime.precision
+    if not runtime.cuda or runtime.backend != "unsloth" or precision not in ("bf16", "fp16"):
         return
     wanted = {"bf16": "bfloat16", "fp16": "float16"}[precision]
     if dtype in ("bfloat16", "float16") and dtype != wanted:

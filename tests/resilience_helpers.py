@@ -93,6 +93,26 @@ def cli_popen(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def fault_run(faults: str, *args: str, constructions: Path, timeout: float = 840) -> subprocess.CompletedProcess:
+    """`lowmem-grpo ARGS` in a child process with `faults` injected (tests/fault_cli.py; "" for none), its output
+    in `.stdout`; every process of it, one it replaces itself with too, records its constructions
+    (tests/constructions.py) into `constructions`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (TESTS / "counting", TESTS, REPO))),
+           "OMP_NUM_THREADS": "1", "LOWMEM_TEST_CONSTRUCTIONS": str(constructions)}
+    return subprocess.run([sys.executable, str(TESTS / "fault_cli.py"), faults, *args], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def constructed(path: Path) -> list[dict[str, int]]:
+    """Per process, in the order they started: how many objects of each counted class it constructed."""
+    per: dict[str, dict[str, int]] = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        counts = per.setdefault(record["process"], {})
+        counts[record["class"]] = counts.get(record["class"], 0) + 1
+    return list(per.values())
+
+
 def metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

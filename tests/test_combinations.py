@@ -101,39 +101,34 @@ def test_the_calculator_on_vllm_refuses_what_its_rounds_cannot_take():
     _refused(_recipe(*on, "train.vllm_structured_outputs_regex=a+"), ("hf", "cuda", ONE),
              "train.vllm_structured_outputs_regex", "remove train.vllm_structured_outputs_regex")
     _refused(_recipe(*on, "train.vllm_tensor_parallel_size=2"), ("hf", "cuda", ONE),
-             "train.vllm_tensor_parallel_size=2", "train.vllm_mode=server")
-    _check(_recipe(*on, "train.vllm_tensor_parallel_size=2", "train.vllm_mode=server"), ("hf", "cuda", ONE))
+             "train.vllm_tensor_parallel_size=2", "set train.vllm_tensor_parallel_size=1")
+
+
+def test_the_calculator_over_vllms_server_mode_is_retired_with_a_named_error():
+    from lowmem_grpo.errors import RetiredSettingError
+
+    with pytest.raises(RetiredSettingError, match="train.vllm_mode=server: the calculator over TRL's vLLM server "
+                                                  "mode was retired") as info:
+        _check(_recipe("data.calculator=true", "train.use_vllm=true", "train.vllm_mode=server"), ("hf", "cuda", ONE))
+    assert "train.vllm_mode=colocate" in info.value.fix and info.value.exit_code == 2
+    _check(_recipe("train.use_vllm=true", "train.vllm_mode=server"), ("hf", "cuda", ONE))  # TRL's own server mode
     for setting in ("train.vllm_structured_outputs_regex=a+", "train.vllm_tensor_parallel_size=2"):
         _check(_recipe("train.use_vllm=true", setting), ("hf", "cuda", ONE))  # TRL's own vLLM takes them
         _check(_recipe("data.calculator=true", setting), ("hf", "cuda", ONE))  # the engine ignores them
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (("train.eval.stage.problems=10",),
-     ("train.eval.stage.problems=10", "rank 0", "train.eval.stage.problems=0", "ZeRO-2")),
-    (("train.eval.every=5",), ("train.eval.every=5", "rank 0", "train.eval.every=0", "ddp.yaml")),
-    (("data.calculator=true",), ("data.calculator", "without gathering", "data.calculator=false", "ZeRO-2")),
-    (("model.load_in_4bit=true",), ("model.load_in_4bit=true", "model.load_in_4bit=false")),
-])
-def test_zero3_refuses_what_samples_on_rank_0_or_without_gathering(overrides, named):
-    base = ("model.backend=hf", "model.load_in_4bit=false", "train.eval.stage.problems=0")
-    recipe = _recipe(*base, *overrides)
-    _refused(recipe, ("hf", "cuda", ZERO3), "ZeRO-3", *named)
+@pytest.mark.parametrize("overrides", [(), ("model.backend=hf", "model.load_in_4bit=false"),
+                                       ("model.backend=unsloth",)])
+def test_zero3_is_retired_with_a_named_error_and_zero2_and_ddp_run(overrides):
+    from lowmem_grpo.errors import RetiredSettingError
+
+    recipe = _recipe(*overrides, "train.eval.stage.problems=0", path=GPU_RECIPE)
+    for backend, device in (("hf", "cuda"), ("hf", "cpu")):
+        with pytest.raises(RetiredSettingError, match="DeepSpeed ZeRO-3 .* was retired") as info:
+            _check(recipe, (backend, device, ZERO3))
+        assert "zero2.yaml" in info.value.fix and info.value.exit_code == 2
     _check(recipe, ("hf", "cuda", ZERO2))  # ZeRO-2 and DDP keep the whole model on every rank
     _check(recipe, ("hf", "cuda", Launch(2)))
-
-
-def test_zero3_takes_the_calculator_on_vllm():
-    """TRL's vLLM gathers the ZeRO-3 shards when it syncs the weights; the calculator's rounds sample on vLLM."""
-    _check(_recipe("model.backend=hf", "model.load_in_4bit=false", "data.calculator=true", "train.use_vllm=true"),
-           ("hf", "cuda", ZERO3))
-
-
-def test_zero3_refuses_the_engine_on_cpu_unless_trl_samples():
-    recipe = _recipe("train.eval.stage.problems=0")  # the CPU recipe: hf, where the engine samples GRPO's completions
-    _refused(recipe, ("hf", "cpu", ZERO3), "train.cpu.fast=true", "train.cpu.fast=false")
-    _check(_recipe("train.eval.stage.problems=0", "train.cpu.fast=false"), ("hf", "cpu", ZERO3))
-    _check(recipe, ("hf", "cuda", ZERO3))  # on CUDA TRL's generation samples (it gathers the shards)
 
 
 def test_the_runtime_resolves_auto_as_train_would():
@@ -148,19 +143,14 @@ def test_the_runtime_resolves_auto_as_train_would():
     assert (on_cpu.backend, on_cpu.device, on_cpu.trainer, on_cpu.launch) == ("hf", "cpu", "cpu", ONE)
 
 
-def test_unsloth_runs_under_ddp_and_zero2_but_not_zero3():
+def test_unsloth_runs_under_ddp_and_zero2():
     """Unsloth 2026.10.9 loads each rank on its own GPU and averages the LoRA gradients itself (DDP, ZeRO-1/2:
-    every rank holds the whole model); its fused LoRA kernels read each layer's base weight directly, which ZeRO-3
-    gathers only around the layer's own forward (lowmem_grpo.runtime.backend_for cites the source)."""
+    every rank holds the whole model)."""
     unsloth = _recipe("model.backend=unsloth", path=GPU_RECIPE)
     for launch_ in (Launch(2), ZERO2, Launch(4, 1)):
         target = resolve(unsloth, launch_, GPU)
         assert target.backend == "unsloth" and target.processes == launch_.num_processes
-    for launch_ in (ZERO3, Launch(1, 3)):
-        with pytest.raises(BadInputError, match="model.backend=unsloth under DeepSpeed ZeRO-3") as caught:
-            resolve(unsloth, launch_, GPU)
-        assert caught.value.exit_code == 2 and "model.backend=hf" in caught.value.fix
-    assert resolve(_recipe(path=GPU_RECIPE), Launch(1, 3), GPU).backend == "hf"  # auto under ZeRO-3: hf
+    assert resolve(_recipe(path=GPU_RECIPE), Launch(2, 2), GPU).backend == "hf"  # auto under several processes: hf
 
 
 def test_unsloth_fp32_on_cuda_is_refused_before_the_model_loads():
@@ -178,14 +168,15 @@ def test_the_recipe_rules_count_the_launchers_processes():
         _check(recipe, ("hf", "cuda", Launch(3)))
 
 
-def test_launch_reads_the_launchers_environment_and_train_deepspeed():
+def test_launch_reads_the_launchers_environment_and_train_deepspeed(tmp_path):
     assert launch(environ={}) == ONE
-    env = {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true",
-           "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ACCELERATE / "ds_zero3.json")}
+    ds_zero3 = tmp_path / "ds_zero3.json"  # a user's stage-3 config: read so that it can be refused
+    ds_zero3.write_text('{"zero_optimization": {"stage": 3}}')
+    env = {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds_zero3)}
     assert launch(environ=env) == Launch(2, 3)
     assert launch(environ={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}) == Launch(1, 2)
     # TrainingArguments' own DeepSpeed config (train.deepspeed), under torchrun: a file or a dict
-    assert launch({"deepspeed": str(ACCELERATE / "ds_zero3.json")}, environ={"WORLD_SIZE": "4"}) == Launch(4, 3)
+    assert launch({"deepspeed": str(ACCELERATE / "ds_zero2.json")}, environ={"WORLD_SIZE": "4"}) == Launch(4, 2)
     assert launch({"deepspeed": {"zero_optimization": {"stage": 2}}}, environ={}) == Launch(1, 2)
     with pytest.raises(BadInputError, match="train.deepspeed"):
         launch({"deepspeed": str(ACCELERATE / "no-such.json")}, environ={})
@@ -193,7 +184,6 @@ def test_launch_reads_the_launchers_environment_and_train_deepspeed():
 
 def test_an_accelerate_config_becomes_the_environment_accelerate_launch_sets(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the shipped configs name their DeepSpeed JSON relative to the repository root
-    assert launch(environ=launcher_environment(ACCELERATE / "zero3.yaml")) == Launch(2, 3)
     assert launch(environ=launcher_environment(ACCELERATE / "zero2.yaml")) == Launch(2, 2)
     assert launch(environ=launcher_environment(ACCELERATE / "ddp.yaml")) == Launch(2)
     keys = tmp_path / "keys.yaml"  # DeepSpeed set by accelerate's own config keys, no JSON

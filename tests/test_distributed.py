@@ -98,38 +98,11 @@ def test_two_processes_over_gloo_train_to_identical_adapters(tiny_model_dir, tmp
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_under_two_processes_keeps_the_ranks_in_step(tiny_model_dir, tmp_path):
-    """One prompt group per rank (4 rows each, 4 generations), one of the two flat: the ranks learn the pass
-    rates from the gathered rewards, so they draw alike and end with identical adapters."""
-    from lowmem_grpo.rundir.telemetry import read_metrics
-
-    root = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DIR / "cpu_2proc.yaml"),
-           "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir), f"output.root={root}",
-           "rewards={correctness: 2.0, 'lowmem_test_rewards:length_on_odd_ids': 1.0}", "train.selection.dynamic_sampling=true",
-           "data.limit=2", "train.num_generations=4", "train.per_device_train_batch_size=4", "prime.enabled=false",
-           "train.preflight.enabled=false"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    run_dir = next(root.iterdir())
-    assert json.loads((run_dir / "distributed.json").read_text())["adapters_identical"] is True
-    steps = [r for r in read_metrics(run_dir) if r.get("stage") == "grpo" and "reward" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    for r in steps:
-        assert r["groups/informative"] == pytest.approx(1 - r["frac_reward_zero_std"]) == pytest.approx(0.5)
-        assert r["groups/per_step"] == 2.0
-    state = json.loads((run_dir / "checkpoint-2" / "lowmem_sampling.json").read_text())
-    assert sorted(state["rates"]["history"]) == ["0", "1"]  # both ranks' groups, gathered
-    assert all(len(h) == 8 for h in state["rates"]["history"].values())
-
-
-@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="deepspeed is not installed (optional: pip install deepspeed)")
 @GLOO_ON_CPU
-@pytest.mark.parametrize("config, stage", [("zero2", 2), ("zero3", 3)])
-def test_deepspeed_configs_train_two_processes_on_cpu(config, stage, tiny_model_dir, tmp_path):
-    """The shipped ZeRO configs, end to end on CPU (DeepSpeed's CPU accelerator over gloo).
+def test_the_zero2_config_trains_two_processes_on_cpu(tiny_model_dir, tmp_path):
+    """The shipped ZeRO-2 config, end to end on CPU (DeepSpeed's CPU accelerator over gloo).
 
     DeepSpeed is not in the pinned set: this runs where it is installed (`pip install deepspeed`), and the
     first run JIT-compiles DeepSpeed's shared-memory op, which takes minutes on 2 cores.
@@ -137,37 +110,18 @@ def test_deepspeed_configs_train_two_processes_on_cpu(config, stage, tiny_model_
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DIR / f"{config}.yaml"),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DIR / "zero2.yaml"),
            "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir), f"output.dir={out}"]
-    if stage == 3:  # ZeRO-3 shards the parameters: TRL's generation gathers them, lowmem_grpo's engine does not
-        cmd.append("train.cpu.fast=false")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env(), cwd=REPO)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     record = json.loads((out / "distributed.json").read_text())
     assert record["num_processes"] == 2 and record["distributed_type"] == "DEEPSPEED"
-    assert record["adapters_identical"] is (None if stage == 3 else True)
+    assert record["adapters_identical"] is True
     shards = sorted(p.name for p in (out / "checkpoint-2/global_step2").iterdir())
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in shards  # ZeRO partitioned the optimizer over 2 ranks
-    if stage == 3:
-        assert "zero_pp_rank_1_mp_rank_00_model_states.pt" in shards  # ... and the parameters
-    saved = load_file(str(out / "adapter/adapter_model.safetensors"))  # whole, gathered from the shards
+    saved = load_file(str(out / "adapter/adapter_model.safetensors"))
     assert all(t.numel() > 0 for t in saved.values())
     assert any(float(t.abs().max()) > 0 for name, t in saved.items() if "lora_B" in name)
-
-
-def test_unsloth_under_zero3_is_refused_before_anything_runs(tiny_model_dir, tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "lowmem_grpo.cli", "train", str(RECIPE), *tiny_overrides(tiny_model_dir),
-           "model.backend=unsloth", f"output.dir={out}"]
-    zero3 = {"ACCELERATE_USE_DEEPSPEED": "true",
-             "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ACCELERATE_DIR / "ds_zero3.json")}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env=env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", **zero3))
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "model.backend=unsloth under DeepSpeed ZeRO-3" in result.stderr
-    assert "fix: set model.backend=hf" in result.stderr
-    assert "Unsloth: " not in result.stdout + result.stderr  # refused before unsloth was imported
-    assert not out.exists()
 
 
 def run_python(code: str, **extra: str) -> str:
@@ -183,13 +137,14 @@ def test_auto_backend_is_hf_under_several_processes():
     assert run_python(code, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1") == "hf"
 
 
-def test_launcher_environment_is_read():
+def test_launcher_environment_is_read(tmp_path):
     code = ("from lowmem_grpo import distributed as d; "
             "print(d.world_size(), d.rank(), d.local_rank(), d.is_main_process(), d.deepspeed_zero_stage())")
     assert run_python(code) == "1 0 0 True None"
     assert run_python(code, WORLD_SIZE="4", RANK="3", LOCAL_RANK="1") == "4 3 1 False None"
-    zero3 = {"ACCELERATE_USE_DEEPSPEED": "true",
-             "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ACCELERATE_DIR / "ds_zero3.json")}
+    ds_zero3 = tmp_path / "ds_zero3.json"  # a user's stage-3 config: read so that it can be refused
+    ds_zero3.write_text('{"zero_optimization": {"stage": 3}}')
+    zero3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds_zero3)}
     assert run_python(code, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", **zero3).endswith("True 3")
     stage2 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
     assert run_python(code, **stage2).endswith("True 2")
@@ -208,13 +163,13 @@ def test_shipped_accelerate_configs():
     from accelerate.utils import DistributedType
 
     configs = {name: load_config_from_file(str(ACCELERATE_DIR / f"{name}.yaml"))
-               for name in ("ddp", "zero2", "zero3", "cpu_2proc")}
+               for name in ("ddp", "zero2", "cpu_2proc")}
     assert configs["ddp"].distributed_type == DistributedType.MULTI_GPU
     # the launcher that starts num_processes processes; `--cpu` / use_cpu would start only one
     cpu = configs["cpu_2proc"]
     assert cpu.distributed_type == DistributedType.MULTI_GPU and cpu.num_processes == 2 and not cpu.use_cpu
     assert cpu.mixed_precision == "no"
-    for name, stage in (("zero2", 2), ("zero3", 3)):
+    for name, stage in (("zero2", 2),):
         config = configs[name]
         assert config.distributed_type == DistributedType.DEEPSPEED
         assert config.mixed_precision is None  # accelerate refuses it beside a DeepSpeed JSON file
@@ -223,5 +178,3 @@ def test_shipped_accelerate_configs():
         assert ds["zero_optimization"]["stage"] == stage
         assert ds["bf16"]["enabled"] == "auto" and ds["fp16"]["enabled"] == "auto"
         assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["gradient_accumulation_steps"] == "auto"
-    assert json.loads((ACCELERATE_DIR / "ds_zero3.json").read_text())["zero_optimization"][
-        "stage3_gather_16bit_weights_on_model_save"] is True  # the trainer saves a whole adapter

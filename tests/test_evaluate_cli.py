@@ -271,7 +271,7 @@ def test_preflight_and_eval_fields_never_reach_grpo_config(tmp_path):
     check_trainer_fields(recipe)
     assert recipe.train.extra == {}
     config = build_grpo_config(recipe, tmp_path, cpu_runtime(recipe), [1.0])
-    assert not any(hasattr(config, k) for k in ("preflight", "eval", "selection", "memory", "cpu", "allow_no_signal"))
+    assert not any(hasattr(config, k) for k in ("preflight", "eval", "memory", "cpu", "allow_no_signal"))
     for bad in ("train.preflight.prompts=0", "train.eval.every=-1", "train.eval.problems=0"):
         with pytest.raises(RecipeError):
             validate(load_recipe(CPU_RECIPE, [bad]))

@@ -68,13 +68,13 @@ def test_merged_export_writes_a_byte_level_tokenizer_and_is_scored(smol_run, tmp
     from lowmem_grpo.rundir import export_scores, layout
 
     out = tmp_path / "merged"
-    result = export(smol_run, "merged-16bit", out, dtype="float32")
+    result = export(smol_run, "merged", out, dtype="float32")
     data = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
     assert data["model"]["byte_fallback"] is False and not needs_repair(data)
     assert result.score is not None and result.score["problems"] == 6 and "minus_adapter" in result.score
     assert "minus_base" in result.score
     entries = export_scores.read(smol_run)
-    assert [e["format"] for e in entries if e["out"] == str(out.resolve())] == ["merged-16bit"]
+    assert [e["format"] for e in entries if e["out"] == str(out.resolve())] == ["merged"]
     assert "## The gain survives export" in (smol_run / layout.REPORT_FILE).read_text(encoding="utf-8")
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "## Accuracy on the task" in card and "export - adapter" in card
@@ -94,14 +94,26 @@ def test_an_unknown_gguf_type_exits_2(smol_run, tmp_path):
     assert done.returncode == 2 and "--gguf-type" in done.stderr
 
 
+def llama_cpp_has_amx_kernels() -> bool:
+    import llama_cpp
+
+    from lowmem_grpo.export.llama_runner import amx_kernels
+
+    return amx_kernels(llama_cpp.llama_print_system_info().decode("utf-8", "replace"))
+
+
 @pytest.mark.gguf
-@pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0", "q4_k_m"])
 def test_gguf_export_runs_and_is_proven_in_llama_cpp(smol_run, tmp_path, gguf_type):
+    """Every --gguf-type the docs name, at the export's default precision as the README runs them (a quantized file
+    is made from the exact file of the precision that keeps the adapter)."""
     pytest.importorskip("llama_cpp")
     from lowmem_grpo.export.formats import export
+    from lowmem_grpo.export.gguf_proof import GGUF_FILE_TYPES, QUANTIZED
 
     out = tmp_path / gguf_type
-    result = export(smol_run, "gguf", out, dtype="float32", gguf_type=gguf_type, tolerance=1.0)
+    result = export(smol_run, "gguf", out, gguf_type=gguf_type, tolerance=1.0)
+    assert result.file.endswith(f"-{GGUF_FILE_TYPES[gguf_type]}.gguf")
     files = [p.name for p in out.iterdir()]
     assert result.file in files and [f for f in files if f.endswith(".gguf")] == [result.file]
     proof = result.gguf_proof
@@ -113,7 +125,50 @@ def test_gguf_export_runs_and_is_proven_in_llama_cpp(smol_run, tmp_path, gguf_ty
     assert result.score is not None and result.score["problems"] == 6
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "## Proof in llama.cpp" in card and f"the proof's rule for {gguf_type}: the file " in card
-    assert ("accuracy_difference" in proof) == (gguf_type == "q8_0")
+    assert ("accuracy_difference" in proof) == (gguf_type in QUANTIZED)
+    # a llama.cpp built with AMX kernels proves the file with repacking off and the card says how to run it
+    assert proof["llama_cpp_repack"] is not llama_cpp_has_amx_kernels()
+    assert ("--no-repack" in card) is not proof["llama_cpp_repack"]
+
+
+@pytest.mark.gguf
+def test_the_proof_runs_a_quantized_file_the_same_without_llama_cpps_repacked_kernels(smol_run, tmp_path):
+    """Repacking off (what the proof does on a llama.cpp built with AMX kernels, which crash on K-quant files) loads
+    the file with no extra buffer types and gives the same greedy tokens from the same weights."""
+    pytest.importorskip("llama_cpp")
+    from lowmem_grpo.export import gguf_proof
+    from lowmem_grpo.export.formats import export
+
+    merged = tmp_path / "merged"
+    export(smol_run, "merged-16bit", merged, dtype="bfloat16", score=False)
+    sixteen, quantized = tmp_path / "m-BF16.gguf", tmp_path / "m-Q4_K_M.gguf"
+    gguf_proof.convert(gguf_proof.find_converter(), merged, sixteen, "bf16")
+    gguf_proof.run_child({"job": "quantize", "src": str(sixteen), "dst": str(quantized), "type": "q4_k_m"}, "quantize")
+    job = {"job": "generate", "model": str(quantized), "prompts": ["<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+                                                                   "<|im_start|>assistant\n", "Hello"],
+           "max_new_tokens": 12, "eos_ids": [2], "calculator": False, "n_ctx": 128}
+    on, off = (gguf_proof.run_child({**job, "repack": repack}, "the proof") for repack in (True, False))
+    assert on["extra_buffers"] and not off["extra_buffers"] and not off["repack"]
+    assert [g["ids"] for g in on["generations"]] == [g["ids"] for g in off["generations"]]
+    assert all(g["ids"] for g in off["generations"])
+    assert gguf_proof.run_child(job, "the proof")["repack"] is not llama_cpp_has_amx_kernels()
+
+
+@pytest.mark.gguf
+def test_llama_takes_its_model_parameters_from_the_function_the_runner_sets():
+    """llama_runner._load turns repacking off through llama_model_default_params, read once by Llama.__init__ before
+    the model loads (Llama has no argument for use_extra_bufts)."""
+    pytest.importorskip("llama_cpp")
+    import inspect
+
+    import llama_cpp.llama_cpp as bindings
+    from llama_cpp import Llama
+
+    source = inspect.getsource(Llama.__init__)
+    read = source.index("self.model_params = llama_cpp.llama_model_default_params()")
+    assert read < source.index("internals.LlamaModel(") and "params=self.model_params" in source
+    assert "use_extra_bufts" in dict(bindings.llama_model_params._fields_)
+    assert "use_extra_bufts" not in inspect.signature(Llama.__init__).parameters
 
 
 @pytest.mark.gguf
@@ -126,7 +181,7 @@ def test_the_old_tokenizer_crashes_llama_cpp_and_that_is_a_failed_proof(smol_run
     from lowmem_grpo.export.formats import export
 
     merged = tmp_path / "merged"
-    export(smol_run, "merged-16bit", merged, dtype="float32", score=False)
+    export(smol_run, "merged", merged, dtype="float32", score=False)
     shutil.copy2(smol_run.parent / "model" / "tokenizer.json", merged / "tokenizer.json")  # as transformers saved it
     target = tmp_path / "old.gguf"
     gguf_proof.convert(gguf_proof.find_converter(), merged, target, "f16")

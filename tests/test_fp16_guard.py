@@ -28,12 +28,8 @@ class LoopTrainer:
         self.model = model
         self.optimizer = optimizer
         self.accelerator = accelerator
-        self.callbacks: list = []
         self.metrics = defaultdict(list)
         self.lowmem_guard = None
-
-    def add_callback(self, callback) -> None:
-        self.callbacks.append(callback)
 
     def add_step_metrics(self, record) -> None:
         for key, value in record.items():
@@ -55,7 +51,7 @@ def test_skipped_steps_leave_the_fp16_grad_scaler_and_the_weights_alone(clip):
     optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), device_placement=False,
                                      scaler=scaler)
     trainer = LoopTrainer(model, optimizer, accelerator)
-    guard = NoSignalStepGuard.attach(trainer)
+    guard = trainer.lowmem_guard = NoSignalStepGuard(trainer)  # as LowmemGRPOTrainer.__init__ makes it
     guard.on_train_begin(None, None, None)
 
     for step, signal in enumerate(PLAN):

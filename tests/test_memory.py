@@ -378,7 +378,6 @@ def test_fit_to_device_without_cuda_and_the_saved_plan(tmp_path):
 
 
 def test_gpu_benchmark_tokenizer_and_prompts_have_the_real_sizes(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import scripted_model
 
     tokenizer = scripted_model.build_tokenizer(tmp_path, 1000)
@@ -446,53 +445,25 @@ def test_planner_imports_nothing_heavy():
     assert out.stdout.strip() == "[]"
 
 
-# --- prompt sharing: Unsloth's PrefixGrouper and our shared-prompt pass --------------------------
+# --- prompt sharing: our shared-prompt pass -------------------------------------------------------------------
 
-ONE_GROUP = ["model.backend=unsloth", "train.per_device_train_batch_size=8", "train.num_generations=8",
-             "train.steps_per_generation=1"]  # a generation round of one prompt group: PrefixGrouper's only shape
-
-
-def _sharing(recipe_name: str, overrides: list[str], env: dict[str, str] | None = None, config: dict | None = None):
+def _sharing(recipe_name: str, overrides: list[str]):
     from lowmem_grpo.memory.sharing import sharing_for
     from lowmem_grpo.runtime import planned
 
     recipe = apply_overrides(load_recipe(recipe_name), overrides)
-    arch = architecture_from_config(config) if config else load_architecture(recipe.model.name)
-    return sharing_for(arch, planned(recipe), recipe, env if env is not None else {})
+    return sharing_for(load_architecture(recipe.model.name), planned(recipe), recipe)
 
 
-def test_prefix_grouper_gate():
+def test_unsloths_prefix_grouping_is_not_modelled():
     from lowmem_grpo.memory import sharing as ms
 
-    on = _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP)  # P 256, C 512, G 8: token ratio 8 x 768 / 4352 = 1.41
-    assert on.applies == ms.UNSLOTH and on.verify and "1.41" in on.reason
-    assert not _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP, {ms.PG_VERIFY_ENV: "0"}).verify
-    off = {  # each rule of the installed source, one at a time
-        "UNSLOTH_GRPO_PREFIX_GROUPER=Off": (ONE_GROUP, {ms.PG_ENV: "Off"}),
-        "UNSLOTH_GRPO_SEQ_PACKING=false": (ONE_GROUP, {ms.PG_PACKING_ENV: "false"}),
-        "vLLM": (ONE_GROUP + ["model.fast_inference=true"], {}),
-        "top_entropy_quantile": (ONE_GROUP + ["train.top_entropy_quantile=0.2"], {}),
-        "entropy_coef": (ONE_GROUP + ["train.entropy_coef=0.01"], {}),
-        "shuffles": (["model.backend=unsloth"], {}),  # 2 prompts x 8 in micro-batches of 16
-        "below its gate": (ONE_GROUP + ["train.max_completion_length=4096", "model.max_seq_length=4352"], {}),
-        "below its gate 1.5": (ONE_GROUP, {ms.PG_TOKR_ENV: "1.5"}),
-    }
-    for words, (overrides, env) in off.items():
-        result = _sharing("qwen2_5_1_5b_gsm8k", overrides, env)
-        assert result.applies == ms.NONE and result.available == ms.UNSLOTH, words
-        assert words.split("=")[0].split(" 1")[0] in result.reason, (words, result.reason)
-    assert _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP + ["train.use_adaptive_entropy=true", "train.entropy_coef=0.01"]
-                    ).applies == ms.UNSLOTH  # Unsloth turns the bonus off under adaptive entropy
-    # a micro-batch of half a group is not whole groups; G = 1 shares nothing
-    assert _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP + ["train.per_device_train_batch_size=4",
-                                                       "train.steps_per_generation=2"]).applies == ms.NONE
-    # the architecture rules: Gemma 3 1B's 512-token window is shorter than 256 + 512; soft-capping, MoE, Mamba
-    assert "sliding window (512)" in _sharing("gemma3_1b_gsm8k", ONE_GROUP).reason
-    assert _sharing("gemma3_1b_gsm8k", ONE_GROUP + ["train.max_completion_length=128"]).applies == ms.UNSLOTH
-    for extra, words in [({"attn_logit_softcapping": 50.0}, "soft-capping"), ({"num_experts": 8}, "mixture"),
-                         ({"mamba_d_state": 16}, "Mamba")]:
-        assert words in _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP, config={**TINY, **extra}).reason
-    assert _sharing("qwen2_5_1_5b_gsm8k", ONE_GROUP, config={**TINY, "num_experts": None}).applies == ms.UNSLOTH
+    one_group = ["model.backend=unsloth", "train.per_device_train_batch_size=8", "train.num_generations=8",
+                 "train.steps_per_generation=1"]
+    for overrides in (one_group, ["model.backend=unsloth"]):
+        result = _sharing("qwen2_5_1_5b_gsm8k", overrides)
+        assert (result.applies, result.available, result.verify) == (ms.NONE, ms.NONE, False)
+        assert "not modelled: the plan counts full rows" in result.reason
     # Qwen configs carry a window that transformers drops when use_sliding_window is false
     qwen = load_architecture("Qwen/Qwen2.5-1.5B-Instruct")
     assert qwen.sliding_window == 32768 and qwen.attention_window is None
@@ -533,55 +504,6 @@ def test_shared_prompt_runs_in_the_cpu_trainer_only():
         assert runs_ours == (device in ms.HF_SHARED_DEVICES), device
 
 
-def test_prefix_grouper_rules_match_the_installed_source():
-    """A drift guard: the switches, defaults and rules our gate copies, read from the installed Unsloth/TRL source
-    (not imported; Unsloth needs a GPU), and its token ratio run against ours."""
-    import ast
-    import importlib.util
-
-    from lowmem_grpo.memory import sharing as ms
-
-    unsloth, zoo, trl = (importlib.util.find_spec(n) for n in ("unsloth", "unsloth_zoo", "trl"))
-    if unsloth is None or zoo is None:
-        pytest.skip("unsloth is not installed")
-    grouper = (Path(unsloth.origin).parent / "utils" / "prefix_grouper.py").read_text(encoding="utf-8")
-    loss = (Path(zoo.origin).parent / "rl_replacements.py").read_text(encoding="utf-8")
-    assert f'env_on("{ms.PG_PACKING_ENV}", "1") and env_on("{ms.PG_ENV}", "1")' in grouper
-    assert f'env_on("{ms.PG_VERIFY_ENV}", "1")' in grouper
-    assert f'float(os.environ.get("{ms.PG_TOKR_ENV}", "{ms.PG_TOKR_DEFAULT}"))' in grouper
-    assert f"not in {ms.PG_OFF_VALUES!r}".replace("'", '"') in grouper.replace("\n", "")
-    assert "if apply_tokr_gate and tok_r < tokr_threshold():" in grouper
-    assert "if G is None or G < 2 or total_rows % G != 0:" in grouper  # whole groups of consecutive rows
-    assert 'if gm["P"] + max(gm["R_list"]) > max_segment_cap:' in grouper
-    # the gradient pass's gate: no vLLM, no entropies, the excluded architectures
-    assert 'not getattr(trainer, "use_vllm", False) and not _need_entropy' in loss
-    gate = loss[loss.index("_pg_engage = (\n"):loss.index("_pg_layout = None")]
-    assert "attn_logit_softcapping" in gate and "_pg_num_gen >= 2" in gate
-    named = set(re.findall(r'"(\w+)"', gate))
-    assert {*MOE_KEYS, *SSM_KEYS} <= named
-    # its self-verify keeps the full-row packed graph while a no-grad shared pass runs
-    assert "_pg_phase_verify = True   # packed graph still co-resident" in loss
-    # TRL shuffles the generation batch's rows before cutting micro-batches
-    prepare = (Path(trl.origin).parent / "trainer" / "grpo_trainer.py").read_text(encoding="utf-8")
-    assert prepare.index("generation_batch = shuffle_sequence_dict(generation_batch)") < \
-        prepare.index("generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)")
-    # their token ratio, run on full-length groups, is ours
-    tree = ast.parse(grouper)
-    namespace: dict = {}
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in ("_tok_r", "env_on"):
-            exec(compile(ast.Module([node], []), "prefix_grouper", "exec"), {"os": os}, namespace)
-    for p, c, g in [(256, 512, 8), (83, 46, 8), (64, 4096, 4), (1, 1, 2)]:
-        groups = [{"P": p, "R_list": [c] * g}, {"P": p, "R_list": [c] * g}]
-        assert namespace["_tok_r"](groups) == pytest.approx(ms.token_ratio(p, c, g))
-    for value in ("0", "false", "No", "OFF", "1", "yes", "true"):
-        os.environ["LOWMEM_TEST_SWITCH"] = value
-        try:
-            assert namespace["env_on"]("LOWMEM_TEST_SWITCH", "1") == ms.env_on({"X": value}, "X")
-        finally:
-            del os.environ["LOWMEM_TEST_SWITCH"]
-
-
 def test_shared_prompt_arithmetic(tiny):
     """Tiny llama, P 32, C 64, b 4, G 4, R 8: k = min(4, 8 / 4) = 2 prompts per micro-batch."""
     s = tiny_settings(load_in_4bit=False)
@@ -598,20 +520,17 @@ def test_shared_prompt_arithmetic(tiny):
     assert mt.prompt_kv(tiny, no_gc) == 2 * 4 * 32 * 2 * 32 * 2 and mt.prompt_kv(tiny, s) == 0
     # the log-prob pass scores the same N = b x C tokens either way
     assert ml.logits(tiny, shared) == ml.logits(tiny, s)
-    # Unsloth's stream: no mask and no expanded cache; with its self-verify the full-row figure stays
-    pg = dataclasses.replace(s, backend="unsloth", prompt_sharing="unsloth_prefix_grouper")
-    plain = dataclasses.replace(s, backend="unsloth")
-    assert mt.attention_mask_bytes(pg, True) == 0 and mt.prompt_kv(tiny, pg) == 0
-    assert mt.activations(tiny, pg) < mt.activations(tiny, plain)
-    assert mt.activations(tiny, dataclasses.replace(pg, sharing_verify=True)) == mt.activations(tiny, plain)
-    pg_no_gc = dataclasses.replace(pg, sharing_verify=True, gradient_checkpointing=False)
-    assert mt.activations(tiny, pg_no_gc) == mt.activations(tiny, dataclasses.replace(plain, gradient_checkpointing=False)) \
-        + 320 * mt.layer_activation_bytes_per_token(tiny, pg_no_gc)
+    # a self-verify beside the shared pass keeps the full-row figure (+ its no-grad pass's layer)
+    assert mt.activations(tiny, shared) < mt.activations(tiny, s)
+    assert mt.activations(tiny, dataclasses.replace(shared, sharing_verify=True)) == mt.activations(tiny, s)
+    verify_no_gc = dataclasses.replace(no_gc, sharing_verify=True)
+    assert mt.activations(tiny, verify_no_gc) == mt.activations(tiny, dataclasses.replace(
+        s, gradient_checkpointing=False)) + 320 * mt.layer_activation_bytes_per_token(tiny, verify_no_gc)
 
 
 def test_plan_counts_the_sharing_that_applies_and_both_figures():
     no_gc = ["model.backend=hf", "train.gradient_checkpointing=false"]
-    hf = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), no_gc), 80 * GIB, env={})
+    hf = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), no_gc), 80 * GIB)
     f = hf.sharing_figures
     assert hf.sharing.applies == "none" and hf.total_bytes == f["peak_without_bytes"]  # a CUDA run: TRL's pass
     assert f["saving_bytes"] == f["peak_without_bytes"] - f["peak_with_bytes"] > 0
@@ -622,12 +541,9 @@ def test_plan_counts_the_sharing_that_applies_and_both_figures():
 
     assert evaluate(hf.architecture, engaged).total_bytes == f["peak_with_bytes"]
     assert mt.prompt_kv(hf.architecture, engaged) > 0
-    recipe = apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ONE_GROUP)
-    verified = plan(recipe, 8 * GIB, env={})
-    unverified = plan(recipe, 8 * GIB, env={"UNSLOTH_GRPO_PREFIX_GROUPER_VERIFY": "0"})
-    assert verified.sharing.applies == unverified.sharing.applies == "unsloth_prefix_grouper"
-    assert verified.total_bytes == verified.sharing_figures["peak_without_bytes"]  # the verify keeps the full row
-    assert unverified.total_bytes == verified.sharing_figures["peak_with_unverified_bytes"] < verified.total_bytes
+    unsloth = plan(apply_overrides(load_recipe("qwen2_5_1_5b_gsm8k"), ["model.backend=unsloth"]), 8 * GIB)
+    f = unsloth.sharing_figures  # not modelled: both figures are the full-row one
+    assert unsloth.total_bytes == f["peak_without_bytes"] == f["peak_with_bytes"] and f["saving_bytes"] == 0
 
 
 def test_plan_output_names_the_sharing_and_prints_both_figures():
@@ -639,13 +555,13 @@ def test_plan_output_names_the_sharing_and_prints_both_figures():
     figures = re.search(r"peak without prompt sharing ([\d.]+) GiB, with our shared-prompt pass \(if it engaged\) "
                         r"([\d.]+) GiB \(saves ([\d.]+) (GiB|MiB)\)", text.stdout)
     assert figures and float(figures.group(1)) > float(figures.group(2))
-    out = _cli("plan", "qwen2_5_1_5b_gsm8k", *ONE_GROUP, "--json", UNSLOTH_GRPO_PREFIX_GROUPER_VERIFY="0")
+    out = _cli("plan", "qwen2_5_1_5b_gsm8k", "model.backend=hf", "train.gradient_checkpointing=false", "--json")
     data = json.loads(out.stdout)["prompt_sharing"]
-    assert data["applies"] == "unsloth_prefix_grouper" and data["verify"] is False
+    assert data["applies"] == "none" and data["available"] == "shared_prompt" and data["verify"] is False
     assert data["peak_with_bytes"] + data["saving_bytes"] == data["peak_without_bytes"]
-    off = json.loads(_cli("plan", "qwen2_5_1_5b_gsm8k", *ONE_GROUP, "--json", UNSLOTH_GRPO_PREFIX_GROUPER="0").stdout)
-    assert off["prompt_sharing"]["applies"] == "none" and "UNSLOTH_GRPO_PREFIX_GROUPER=0" in off["prompt_sharing"]["reason"]
-    assert off["total_bytes"] == off["prompt_sharing"]["peak_without_bytes"]
+    unsloth = json.loads(_cli("plan", "qwen2_5_1_5b_gsm8k", "model.backend=unsloth", "--json").stdout)
+    assert unsloth["prompt_sharing"]["applies"] == "none" and "not modelled" in unsloth["prompt_sharing"]["reason"]
+    assert unsloth["total_bytes"] == unsloth["prompt_sharing"]["peak_without_bytes"]
 
 
 # --- the evaluation batch: its KV cache, the plan's choice, auto-fit --------------------------------------

@@ -27,17 +27,23 @@ def timed_record(step: int, seconds: float = 2.0) -> dict:
 # ---- the timer driven as the trainer drives it: the arithmetic -----------------------------------
 
 class Trainer:
-    """What PhaseTimer reads of a trainer (lowmem_grpo.train.trainer.LowmemGRPOTrainer): its accelerator's device,
-    its callbacks, add_step_metrics."""
+    """What PhaseTimer reads of a trainer (lowmem_grpo.train.trainer.LowmemGRPOTrainer): add_step_metrics."""
 
-    def __init__(self, device: str = "cpu") -> None:
-        self.accelerator = SimpleNamespace(device=SimpleNamespace(type=device))
-        self.callback_handler = SimpleNamespace(callbacks=["telemetry"])
+    def __init__(self) -> None:
         self.metrics = defaultdict(list)
 
     def add_step_metrics(self, record: dict) -> None:
         for key, value in record.items():
             self.metrics[key].append(value)
+
+
+def started(trainer: Trainer, device: str = "cpu"):
+    """A PhaseTimer as LowmemGRPOTrainer makes it, at the start of training on `device` (its TrainingArguments')."""
+    from lowmem_grpo.train.callbacks import PhaseTimer
+
+    timer = PhaseTimer(trainer)
+    timer.on_train_begin(SimpleNamespace(device=SimpleNamespace(type=device)), None, None)
+    return timer
 
 
 def run_phases(timer, clock: list[float]) -> None:
@@ -62,9 +68,7 @@ def test_phase_timer_sums_its_phases_to_the_step(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(callbacks.WallClock, "mark", lambda self: clock[0])
     trainer = Trainer()
-    timer = callbacks.PhaseTimer.attach(trainer)
-    assert trainer.callback_handler.callbacks[0] is timer  # first: its step end precedes telemetry and checkpoints
-    assert trainer.lowmem_timer is timer
+    timer = started(trainer)
     state = SimpleNamespace(global_step=1, max_steps=2)
     for step in (1, 2):
         timer.on_step_begin(None, state, None)
@@ -99,7 +103,7 @@ def test_a_phase_left_open_is_not_counted_and_one_that_raises_is_closed(monkeypa
 
     clock = [0.0]
     monkeypatch.setattr(callbacks.WallClock, "mark", lambda self: clock[0])
-    timer = callbacks.PhaseTimer.attach(Trainer())
+    timer = started(Trainer())
     with pytest.raises(RuntimeError), timer.span("generation"):
         clock[0] += 1.0
         raise RuntimeError("out of memory")
@@ -142,8 +146,8 @@ def test_on_cuda_the_timer_uses_events_and_waits_once_a_step(monkeypatch):
     monkeypatch.setattr(FakeEvent, "clock", clock)
     monkeypatch.setattr(FakeEvent, "synchronized", 0)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    trainer = Trainer("cuda")
-    timer = callbacks.PhaseTimer.attach(trainer)
+    trainer = Trainer()
+    timer = started(trainer, "cuda")
     assert isinstance(timer.clock, callbacks.CudaClock)
     state = SimpleNamespace(global_step=1, max_steps=1)
     timer.on_step_begin(None, state, None)

@@ -35,7 +35,7 @@ def test_each_gpu_recipes_docstring_states_its_card_steps_completions_and_planne
     assert peaks, "the docstring states the planner's peaks on both backends"
     for backend, stated in zip(("auto", "hf"), peaks.groups()):
         variant = apply_overrides(recipe, [f"model.backend={backend}"])
-        predicted = plan(variant, default_budget(variant), allow_hub=False, env={}).total_bytes / GIB
+        predicted = plan(variant, default_budget(variant), allow_hub=False).total_bytes / GIB
         assert f"{predicted:.2f}" == stated, f"{path.name}: backend {backend} plans {predicted:.2f} GiB"
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowmem_grpo.errors import RecipeError
+from lowmem_grpo.errors import RecipeError, RetiredSettingError
 from lowmem_grpo.recipe import CpuConfig, TrainConfig
-from lowmem_grpo.recipe_io import (FLAT_TRAIN_KEYS, apply_overrides, dump_yaml, explicit_keys, load_recipe,
+from lowmem_grpo.recipe_io import (FLAT_TRAIN_KEYS, RETIRED_KEYS, apply_overrides, dump_yaml, explicit_keys, load_recipe,
                                    recipe_from_dict, recipe_to_dict)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,9 +31,6 @@ FLAT = {
     "preflight": lambda t: t.preflight.enabled,
     "preflight_prompts": lambda t: t.preflight.prompts,
     "allow_no_signal": lambda t: t.preflight.allow_no_signal,
-    "dynamic_sampling": lambda t: t.selection.dynamic_sampling,
-    "curriculum": lambda t: t.selection.curriculum,
-    "curriculum_promote_at": lambda t: t.selection.promote_at,
     "auto_fit": lambda t: t.memory.auto_fit,
     "oom_retries": lambda t: t.memory.oom_retries,
     **{key: (lambda t: t.cpu.fast) for key in CPU_SWITCHES},
@@ -67,6 +64,14 @@ def _assert_holds(loaded, written, where: str) -> None:
 @pytest.mark.parametrize("path", RESULTS, ids=[str(p.relative_to(REPO / "results")) for p in RESULTS])
 def test_every_committed_results_recipe_loads_to_the_settings_it_was_run_with(path):
     written = yaml.safe_load(path.read_text(encoding="utf-8"))
+    retired = {k: v for k, v in written["train"].items() if f"train.{k}" in RETIRED_KEYS}
+    retired.update({f"selection.{k}": v for k, v in (written["train"].pop("selection", None) or {}).items()})
+    if any(v != RETIRED_KEYS[f"train.{k}"][0] for k, v in retired.items()):  # a run of a retired feature
+        with pytest.raises(RetiredSettingError):
+            load_recipe(str(path))
+        return
+    for key in retired:
+        written["train"].pop(key, None)  # at its old default: read as absent
     recipe = load_recipe(str(path))
     loaded = recipe_to_dict(recipe)
     for section, values in written.items():
@@ -81,12 +86,23 @@ def test_every_committed_results_recipe_loads_to_the_settings_it_was_run_with(pa
     assert recipe_from_dict(yaml.safe_load(dump_yaml(recipe))) == recipe  # written back in sections, read the same
 
 
-def test_a_curriculum_run_of_the_chains_keeps_its_stage_evaluation_and_curriculum():
-    recipe = load_recipe(str(REPO / "results/chains-bf16/L12-p160x20-c80-curriculum/recipe.yaml"))
-    t = recipe.train
-    assert (t.eval.stage.problems, t.eval.stage.stages, t.eval.stage.samples) == (200, ["primed", "trained"], 0)
-    assert t.selection.curriculum and not t.selection.dynamic_sampling and t.preflight.prompts == 8
-    assert t.cpu.fast and t.extra == {"scale_rewards": "batch"}
+def test_a_curriculum_run_of_the_chains_is_refused_naming_the_retired_key_and_what_to_use():
+    with pytest.raises(RetiredSettingError, match=r"train.curriculum=True: the curriculum was retired") as info:
+        load_recipe(str(REPO / "results/chains-bf16/L12-p160x20-c80-curriculum/recipe.yaml"))
+    assert "data.generated.grpo_levels" in info.value.fix and info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("override", ["train.selection.dynamic_sampling=true", "train.dynamic_sampling=true",
+                                      "train.selection.curriculum=true", "train.selection.promote_at=0.7"])
+def test_a_retired_setting_is_refused_and_its_old_default_is_read_as_absent(override):
+    with pytest.raises(RetiredSettingError, match="was retired") as info:
+        load_recipe(CPU_RECIPE, [override])
+    assert info.value.fix.startswith("remove the key")
+    key = override.partition("=")[0]
+    assert load_recipe(CPU_RECIPE, [f"{key}={RETIRED_KEYS[key][0]}"]) == load_recipe(CPU_RECIPE)
+    data = recipe_to_dict(load_recipe(CPU_RECIPE))
+    data["train"]["selection"] = {"dynamic_sampling": False, "curriculum": False, "promote_at": 0.6}
+    assert recipe_from_dict(data) == load_recipe(CPU_RECIPE)  # a recipe.yaml written before the retirement
 
 
 def test_a_run_directory_written_with_flat_keys_loads(tmp_path):
@@ -101,7 +117,6 @@ def test_a_run_directory_written_with_flat_keys_loads(tmp_path):
     ("train.stage_eval=200", "train.eval.stage.problems=200"),
     ("train.stage_eval_samples=0", "train.eval.stage.samples=0"),
     ("train.stage_eval_stages=[primed,trained]", "train.eval.stage.stages=[primed,trained]"),
-    ("train.curriculum=true", "train.selection.curriculum=true"),
     ("train.preflight=false", "train.preflight.enabled=false"),
     ("train.eval_every=5", "train.eval.every=5"),
     ("train.eval_batch_size=16", "train.eval.batch_size=16"),
@@ -156,7 +171,7 @@ def test_a_flat_key_beside_its_sections_key_is_refused():
     ("train.eval.evry=3", "unknown key 'train.eval.evry'", "did you mean 'every'"),
     ("train.eval.stage.problem=3", "unknown key 'train.eval.stage.problem'", "did you mean 'problems'"),
     ("train.evl.every=3", "unknown section 'train.evl'", "did you mean 'eval'"),
-    ("train.selection.curriculm=true", "unknown key 'train.selection.curriculm'", "did you mean 'curriculum'"),
+    ("train.memory.oom_retrys=1", "unknown key 'train.memory.oom_retrys'", "did you mean 'oom_retries'"),
 ])
 def test_unknown_keys_in_a_section_are_named_with_a_did_you_mean(override, named, hint):
     with pytest.raises(RecipeError) as info:
@@ -224,6 +239,11 @@ def test_every_committed_queue_runs_its_overrides_on_the_cpu_default(path):
     entries = json.loads(path.read_text(encoding="utf-8"))
     assert entries
     for entry in entries:
+        keys = {text.partition("=")[0]: yaml.safe_load(text.partition("=")[2]) for text in entry["overrides"]}
+        if any(k in RETIRED_KEYS and v != RETIRED_KEYS[k][0] for k, v in keys.items()):  # a run of a retired feature
+            with pytest.raises(RetiredSettingError):
+                load_recipe(CPU_RECIPE, entry["overrides"])
+            continue
         recipe = load_recipe(CPU_RECIPE, entry["overrides"])
         validate(recipe)
         for text in entry["overrides"]:

@@ -23,8 +23,8 @@ from faults import parse_faults
 from lowmem_grpo.recipe import Recipe, TrainConfig
 from lowmem_grpo.recipe_io import apply_overrides, load_recipe
 from lowmem_grpo.rewards.guard import RewardError, guard_reward
-from resilience_helpers import (adapter_tensors, cli_inprocess, cli_popen, grpo_steps, metrics,  # noqa: F401
-                                needs_cpu_determinism, one_torch_thread, tiny_args)
+from resilience_helpers import (adapter_tensors, cli_inprocess, cli_popen, constructed, fault_run,  # noqa: F401
+                                grpo_steps, metrics, needs_cpu_determinism, one_torch_thread, tiny_args)
 
 # --- checkpoints: markers, retention, rewind (no training) ------------------------------------------
 
@@ -70,6 +70,8 @@ def test_rewind_keeps_lines_up_to_the_checkpoint_and_prime_lines(tmp_path):
     kept = [(m["stage"], m["step"]) for m in metrics(tmp_path)]
     assert kept == [("prime", 1), ("prime", 2), ("prime", 3), ("grpo", 1), ("grpo", 2), ("grpo", 3)]
     assert [json.loads(x)["step"] for x in (tmp_path / "completions.jsonl").read_text().splitlines()] == [1, 3]
+    checkpoints.rewind_logs(tmp_path, None, keep_prime=True)  # no checkpoint, the primed adapter complete
+    assert [(m["stage"], m["step"]) for m in metrics(tmp_path)] == [("prime", 1), ("prime", 2), ("prime", 3)]
     checkpoints.rewind_logs(tmp_path, None)  # no checkpoint: the run restarts, priming included
     assert metrics(tmp_path) == []
 
@@ -204,11 +206,20 @@ def test_second_sigint_while_saving_aborts_and_keeps_the_last_complete_checkpoin
 
 
 @pytest.mark.slow
-def test_injected_oom_lowers_settings_records_them_and_continues(tiny_model_dir, tmp_path):
-    run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, steps=3, save_steps=1), faults=['oom@2'])
-    assert code == 0, log[-3000:]
-    assert "CUDA out of memory at step 2 (generation)" in log and "continuing from checkpoint-1" in log
+def test_an_oom_resumes_the_run_in_a_fresh_process_with_lowered_settings(tiny_model_dir, tmp_path):
+    """An OOM at step 2 writes the lowered settings into recipe.yaml and oom_retries.jsonl, and the process replaces
+    itself with `train --resume`: the fresh process continues from checkpoint-1 with them. Each process builds one
+    Runtime and one GRPO trainer (the first also priming's SFT trainer); the test's fault injector is gone with the
+    first process."""
+    run, counts = tmp_path / "run", tmp_path / "constructions.jsonl"
+    done = fault_run("oom@2", *tiny_args(tiny_model_dir, run, steps=3, save_steps=1), constructions=counts)
+    log = done.stdout
+    assert done.returncode == 0, log[-3000:]
+    first, _, fresh = log.partition("continuing in a fresh process: -m lowmem_grpo.cli train --resume")
+    assert "CUDA out of memory at step 2 (generation)" in first and "OOM retry 1 of 2" in first, log[-3000:]
+    assert f"resuming {run} from checkpoint-1 (step 1)" in fresh and "done: adapter in" in fresh, log[-3000:]
+    assert constructed(counts) == [{"Runtime": 1, "CpuSafeSFTTrainer": 1, "CpuSafeGRPOTrainer": 1},
+                                   {"Runtime": 1, "CpuSafeGRPOTrainer": 1}]
     retries = [json.loads(x) for x in (run / "oom_retries.jsonl").read_text().splitlines()]
     assert len(retries) == 1 and retries[0]["step"] == 2 and retries[0]["resumed_from"] == "checkpoint-1"
     assert retries[0]["changes"]["train.per_device_train_batch_size"] == [8, 4], retries  # the generation batch
@@ -219,40 +230,48 @@ def test_injected_oom_lowers_settings_records_them_and_continues(tiny_model_dir,
         section, name = key.split(".", 1)
         assert saved[section][name] == new != old
     assert grpo_steps(run) == [1, 2, 3]  # step 2's failed attempt left no line
+    assert [m["step"] for m in metrics(run) if m.get("stage") == "prime" and "loss" in m] == list(range(1, 21))
     assert (run / "adapter" / "adapter_model.safetensors").exists()
+    report = (run / "report.md").read_text()
+    assert "- CUDA out of memory at step 2 (generation, " in report and "continued from checkpoint-1" in report
 
 
 @pytest.mark.slow
 @needs_cpu_determinism
-def test_a_retried_step_matches_a_clean_run_from_the_same_checkpoint(tiny_model_dir, tmp_path):
-    """An OOM at step 2 is retried from checkpoint-1 with lowered settings; a fresh process resuming a copy of that
-    run from checkpoint-1 with the same (lowered) recipe.yaml must end with the same adapter, bit for bit: the
-    failed attempt leaves nothing behind (trainer, optimizer, RNG, mode) that changes the retried steps."""
-    import shutil
-
-    run, clean = tmp_path / "retried", tmp_path / "clean"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.save_total_limit=5", steps=3, save_steps=1),
-                              faults=["oom@2"])
-    assert code == 0 and "OOM retry 1" in log, log[-3000:]
-    shutil.copytree(run, clean)
-    for name in ("checkpoint-2", "checkpoint-3", "adapter"):
-        shutil.rmtree(clean / name)
-    code, log = cli_inprocess("train", "--resume", str(clean))
-    assert code == 0 and "checkpoint-1" in log, log[-3000:]
+def test_an_oom_before_any_checkpoint_ends_as_an_uninterrupted_run_with_the_lowered_settings(tiny_model_dir,
+                                                                                              tmp_path):
+    """An OOM in step 1: the fresh process keeps the complete primed adapter and trains GRPO from step 0 with the
+    lowered settings, ending with the adapter, bit for bit, of a run started with them (its recipe.yaml)."""
+    run, clean, counts = tmp_path / "run", tmp_path / "clean", tmp_path / "constructions.jsonl"
+    done = fault_run("oom@1", *tiny_args(tiny_model_dir, run, steps=2, save_steps=2), constructions=counts)
+    assert done.returncode == 0 and "priming: " in done.stdout and "is complete, loaded" in done.stdout, \
+        done.stdout[-3000:]
+    assert constructed(counts)[1] == {"Runtime": 1, "CpuSafeGRPOTrainer": 1}  # priming is not repeated
+    code, log = cli_inprocess("train", str(run / "recipe.yaml"), f"output.dir={clean}")
+    assert code == 0, log[-3000:]
     a, b = adapter_tensors(run / "adapter"), adapter_tensors(clean / "adapter")
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
     assert [m["reward"] for m in metrics(run) if "reward" in m] == [m["reward"] for m in metrics(clean) if "reward" in m]
 
 
-@pytest.mark.slow
-def test_oom_retries_used_up_stop_with_what_was_tried(tiny_model_dir, tmp_path):
-    run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, "train.memory.oom_retries=1"), faults=['oom@1:update*9'])
-    assert code == 1, log[-3000:]
-    assert "CUDA out of memory at step 1 (update) and train.memory.oom_retries=1 is used up; tried: retry 1 at step 1" in log
-    assert "last complete checkpoint: none" in log and "--resume" in log
-    assert len((run / "oom_retries.jsonl").read_text().splitlines()) == 1
-    assert grpo_steps(run) == [] and not (run / "adapter").exists()
+def test_oom_retries_used_up_stop_with_what_was_tried(tmp_path):
+    from lowmem_grpo.errors import OutOfMemoryError, ResumeAfterOom
+    from lowmem_grpo.train.oom import resume_with_lowered
+
+    recipe = apply_overrides(Recipe(), ["train.memory.oom_retries=1", "model.name=no-such-model"])  # halving
+    (tmp_path / "recipe.yaml").write_text("name: run\n")
+    first = resume_with_lowered(tmp_path, recipe, 1, "update", "OutOfMemoryError: CUDA out of memory")
+    assert isinstance(first, ResumeAfterOom) and first.run_dir == tmp_path
+    # one group per generation batch (8 x 8) cannot halve: the completion length goes first
+    assert "OOM retry 1 of 1: train.max_completion_length 256 -> 128 (halving" in str(first)
+    assert "continues from step 0" in str(first)
+    assert (tmp_path / "recipe.yaml").read_text().startswith("# lowmem-grpo: CUDA out of memory at step 1 (update)")
+    stop = resume_with_lowered(tmp_path, recipe, 1, "update", "OutOfMemoryError: CUDA out of memory")
+    assert type(stop) is OutOfMemoryError and stop.exit_code == 1
+    assert ("CUDA out of memory at step 1 (update) and train.memory.oom_retries=1 is used up; tried: retry 1 at step 1: "
+            "train.max_completion_length 256 -> 128") in str(stop)
+    assert "last complete checkpoint: none" in str(stop) and "--resume" in stop.fix
+    assert len((tmp_path / "oom_retries.jsonl").read_text().splitlines()) == 1
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
-"""`--resume` and OOM retries of a run with a KL anchor (train.beta > 0): the policy continues from the checkpoint's
-adapter, and the reference stays the run's original one (here the primed adapter), whatever TRL copies into `ref`
-when a trainer is built.
+"""`--resume` of a run with a KL anchor (train.beta > 0), the path an out-of-memory error continues by too: the
+policy continues from the checkpoint's adapter (or the complete primed one), and the reference stays the run's
+original one (here the primed adapter), whatever TRL copies into `ref` when the trainer is built.
 
-Tiny model, float32, hf backend on CPU, in-process through the CLI's `main`; faults from tests/faults.py.
+Tiny model, float32, hf backend on CPU, in-process through the CLI's `main`.
 """
 
 from __future__ import annotations
@@ -64,27 +64,17 @@ def test_resume_with_a_kl_anchor_matches_an_uninterrupted_run(tiny_model_dir, tm
 
 @pytest.mark.slow
 @needs_cpu_determinism
-def test_oom_retry_with_a_kl_anchor_matches_a_clean_resume(tiny_model_dir, tmp_path):
-    """An OOM at step 3 is retried from checkpoint-1 (step 2's update already in the live policy): the retry must
-    continue from checkpoint-1's policy and the primed reference, as a fresh process resuming a copy does."""
-    run, clean = tmp_path / "retried", tmp_path / "clean"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, *ANCHOR, steps=3, save_steps=2), faults=["oom@3"])
-    assert code == 0 and "OOM retry 1" in log and "continuing from checkpoint-2" in log, log[-3000:]
-    primed = adapter_tensors(run / "primed_adapter")
-    assert _same_bits(_reference(run / "checkpoint-3"), primed)
-
-    _copy_as_killed_after(run, clean, 2)  # recipe.yaml holds the lowered settings the retry used
-    code, log = cli_inprocess("train", "--resume", str(clean))
+def test_resume_after_priming_loads_the_primed_adapter_and_matches_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    """Killed after priming, before any checkpoint: the resumed run loads primed_adapter/ (complete) instead of
+    priming again, so TRL's reference is the primed adapter and the run ends as the uninterrupted one did."""
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, *ANCHOR, steps=2, save_steps=2))
     assert code == 0, log[-3000:]
-    assert _max_diff(adapter_tensors(run / "adapter"), adapter_tensors(clean / "adapter")) <= 1e-6
-    assert _same_bits(_reference(clean / "checkpoint-3"), primed)
-
-
-@pytest.mark.slow
-def test_oom_retry_without_a_checkpoint_keeps_the_original_reference(tiny_model_dir, tmp_path):
-    """No checkpoint yet: the retry starts again from step 0, and its reference is still the primed adapter (TRL's
-    rebuilt trainer would copy whatever the policy holds, and refuses an existing `ref`)."""
-    run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, *ANCHOR, steps=2, save_steps=2), faults=["oom@1"])
-    assert code == 0 and "OOM retry 1" in log, log[-3000:]
-    assert _same_bits(_reference(run / "checkpoint-2"), adapter_tensors(run / "primed_adapter"))
+    _copy_as_killed_after(run, resumed, 0)
+    code, log = cli_inprocess("train", "--resume", str(resumed))
+    assert code == 0 and "is complete, loaded" in log and "priming 2 steps" not in log, log[-3000:]
+    primed = adapter_tensors(run / "primed_adapter")
+    assert _same_bits(_reference(resumed / "checkpoint-2"), primed)
+    assert _same_bits(adapter_tensors(resumed / "adapter"), adapter_tensors(run / "adapter"))
+    prime_lines = [m["step"] for m in metrics(resumed) if m.get("stage") == "prime" and "loss" in m]
+    assert prime_lines == [1, 2]  # kept once, not rewound

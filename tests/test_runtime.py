@@ -27,7 +27,6 @@ def test_the_cpu_default_resolves_to_the_cpu_trainer_and_the_engine():
     assert (run.backend, run.device, run.dtype, run.bf16, run.fp16) == ("hf", "cpu", "float32", False, False)
     assert (run.optimizer, run.trainer, run.fast_inference, run.processes) == ("adamw_torch", "cpu", False, 1)
     assert run.sampler.engine and "LOWMEM_GRPO_CPU_DTYPE" in run.dtype_reason
-    assert run.eval_batch == 128 and run.generation_batch == load_recipe(CPU_RECIPE).train.generation_batch_size()
 
 
 def test_a_gpu_recipe_resolves_every_auto_for_the_gpu():
@@ -40,20 +39,21 @@ def test_a_gpu_recipe_resolves_every_auto_for_the_gpu():
     explicit = resolve(load_recipe(GPU_RECIPE, ["train.optim=adamw_torch", "model.dtype=float32"]), Launch(), AMPERE)
     assert (explicit.optimizer, explicit.dtype, explicit.bf16, explicit.fp16) == ("adamw_torch", "float32", False,
                                                                                  False)
-    # the generation batch counts every process's completions
-    assert resolve(recipe, Launch(2), AMPERE).generation_batch == 2 * run.generation_batch
+    # the block's generation batch counts every process's completions
+    batch = recipe.train.generation_batch_size()
+    assert f"generation batch  {2 * batch}\n" in resolve(recipe, Launch(2), AMPERE).block(recipe)
+    assert f"generation batch  {batch}\n" in run.block(recipe) and "eval batch        128\n" in run.block(recipe)
 
 
-def test_loaded_takes_the_dtype_the_model_was_really_loaded_in():
+def test_the_flags_follow_the_dtype_the_model_was_really_loaded_in():
     run = resolve(load_recipe(GPU_RECIPE, ["model.backend=hf"]), Launch(), AMPERE)
-    after = run.loaded("float16")  # e.g. Unsloth loading float16 where bfloat16 was asked for
-    assert (after.dtype, after.bf16, after.fp16) == ("float16", False, True)
-    assert (run.dtype, run.bf16) == ("bfloat16", True)  # frozen: the resolved Runtime is unchanged
+    assert run.flags("float16") == (False, True)  # e.g. Unsloth loading float16 where bfloat16 was asked for
+    assert run.flags(run.dtype) == (run.bf16, run.fp16) == (True, False)  # the dtype asked for
 
 
 def test_the_block_names_every_setting_once():
     runtime = resolve(load_recipe(CPU_RECIPE), Launch(), NO_GPU, environ={})
-    block = runtime.block()
+    block = runtime.block(load_recipe(CPU_RECIPE))
     lines = block.splitlines()
     assert lines[0] == "runtime:"
     keys = [line.split("  ")[1] if line.startswith("  ") else None for line in lines[1:]]
@@ -72,6 +72,7 @@ def test_the_planner_plans_a_one_process_cuda_run():
 
 def test_every_field_has_a_docstring():
     import ast
+    import dataclasses
     import inspect
 
     from lowmem_grpo import runtime
@@ -81,7 +82,7 @@ def test_every_field_has_a_docstring():
     fields = [node.target.id for node in body if isinstance(node, ast.AnnAssign)]
     documented = [node.target.id for node, after in zip(body, body[1:])
                   if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)]
-    assert fields == documented == [f.name for f in runtime.dataclasses.fields(Runtime)]
+    assert fields == documented == [f.name for f in dataclasses.fields(Runtime)]
 
 
 ORDER_PROBE = """

@@ -188,7 +188,7 @@ def test_trainer_pass_shares_prompts_in_every_chunk(trainer, batch_size):
     ids, mask = _batch([14, 6, 10, 12], 4, trainer.model.config.vocab_size, seed=11)
     results = {}
     for share in (False, True):
-        trainer.lowmem_shared_prompt = share
+        trainer.options = CpuPaths(shared_prompt=share)
         trainer._metrics["train"].clear()
         trainer.model.zero_grad()
         logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
@@ -197,7 +197,7 @@ def test_trainer_pass_shares_prompts_in_every_chunk(trainer, batch_size):
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         results[share] = (logps.detach(), entropies.detach(), grads,
                           trainer._metrics["train"].get("shared_prompt/tokens_saved"))
-    trainer.lowmem_shared_prompt = True
+    trainer.options = CpuPaths(shared_prompt=True)
     _assert_equal_passes(results[False], results[True], mask)
     saved = results[True][3]
     assert saved is not None and 0.0 < saved[0] < 1.0
@@ -227,13 +227,13 @@ def _untrimmed(model, ids, mask, temperature, width=C):
 
 def _trainer_pass(trainer, ids, mask, batch_size, share, width=C):
     """The trainer's pass (with entropies), and the token positions it forwarded (from its logged share)."""
-    trainer.lowmem_shared_prompt = share
+    trainer.options = CpuPaths(shared_prompt=share)
     trainer._metrics["train"].clear()
     try:
         logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model, ids, mask, width, batch_size=batch_size, compute_entropy=True)
     finally:
-        trainer.lowmem_shared_prompt = True
+        trainer.options = CpuPaths(shared_prompt=True)
     saved = trainer._metrics["train"]["shared_prompt/tokens_saved"]
     assert len(saved) == 1
     return logps, entropies, round(ids.numel() * (1 - saved[0]))
@@ -349,11 +349,11 @@ def test_fully_masked_completions_keep_one_column_and_a_graph(trainer):
 
 def test_trainer_status_names_the_reason(trainer):
     assert trainer.shared_prompt_status()[0] is True
-    trainer.lowmem_shared_prompt = False
+    trainer.options = CpuPaths(shared_prompt=False)
     try:
         assert trainer.shared_prompt_status() == (False, "not among the run's CPU speed paths: train.cpu.fast=false")
     finally:
-        trainer.lowmem_shared_prompt = True
+        trainer.options = CpuPaths(shared_prompt=True)
 
 
 # ---- a GRPO run --------------------------------------------------------------------------------------

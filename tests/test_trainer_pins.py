@@ -26,16 +26,10 @@ GRPO_PRIVATE = {
     "_generate_and_score_completions": (["self", "inputs"], [
         "self._generate(prompts)",  # the generation phase runs inside the batch preparation
         "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)",
-        '"completion_mask": completion_mask,',  # dynamic sampling masks out the rows of flat groups
     ]),
     "_calculate_rewards": (["self", "inputs", "prompts", "completions", "completion_ids_list"], [
         "rewards_per_func = gather(rewards_per_func)",  # every rank's rows, in rank order
         "return rewards_per_func",
-    ]),
-    "_get_train_sampler": (["self", "dataset"], [
-        "return RepeatSampler(",
-        "mini_repeat_count=self.num_generations,",
-        "repeat_count=self.num_iterations * self.args.steps_per_generation,",
     ]),
     "_generate_single_turn": (["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
                                "has_tool_images"], ["unwrapped_model.generate("]),
@@ -45,9 +39,6 @@ GRPO_PRIVATE = {
          "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"],
         ["return logps, entropies, aux_loss"]),
     "_log_metric": (["self", "name", "value"], ["self._pending_metrics[name].append(value)"]),
-    "_prepare_inputs": (["self", "generation_batch"], [  # drop_generation_batch: TRL regenerates when it is None
-        "if self._step % generate_every == 0 or self._buffered_inputs is None:",
-    ]),
     "log": (["self", "logs", "start_time"], [  # add_step_metrics: averaged into each log line, then cleared
         "for key, val in self._metrics[mode].items():",
         "self._metrics[mode].clear()",
@@ -90,11 +81,18 @@ def test_sft_trainer_metrics_we_fill():
 
 
 def test_only_the_trainer_module_names_private_trl_trainer_members():
-    """`grep` for every private name of TRL's trainers (methods and attributes) over the package: one module."""
+    """`grep` for every private name of TRL's trainers and vLLM generation (methods and attributes) over the
+    package: one module."""
     private = {name for cls in (GRPOTrainer, SFTTrainer) for name in dir(cls) if re.fullmatch(r"_[a-z]\w*", name)}
     for cls in (GRPOTrainer, SFTTrainer):
         private |= set(re.findall(r"self\.(_[a-z]\w*)\s*=", inspect.getsource(cls)))
     private -= set(dir(object))
+    # TRL's vLLM generation: the attributes its colocate mode keeps (read by vllm_awake)
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    vllm_private = set(re.findall(r"self\.(_[a-z]\w*)\s*=", inspect.getsource(VLLMGeneration)))
+    assert "_llm_weights_sleeping" in vllm_private
+    private |= vllm_private
     found = {}
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()

@@ -3,8 +3,8 @@
 
 vllm is not installed here (it needs CUDA). The engine is a fake that keeps the contract of `vllm.LLM.generate`
 (vllm/entrypoints/llm.py: TokensPrompt dicts in, one SamplingParams per prompt, a RequestOutput per prompt whose
-CompletionOutputs carry token_ids, logprobs as one {token id: Logprob} dict per sampled token, finish_reason) and
-of TRL's `VLLMClient.generate` (trl/generation/vllm_client.py), driven by a token script per prompt. It honours
+CompletionOutputs carry token_ids, logprobs as one {token id: Logprob} dict per sampled token, finish_reason),
+driven by a token script per prompt. It honours
 n, max_tokens, stop_token_ids (the stop token is the output's last id), logprobs and the EOS, and records every
 request and LoRA request it is given. It cannot confirm what vLLM itself does with stop_token_ids and logprobs=0:
 that is read from vLLM's documentation, and none of this has run on a GPU. The SamplingParams stand-in is a
@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +28,6 @@ from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.sampling.engine import Calculator
 from lowmem_grpo.sampling.generate import LIVE_ADAPTER, generate
 from lowmem_grpo.sampling.vllm_calculator import (
-    ClientRounds,
     EngineRounds,
     calculator_rows,
     row_seed,
@@ -138,34 +136,11 @@ class ScriptedVllm:
         self.events.append(f"sleep({level})")
 
 
-class ScriptedClient:
-    """TRL's VLLMClient (server mode) over a ScriptedVllm: the same `generate` parameters, the same reply."""
-
-    def __init__(self, engine: ScriptedVllm) -> None:
-        self.engine = engine
-        self.calls: list[dict[str, Any]] = []
-
-    def generate(self, prompts, features=None, n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0,
-                 min_p=0.0, max_tokens=16, logprobs=0, structured_outputs_regex=None, generation_kwargs=None):
-        kwargs = dict(generation_kwargs or {})
-        self.calls.append({"prompts": [list(p) for p in prompts], "n": n, "max_tokens": max_tokens,
-                           "temperature": temperature, "top_p": top_p, "logprobs": logprobs, "kwargs": kwargs})
-        completions, all_logprobs = [], []
-        for prompt in prompts:
-            for _ in range(n):
-                ids, lps, _ = self.engine.write(list(prompt), max_tokens, set(kwargs.get("stop_token_ids", ())))
-                completions.append(ids)
-                all_logprobs.append([[lp] for lp in lps])
-        return {"prompt_ids": [list(p) for p in prompts], "completion_ids": completions,
-                "logprobs": all_logprobs if logprobs is not None else None, "logprob_token_ids": None}
-
-
 @dataclass
 class FakeGeneration:
     """The attributes of TRL's VLLMGeneration (trl/generation/vllm_generation.py) that VllmRollout reads."""
 
     llm: Any = None
-    vllm_client: Any = None
     mode: str = "colocate"
     enable_sleep_mode: bool = False
     _llm_weights_sleeping: bool = False
@@ -205,7 +180,9 @@ class FakeAccelerator:
 
 
 def _rollout(tokenizer, **kwargs) -> VllmRollout:
-    return VllmRollout(tokenizer, sampling_params_class=SamplingParams, **kwargs)
+    from lowmem_grpo.train.trainer import vllm_awake
+
+    return VllmRollout(tokenizer, sampling_params_class=SamplingParams, awake=vllm_awake, **kwargs)
 
 
 def _trainer(tokenizer, generation, model=None, max_completion_length: int = 30):
@@ -358,27 +335,6 @@ def test_seeds_differ_per_row_and_round_and_repeat(scripted, tokenizer):
     assert row_seed(5, 1, 1) == row_seed(5, 1, 1) != row_seed(6, 1, 1) and row_seed(None, 0, 0) is None
 
 
-def test_the_client_rounds_group_by_budget_and_take_the_stop_ids_as_generation_kwargs(scripted, tokenizer):
-    scripts, expected = scripted
-    client = ScriptedClient(_engine(tokenizer, scripts))
-    ids = tokenizer(text=["Q: calls", "Q: plain", "Q: calls"])["input_ids"]
-    sample = ClientRounds(client, {"temperature": 0.9, "top_p": 0.95, "stop_token_ids": [5], "seed": 3, "x": 1})
-    rows = calculator_rows(sample, ids, max_tokens=30, calculator=Calculator(tokenizer),
-                           eos_ids={tokenizer.eos_token_id})
-    assert [r.ids for r in rows] == [expected["Q: calls"][0], expected["Q: plain"][0], expected["Q: calls"][0]]
-    assert rows[0].logprobs == [None if f else scripted_logprob(i) for i, f in enumerate(expected["Q: calls"][1])]
-    stops = sorted(Calculator(tokenizer).triggers | {tokenizer.eos_token_id, 5})
-    first, *rest = client.calls
-    assert first["max_tokens"] == 30 and len(first["prompts"]) == 3  # one budget: one call
-    assert first["kwargs"] == {"x": 1, "stop_token_ids": stops} and first["n"] == 1 and first["logprobs"] == 0
-    assert (first["temperature"], first["top_p"]) == (0.9, 0.95)
-    # the rows resubmitted with different budgets go in separate calls
-    assert sorted(c["max_tokens"] for c in rest) == sorted({30 - len(_enc(tokenizer, "<<12-5=7>>")),
-                                                           30 - len(_enc(tokenizer, "12-5="))})
-
-
-# --- 2. GRPO's rollouts -------------------------------------------------------------------------------------------
-
 def test_vllm_rollout_returns_trls_keys_logprobs_and_the_env_mask(scripted, tokenizer):
     scripts, expected = scripted
     engine = _engine(tokenizer, scripts)
@@ -432,16 +388,6 @@ def test_sleep_mode_wakes_the_cache_and_sleeps_after_the_rounds(scripted, tokeni
     off = FakeGeneration(llm=_engine(tokenizer, scripts))
     _rollout(tokenizer)(list(scripts), _trainer(tokenizer, off))
     assert off.llm.events == ["generate", "generate"]
-
-
-def test_vllm_rollout_in_server_mode_samples_through_the_client(scripted, tokenizer):
-    scripts, expected = scripted
-    client = ScriptedClient(_engine(tokenizer, scripts))
-    generation = FakeGeneration(vllm_client=client, mode="server", enable_sleep_mode=True)
-    out = _rollout(tokenizer)(list(scripts), _trainer(tokenizer, generation))
-    assert out["completion_ids"] == [expected[p][0] for p in scripts]
-    assert out["env_mask"] == [[1 - f for f in expected[p][1]] for p in scripts]
-    assert client.engine.events == [] and client.calls  # no sleep mode calls on a server
 
 
 def test_vllm_rollout_refuses_a_trainer_without_vllm(scripted, tokenizer):
@@ -510,11 +456,10 @@ PINNED = {  # (file under trl/, class, function) -> sha256 of its source, first 
     ("generation/vllm_generation.py", "VLLMGeneration", "__init__"): "851e11bcf7f49f4b",
     ("generation/vllm_generation.py", "VLLMGeneration", "generate"): "9413ba1f7f1a1644",
     ("generation/vllm_generation.py", "VLLMGeneration", "sync_weights"): "9ce83a04fd3d9825",
-    ("generation/vllm_client.py", "VLLMClient", "generate"): "70212897bff5ea15",
 }
 """TRL 1.15.0's code VllmRollout follows: the rollout_func seam (run after the weight sync, its keys, env_mask),
 how TRL samples vLLM (its settings' names, TokensPrompts, n=1 per repeated prompt in colocate, sleep mode's
-wake_up / sleep and the weights' re-push, the server's per-rank slice), and VLLMClient.generate's arguments."""
+wake_up / sleep and the weights' re-push)."""
 
 
 def _method(text: str, cls: str, name: str) -> ast.FunctionDef:
@@ -535,7 +480,8 @@ def _installed(package: str) -> Path:
 
 def test_the_trl_code_the_vllm_rollout_follows_is_unchanged():
     """A drift guard read from the installed files (not imported): when one fails, re-read that function against
-    VllmRollout / ClientRounds (lowmem_grpo/sampling/rollout.py, lowmem_grpo/sampling/vllm_calculator.py) and
+    VllmRollout (lowmem_grpo/sampling/rollout.py, lowmem_grpo/sampling/vllm_calculator.py, the sleep mode's
+    vllm_awake in lowmem_grpo/train/trainer.py) and
     update its hash."""
     root = _installed("trl")
     for (path, cls, name), digest in PINNED.items():
@@ -548,14 +494,10 @@ def test_the_trl_code_the_vllm_rollout_follows_is_unchanged():
     assert 'torch.tensor([float("nan") if x is None else x for x in logps])' in score
     assert "per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)" in score
     assert "loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask" in score
-    # the fake client's generate takes VLLMClient.generate's parameters
-    client = (root / "generation" / "vllm_client.py").read_text(encoding="utf-8")
-    names = [a.arg for a in _method(client, "VLLMClient", "generate").args.args]
-    assert names == list(inspect.signature(ScriptedClient.generate).parameters)
     fields = [a.arg for a in _method((root / "generation" / "vllm_generation.py").read_text(encoding="utf-8"),
                                      "VLLMGeneration", "__init__").args.args]
-    assert {f.name for f in FakeGeneration.__dataclass_fields__.values()} - {"llm", "vllm_client",
-                                                                              "_llm_weights_sleeping"} <= set(fields)
+    assert {f.name for f in FakeGeneration.__dataclass_fields__.values()} - {"llm", "_llm_weights_sleeping"} \
+        <= set(fields)
 
 
 def test_unsloth_hands_its_engine_to_trl_and_samples_it_with_the_live_adapter():

@@ -16,21 +16,22 @@ from lowmem_grpo.combinations import check
 from lowmem_grpo.device import CudaFacts, cuda_available, cuda_facts, is_installed, model_dtype, require_gpu
 from lowmem_grpo.distributed import Launch, cuda_device_index
 from lowmem_grpo.errors import BadInputError, LowmemError
-from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.runtime import Runtime, before_cuda, resolve
+from lowmem_grpo.recipe import AUTO, Recipe
+from lowmem_grpo.runtime import CpuPaths, Runtime, before_cuda, check_loaded_dtype, place, resolve
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadedModel:
-    """A model with its LoRA adapter attached, and the Runtime it was loaded for."""
+    """A model with its LoRA adapter attached, the Runtime it was loaded for, and the dtype it was loaded in."""
 
     model: Any
     tokenizer: Any
     runtime: Runtime
-    """The run's Runtime with the dtype the model was really loaded in (Unsloth may load another than asked)."""
     model_path: str
+    dtype: str
+    """The dtype the model was really loaded in (Unsloth may load another than the Runtime asked for)."""
 
     @property
     def backend(self) -> str:
@@ -40,29 +41,30 @@ class LoadedModel:
     def device(self) -> str:
         return self.runtime.device
 
-    @property
-    def dtype(self) -> str:
-        return self.runtime.dtype
-
 
 def start(recipe: Recipe, launch: Launch, facts: CudaFacts | Callable[[], CudaFacts] | None = None, *,
-          training: bool = True) -> tuple[Runtime, CudaFacts]:
-    """The run's Runtime and CudaFacts, in the order CUDA needs: the Runtime from what is known before CUDA starts
-    (for `training`, refused combinations and a GPU recipe without a GPU stop here, exit 2), the backend imported,
-    then the facts that start CUDA and the Runtime again with them. `facts`: known facts, or the function that reads
-    them. Without `training` the run is on whatever this machine has."""
+          training: bool = True, cpu: CpuPaths | None = None,
+          vllm_room: Callable[[CudaFacts], bool] | None = None) -> tuple[Runtime, CudaFacts]:
+    """The run's Runtime and CudaFacts, in the order CUDA needs: the recipe placed by what is known before CUDA
+    starts (for `training`, refused combinations and a GPU recipe without a GPU stop here, exit 2), the backend
+    imported, then the facts that start CUDA and the Runtime, resolved once, with them. `facts`: known facts, or the
+    function that reads them. Without `training` the run is on whatever this machine has. `cpu`: the CPU speed paths
+    instead of train.cpu.fast's. `vllm_room(facts)`: whether the memory plan fits vLLM's pool on this GPU, asked only
+    where model.fast_inference=auto would turn vLLM on."""
     known = facts if isinstance(facts, CudaFacts) else None
-    runtime = resolve(recipe, launch, known or before_cuda(recipe, training), training=training)
+    placed = place(recipe, launch, known or before_cuda(recipe, training), training=training)
     if training:
-        check(recipe, runtime)  # before anything is imported: what `lowmem-grpo validate` refuses
+        check(recipe, placed)  # before anything is imported: what `lowmem-grpo validate` refuses
         if recipe.gpu_memory_gb and not (known.available if known else cuda_available()):
             require_gpu(recipe.gpu_memory_gb, known or cuda_facts())  # no GPU: reading the facts starts no CUDA
-    prepare(runtime.backend)
+    prepare(placed.backend)
     known = known or (facts or cuda_facts)()
     require_gpu(recipe.gpu_memory_gb if training else None, known)  # e.g. a GPU this torch has no kernels for
     # the model loads where torch sees a GPU; facts a caller gives (a test's GPU) size the auto-fit only
     device = dataclasses.replace(known, available=known.available and cuda_available())
-    return resolve(recipe, launch, device, training=training), known
+    ask = vllm_room is not None and placed.fast_inference and recipe.model.fast_inference == AUTO
+    return resolve(recipe, launch, device, training=training, cpu=cpu,
+                   vllm_room=vllm_room(known) if ask else None), known
 
 
 def prepare(backend: str) -> None:
@@ -137,8 +139,9 @@ def load(recipe: Recipe, runtime: Runtime, *, with_lora: bool = True, adapter_pa
     loaded = model_dtype(model)  # the bf16/fp16 flags follow what was loaded, not what was asked for
     if loaded != dtype:
         log.info("asked for %s, the model was loaded in %s (%s decides on this GPU)", dtype, loaded, backend)
+    check_loaded_dtype(runtime, loaded)  # a precision Unsloth would refuse on it: exit 2, before any run dir
     log.info("loaded %s on %s (%s, %s, lora=%s)", path, runtime.device, backend, loaded, with_lora)
-    return LoadedModel(model, tokenizer, runtime.loaded(loaded), path)
+    return LoadedModel(model, tokenizer, runtime, path, loaded)
 
 
 def nf4_config(compute_dtype: Any) -> Any:

@@ -78,13 +78,6 @@ def recipe_examples(rows: list[dict[str, str]], tokenizer: Any, data: Any) -> li
     return build_examples(rows, tokenizer, data.system_prompt, data.prefill, data.max_prompt_length, data.long_prompts)
 
 
-def with_problem_columns(examples: list[dict[str, Any]], generated: bool) -> list[dict[str, Any]]:
-    """The examples with `problem_id` (their index) and `level` (`level_of` a generated problem, else 0), the columns
-    dynamic sampling and the curriculum key their statistics by (rewards take them through **kwargs)."""
-    return [{**ex, "problem_id": i, "level": level_of(ex["question"], ex["solution"]) if generated else 0}
-            for i, ex in enumerate(examples)]
-
-
 def grpo_examples(examples: list[dict[str, Any]], data: Any) -> list[dict[str, Any]]:
     """The examples GRPO draws from: those of data.generated.grpo_levels in the shares it names ("1,2,2,2": a quarter
     one-step, three quarters two-step; the most examples that keep those shares, in their order), else all."""

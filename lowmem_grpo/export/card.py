@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ def _gguf_lines(result: Any) -> list[str]:
              f"- accuracy: llama.cpp {g.get('accuracy', float('nan')):.3f}, transformers "
              f"{g.get('merged_accuracy', float('nan')):.3f}",
              f"- the file's chat template is the tokenizer's: {'yes' if g.get('chat_template_same') else 'no'}"]
+    if g.get("llama_cpp_repack") is False:
+        lines.append("- proven with llama.cpp's weight repacking off: this llama.cpp build has AMX kernels, which "
+                     "crash on K-quant files; on a CPU with AMX run the file with `--no-repack` (llama-cli, "
+                     "llama-server)")
     if "tolerance" in g:
         lines.append(f"- logit tolerance: {g['tolerance']:.3g}")
     if "accuracy_difference" in g:
@@ -52,6 +57,30 @@ def _gguf_lines(result: Any) -> list[str]:
         lines.append(f"- first diverging answer: problem {d['problem']}, token {d['token']}: transformers "
                      f"{d['transformers']!r}, llama.cpp {d['llama.cpp']!r} after {d['before']!r}")
     return lines
+
+
+def _precision_lines(result: Any) -> list[str]:
+    """Which precision the merged weights are in, why, and what each measured precision keeps of the adapter."""
+    p = result.precision
+    if not p:
+        return []
+    bound = p["bound"]
+    lines = ["", "## Precision", "",
+             f"The merged weights are **{p['dtype']}**: {p['reason']}.", "",
+             "What each precision keeps of the adapter's change to the merged weights (measured before writing: "
+             "kept = <change, delta> / |delta|^2 and error = |change - delta| / |delta| over every LoRA layer, "
+             "change = the weight merged in that precision - the base weight in it; within the bound: every layer "
+             f"keeps at least {bound['min_kept_per_layer']:.0%} and the error is at most "
+             f"{bound['max_error']:.2f}; lowmem_grpo.export.precision):", "",
+             "| precision | kept | worst layer | error | within the bound |", "|---|---|---|---|---|"]
+    for name, k in p["measured"].items():
+        lines.append(f"| {name} | {k['kept']:.1%} | {k['worst_kept']:.1%} (`{k['worst_layer']}`) | {k['error']:.3f} "
+                     f"| {'yes' if k['keeps'] else 'no'} |")
+    return lines
+
+
+def _warning_lines(result: Any) -> list[str]:
+    return [line for w in result.warnings for line in ("", f"> **Warning:** {w}.")]
 
 
 def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_prompt: str, prefill: str) -> list[str]:
@@ -69,8 +98,6 @@ def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_p
         lines += ["from peft import PeftModel", "",
                   f"base = AutoModelForCausalLM.from_pretrained({base_name!r})",
                   f"model = PeftModel.from_pretrained(base, {here!r})"]
-    elif fmt == "merged-4bit":
-        lines += [f"model = AutoModelForCausalLM.from_pretrained({here!r}, device_map='auto')  # needs bitsandbytes"]
     else:
         lines += [f"model = AutoModelForCausalLM.from_pretrained({here!r}, dtype='auto')"]
     lines += [f"tokenizer = AutoTokenizer.from_pretrained({here!r})",
@@ -82,6 +109,22 @@ def _how_to_load(fmt: str, out: Path, base_name: str, files: list[str], system_p
     return lines
 
 
+def _proof_lines(result: Any) -> list[str]:
+    e = result.effect
+    lines = ["", "## Export proof", "",
+             f"Reloaded with plain transformers (no PEFT, no Unsloth) in {result.dtype} and compared on "
+             f"{result.proof_tokens} tokens of fixed prompts with the adapter model in float32:", ""]
+    lines += [f"- {name}: max |logit difference| {value:.3g}" for name, value in result.checks.items()]
+    lines += [f"- tolerance: {result.tolerance:.3g} (per dtype: the larger of a floor and a share of the largest "
+              "|logit|; lowmem_grpo.export.proof.TOLERANCES)",
+              f"- the adapter itself moves the base model's logits by up to {format_value(result.adapter_effect)}"]
+    if e and not math.isnan(e["error"]):  # nan: the adapter has no effect to carry
+        lines.append(f"- the adapter's effect on the logits, as the export carries it (beside the base model in "
+                     f"{result.dtype}): kept {e['kept']:.1%}, error {e['error']:.3f} of the effect (at most "
+                     f"{e['max_error']:.2f}; an export that lost the adapter has 1.00)")
+    return lines
+
+
 def write_card(folder: Path, run_dir: Path, recipe: Any, result: Any, base_name: str, base_path: str) -> None:
     """Write README.md into the export folder (listing the files already there)."""
     files = sorted({p.name for p in folder.iterdir() if not p.name.startswith(".")} | {CARD_FILE})
@@ -89,7 +132,8 @@ def write_card(folder: Path, run_dir: Path, recipe: Any, result: Any, base_name:
     steps = [r for r in health.training_records(records) if result.step is None or int(r.get("step", 0)) <= result.step]
     last = steps[-1] if steps else None  # the last training record at or before the exported step
     summary = next((r for r in reversed(records) if "train_runtime" in r), None)
-    lines = [f"# {recipe.name} ({result.format})", "",
+    title = result.format + (f", {result.dtype}" if result.dtype else "")
+    lines = [f"# {recipe.name} ({title})", *_warning_lines(result), "",
              f"A LoRA adapter trained with GRPO by lowmem_grpo {__version__}"
              + ("." if result.format == "lora" else ", merged into its base model."), "",
              "| | |", "|---|---|",
@@ -114,13 +158,7 @@ def write_card(folder: Path, run_dir: Path, recipe: Any, result: Any, base_name:
     lines += ["", "## Evaluation", ""]
     lines += eval_lines(run_dir) or [f"Not evaluated (no {layout.EVAL_FILE} in the run directory or its eval/)."]
     if result.format != "lora":
-        lines += ["", "## Export proof", "",
-                  f"Reloaded with plain transformers (no PEFT, no Unsloth) and compared on {result.proof_tokens} "
-                  f"tokens of fixed prompts with the adapter model, both in {result.dtype}:", ""]
-        lines += [f"- {name}: max |logit difference| {value:.3g}" for name, value in result.checks.items()]
-        lines += [f"- tolerance: {result.tolerance:.3g} (per dtype: the larger of a floor and a share of the largest "
-                  "|logit|; lowmem_grpo.export.proof.TOLERANCES)",
-                  f"- the adapter itself moves the base model's logits by up to {format_value(result.adapter_effect)}"]
+        lines += _precision_lines(result) + _proof_lines(result)
     lines += _gguf_lines(result)
     lines += ["", "## Accuracy on the task", ""]
     lines += export_scores.table_lines([{"out": str(result.out), "format": result.format, "file": result.file,

@@ -1,4 +1,4 @@
-"""GGUF files from a merged export, made by llama.cpp's converter and quantizer (the `gguf` extra, `make install-gguf`)
+"""GGUF files from a merged export, made by llama.cpp's converter (export.converter) and quantizer (the `gguf` extra)
 and proven in llama.cpp beside the merged model in transformers on the held-out problems (docs/runs.md, GGUF). Each
 llama.cpp step runs in a child process (llama_runner), so a crash there is an error, not the caller's death."""
 
@@ -19,48 +19,30 @@ from typing import Any
 
 from lowmem_grpo.errors import BadInputError, LowmemError
 from lowmem_grpo.export import proof, score
+from lowmem_grpo.export.converter import INSTALL, find_converter
 from lowmem_grpo.rundir import layout
 
 log = logging.getLogger(__name__)
 
-GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
+GGUF_TYPES = ("auto", "f16", "bf16", "f32", "q8_0", "q4_k_m")
+"""auto: the converter's outtype of the merged model's precision (merged.GGUF_OUTTYPES: the smallest that keeps the
+adapter)."""
 QUANTIZED = ("q8_0", "q4_k_m")
-GGUF_FILE_TYPES = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
-CONVERTER = "convert_hf_to_gguf.py"
-LLAMA_CPP_ENV = "LLAMA_CPP_DIR"
-INSTALL = "make install-gguf"
-INSTALL_WHY = ("the `gguf` extra (llama-cpp-python 0.3.36, built from source at install, about 4 minutes on 2 cores, "
-               "and the converter of the same llama.cpp)")
+GGUF_FILE_TYPES = {"f16": "F16", "bf16": "BF16", "f32": "F32", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+INSTALL_WHY = ("llama-cpp-python 0.3.36, built from source at install, about 4 minutes on 2 cores; "
+               "the converter of the same llama.cpp is fetched on first use")
 CHILD_TIMEOUT_S = 3600
-
-
-def find_converter(llama_cpp: str | Path | None = None) -> Path:
-    """The converter script: --llama-cpp / $LLAMA_CPP_DIR (a folder or the script), else the one the extra keeps in
-    PREFIX/share/lowmem_grpo/llama.cpp."""
-    given = llama_cpp or os.environ.get(LLAMA_CPP_ENV)
-    if given:
-        path = Path(given).expanduser()
-        script = path if path.is_file() else path / CONVERTER
-        if not script.is_file():
-            raise BadInputError(f"no {CONVERTER} at {script}",
-                                fix=f"name a llama.cpp folder that holds it, or leave out --llama-cpp and "
-                                    f"{LLAMA_CPP_ENV} to use the one `{INSTALL}` keeps")
-        return script
-    script = Path(sys.prefix) / "share" / "lowmem_grpo" / "llama.cpp" / CONVERTER
-    if not script.is_file():
-        raise BadInputError(f"--format gguf needs llama.cpp's {CONVERTER}, and {script.parent} has none",
-                            fix=f"run `{INSTALL}` ({INSTALL_WHY}), or pass --llama-cpp DIR")
-    return script
 
 
 def check(gguf_type: str, llama_cpp: str | Path | None) -> Path:
     """The converter, after checking the type and that llama-cpp-python is installed (BadInputError otherwise)."""
     if gguf_type not in GGUF_TYPES:
         raise BadInputError(f"--gguf-type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}",
-                            fix="use f16 or bf16 (exact), or q8_0 / q4_k_m (quantized, proven by accuracy)")
+                            fix="leave it out (auto: the precision that keeps the adapter), use f16, bf16 or f32 "
+                                "(exact), or q8_0 / q4_k_m (quantized, proven by accuracy)")
     if importlib.util.find_spec("llama_cpp") is None:
         raise BadInputError("--format gguf runs the file in llama.cpp to prove it, and llama-cpp-python is not "
-                            "installed", fix=f"run `{INSTALL}` ({INSTALL_WHY})")
+                            "installed", fix=f"install the gguf extra ({INSTALL_WHY}): {INSTALL}")
     return find_converter(llama_cpp)
 
 
@@ -96,8 +78,8 @@ def convert(script: Path, merged: Path, target: Path, outtype: str) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=CHILD_TIMEOUT_S)
     if done.returncode != 0 or not target.is_file():
         raise LowmemError(f"{script.name} failed (exit {done.returncode}):\n{_tail(done.stderr or done.stdout)}",
-                          fix=f"reinstall the converter with `{INSTALL}`, or use a llama.cpp version that "
-                              "supports this architecture")
+                          fix="pass --llama-cpp with the converter of a llama.cpp version that supports this "
+                              "architecture; nothing was written")
 
 
 def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
@@ -108,13 +90,14 @@ def tokenizer_kind(path: Path) -> tuple[str | None, str | None]:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as exc:
         raise LowmemError(f"{path.name} is not a GGUF file llama.cpp can read: {exc}",
-                          fix="reinstall the converter with `make install-gguf`; nothing was written") from exc
+                          fix="pass --llama-cpp with another llama.cpp's converter; nothing was written") from exc
     fields = [reader.get_field(key) for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre")]
     return tuple(None if f is None else bytes(f.parts[f.data[0]]).decode("utf-8") for f in fields)  # type: ignore
 
 
 LOGIT_SEQUENCES = 3
-GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16"}
+GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+OUTTYPES = {dtype: kind for kind, dtype in GGUF_DTYPES.items()}  # the converter's outtype of a merged model's dtype
 CONTEXT_MARGIN = 16
 QUANTIZED_MARGINS = {"q8_0": 0.05, "q4_k_m": 0.10}
 """Accuracy a quantized file may lose against the merged model: it fails when the paired 95% CI of (file - merged)
@@ -188,7 +171,7 @@ def _verdict(figures: dict[str, Any], gguf_type: str, tolerance: float | None, e
     logits = figures["logits"]
     # judged by the less precise of the file's dtype and the export's (the merged model's in transformers)
     judged_as = max(GGUF_DTYPES[gguf_type], dtype, key=("float32", "float16", "bfloat16").index)
-    bound = tolerance if tolerance is not None else proof.tolerance_for("gguf", judged_as, logits.get("logit_scale", 0.0))
+    bound = tolerance if tolerance is not None else proof.tolerance_for(judged_as, logits.get("logit_scale", 0.0))
     figures["tolerance"] = bound
     if figures["same_greedy_texts"] == n:
         return None
@@ -204,8 +187,9 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
 
     tokenizer, recipe, gguf_type = job.tokenizer, job.recipe, job.gguf_type
     examples = score.held_out(recipe, tokenizer)
+    batch = score.job_batch(job)
     merged = proof.load_causal_lm(work, job.dtype, job.device, job.trust)
-    reference = score.answer_transformers(merged, tokenizer, examples, recipe, job.device)
+    reference = score.answer_transformers(merged, tokenizer, examples, recipe, job.device, batch)
     budget = int(score.settings(recipe, job.device)["max_new_tokens"])
     prompt_ids = [tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"] for ex in examples]
     n_ctx = max(map(len, prompt_ids)) + budget + CONTEXT_MARGIN
@@ -223,6 +207,10 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
     if differ:
         figures["first_divergence"] = {"problem": differ[0], **first_divergence(tokenizer, *texts[differ[0]])}
     figures["llama_cpp_seconds"] = generated["seconds"]
+    figures["llama_cpp_repack"] = generated["repack"]
+    if not generated["repack"]:
+        log.warning("llama.cpp proof: this llama.cpp build has AMX kernels, which crash on K-quant files; the file is "
+                    "proven with weight repacking off (llama-cli / llama-server --no-repack on this CPU)")
     figures["calculator_results"] = sum(1 for g in answers if g["forced_tokens"])  # answers the calculator wrote into
     figures["chat_template_same"] = generated.get("chat_template") == getattr(tokenizer, "chat_template", None)
     figures["merged_accuracy"] = reference.metrics["strict_accuracy"]
@@ -246,11 +234,13 @@ def prove_gguf(target: Path, work: Path, job: Any, adapter_effect: float) -> tup
 def export_gguf(job: Any, work: Path, tmp: Path, result: Any, done: Callable[[str], None]) -> None:
     """Convert (and quantize) the merged model in `work` into `tmp`, prove the file in llama.cpp, and score it."""
     kind = job.gguf_type
-    sixteen = "bf16" if kind == "bf16" or (kind in QUANTIZED and job.dtype == "bfloat16") else "f16"
+    # A quantized type is quantized from the exact file of the merge's precision, which llama.cpp never runs: only
+    # the final file is proven (on a build with AMX kernels, with repacking off: llama_runner.repack_allowed).
+    exact = OUTTYPES[job.dtype]
     target = tmp / f"{job.recipe.name}-{GGUF_FILE_TYPES[kind]}.gguf"
-    converted = target if kind not in QUANTIZED else work / f"{job.recipe.name}-{GGUF_FILE_TYPES[sixteen]}.gguf"
+    converted = target if kind not in QUANTIZED else work / f"{job.recipe.name}-{GGUF_FILE_TYPES[exact]}.gguf"
     clock = time.monotonic()
-    convert(job.script, work, converted, sixteen)
+    convert(job.script, work, converted, exact)
     result.gguf_proof["convert_seconds"] = time.monotonic() - clock
     if kind in QUANTIZED:
         answer = run_child({"job": "quantize", "src": str(converted), "dst": str(target), "type": kind},

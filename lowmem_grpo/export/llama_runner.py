@@ -12,14 +12,47 @@ from pathlib import Path
 from typing import Any
 
 FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+AMX_KERNELS = "AMX_INT8 = 1"
+"""What llama.cpp's system info lists when it was built with its AMX kernels (llama-cpp-python compiles llama.cpp for
+the installing CPU, so on an Intel CPU with AMX)."""
 
 
-def _load(model: str, n_ctx: int, logits_all: bool = False) -> Any:
+def amx_kernels(system_info: str) -> bool:
+    """Whether this llama.cpp build runs quantized weights through its AMX kernels: they repack q4_0/q4_1/q8_0 and the
+    k-quants into AMX tiles at load, and on K-quant files (Q4_K_M) they crash llama.cpp with SIGSEGV in
+    ggml_backend_amx_mul_mat, a llama.cpp bug that depends on the machine."""
+    return AMX_KERNELS in system_info
+
+
+def repack_allowed(job: dict[str, Any]) -> bool:
+    """The job's `repack` (true/false), or by default on unless this build has AMX kernels: the proof then runs the
+    file on llama.cpp's plain CPU kernels, the same weights without the crashing repacked path."""
+    if job.get("repack") is not None:
+        return bool(job["repack"])
+    import llama_cpp
+
+    return not amx_kernels(llama_cpp.llama_print_system_info().decode("utf-8", "replace"))
+
+
+def _load(model: str, n_ctx: int, logits_all: bool = False, repack: bool = True) -> Any:
+    """The file in llama.cpp; `repack=False` loads it with no extra buffer types (llama-cli's --no-repack)."""
+    import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
 
     threads = max(1, os.cpu_count() or 1)  # llama-cpp-python's default is half the cores
-    return Llama(model_path=model, n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=logits_all, verbose=False,
-                 seed=0, n_threads=threads, n_threads_batch=threads)
+    defaults = bindings.llama_model_default_params
+    if not repack:  # Llama takes its model parameters from this function and has no argument for this one
+        bindings.llama_model_default_params = lambda: _no_extra_buffers(defaults())
+    try:
+        return Llama(model_path=model, n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=logits_all, verbose=False,
+                     seed=0, n_threads=threads, n_threads_batch=threads)
+    finally:
+        bindings.llama_model_default_params = defaults
+
+
+def _no_extra_buffers(params: Any) -> Any:
+    params.use_extra_bufts = False
+    return params
 
 
 def _forced(llm: Any, completion: list[int], token: int, calculator: bool) -> list[int]:
@@ -61,7 +94,8 @@ def greedy(llm: Any, prompt: list[int], max_new_tokens: int, eos: set[int], calc
 
 def run_generate(job: dict[str, Any]) -> dict[str, Any]:
     """Greedy continuations of prompt texts tokenized by llama.cpp (special tokens parsed, no BOS added)."""
-    llm = _load(job["model"], int(job["n_ctx"]))
+    repack = repack_allowed(job)
+    llm = _load(job["model"], int(job["n_ctx"]), repack=repack)
     eos = set(job.get("eos_ids") or []) | {llm.token_eos()}
     out = []
     started = time.monotonic()
@@ -70,13 +104,14 @@ def run_generate(job: dict[str, Any]) -> dict[str, Any]:
         row = greedy(llm, prompt, int(job["max_new_tokens"]), eos, bool(job.get("calculator")))
         out.append({"prompt_ids": prompt, **row})
     return {"generations": out, "seconds": time.monotonic() - started,
-            "chat_template": llm.metadata.get("tokenizer.chat_template")}
+            "chat_template": llm.metadata.get("tokenizer.chat_template"), "repack": repack,
+            "extra_buffers": bool(llm.model_params.use_extra_bufts)}
 
 
 def run_logits(job: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
-    llm = _load(job["model"], int(job["n_ctx"]), logits_all=True)
+    llm = _load(job["model"], int(job["n_ctx"]), logits_all=True, repack=repack_allowed(job))
     arrays = {}
     for i, ids in enumerate(job["sequences"]):
         llm.reset()

@@ -13,10 +13,12 @@ from lowmem_grpo.errors import LowmemError
 from lowmem_grpo.evaluation.evaluate import load_eval_examples, run_eval
 from lowmem_grpo.evaluation.metrics import Verdict, judge, paired_bootstrap, problem_value
 from lowmem_grpo.evaluation.stages import greedy_settings, mean_ci
-from lowmem_grpo.export import proof
+from lowmem_grpo.export import precision, proof
+from lowmem_grpo.memory import plan
+from lowmem_grpo.memory.arch import load_architecture
 from lowmem_grpo.rundir import export_scores, layout
 from lowmem_grpo.rundir.report import write_report
-from lowmem_grpo.runtime import cpu_paths
+from lowmem_grpo.runtime import cpu_paths, eval_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +31,46 @@ def held_out(recipe: Any, tokenizer: Any) -> list[dict[str, Any]]:
     return load_eval_examples(recipe, tokenizer, limit=recipe.train.eval.stage.problems or PROOF_PROBLEMS)
 
 
-def settings(recipe: Any, device: str) -> dict[str, Any]:
-    """The stage evaluation's greedy settings for a model on `device` (cpu or cuda)."""
-    return greedy_settings(recipe.train, recipe.data.calculator, cpu_paths(recipe.train, device))
+def scoring_batch(recipe: Any, model: str, dtype: str, device: str, facts: Any = None,
+                  trust_remote_code: bool = False) -> int:
+    """Sequences the export's score decodes at once. The run's evaluation batch was planned for the model it trained
+    (a 4-bit base beside its LoRA and optimizer): on a GPU the export plans its own, for the merged weights of `model`
+    in `dtype` in the GPU memory free now (`facts`, a device.CudaFacts: this machine's when None), at most the run's
+    batch, so that its answers pair with the stage evaluation's where they fit. On the CPU: the run's."""
+    run = eval_batch_size(recipe.train)
+    if device != "cuda":
+        return run
+    if facts is None:
+        from lowmem_grpo.device import cuda_facts
+
+        facts = cuda_facts()
+    if not (facts.free_bytes and facts.total_bytes):
+        return run
+    arch = load_architecture(model, allow_hub=False, trust_remote_code=trust_remote_code)
+    budget = plan.device_budget(facts.free_bytes, facts.total_bytes)
+    batch = plan.scoring_batch(arch, precision.BYTES[dtype], recipe.data.max_prompt_length,
+                               recipe.train.max_completion_length, run, budget)
+    log.info("scoring batch: %d sequences at once (the run's evaluation batch %d; the merged model in %s, %s free "
+             "on the GPU)", batch, run, dtype, plan.format_bytes(facts.free_bytes))
+    return batch
 
 
-def answer_transformers(model: Any, tokenizer: Any, examples: list[dict[str, Any]], recipe: Any, device: str) -> Any:
+def settings(recipe: Any, device: str, batch: int | None = None) -> dict[str, Any]:
+    """The stage evaluation's greedy settings for a model on `device` (cpu or cuda), `batch` sequences at once (the
+    run's evaluation batch when None)."""
+    found = greedy_settings(recipe.train, recipe.data.calculator, cpu_paths(recipe.train, device))
+    return found if batch is None else {**found, "batch_size": batch}
+
+
+def answer_transformers(model: Any, tokenizer: Any, examples: list[dict[str, Any]], recipe: Any, device: str,
+                        batch: int | None = None) -> Any:
     """run_eval with the stage evaluation's greedy settings: an EvalResult."""
-    return run_eval(model, tokenizer, examples, **settings(recipe, device))
+    return run_eval(model, tokenizer, examples, **settings(recipe, device, batch))
+
+
+def job_batch(job: Any) -> int:
+    """scoring_batch for an export's job (formats._Job), once its precision is chosen."""
+    return scoring_batch(job.recipe, job.base_path, job.dtype, job.device, trust_remote_code=job.trust)
 
 
 def judged(examples: list[dict[str, Any]], generations: list[dict[str, Any]]) -> list[list[Verdict]]:
@@ -111,8 +145,10 @@ def score_folder(job: Any, folder: Path, result: Any) -> None:
     if not (job.score and problems):
         return
     reference = stage_reference(job.run_dir, problems, job.src.name == layout.ADAPTER_DIR)
+    batch = job_batch(job)
     model = proof.load_causal_lm(folder, job.dtype, job.device, job.trust)
-    answers = answer_transformers(model, job.tokenizer, held_out(job.recipe, job.tokenizer), job.recipe, job.device)
+    answers = answer_transformers(model, job.tokenizer, held_out(job.recipe, job.tokenizer), job.recipe, job.device,
+                                  batch)
     del model
     gc.collect()
     result.score = summarize(answers.verdicts, reference, seed=job.recipe.train.seed)

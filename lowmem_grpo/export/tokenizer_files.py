@@ -69,3 +69,9 @@ def repair_byte_level_bpe(folder: str | Path) -> bool:
         return False
     log.info("%s: byte-level BPE written without byte fallback, as llama.cpp's converter must see it", path)
     return True
+
+
+def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
+    """The tokenizer's files in `folder`, a byte-level BPE written as one (repair_byte_level_bpe)."""
+    tokenizer.save_pretrained(str(folder))
+    repair_byte_level_bpe(folder)

@@ -77,14 +77,15 @@ def proposal(recipe: Recipe, budget_bytes: int, *, arch: Architecture) -> dict[s
 
 
 def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture | None = None,
-             allow_hub: bool = True, free_bytes: int | None = None) -> tuple[Recipe, Plan]:
+             allow_hub: bool = True, free_bytes: int | None = None, quiet: bool = False) -> tuple[Recipe, Plan]:
     """Fit the recipe into `budget_bytes` changing only keys not in `explicit`: the evaluation batch first, then
     LADDER's knobs lowered in order until the plan fits and raised back as far as it allows, never above the
-    recipe's own value. RecipeError naming the explicit settings to lower when even that cannot fit."""
+    recipe's own value. RecipeError naming the explicit settings to lower when even that cannot fit. `quiet`: log
+    nothing (a fit only compared)."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub)
     explicit = set(explicit)
     validate(recipe)
-    current = with_planned_eval_batch(recipe, budget_bytes, explicit, arch=arch, free_bytes=free_bytes)
+    current = with_planned_eval_batch(recipe, budget_bytes, explicit, arch=arch, free_bytes=free_bytes, quiet=quiet)
     result = plan(current, budget_bytes, arch=arch, free_bytes=free_bytes)
     if _fits(result):
         return current, result
@@ -105,7 +106,7 @@ def auto_fit(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Arc
     result = plan(current, budget_bytes, arch=arch, free_bytes=free_bytes)
     _check_fit(result, recipe, budget_bytes, explicit)
     changed = {k.name: (k.value(recipe), k.value(current)) for k in LADDER if k.value(recipe) != k.value(current)}
-    if changed:
+    if changed and not quiet:
         log.info("auto-fit to %s: %s (predicted peak %s)", format_bytes(budget_bytes),
                  ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), format_bytes(result.total_bytes))
     return current, result
@@ -125,7 +126,7 @@ def _lowered(current: Recipe, knob: Knob, explicit: set[str], arch: Architecture
 
 
 def with_planned_eval_batch(recipe: Recipe, budget_bytes: int, explicit: set[str], *, arch: Architecture,
-                            free_bytes: int | None = None) -> Recipe:
+                            free_bytes: int | None = None, quiet: bool = False) -> Recipe:
     """The recipe with train.eval.batch_size set to the plan's (unless explicit), so its run and resume read one."""
     if "train.eval.batch_size" in explicit:
         return recipe
@@ -133,8 +134,8 @@ def with_planned_eval_batch(recipe: Recipe, budget_bytes: int, explicit: set[str
     if result.eval_batch is None or result.eval_batch == recipe.train.eval.batch_size:
         return recipe
     e = result.evaluation
-    log.info("evaluation batch: %d sequences at once (train.eval.batch_size; KV cache %s, evaluation peak %s)",
-             e["batch"], format_bytes(e["kv_bytes"]), format_bytes(e["peak_bytes"]))
+    log.log(logging.DEBUG if quiet else logging.INFO, "evaluation batch: %d sequences at once (train.eval.batch_size; "
+            "KV cache %s, evaluation peak %s)", e["batch"], format_bytes(e["kv_bytes"]), format_bytes(e["peak_bytes"]))
     fitted = copy.deepcopy(recipe)
     fitted.train.eval.batch_size = e["batch"]
     return fitted
@@ -195,6 +196,34 @@ def fit_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> tupl
              format_bytes(result.total_bytes), result.peak_phase, format_bytes(budget), format_bytes(gpu.free_bytes),
              format_bytes(gpu.total_bytes))
     return fitted, result
+
+
+def training_settings(recipe: Recipe) -> tuple:
+    """What auto-fit may lower that training feels: LADDER's knobs but vLLM's share, and checkpointing off."""
+    return (*(k.value(recipe) for k in LADDER if k.name != "gpu_memory_utilization"),
+            not recipe.train.gradient_checkpointing)
+
+
+def vllm_room(recipe: Recipe, explicit: set[str], facts: Any = None, *, arch: Architecture | None = None) -> bool:
+    """Whether this process's CUDA GPU (`facts`, else read) has room for vLLM's pool by the memory plan: the recipe
+    with model.fast_inference=true fits the budget, with auto-fit (where it runs) lowering no training setting it keeps
+    without vLLM. False without a GPU."""
+    if (found := _gpu(facts)) is None:
+        return False
+    gpu, budget = found
+    arch = arch or load_architecture(recipe.model.name)
+    on, off = (apply_change(recipe, {"model.fast_inference": value}) for value in (True, False))
+    if recipe.train.memory.auto_fit is False:
+        return _fits(plan(on, budget, arch=arch, free_bytes=gpu.free_bytes))
+    try:
+        with_vllm, _ = auto_fit(on, budget, explicit, arch=arch, free_bytes=gpu.free_bytes, quiet=True)
+    except RecipeError:
+        return False
+    try:
+        without, _ = auto_fit(off, budget, explicit, arch=arch, free_bytes=gpu.free_bytes, quiet=True)
+    except RecipeError:  # it fits only with vLLM, which holds the base weights for both
+        return True
+    return all(a >= b for a, b in zip(training_settings(with_vllm), training_settings(without)))
 
 
 def eval_batch_to_device(recipe: Recipe, explicit: set[str], facts: Any = None) -> Recipe:

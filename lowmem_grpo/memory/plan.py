@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +16,8 @@ from lowmem_grpo.memory import terms as mt
 from lowmem_grpo.memory.arch import Architecture, load_architecture
 from lowmem_grpo.memory.terms import GIB, MIB, Settings
 from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.runtime import EVAL_BATCH, planned
+from lowmem_grpo.distributed import Launch
+from lowmem_grpo.runtime import EVAL_BATCH, GPU_PLAN, optimizer_for, place
 
 
 # name -> (function, phase, where it shows: "allocated" by torch, "device" only)
@@ -135,16 +135,16 @@ def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, gpu_free_bytes: int =
                  sharing: ms.Sharing | None = None) -> Settings:
     """The recipe's memory settings as a one-process CUDA run has them (runtime.planned)."""
     m, t = recipe.model, recipe.train
-    runtime = planned(recipe)
+    at = place(recipe, Launch(), GPU_PLAN)  # a one-process CUDA run
     fp32 = m.dtype == "float32" or t.precision == "fp32"
     sharing = sharing or ms.Sharing(ms.NONE, ms.NONE, "")
     return Settings(
-        backend=runtime.backend, load_in_4bit=m.load_in_4bit, compute_bytes=4 if fp32 else 2, lora_r=recipe.lora.r,
-        target_modules=tuple(recipe.lora.target_modules), optim=runtime.optimizer,
+        backend=at.backend, load_in_4bit=m.load_in_4bit, compute_bytes=4 if fp32 else 2, lora_r=recipe.lora.r,
+        target_modules=tuple(recipe.lora.target_modules), optim=optimizer_for(t, cuda=True),
         gradient_checkpointing=t.gradient_checkpointing, per_device_batch=t.per_device_train_batch_size,
-        generation_batch=runtime.generation_batch, num_generations=t.num_generations,
+        generation_batch=t.generation_batch_size(), num_generations=t.num_generations,
         prompt_len=recipe.data.max_prompt_length, completion_len=t.max_completion_length, beta=t.beta,
-        fast_inference=runtime.fast_inference, gpu_memory_utilization=m.gpu_memory_utilization,
+        fast_inference=at.fast_inference, gpu_memory_utilization=m.gpu_memory_utilization,
         gpu_total_bytes=gpu_total_bytes, gpu_free_bytes=gpu_free_bytes, prompt_sharing=sharing.applies,
         sharing_verify=sharing.verify)
 
@@ -210,15 +210,31 @@ def evaluation_info(recipe: Recipe, arch: Architecture, s: Settings, budget_byte
             "workspace_bytes": mt.eval_workspace(arch, sized), "peak_bytes": evaluation_peak(arch, s, rows)}
 
 
+def scoring_settings(compute_bytes: int, prompt_len: int, completion_len: int) -> Settings:
+    """A plain transformers model with `compute_bytes` a weight decoding greedily, as a merged export's score runs
+    it: no 4-bit base, LoRA, optimizer or GRPO batch beside it."""
+    return Settings(backend="hf", load_in_4bit=False, compute_bytes=compute_bytes, lora_r=0, target_modules=(),
+                    optim="sgd", gradient_checkpointing=False, per_device_batch=1, generation_batch=0,
+                    num_generations=1, prompt_len=prompt_len, completion_len=completion_len, beta=0.0,
+                    fast_inference=False, gpu_memory_utilization=0.0, gpu_total_bytes=0)
+
+
+def scoring_batch(arch: Architecture, compute_bytes: int, prompt_len: int, completion_len: int, upper: int,
+                  budget_bytes: int) -> int:
+    """Sequences a merged export's score decodes at once: the largest of `upper` (the run's evaluation batch) and the
+    powers of two below it whose evaluation peak with the merged weights fits `budget_bytes`; 1 when none does."""
+    s = scoring_settings(compute_bytes, prompt_len, completion_len)
+    return choose_eval_batch(arch, s, upper, 1, budget_bytes)
+
+
 def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture | None = None,
          allow_hub: bool = True, free_bytes: int | None = None,
-         env: Mapping[str, str] | None = None, fit_eval: bool | None = None) -> Plan:
-    """Predicted peak GPU memory of a recipe; `free_bytes`: the GPU memory free at load (else the budget), `env`:
-    where Unsloth's PrefixGrouper switches are read (None: os.environ), `fit_eval`: cut the evaluation batch to the
-    budget even when the recipe sets one."""
+         fit_eval: bool | None = None) -> Plan:
+    """Predicted peak GPU memory of a recipe; `free_bytes`: the GPU memory free at load (else the budget),
+    `fit_eval`: cut the evaluation batch to the budget even when the recipe sets one."""
     arch = arch or load_architecture(recipe.model.name, allow_hub=allow_hub)
     total_gpu = budget_bytes or (recipe.gpu_memory_gb or 0) * GIB
-    sharing = ms.sharing_for(arch, planned(recipe), recipe, env=env)
+    sharing = ms.sharing_for(arch, place(recipe, Launch(), GPU_PLAN), recipe)
     settings = settings_for(recipe, total_gpu, free_bytes or 0, sharing)
     info = evaluation_info(recipe, arch, settings, budget_bytes, fit_eval)
     if info["counted"]:
@@ -232,14 +248,11 @@ def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture 
 
 def sharing_figures(arch: Architecture, s: Settings, sharing: ms.Sharing) -> dict[str, int]:
     """The peak without prompt sharing, with the backend's pass engaged (even where it does not engage), their
-    difference and, on unsloth, the peak with its self-verify off."""
+    difference."""
     without = evaluate(arch, dataclasses.replace(s, prompt_sharing=ms.NONE, sharing_verify=False)).total_bytes
     engaged = dataclasses.replace(s, prompt_sharing=sharing.available, sharing_verify=sharing.verify)
     figures = {"peak_without_bytes": without, "peak_with_bytes": evaluate(arch, engaged).total_bytes}
     figures["saving_bytes"] = figures["peak_without_bytes"] - figures["peak_with_bytes"]
-    if sharing.available == ms.UNSLOTH:
-        unverified = dataclasses.replace(engaged, sharing_verify=False)
-        figures["peak_with_unverified_bytes"] = evaluate(arch, unverified).total_bytes
     return figures
 
 
@@ -276,17 +289,15 @@ def _sharing_lines(p: Plan) -> list[str]:
         return []
     f, sh, s = p.sharing_figures, p.sharing, p.settings
     k = mt.prompts_in_micro_batch(s)
-    name = "Unsloth's PrefixGrouper" if sh.available == ms.UNSLOTH else "our shared-prompt pass"
+    if sh.available == ms.NONE:
+        return [f"  prompt sharing: {sh.reason}"]
     engaged = "" if sh.applies != ms.NONE else " (if it engaged)"
     lines = [f"  prompt sharing: {sh.reason}",
              f"    training forward: {s.per_device_batch} x {s.seq_len} = {mt.forward_tokens(p.architecture, s, False)} "
              f"tokens per micro-batch without it, {k} x {s.prompt_len} + {s.per_device_batch} x {s.completion_len} = "
              f"{mt.forward_tokens(p.architecture, s, True)} with it",
-             f"    peak without prompt sharing {format_bytes(f['peak_without_bytes'])}, with {name}{engaged} "
+             f"    peak without prompt sharing {format_bytes(f['peak_without_bytes'])}, with our shared-prompt pass{engaged} "
              f"{format_bytes(f['peak_with_bytes'])} (saves {format_bytes(f['saving_bytes'])})"]
-    if "peak_with_unverified_bytes" in f:
-        lines.append(f"    with its self-verify off ({ms.PG_VERIFY_ENV}=0): "
-                     f"{format_bytes(f['peak_with_unverified_bytes'])}")
     return lines
 
 

@@ -62,8 +62,8 @@ class Settings:
     double_quant: bool = True
     gpu_free_bytes: int = 0  # free GPU memory when the model loads (0: unknown, taken as gpu_total_bytes)
     logits: str = "chunked"  # "chunked" (the backend's fused LM-head kernel) or "full" (materialized logits)
-    prompt_sharing: str = "none"  # none, shared_prompt (hf) or unsloth_prefix_grouper (memory.sharing)
-    sharing_verify: bool = False  # Unsloth's self-verify runs the full-row pass beside the shared one at the peak
+    prompt_sharing: str = "none"  # none or shared_prompt (hf; memory.sharing)
+    sharing_verify: bool = False  # a full-row pass beside the shared one at the peak (memory.sharing.Sharing.verify)
     eval_batch: int = 0  # sequences an evaluation decodes at once through the sampling engine (0: none runs there)
 
     @property
@@ -249,11 +249,9 @@ def forward_tokens(a: Architecture, s: Settings, shared: bool | None = None) -> 
 
 
 def attention_mask_bytes(s: Settings, shared: bool) -> int:
-    """The training forward's bool mask: b x S x S; hf shared b x C x S + k x P x P; Unsloth's shared stream 0."""
+    """The training forward's bool mask: b x S x S; hf shared b x C x S + k x P x P."""
     if not shared:
         return s.per_device_batch * s.seq_len * s.seq_len
-    if s.prompt_sharing == "unsloth_prefix_grouper":
-        return 0
     return (s.per_device_batch * s.completion_len * s.seq_len
             + prompts_in_micro_batch(s) * s.prompt_len * s.prompt_len)
 
@@ -276,8 +274,8 @@ def activations(a: Architecture, s: Settings) -> int:
     k x P + b x C with a shared-prompt pass).
 
     L x T x per_token; checkpointed L x T x H x rb + T x per_token (Unsloth offloads: 2 x T x H x rb); + 4 x T x H
-    x rb + mask + dequant; PrefixGrouper's self-verify keeps the full-row figure (+ its no-grad pass's layer)."""
-    if s.prompt_sharing == "unsloth_prefix_grouper" and s.sharing_verify:
+    x rb + mask + dequant; a self-verify keeps the full-row figure (+ its no-grad pass's layer)."""
+    if s.prompt_sharing != "none" and s.sharing_verify:
         verify = 0 if s.gradient_checkpointing else forward_tokens(a, s, True) * layer_activation_bytes_per_token(a, s)
         return _forward_activations(a, s, False) + verify
     return _forward_activations(a, s, s.prompt_sharing != "none")

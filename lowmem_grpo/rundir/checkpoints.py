@@ -20,7 +20,8 @@ from typing import Any
 
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.rundir.layout import (ADAPTER_DIR, CHECKPOINT_MARKER, CHECKPOINT_PREFIX, COMPLETIONS_FILE,
-                                       METRICS_FILE, PRIME_STAGE, RECIPE_FILE, replace_text)
+                                       METRICS_FILE, PRIME_STAGE, PRIMED_ADAPTER_DIR, RECIPE_FILE,
+                                       replace_text)
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,15 @@ def write_marker(folder: Path, step: int) -> Path:
 
 
 def is_complete(folder: Path) -> bool:
-    """Whether a checkpoint folder holds a valid marker and every file it lists, at the listed size."""
+    """Whether a checkpoint (or primed_adapter/) folder holds a valid marker and every file it lists, at the listed
+    size."""
     folder = Path(folder)
     match = _CKPT.match(folder.name)
     try:
         record = json.loads((folder / CHECKPOINT_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if not match or not isinstance(record, dict) or record.get("step") != int(match.group(1)):
+    if not isinstance(record, dict) or (match and record.get("step") != int(match.group(1))):
         return False
     files = record.get("files")
     return isinstance(files, dict) and bool(files) and all(
@@ -137,27 +139,33 @@ def _step(record: dict[str, Any]) -> int:
     return step if isinstance(step, int) else 0
 
 
-def rewind_logs(run_dir: Path, step: int | None) -> None:
-    """Drop the metrics (but priming's) and completions lines after `step`; all of them when None (a restart)."""
+def rewind_logs(run_dir: Path, step: int | None, keep_prime: bool | None = None) -> None:
+    """Drop the metrics and completions lines after `step`, all of them when None (GRPO restarts); priming's stay
+    with a checkpoint, or when `keep_prime` (its adapter is complete)."""
     run_dir = Path(run_dir)
-    dropped_metrics = _rewrite_jsonl(run_dir / METRICS_FILE, lambda r: step is not None and (
-        r.get("stage") == PRIME_STAGE or (_step(r) <= step and "train_runtime" not in r)))
+    keep_prime = step is not None if keep_prime is None else keep_prime
+    dropped_metrics = _rewrite_jsonl(run_dir / METRICS_FILE, lambda r: (keep_prime and r.get("stage") == PRIME_STAGE)
+                                     or (step is not None and _step(r) <= step and "train_runtime" not in r
+                                         and r.get("stage") != PRIME_STAGE))
     dropped_completions = _rewrite_jsonl(run_dir / COMPLETIONS_FILE, lambda r: step is not None and _step(r) <= step)
     if dropped_metrics or dropped_completions:
         log.info("rewound the logs to step %s: dropped %d metrics and %d completions lines", step or 0,
                  dropped_metrics, dropped_completions)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResumePoint:
-    """Where `train --resume RUN_DIR` continues: the run directory and its last complete checkpoint."""
+    """What a run directory holds, the one answer `train --resume RUN_DIR` asks of it: each stage skips or continues
+    by it (the stage evaluations are kept in their own file)."""
 
     run_dir: Path
     step: int | None
-    """Step of the last complete checkpoint; None = none was complete, the run restarts from step 0."""
+    """Step of the last complete checkpoint; None = none was complete, GRPO restarts from step 0."""
     checkpoint: Path | None
     finished: bool
     """The last complete checkpoint is the final step and adapter/ was written: nothing is left to do."""
+    primed: bool = False
+    """primed_adapter/ is complete: priming is not repeated, its adapter is loaded."""
 
 
 def resume_point(run_dir: Path | str, max_steps: int) -> ResumePoint:
@@ -171,7 +179,7 @@ def resume_point(run_dir: Path | str, max_steps: int) -> ResumePoint:
                             fix="give the folder a `lowmem-grpo train` run wrote, or start a new run without --resume")
     step, path = last_complete(run_dir) or (None, None)
     finished = step is not None and step >= max_steps and _adapter_matches(run_dir / ADAPTER_DIR, path)
-    return ResumePoint(run_dir, step, path, finished)
+    return ResumePoint(run_dir, step, path, finished, is_complete(run_dir / PRIMED_ADAPTER_DIR))
 
 
 def _adapter_matches(adapter_dir: Path, checkpoint: Path) -> bool:
@@ -186,7 +194,7 @@ def _adapter_matches(adapter_dir: Path, checkpoint: Path) -> bool:
 def prepare_resume(point: ResumePoint) -> None:
     """Make the run directory continue from `point`: remove incomplete checkpoints, rewind the logs."""
     remove_incomplete(point.run_dir)
-    rewind_logs(point.run_dir, point.step)
+    rewind_logs(point.run_dir, point.step, keep_prime=point.step is not None or point.primed)
     if point.step is None:
         log.info("no complete checkpoint in %s: restarting the run from step 0", point.run_dir)
     else:

@@ -21,7 +21,6 @@ DISTRIBUTED_FILE = "distributed.json"  # each rank's adapter digest (several pro
 PRIMED_ADAPTER_DIR = "primed_adapter"  # the adapter after priming, before GRPO
 CHECKPOINT_PREFIX = "checkpoint-"  # a trainer checkpoint, complete once CHECKPOINT_MARKER is inside
 CHECKPOINT_MARKER = "lowmem_complete.json"
-SAMPLING_STATE_FILE = "lowmem_sampling.json"  # inside checkpoint-N/: pass rates, curriculum level, prompts drawn
 ADAPTER_DIR = "adapter"  # the final adapter
 EVAL_FILE = "eval.json"  # evaluation results (`lowmem-grpo eval`), also under EVAL_DIR
 STAGE_EVAL_FILE = "stage_eval.json"  # base / primed / trained accuracy on the same held-out problems

@@ -138,12 +138,6 @@ def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
          [([("loss", "loss")], "loss", False, None), ([("grad_norm", "grad_norm")], "grad norm", False, None),
           ([("learning rate", "learning_rate")], "learning rate", False, None)]),
     ]
-    if series(records, "groups/informative")[0]:  # dynamic sampling / curriculum runs
-        groups = [([("total reward", "groups/informative"), ("goal reward", "groups/informative_goal")],
-                   "informative share", True, UNIT)]
-        if series(records, "curriculum/level")[0]:
-            groups.append(([("curriculum level", "curriculum/level")], "level", False, None))
-        figures.append(("groups", "Groups that teach (informative = the group's rewards vary)", groups))
     written = [_plot(records, out_dir / f"{name}.png", title, panels) for name, title, panels in figures]
     if telemetry.phase_records(records):
         written.append(out_dir / "time.png")

@@ -10,7 +10,6 @@ import logging
 import re
 import time
 from pathlib import Path
-from statistics import fmean
 from typing import Any
 
 from lowmem_grpo.rundir import export_scores, health, layout, rss, telemetry
@@ -21,8 +20,7 @@ from lowmem_grpo.errors import BadInputError
 
 log = logging.getLogger(__name__)
 
-SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "groups/informative",
-                "groups/informative_goal", "groups/per_step", "curriculum/level", "completions/mean_length",
+SUMMARY_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                 "completions/clipped_ratio", "completions/distinct_answers", "completions/shared_across_prompts",
                 "optimizer/skipped_no_signal", "loss", "grad_norm", "learning_rate", "kl", "entropy", "step_time",
                 "time/step", "time/sampling_share", "tokens_per_s",
@@ -46,24 +44,6 @@ def summary_table(records: list[dict[str, Any]]) -> list[str]:
         if ys:
             lines.append(f"| {key} | {_num(ys[0])} | {_num(ys[-1])} | {_num(min(ys))} | {_num(max(ys))} | "
                          f"{_num(sum(ys) / len(ys))} |")
-    return lines
-
-
-def groups_lines(records: list[dict[str, Any]]) -> list[str]:
-    """Bullets on the groups GRPO learned from (dynamic sampling / curriculum runs); [] otherwise."""
-    _, informative = series(records, "groups/informative")
-    if not informative:
-        return []
-    _, correct = series(records, "groups/informative_goal")
-    _, per_step = series(records, "groups/per_step")
-    lines = [f"- informative groups (total reward varies): mean {_num(fmean(informative))} over {len(informative)} "
-             f"steps" + (f"; on the goal reward alone: {_num(fmean(correct))}" if correct else "")
-             + (f"; {_num(per_step[-1])} prompt groups per step" if per_step else "")]
-    steps, levels = series(records, "curriculum/level")
-    if levels:
-        ups = [f"{int(b)} at step {s}" for s, a, b in zip(steps[1:], levels, levels[1:]) if b > a]
-        lines.append(f"- curriculum: level {int(levels[0])} at the start, {int(levels[-1])} at the end"
-                     + (f" (moved up: {', '.join(ups)})" if ups else " (never moved up)"))
     return lines
 
 
@@ -149,7 +129,8 @@ def eval_lines(run_dir: Path) -> list[str]:
 
 
 def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
-    """The peak RSS in each stage (peak_rss.json) and each phase of a GRPO step (rss/<phase>); [] without either."""
+    """The peak RSS in each stage (peak_rss.json) and each phase of a GRPO step (rss/<phase>), and each CUDA
+    out-of-memory error's lowered settings (oom_retries.jsonl); [] without any."""
     data = rss.read(run_dir / layout.PEAK_RSS_FILE) or {}
     stages = data.get("stages") or []
     lines: list[str] = []
@@ -167,7 +148,11 @@ def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
         lines += [""] if lines else []
         lines.append("Peak RSS in each phase of a GRPO step (GiB, the largest logged step): "
                      + ", ".join(f"{k[len(rss.RSS_PREFIX):]} {v:.2f}" for k, v in peak.items()))
-    return lines
+    ooms = [f"- CUDA out of memory at step {t['step']} ({t['phase']}, {t['time']}): "
+            + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in t["changes"].items())
+            + f" ({t['how']}); continued from {t['resumed_from'] or 'step 0'} in a fresh process"
+            for t in layout.read_jsonl(run_dir / layout.OOM_FILE)]
+    return lines + (["", *ooms] if ooms else [])
 
 
 def goal_name(run_dir: Path) -> str | None:
@@ -212,8 +197,6 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
         lines += ["", f"- optimizer steps skipped (no group of the batch varied, nothing to learn): "
                       f"{round(sum(skipped))} of {len(skipped)} logged steps"]
     lines += time_lines(records)
-    groups = groups_lines(steps)
-    lines += ["", "## Groups that teach", "", *groups] if groups else []
     warnings = health.scan(steps, goal=goal_name(run_dir))
     lines += ["", "## Warnings", ""] + ([f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."])
     bought = stage_lines(run_dir, info.get("name"))

@@ -81,10 +81,8 @@ def console_line(logs: dict[str, Any], step: int, max_steps: int, elapsed_s: flo
         value = logs.get(f"rewards/{name}/mean")
         if value is not None:
             parts.append(f"{name} {_fmt(value)}")
-    for key, label, spec in (("groups/informative", "informative", ".2f"), ("curriculum/level", "level", ".0f"),
-                             ("completions/mean_length", "len", ".0f")):
-        if key in logs:
-            parts.append(f"{label} {_fmt(logs[key], spec)}")
+    if "completions/mean_length" in logs:
+        parts.append(f"len {_fmt(logs['completions/mean_length'], '.0f')}")
     clipped = logs.get("completions/clipped_ratio")  # completions cut off at max_completion_length
     if isinstance(clipped, (int, float)):
         parts.append(f"cut {100 * clipped:.0f}%")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from lowmem_grpo.runtime import RolloutPlan
@@ -14,7 +15,7 @@ from lowmem_grpo.sampling.engine import Calculator, sample_rows
 from lowmem_grpo.sampling.sampler_check import SamplerCheck, policy_logprobs
 from lowmem_grpo.sampling.vllm_engine import AdapterFolders, EngineSpec, start_engine
 from lowmem_grpo.sampling.generate import fast_sampling, inference_mode, live_adapter_request
-from lowmem_grpo.sampling.vllm_calculator import ClientRounds, EngineRounds, calculator_rows
+from lowmem_grpo.sampling.vllm_calculator import EngineRounds, calculator_rows
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,14 @@ class EngineRollout:
 
 
 class VllmRollout:
-    """data.calculator on the trainer's vLLM, as TRL's VLLMGeneration.generate samples. Colocate: each rank its own
-    rows; server: the main process samples every rank's rows and hands each rank its share."""
+    """data.calculator on the trainer's colocated vLLM, each rank its own rows, as TRL's VLLMGeneration.generate
+    samples. `awake(generation)`: the context its sleep mode needs around the rounds (the TRL seam's vllm_awake)."""
 
-    def __init__(self, tokenizer: Any, sampling_params_class: Callable[..., Any] | None = None) -> None:
+    def __init__(self, tokenizer: Any, sampling_params_class: Callable[..., Any] | None = None,
+                 awake: Callable[[Any], AbstractContextManager[Any]] = lambda _: contextlib.nullcontext()) -> None:
         self.calculator = Calculator(tokenizer)
         self.params_class = sampling_params_class
+        self.awake = awake
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
@@ -72,45 +75,17 @@ class VllmRollout:
         settings = {"temperature": generation.temperature, "top_p": generation.top_p, "top_k": generation.top_k,
                     "min_p": 0.0 if min_p is None else min_p, "repetition_penalty": generation.repetition_penalty,
                     **(getattr(generation, "generation_kwargs", None) or {})}
-        if generation.mode == "server":
-            from accelerate.utils import broadcast_object_list, gather_object
-
-            everyone = gather_object(prompt_ids)
-            box = [None]
-            if trainer.accelerator.is_main_process:
-                box[0] = self._rows(ClientRounds(generation.vllm_client, settings), settings, everyone, trainer)
-            broadcast_object_list(box, from_process=0)
-            start = trainer.accelerator.process_index * len(prompt_ids)
-            rows = box[0][start:start + len(prompt_ids)]
-        else:
-            llm = generation.llm
-            shared = getattr(llm, "shared_weights", False) or getattr(generation, "unsloth_fast_inference_lora", False)
-            # Unsloth's engine holds the base weights (its sync_weights pushes nothing): the adapter goes with the call
-            lora = live_adapter_request(trainer.accelerator.unwrap_model(trainer.model)) if shared else None
-            with awake(generation):
-                rows = self._rows(EngineRounds(llm, settings, lora, self.params_class), settings, prompt_ids, trainer)
+        if generation.mode != "colocate":  # refused before any model loads (combinations): a safety net
+            raise RecipeError(f"data.calculator on vLLM's {generation.mode} mode", fix="use train.vllm_mode=colocate")
+        llm = generation.llm
+        shared = getattr(llm, "shared_weights", False) or getattr(generation, "unsloth_fast_inference_lora", False)
+        # Unsloth's engine holds the base weights (its sync_weights pushes nothing): the adapter goes with the call
+        lora = live_adapter_request(trainer.accelerator.unwrap_model(trainer.model)) if shared else None
+        with self.awake(generation):  # a generation_kwargs seed seeds each row's own
+            rows = calculator_rows(EngineRounds(llm, settings, lora, self.params_class), prompt_ids,
+                                   max_tokens=trainer.max_completion_length, calculator=self.calculator,
+                                   eos_ids=trainer.eos_token_ids, seed=settings.get("seed"))
         return trl_output(prompt_ids, rows, logprobs=True, env_mask=True)
-
-    def _rows(self, sample: Any, settings: dict[str, Any], prompt_ids: list[list[int]], trainer: Any) -> list[Any]:
-        # a generation_kwargs seed seeds each row's own
-        return calculator_rows(sample, prompt_ids, max_tokens=trainer.max_completion_length,
-                               calculator=self.calculator, eos_ids=trainer.eos_token_ids, seed=settings.get("seed"))
-
-
-@contextlib.contextmanager
-def awake(generation: Any) -> Iterator[None]:
-    """vLLM's sleep mode around the rounds as TRL's colocate mode runs it; back to sleep (level 2) afterwards."""
-    if generation.mode != "colocate" or not getattr(generation, "enable_sleep_mode", False):
-        yield
-        return
-    if getattr(generation, "_llm_weights_sleeping", False):
-        generation.sync_weights()
-    generation.llm.wake_up(tags=["kv_cache"])
-    try:
-        yield
-    finally:
-        generation.llm.sleep(level=2)
-        generation._llm_weights_sleeping = True
 
 
 class OwnVllmRollout:
@@ -148,14 +123,15 @@ class OwnVllmRollout:
 
 
 def make_rollout(plan: RolloutPlan, tokenizer: Any, merged: bool = True, attention: bool = True,
-                 vllm_spec: EngineSpec | None = None, check: SamplerCheck | None = None) -> Any:
-    """The rollout_func `plan` names, or None for TRL's own generation."""
+                 vllm_spec: EngineSpec | None = None, check: SamplerCheck | None = None,
+                 awake: Callable[[Any], AbstractContextManager[Any]] | None = None) -> Any:
+    """The rollout_func `plan` names, or None for TRL's own generation; `awake`: VllmRollout's sleep-mode context."""
     if plan.own_vllm:
         if vllm_spec is None:
             raise ValueError("train.vllm_sampling needs the engine's EngineSpec")
         return OwnVllmRollout(vllm_spec, tokenizer, plan.calculator, check)
     if plan.vllm:
-        return VllmRollout(tokenizer)
+        return VllmRollout(tokenizer, awake=awake) if awake else VllmRollout(tokenizer)
     if plan.engine:
         return EngineRollout(tokenizer, plan.calculator, merged, attention)
     return None

@@ -133,35 +133,3 @@ class EngineRounds:
             logprobs = [_logprob(entry.get(t) if entry else None) for entry, t in zip(entries, ids)] if entries else []
             pieces.append(Piece(ids, logprobs, cut=getattr(output, "finish_reason", None) == "length"))
         return pieces
-
-
-class ClientRounds:
-    """`sample` on TRL's VLLMClient (server mode): one call per distinct (budget, seed), stops in generation_kwargs."""
-
-    SIGNATURE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    """The settings VLLMClient.generate takes as arguments; the others go in its generation_kwargs."""
-
-    def __init__(self, client: Any, settings: dict[str, Any]) -> None:
-        self.client = client
-        passed, self.extra_stops = split_settings(settings)
-        self.arguments = {k: v for k, v in passed.items() if k in self.SIGNATURE}
-        self.generation_kwargs = {k: v for k, v in passed.items() if k not in self.SIGNATURE}
-
-    def __call__(self, requests: list[Request], stop_token_ids: list[int]) -> list[Piece]:
-        groups: dict[tuple[int, int | None], list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault((r.max_tokens, r.seed), []).append(i)
-        stops = sorted(set(stop_token_ids) | set(self.extra_stops))
-        pieces: dict[int, Piece] = {}
-        for (budget, seed), members in groups.items():
-            kwargs = {**self.generation_kwargs, "stop_token_ids": stops}
-            if seed is not None:  # a request-wide seed: rows with one are sent alone
-                kwargs["seed"] = seed
-            out = self.client.generate(prompts=[list(requests[i].token_ids) for i in members], n=1, max_tokens=budget,
-                                       logprobs=0, generation_kwargs=kwargs, **self.arguments)
-            logprobs = out.get("logprobs") or [None] * len(members)
-            for k, i in enumerate(members):
-                ids = [int(t) for t in out["completion_ids"][k]]
-                # logprobs=0: one entry per token, the sampled token's own (VLLMClient sorts by rank)
-                pieces[i] = Piece(ids, [_logprob(entry[0]) if entry else None for entry in logprobs[k] or []])
-        return [pieces[i] for i in range(len(requests))]

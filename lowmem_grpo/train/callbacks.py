@@ -40,10 +40,6 @@ class TelemetryCallback(TrainerCallback):
         self.recent: list[dict[str, Any]] = []  # the newest records, for the health checks
         self.latch = WarningLatch(goal)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
-        if self.recorder is not None:
-            self.recorder.flush(write=False)  # a retried attempt drops what its failed step recorded
-
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
         if self.recorder is not None:
             self.recorder.flush(write=state.is_world_process_zero)
@@ -113,30 +109,6 @@ class CompleteCheckpoints(TrainerCallback):
             log.info("checkpoint %s complete%s", folder.name,
                      f"; removed older checkpoint(s) {', '.join(map(str, removed))}" if removed else "")
         _barrier()
-
-
-class SamplingStateCallback(TrainerCallback):
-    """Saves the SamplingState into each checkpoint and restores it when training starts from one."""
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
-        if state.global_step == 0:
-            self.state.reset()
-            return
-        folder = Path(args.output_dir) / f"{layout.CHECKPOINT_PREFIX}{state.global_step}"
-        if self.state.load(folder):
-            log.info("sampling state restored from %s%s", folder.name,
-                     f" (curriculum level {self.state.level})" if self.state.level is not None else "")
-        else:
-            log.warning("%s holds no %s: dynamic sampling / the curriculum start afresh", folder.name,
-                        layout.SAMPLING_STATE_FILE)
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any):
-        folder = Path(args.output_dir) / f"{layout.CHECKPOINT_PREFIX}{state.global_step}"
-        if state.is_world_process_zero and folder.is_dir():  # every rank holds the same state
-            self.state.save(folder)
 
 
 class PeriodicEvalCallback(TrainerCallback):
@@ -212,14 +184,6 @@ class NoSignalStepGuard(TrainerCallback):
         self.informative = False  # any nonzero advantage since the last optimizer step
         self.seen = False  # any micro-batch judged since the last optimizer step
         self.skipped = 0
-
-    @classmethod
-    def attach(cls, trainer: Any) -> NoSignalStepGuard:
-        """Register the guard as the trainer's lowmem_guard and a callback."""
-        guard = cls(trainer)
-        trainer.lowmem_guard = guard
-        trainer.add_callback(guard)
-        return guard
 
     def judge(self, inputs: Any) -> None:
         self.seen = True
@@ -297,7 +261,7 @@ class PhaseTimer(TrainerCallback):
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
-        self.clock = CudaClock() if trainer.accelerator.device.type == "cuda" else WallClock()
+        self.clock: CudaClock | WallClock = WallClock()
         self.spans: list[tuple[str, Any, Any]] = []  # (phase, start mark, end mark) of the current step
         self.rss_peaks: dict[str, int] = {}  # phase -> peak RSS (bytes) of the current step (lowmem_grpo.rundir.rss)
         self.opened: dict[str, tuple[Any, rss.Watch]] = {}  # phase -> (start mark, its RSS watch), not yet closed
@@ -306,14 +270,8 @@ class PhaseTimer(TrainerCallback):
         self.begin: Any = None
         self.optimizer_start: Any = None
 
-    @classmethod
-    def attach(cls, trainer: Any) -> PhaseTimer:
-        """Register the timer as the trainer's lowmem_timer and its first callback."""
-        timer = cls(trainer)
-        trainer.lowmem_timer = timer
-        # first, so that its step end comes before telemetry, checkpoints and periodic eval (they are the next gap)
-        trainer.callback_handler.callbacks.insert(0, timer)
-        return timer
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        self.clock = CudaClock() if args.device.type == "cuda" else WallClock()
 
     def open(self, phase: str) -> None:
         """Start timing `phase` (and watching its RSS peak) until `close(phase)`."""

@@ -11,16 +11,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig
 
 from lowmem_grpo.runtime import Runtime
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_io import train_keys
-from lowmem_grpo.train.callbacks import NoSignalStepGuard, PhaseTimer, SamplerCheckCallback
-from lowmem_grpo.train.informative import SamplingState
-from lowmem_grpo.train.trainer import grpo_trainer_class
+from lowmem_grpo.train.callbacks import SamplerCheckCallback
+from lowmem_grpo.train.trainer import grpo_trainer_class, vllm_awake
 from lowmem_grpo.sampling.rollout import make_rollout
 from lowmem_grpo.sampling.sampler_check import SamplerCheck
 from lowmem_grpo.sampling.vllm_engine import grpo_engine_spec
@@ -46,9 +44,12 @@ def check_trainer_fields(recipe: Recipe) -> None:
                               fix=f"give train.{key} a {type(default).__name__}")
 
 
-def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_weights: list[float]) -> GRPOConfig:
-    """GRPOConfig from the recipe's train section and the Runtime's optimizer, device and bf16/fp16 flags."""
+def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_weights: list[float],
+                      dtype: str | None = None) -> GRPOConfig:
+    """GRPOConfig from the recipe's train section, the Runtime's optimizer and device, and the bf16/fp16 flags of
+    `dtype`, the dtype the model was loaded in (default the Runtime's)."""
     t = recipe.train
+    bf16, fp16 = runtime.flags(dtype or runtime.dtype)
     return GRPOConfig(
         output_dir=str(run_dir),
         max_steps=t.max_steps,
@@ -78,46 +79,29 @@ def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_we
         reward_weights=reward_weights,
         use_cpu=not runtime.cuda,
         disable_tqdm=True,  # the telemetry line per step carries progress and ETA
-        bf16=runtime.bf16,
-        fp16=runtime.fp16,
+        bf16=bf16,
+        fp16=fp16,
         **t.extra,
     )
 
 
-def trainer_factory(loaded: Any, dataset: Any, run_dir: Path, reward_funcs: list[Callable[..., Any]],
-                    reward_weights: list[float], callbacks: Sequence[Any],
-                    sampling: SamplingState | None = None, goal: str | None = None) -> Callable[[Recipe], Any]:
-    """`build(recipe) -> GRPOTrainer` for run_grpo (called again with lowered settings after an OOM); with `sampling`
-    the trainer draws prompts through it (the dataset then has `problem_id` and `level` columns) and counts a pass
-    on the reward function named `goal`."""
-
-    def build(recipe: Recipe) -> Any:
-        plan = loaded.runtime.sampler
-        log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
-        check = SamplerCheck(loaded.dtype)
-        cpu = loaded.runtime.cpu
-        rollout = make_rollout(plan, loaded.tokenizer, cpu.merged, cpu.attention,
-                               grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check)
-        trainer_class = grpo_trainer_class(loaded.runtime)
-        args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights)
-        with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use
-            warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
-            trainer = trainer_class(model=loaded.model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                                    processing_class=loaded.tokenizer, rollout_func=rollout,
-                                    callbacks=[SamplerCheckCallback(check), *callbacks])
-        trainer.remove_callback(PrinterCallback)  # the telemetry line replaces its raw dict dumps
-        # attributes, not __init__ arguments: Unsloth's __init__ rejects unknown ones
-        trainer.lowmem_shared_prompt = cpu.shared_prompt
-        trainer.lowmem_merged_sampling = cpu.merged
-        trainer.lowmem_cpu_attention = cpu.attention
-        on, why = trainer.shared_prompt_status()
-        log.info("shared-prompt log-prob pass: %s (%s)", "on" if on else "off", why)
-        if sampling is not None:
-            trainer.lowmem_sampling = sampling
-            trainer.lowmem_dynamic_sampling = recipe.train.selection.dynamic_sampling
-            trainer.lowmem_goal = goal
-        NoSignalStepGuard.attach(trainer)  # always on: no optimizer step without an informative group
-        PhaseTimer.attach(trainer)  # always on: time/<phase> keys in every log line (its cost is ~0.1 ms a step)
-        return trainer
-
-    return build
+def build_trainer(loaded: Any, recipe: Recipe, dataset: Any, run_dir: Path, reward_funcs: list[Callable[..., Any]],
+                  reward_weights: list[float], callbacks: Sequence[Any]) -> Any:
+    """The run's GRPO trainer (lowmem_grpo.train.trainer), built once: its GRPOConfig, the rollout the Runtime's
+    sampler plan picks, the CPU speed paths as its options, and every callback in its constructor."""
+    plan = loaded.runtime.sampler
+    log.info("GRPO sampling: %s (%s)", plan.describe(), plan.reason)
+    check = SamplerCheck(loaded.dtype)
+    cpu = loaded.runtime.cpu
+    rollout = make_rollout(plan, loaded.tokenizer, cpu.merged, cpu.attention,
+                           grpo_engine_spec(recipe, loaded) if plan.own_vllm else None, check, vllm_awake)
+    args = build_grpo_config(recipe, run_dir, loaded.runtime, reward_weights, loaded.dtype)
+    with warnings.catch_warnings():  # TRL calls its rollout_func seam experimental; a test pins what we use
+        warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
+        trainer = grpo_trainer_class(loaded.runtime)(
+            model=loaded.model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+            processing_class=loaded.tokenizer, rollout_func=rollout, options=cpu,
+            callbacks=[SamplerCheckCallback(check), *callbacks])
+    on, why = trainer.shared_prompt_status()
+    log.info("shared-prompt log-prob pass: %s (%s)", "on" if on else "off", why)
+    return trainer

@@ -1,6 +1,7 @@
 """After a CUDA out-of-memory error: which settings to lower (the memory planner's fit into a quarter less of its
 non-static peak, else halving one knob of memory.ladder's LADDER; never a setting fixed once the model is loaded),
-and the record in the run directory (oom_retries.jsonl, and recipe.yaml rewritten with a note, for `--resume`)."""
+and the record in the run directory (oom_retries.jsonl, and recipe.yaml rewritten with a note) that a fresh process
+resumes the run with (`--resume`)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from lowmem_grpo.errors import RecipeError
+from lowmem_grpo import distributed
+from lowmem_grpo.errors import OutOfMemoryError, RecipeError, ResumeAfterOom
 from lowmem_grpo.memory.arch import load_architecture
 from lowmem_grpo.memory.fit import auto_fit
 from lowmem_grpo.memory.ladder import LADDER
 from lowmem_grpo.memory.plan import plan
 from lowmem_grpo.recipe import LoraConfig, ModelConfig, Recipe
 from lowmem_grpo.recipe_rules import validate
-from lowmem_grpo.rundir import layout
+from lowmem_grpo.rundir import checkpoints, layout
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ def lower_by_halving(recipe: Recipe) -> Lowering | None:
     return None
 
 
-def lower(recipe: Recipe, use_planner: bool = True, phase: str = "generation") -> Lowering | None:
+def lower(recipe: Recipe, phase: str = "generation", use_planner: bool = True) -> Lowering | None:
     """Lower the memory settings after an OOM in `phase`: the planner when usable, else halving."""
     for lowering in ((lower_by_planner(recipe, phase) if use_planner else None), lower_by_halving(recipe)):
         if lowering is not None and not lowering.changes.keys() & LOAD_TIME_KEYS:
@@ -149,3 +151,37 @@ def record(run_dir: Path, retry: int, step: int, phase: str, error: str, resumed
     notes.append(f"{NOTE_PREFIX}CUDA out of memory at step {step} ({phase}), retry {retry}: "
                  f"{lowering.describe()}; see {layout.OOM_FILE}")
     layout.replace_text(path, "\n".join(notes) + "\n" + dump_yaml(lowering.recipe))
+
+
+def resume_with_lowered(run_dir: Path, recipe: Recipe, step: int, phase: str, error: str) -> ResumeAfterOom:
+    """After an OOM at `step`: the lowered settings recorded (`record`) and ResumeAfterOom, for a fresh process to
+    resume the run with them; OutOfMemoryError (exit 1) when no retry is left: several processes (the ranks would
+    have to agree on new settings), train.memory.oom_retries used up (oom_retries.jsonl counts them across
+    processes), or every setting at its floor."""
+    run_dir, limit = Path(run_dir), recipe.train.memory.oom_retries
+    log.error("CUDA out of memory at step %d (%s): %s", step, phase, error)
+    tried = layout.read_jsonl(run_dir / layout.OOM_FILE)
+    lowering = None
+    if distributed.is_distributed():
+        why = "retries need a single process (the ranks would have to agree on new settings)"
+    elif len(tried) >= limit:
+        why = f"train.memory.oom_retries={limit} is used up"
+    else:
+        lowering = lower(recipe, phase)
+        why = "every memory setting is already at its floor"
+    last = checkpoints.last_complete(run_dir)
+    at = f"{last[1].name} (step {last[0]})" if last else "none (the run starts again from step 0)"
+    resume = f"`lowmem-grpo train --resume {run_dir}`"
+    if lowering is None:
+        done = "; ".join(f"retry {t['retry']} at step {t['step']}: {Lowering(recipe, t['changes'], t['how']).describe()}"
+                         for t in tried) or "nothing (no retry allowed)"
+        return OutOfMemoryError(
+            f"CUDA out of memory at step {step} ({phase}) and {why}; tried: {done}; last complete checkpoint: {at}",
+            fix=f"lower memory in {run_dir / layout.RECIPE_FILE} (model.load_in_4bit=true, a smaller "
+                f"train.max_completion_length, train.num_generations or lora.r; train.memory.oom_retries={limit} now) "
+                f"and continue with {resume}, or see `lowmem-grpo plan`")
+    if distributed.is_main_process():
+        record(run_dir, len(tried) + 1, step, phase, error, last[1].name if last else None, lowering)
+    return ResumeAfterOom(f"OOM retry {len(tried) + 1} of {limit}: {lowering.describe()}; the run continues from "
+                          f"{last[1].name if last else 'step 0'} with these settings",
+                          fix=f"continue with {resume} (its recipe.yaml holds them)", run_dir=run_dir)

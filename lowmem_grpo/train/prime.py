@@ -12,17 +12,19 @@ from typing import Any
 from lowmem_grpo.data.format import priming_pairs
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.rundir import layout
+from lowmem_grpo.rundir import checkpoints, layout
 from lowmem_grpo.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 
-def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime) -> Any:
-    """SFTConfig for the prime stage: loss on completions only, no checkpoints, the Runtime's optimizer and flags."""
+def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime, dtype: str | None = None) -> Any:
+    """SFTConfig for the prime stage: loss on completions only, no checkpoints, the Runtime's optimizer and the flags
+    of `dtype`, the dtype the model was loaded in (default the Runtime's)."""
     from trl import SFTConfig
 
     p, t = recipe.prime, recipe.train
+    bf16, fp16 = runtime.flags(dtype or runtime.dtype)
     return SFTConfig(
         output_dir=str(run_dir),
         max_steps=p.max_steps,
@@ -45,13 +47,13 @@ def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime) -> Any:
         use_cpu=not runtime.cuda,
         disable_tqdm=True,
         dataset_num_proc=None,
-        bf16=runtime.bf16,
-        fp16=runtime.fp16,
+        bf16=bf16,
+        fp16=fp16,
     )
 
 
 def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Recipe, run_dir: Path,
-          runtime: Runtime) -> None:
+          runtime: Runtime, dtype: str | None = None) -> None:
     """Train `model`'s LoRA adapter in place on the rendered targets; save it to RUN_DIR/primed_adapter."""
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
@@ -63,7 +65,7 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     pairs = priming_pairs(examples, recipe.prime.num_examples, recipe.data.calculator)
     if not pairs:
         raise RecipeError("prime: no training examples to prime on", fix="raise prime.num_examples or data.limit")
-    config = build_sft_config(recipe, run_dir, runtime)
+    config = build_sft_config(recipe, run_dir, runtime, dtype)
     trainer = (CpuSafeSFTTrainer if runtime.trainer == "cpu" else SFTTrainer)(
         model=model, args=config, train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
         callbacks=[TelemetryCallback(run_dir, layout.PRIME_STAGE, [])])
@@ -77,6 +79,7 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
     if trainer.is_world_process_zero():  # one writer under a multi-process launch
         model.save_pretrained(str(adapter_dir))
         tokenizer.save_pretrained(str(adapter_dir))
+        checkpoints.write_marker(adapter_dir, trainer.state.global_step)  # complete: a resumed run loads it
     losses = [f'{h["loss"]:.3f}' for h in trainer.state.log_history if "loss" in h] or ["-"]
     log.info("primed %d steps in %.0f s (loss %s -> %s); adapter saved to %s", trainer.state.global_step, seconds,
              losses[0], losses[-1], adapter_dir)

@@ -1,23 +1,20 @@
 """Never lose a run: `run_grpo` trains with complete checkpoints, stops cleanly on a signal (a second one aborts),
-retries a CUDA out-of-memory error with lowered settings from the last complete checkpoint, stops on a full disk,
-and keeps the run's policy and KL reference adapters across every trainer it builds."""
+stops on a full disk, and after a CUDA out-of-memory error writes lowered settings into the run's recipe.yaml, for a
+fresh process to resume the run from its last complete checkpoint (`resume_in_fresh_process`)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import gc
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lowmem_grpo import distributed
-from lowmem_grpo.errors import Aborted, DiskFullError, InterruptedRun, OutOfMemoryError
+from lowmem_grpo.errors import Aborted, DiskFullError, InterruptedRun
 from lowmem_grpo.rewards.guard import RewardError
 from lowmem_grpo.rundir import checkpoints, layout
 from lowmem_grpo.rundir.report import write_report
@@ -81,98 +78,22 @@ class SignalGuard:
         return self.signum
 
 
-def _snapshot(model: Any) -> dict[str, Any] | None:
-    """CPU copies of the trainable parameters, the restart point of a retry with no checkpoint yet; None off CUDA."""
-    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if not any(p.device.type == "cuda" for _, p in trainable):
-        return None
-    return {name: p.detach().to("cpu", copy=True) for name, p in trainable}
-
-
-def _restore(model: Any, snapshot: dict[str, Any]) -> None:
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in snapshot:
-                p.copy_(snapshot[name].to(p.device))
-
-
-def release(trainer: Any) -> None:
-    """Drop what a failed trainer holds on the GPU: its generation batch, accelerate's objects, the optimizer."""
-    if hasattr(trainer, "drop_generation_batch"):
-        trainer.drop_generation_batch()
-    with contextlib.suppress(Exception):  # best effort; the references are dropped anyway
-        trainer.accelerator.free_memory()
-    trainer.optimizer = trainer.lr_scheduler = None
-
-
-def reset_unsloth_state(model: Any, modules: Any = None) -> None:
-    """Undo what an exception inside Unsloth's GRPO step leaves behind: UNSLOTH_RETURN_HIDDEN_STATES (left at "1",
-    forwards return hidden states as logits), the checkpointing buffers and the training mode. `modules`: where to
-    find unsloth_zoo (sys.modules)."""
-    if os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES") not in (None, "0"):
-        os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "0"
-    checkpointing = (sys.modules if modules is None else modules).get("unsloth_zoo.gradient_checkpointing")
-    if checkpointing is not None and hasattr(checkpointing, "reset_unsloth_gradient_checkpointing_buffers"):
-        checkpointing.reset_unsloth_gradient_checkpointing_buffers()
-    if hasattr(model, "for_training"):
-        model.for_training(use_gradient_checkpointing=getattr(model, "_unsloth_gradient_checkpointing", None))
-
-
-def _oom_stop(run_dir: Path, step: int, phase: str, retries: list[str], limit: int, reason: str) -> OutOfMemoryError:
-    tried = "; ".join(retries) if retries else "nothing (no retry allowed)"
-    return OutOfMemoryError(
-        f"CUDA out of memory at step {step} ({phase}) and {reason}; tried: {tried}; "
-        f"last complete checkpoint: {_last_complete_text(run_dir)}",
-        fix=f"lower memory in {run_dir / layout.RECIPE_FILE} (model.load_in_4bit=true, a smaller "
-            f"train.max_completion_length, train.num_generations or lora.r; train.memory.oom_retries={limit} now) and "
-            f"continue with {_resume_hint(run_dir)}, or see `lowmem-grpo plan`")
-
-
 REFERENCE_ADAPTER = "ref"
 """The KL anchor adapter TRL's GRPOTrainer adds (beta != 0) as a frozen copy of the policy; a checkpoint holds it
 in checkpoint-N/ref/."""
 
 
-class RunAdapters:
-    """The run's policy and reference adapters across every trainer `run_grpo` builds: each trains from the right
-    policy (the checkpoint's; transformers' PEFT resume would load only `ref/`) against the run's original
-    reference (kept aside before TRL copies the policy into a new one, or the checkpoint's `ref/`)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.reference: dict[str, Any] | None = None
-
-    def _has_reference(self) -> bool:
-        return REFERENCE_ADAPTER in getattr(self.model, "peft_config", {})
-
-    def before_build(self) -> None:
-        """Keep the live reference aside and remove its adapter, so that TRL can add it again."""
-        if not self._has_reference():
-            return
-        from peft import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(self.model, adapter_name=REFERENCE_ADAPTER)
-        self.reference = {name: t.detach().clone() for name, t in state.items()}
-        self.model.delete_adapter(REFERENCE_ADAPTER)
-
-    def after_build(self, checkpoint: Path | None) -> None:
-        """The checkpoint's policy (when given) and the run's original reference."""
-        if checkpoint is not None and hasattr(self.model, "load_adapter"):
-            self.model.load_adapter(str(checkpoint), self.model.active_adapter, is_trainable=True)
-        if not self._has_reference():
-            return
-        from peft import set_peft_model_state_dict
-
-        saved = Path(checkpoint) / REFERENCE_ADAPTER if checkpoint is not None else None
-        if self.reference is not None:
-            set_peft_model_state_dict(self.model, self.reference, adapter_name=REFERENCE_ADAPTER)
-        elif saved is not None and saved.is_dir():
-            self.model.load_adapter(str(saved), REFERENCE_ADAPTER, is_trainable=False)
-        elif checkpoint is not None:
-            log.warning("%s holds no %s/ adapter: the KL reference is the checkpoint's policy, not the run's original",
-                        Path(checkpoint).name, REFERENCE_ADAPTER)
+def load_checkpoint(model: Any, checkpoint: Path) -> None:
+    """The checkpoint's policy and its KL reference into the model TRL's trainer was built around (transformers' PEFT
+    resume would load only `ref/`; TRL copied the policy as it was into a new reference)."""
+    model.load_adapter(str(checkpoint), model.active_adapter, is_trainable=True)
+    if REFERENCE_ADAPTER not in getattr(model, "peft_config", {}):
+        return
+    if (Path(checkpoint) / REFERENCE_ADAPTER).is_dir():
+        model.load_adapter(str(Path(checkpoint) / REFERENCE_ADAPTER), REFERENCE_ADAPTER, is_trainable=False)
+    else:
+        log.warning("%s holds no %s/ adapter: the KL reference is the checkpoint's policy, not the run's original",
+                    Path(checkpoint).name, REFERENCE_ADAPTER)
 
 
 def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[str, str] | None:
@@ -204,55 +125,6 @@ def _train_once(trainer: Any, run_dir: Path, resume_from: Path | None) -> tuple[
     return None
 
 
-class OomRetries:
-    """After a CUDA OOM: lowered settings and the rewind, at most train.memory.oom_retries times."""
-
-    def __init__(self, run_dir: Path, model: Any, fresh_start: bool, use_planner: bool) -> None:
-        self.run_dir = run_dir
-        self.model = model
-        # retries need a single process (see recover): under several, no snapshot is held
-        self.snapshot = _snapshot(model) if fresh_start and not distributed.is_distributed() else None
-        self.use_planner = use_planner
-        self.tried: list[str] = []
-
-    def recover(self, step: int, recipe: Any, error: str, phase: str) -> tuple[Any, Path | None]:
-        """The lowered recipe and the checkpoint to continue from; OutOfMemoryError when no retry is left."""
-        run_dir, limit = self.run_dir, recipe.train.memory.oom_retries
-        log.error("CUDA out of memory at step %d (%s): %s", step, phase, error)
-        if distributed.is_distributed():
-            raise _oom_stop(run_dir, step, phase, self.tried, limit,
-                            "retries need a single process (the ranks would have to agree on new settings)")
-        if len(self.tried) >= limit:
-            raise _oom_stop(run_dir, step, phase, self.tried, limit, f"train.memory.oom_retries={limit} is used up")
-        lowering = oom.lower(recipe, use_planner=self.use_planner, phase=phase)
-        if lowering is None:
-            raise _oom_stop(run_dir, step, phase, self.tried, limit, "every memory setting is already at its floor")
-        import torch
-
-        reset_unsloth_state(self.model)
-        self.model.zero_grad(set_to_none=True)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        last = checkpoints.last_complete(run_dir)
-        main = distributed.is_main_process()
-        if main:
-            checkpoints.remove_incomplete(run_dir)
-            checkpoints.rewind_logs(run_dir, last[0] if last else None)
-        if last is None and self.snapshot is not None:
-            _restore(self.model, self.snapshot)
-        elif last is None:  # an out-of-memory error injected off CUDA (tests/faults.py): no snapshot was taken
-            log.warning("no snapshot of the starting LoRA weights (not on CUDA): retrying from the current ones")
-        resume_from = last[1] if last else None
-        if main:
-            oom.record(run_dir, len(self.tried) + 1, step, phase, error, resume_from.name if resume_from else None,
-                       lowering)
-        self.tried.append(f"retry {len(self.tried) + 1} at step {step}: {lowering.describe()}")
-        log.warning("OOM retry %d of %d: %s; continuing from %s", len(self.tried), limit, lowering.describe(),
-                    resume_from.name if resume_from else "step 0")
-        return lowering.recipe, resume_from
-
-
 def _stop_if_interrupted(guard: SignalGuard, trainer: Any, run_dir: Path) -> None:
     """After a signal (the checkpoint written): the report, and InterruptedRun (exit 130/143)."""
     state = trainer.state
@@ -269,38 +141,41 @@ def _stop_if_interrupted(guard: SignalGuard, trainer: Any, run_dir: Path) -> Non
                          fix=f"continue with {_resume_hint(run_dir)}", exit_code=128 + guard.signum)
 
 
-def run_grpo(build: Callable[[Any], Any], recipe: Any, run_dir: Path, *, model: Any,
-             resume_from: Path | None = None, use_planner: bool = True) -> Any:
-    """Train `build(recipe)` (from `resume_from`), handling faults as the module says; returns the trainer."""
-    from lowmem_grpo.train.callbacks import CompleteCheckpoints
-
+def run_grpo(trainer: Any, recipe: Any, run_dir: Path, guard: SignalGuard, resume_from: Path | None = None) -> Any:
+    """Train `trainer` (built once, around the run's model, with CompleteCheckpoints(guard) among its callbacks) from
+    `resume_from`, handling faults as the module says; returns it. An OOM raises ResumeAfterOom (the lowered settings
+    written) or OutOfMemoryError."""
     run_dir = Path(run_dir)
-    adapters = RunAdapters(model)
-    step = int(Path(resume_from).name[len(layout.CHECKPOINT_PREFIX):]) if resume_from is not None else 0
-    if resume_from is not None and step >= recipe.train.max_steps:
-        # transformers would train one step past max_steps: only adapter/ and the report are left to write
-        from transformers import TrainerState
+    if resume_from is not None:
+        load_checkpoint(trainer.model, resume_from)
+        step = int(Path(resume_from).name[len(layout.CHECKPOINT_PREFIX):])
+        if step >= recipe.train.max_steps:
+            # transformers would train one step past max_steps: only adapter/ and the report are left to write
+            from transformers import TrainerState
 
-        trainer = build(recipe)
-        adapters.after_build(resume_from)
-        trainer.state = TrainerState.load_from_json(str(Path(resume_from) / "trainer_state.json"))
-        log.info("%s is the final step: saving its adapter, nothing to train", Path(resume_from).name)
-        return trainer
-    retries = OomRetries(run_dir, model, fresh_start=resume_from is None, use_planner=use_planner)
-    with SignalGuard() as guard:
-        while True:
-            adapters.before_build()
-            trainer = build(recipe)
-            adapters.after_build(resume_from)
-            # after the callbacks `build` passed (a test's fault injector): its save faults hit an unfinished checkpoint
-            trainer.add_callback(CompleteCheckpoints(run_dir, recipe.train.save_total_limit, guard))
-            failure = _train_once(trainer, run_dir, resume_from)
-            if failure is None:
-                break
-            # outside the except block, so the traceback's tensors can be freed
-            step = trainer.state.global_step + 1
-            release(trainer)
-            trainer = None
-            recipe, resume_from = retries.recover(step, recipe, *failure)
+            trainer.state = TrainerState.load_from_json(str(Path(resume_from) / "trainer_state.json"))
+            log.info("%s is the final step: saving its adapter, nothing to train", Path(resume_from).name)
+            return trainer
+    with guard:
+        failure = _train_once(trainer, run_dir, resume_from)
+    if failure is not None:  # outside the except block, so that the traceback's frames are gone
+        error, phase = failure
+        raise oom.resume_with_lowered(run_dir, recipe, trainer.state.global_step + 1, phase, error)
     _stop_if_interrupted(guard, trainer, run_dir)
     return trainer
+
+
+def resume_in_fresh_process(run_dir: Path, verbose: bool = False) -> NoReturn:
+    """Replace this process with `lowmem-grpo train --resume RUN_DIR`: all it held (on the GPU its CUDA context and
+    every cached block too) is released, and the new process builds its trainer once, with the run's recipe.yaml."""
+    import lowmem_grpo
+
+    argv = [sys.executable, "-m", "lowmem_grpo.cli", *(["-v"] if verbose else []), "train", "--resume", str(run_dir)]
+    log.warning("continuing in a fresh process: %s", " ".join(argv[1:]))
+    # the new process imports this same package, wherever it was imported from
+    where = str(Path(lowmem_grpo.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (where, os.environ.get("PYTHONPATH")) if p)}
+    logging.shutdown()  # flush every handler: exec keeps no buffer
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)
