@@ -1,6 +1,6 @@
 """`eval --engine vllm` against the project's engine on the same problems: paired accuracy and the sampler check.
 
-    flock /tmp/heavy.lock .venv-vllm/bin/python benchmarks/vllm_eval.py RUN_DIR --limit 64 [key=value ...]
+    .venv-vllm/bin/python benchmarks/vllm_eval.py RUN_DIR --limit 64 [key=value ...]
 
 Evaluates RUN_DIR's adapter twice, greedy with seed 0, with `lowmem-grpo eval`'s own flow: --engine transformers,
 then --engine vllm (which runs the sampler check first). Prints the CPU (AMX or not), each engine's strict
