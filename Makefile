@@ -86,7 +86,7 @@ docker-demo: docker-build
 	$(DOCKER) run train recipes/smollm2_135m_arith_cpu.py $(ARGS)
 
 # the tests that need the image (skipped by `make test` without an engine and the image)
-test-docker: $(STAMP)
+test-docker: $(STAMP) docker-build
 	$(BIN)/python -m pytest -q -m docker
 
 clean:

@@ -5,7 +5,7 @@ by side, and whether they are identical (they should be on the same CPU: the sam
     python benchmarks/docker_repro.py --overrides train.max_steps=5 prime.max_steps=2
     python benchmarks/docker_repro.py --compare RUN_A RUN_B     # two finished runs, nothing trained
 
-Both runs land in ./runs (repro-host-STAMP, repro-container-STAMP); the container runs through docker/engine.sh
+Both runs land in ./runs (repro-host-STAMP, repro-container-STAMP, or --name NAME for STAMP); the container runs through docker/engine.sh
 (`make docker-demo`'s way: the image's user, ./runs and the model cache mounted). Exit 0 when the rewards of every
 GRPO step and every stage accuracy are identical, 1 otherwise.
 """
@@ -115,6 +115,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overrides", nargs="*", default=list(SHORT), help="recipe overrides for both runs")
     parser.add_argument("--runs", default="runs", help="the host folder both runs land in (mounted as /runs)")
+    parser.add_argument("--name", help="the runs' suffix: repro-host-NAME, repro-container-NAME (default: a time stamp)")
     parser.add_argument("--compare", nargs=2, metavar=("HOST_RUN", "CONTAINER_RUN"),
                         help="compare two finished runs instead of training")
     args = parser.parse_args()
@@ -122,7 +123,7 @@ def main() -> int:
         host, container = (Path(p) for p in args.compare)
         times = {}
     else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        stamp = args.name or datetime.now().strftime("%Y%m%d-%H%M%S")
         runs = Path(args.runs).resolve()
         host, container = runs / f"repro-host-{stamp}", runs / f"repro-container-{stamp}"
         env = {**os.environ, "PYTHONPATH": str(REPO), "RUNS": str(runs)}
