@@ -8,7 +8,8 @@
 # Settings (environment): ENGINE (docker or podman; default: podman if installed, else a docker whose daemon
 # answers), IMAGE (lowmem-grpo), DOCKER_BASE (registry, local, or auto: the registry's base when it can be pulled),
 # DOCKER_CA (a CA bundle pip trusts during the build, passed as a build secret; default: $PIP_CERT when it names a
-# file), DOCKER_CACHE (the host folder mounted as /cache), RUNS (the host folder mounted as /runs; ./runs),
+# file), DOCKER_CACHE (the host folder mounted as /cache), RUNS (the host folder mounted as /runs; ./runs), RUNS_MODE
+# (its mount options, e.g. ro), DOCKER_NETWORK (none by default),
 # DEBIAN_MIRROR (for the local base; default: mmdebstrap's), CONTAINERS_CONF (podman's settings; default
 # docker/containers.conf, which this machine kind needs; set it empty for the system's own).
 set -euo pipefail
