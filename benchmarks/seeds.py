@@ -11,7 +11,8 @@ results/seeds-bf16/queue.json (--queue). `run` trains each pending entry (`flock
 any other heavy process), then measures GRPO's own gain (trained - primed adapter of the same run, greedy, paired
 95% CIs) with benchmarks/calculator_gain.py on 300 one-step problems told only in wording the train split never uses
 (`--stories heldout --levels 1`) and on the checking set (lowmem_grpo/resources/checking, written apart from the
-generator; its one-step and two-step parts), plus, with --chains, 300 two-step problems (`--levels 2`). It keeps the
+generator; its one-step and two-step parts) and on the first 100 problems of the recipe's eval split (those of the
+run report's stage evaluation, which the screening run skips), plus, with --chains, 300 two-step problems (`--levels 2`). It keeps the
 run's report, metrics and health warnings under the queue's folder, and with --commit commits them as each finishes.
 An interrupted entry starts again from scratch. `table` prints each configuration's per-seed gains, their mean,
 spread and the seeds whose CI is above 0.
@@ -37,7 +38,9 @@ CHECKING = "lowmem_grpo/resources/checking/arith_checking.jsonl"
 PROBLEMS = 300
 # what each gain measures: calculator_gain.py's arguments (the run dir and --stages/--samples/--out are added)
 GAINS = {"heldout1": ["--levels", "1", "--stories", "heldout", "--problems", str(PROBLEMS)],
-         "checking": ["--data", CHECKING, "--problems", "160"]}
+         "checking": ["--data", CHECKING, "--problems", "160"],
+         # the report's own stage evaluation: the first 100 problems of the recipe's eval split
+         "report100": ["--problems", "100"]}
 CHAINS_GAINS = {"levels2": ["--levels", "2", "--problems", str(PROBLEMS)],
                 "levels1": ["--levels", "1", "--problems", str(PROBLEMS)]}
 COPIED = ("report.md", "metrics.jsonl", "recipe.yaml", "peak_rss.json", "env.json")

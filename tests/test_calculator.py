@@ -279,3 +279,21 @@ def test_expression_reward() -> None:
         expression(completions)
     with pytest.raises(ValueError, match="2 gold answers for 6"):
         expression(completions, answer=["1", "2"])
+
+
+def test_calculations_read_written_results_as_the_rewards_do() -> None:
+    (half,) = calculations("So 3/6 = .5 of the cake.")
+    assert half.value == half.written == Fraction(1, 2) and half.arithmetic_right
+    (annotated,) = calculations("<<1/4=.25>>.25")
+    assert annotated.written == Fraction(1, 4) and annotated.arithmetic_right
+    (euros,) = calculations("€4*5 = €20")
+    assert euros.value == euros.written == 20
+
+
+@pytest.mark.parametrize("gold", ["1/2", "#### 1/2", 0.5, ".5", Fraction(1, 2)])
+def test_expression_and_outcome_take_goals_that_are_not_integers(gold: object) -> None:
+    right = "<reasoning>\nShe eats <<3/6=0.5>>0.5 of it.\n</reasoning>\n<answer>\n0.5\n</answer>"
+    wrong = right.replace("3/6", "2/8").replace("0.5", "0.25")
+    assert expression([right, wrong], answer=[gold, gold]) == [1.0, 0.0]
+    assert outcome(right.replace("<answer>\n0.5", "<answer>\n5"), gold, False) == "other"
+    assert outcome(wrong, gold, False) == "wrong_operation"

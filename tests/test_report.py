@@ -199,3 +199,33 @@ def test_report_md_shows_each_stage_on_seen_and_heldout_wording(tmp_path):
     assert "| outcome | base seen | base held-out | primed seen | primed held-out | trained seen | trained held-out |" \
         in section
     assert section.index("| outcome | base | primed | trained |") < section.index("By wording")
+
+
+def _stage_eval_with_gain(run_dir, trained_right: int, problems: int = 8):
+    from lowmem_grpo.evaluation.metrics import judge
+    from lowmem_grpo.evaluation.stages import summarize
+
+    right = judge("<reasoning>\n2+2=4\n</reasoning>\n<answer>\n4\n</answer>", "4")
+    wrong = judge("<reasoning>\n2*3=6\n</reasoning>\n<answer>\n6\n</answer>", "4")
+    primed = [[right]] * 2 + [[wrong]] * (problems - 2)
+    trained = [[right]] * trained_right + [[wrong]] * (problems - trained_right)
+    summary = summarize({"primed": primed, "trained": trained})
+    (run_dir / "stage_eval.json").write_text(json.dumps({"num_problems": problems, "settings": {"samples": 0},
+                                                         **summary}))
+
+
+def test_report_warns_when_grpos_gain_is_within_the_recipes_seed_spread(tmp_path):
+    from lowmem_grpo.rundir.stage_tables import stage_lines
+
+    spreads = {"demo": {"num_problems": 8, "gains": {"42": 0.25, "7": 0.0, "101": 0.125}, "measured": "cmd"}}
+    run_dir = write_run(tmp_path / "run", synthetic_metrics(3))
+    _stage_eval_with_gain(run_dir, trained_right=3)  # +0.125, sd of the seeds 0.125: within 2 sd
+    lines = stage_lines(run_dir, "demo", spreads)
+    assert any("+0.125 on average (+0.000 to +0.250 over 3 seeds, sd 0.125; cmd)" in line for line in lines)
+    assert any(line.startswith("**Warning**: this run's gain (+0.125) is within the seed spread") for line in lines)
+    _stage_eval_with_gain(run_dir, trained_right=8)  # +0.75: beyond what the seed alone moves
+    lines = stage_lines(run_dir, "demo", spreads)
+    assert any("over 3 seeds" in line for line in lines) and not any("**Warning**" in line for line in lines)
+    assert not any("seeds" in line for line in stage_lines(run_dir, "another-recipe", spreads))
+    _stage_eval_with_gain(run_dir, trained_right=3, problems=10)  # other problems than the spread's: no comparison
+    assert not any("seeds" in line for line in stage_lines(run_dir, "demo", spreads))

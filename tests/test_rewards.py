@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,14 @@ from lowmem_grpo.rewards import (
     xml_count,
 )
 from lowmem_grpo.rewards import gsm8k as gsm8k_module
+from lowmem_grpo.rewards.calculator import evaluate
 from lowmem_grpo.rewards.parsing import (
+    MAX_LITERAL_DIGITS,
+    answer_value,
     extract_answer_block,
     find_numbers,
     gold_number,
+    gold_value,
     last_number,
     numbers_equal,
     parse_number,
@@ -238,6 +243,147 @@ def test_correctness_needs_answer_column() -> None:
 def test_correctness_length_mismatch() -> None:
     with pytest.raises(ValueError, match="2 gold answers for 1"):
         correctness([GOOD], answer=["4", "4"])
+
+
+# --------------------------------------------------------------------------- numbers, one way
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (".5", [".5"]),
+        ("-.5 and $.25", ["-.5", ".25"]),
+        ("No.5", ["5"]),  # a point after a word is not a decimal point
+        ("1.2.3", ["1.2", "3"]),
+        ("1/2 and -3/4", ["1/2", "-3/4"]),
+        ("12k, 1.5K and 12 thousand", ["12k", "1.5K", "12 thousand"]),
+        ("3 Million or 2 billion", ["3 Million", "2 billion"]),
+        ("12kg and 12 km", ["12", "12"]),
+        ("1e-05", ["1", "05"]),
+        ("\u0661\u0662", []),  # ASCII digits only, as the calculator
+    ],
+)
+def test_find_numbers_reads_each_form(text: str, expected: list[str]) -> None:
+    assert find_numbers(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("token", "expected"),
+    [
+        (".5", Fraction(1, 2)),
+        ("-.5", Fraction(-1, 2)),
+        ("$.25", Fraction(1, 4)),
+        ("3/4", Fraction(3, 4)),
+        ("-1/2", Fraction(-1, 2)),
+        ("1,000/8", Fraction(125)),
+        ("12k", Fraction(12000)),
+        ("1.5 million", Fraction(1_500_000)),
+        ("2 Thousand", Fraction(2000)),
+        ("5/0", None),
+        ("1" * (MAX_LITERAL_DIGITS + 1), None),
+        ("1e-05", None),
+    ],
+)
+def test_parse_number_reads_each_form_exactly(token: str, expected: Fraction | None) -> None:
+    value = parse_number(token)
+    assert value == expected
+    assert value is None or isinstance(value, Fraction)
+
+
+@pytest.mark.parametrize("literal", [".5", "0.5", "1,200.25", "007", "3.50", "1/2", "-.5", "$.75"])
+def test_calculator_and_rewards_read_a_number_alike(literal: str) -> None:
+    assert evaluate(literal) == parse_number(literal)
+
+
+@pytest.mark.parametrize(
+    ("gold", "expected"),
+    [
+        (1e-05, Fraction(1, 100000)),
+        (0.1, Fraction(1, 10)),  # as it prints, not the float's binary value
+        (2.5, Fraction(5, 2)),
+        ("1e-05", Fraction(1, 100000)),
+        ("1/2", Fraction(1, 2)),
+        (".5", Fraction(1, 2)),
+        (Fraction(1, 3), Fraction(1, 3)),
+        (Decimal("0.25"), Fraction(1, 4)),
+        (18, Fraction(18)),
+        ("#### 1/2", Fraction(1, 2)),
+        ("#### .5", Fraction(1, 2)),
+        ("#### 1e-05", Fraction(1, 100000)),
+        ("#### 12 thousand", Fraction(12000)),
+        ("18 dollars", Fraction(18)),
+        (float("nan"), None),
+        (float("inf"), None),
+        (Decimal("NaN"), None),
+        (True, None),
+        ("n/a", None),
+        ("3 or 4", None),
+        ("1e999999", None),
+        (None, None),
+    ],
+)
+def test_gold_value_reads_every_gold_exactly(gold: object, expected: Fraction | None) -> None:
+    assert gold_value(gold) == expected
+
+
+@pytest.mark.parametrize(
+    ("solution", "expected"),
+    [("#### 1/2", "1/2"), ("#### .5", ".5"), ("#### -.5", "-.5"), ("#### 1e-05", "1e-05"),
+     ("#### 12 thousand", "12 thousand"), ("#### 5/0 or 3", "3")],
+)
+def test_gold_number_keeps_the_whole_number(solution: str, expected: str) -> None:
+    assert gold_number(solution) == expected
+
+
+@pytest.mark.parametrize(
+    ("answer_block", "gold", "expected"),
+    [
+        # no leading zero: the digits after the point are not the number
+        (".5", "5", 0.0),
+        ("-.5", "5", 0.0),
+        (".5", "0.5", 1.0),
+        ("-.5", "-0.5", 1.0),
+        ("$.50", 0.5, 1.0),
+        # golds that are not integers
+        ("0.00001", 1e-05, 1.0),
+        ("5", 1e-05, 0.0),
+        ("0.00001", "1e-05", 1.0),
+        ("0.5", "1/2", 1.0),
+        ("2", "1/2", 0.0),
+        ("1/2", "1/2", 1.0),
+        ("1/2", 0.5, 1.0),
+        ("0.333333", Fraction(1, 3), 0.0),  # exact, not rounded
+        ("0.5", "#### 1/2", 1.0),
+        # magnitudes
+        ("12k", "12", 0.0),
+        ("12 thousand", "12", 0.0),
+        ("12k", "12000", 1.0),
+        ("12 thousand", 12000, 1.0),
+        ("$1.5 million", "1500000", 1.0),
+        ("12kg", "12", 1.0),
+        # the same value twice counts once; different values stay refused
+        ("<<5>>5", "5", 1.0),
+        ("<<5=5>>5", "5", 1.0),
+        ("<<4*5=20>>20", "20", 1.0),
+        ("<<4*5=20>>21", "20", 0.0),
+        ("<<4*5=20>>21", "21", 0.0),
+        ("5 5", "5", 1.0),
+        ("12,000 (12k)", "12000", 1.0),
+        ("18.00, that is 18", "18", 1.0),
+        ("18 or 19", "18", 0.0),
+        ("18 or 19", "19", 0.0),
+        ("1e-05", "1", 0.0),
+        ("5/0", "5", 0.0),
+    ],
+)
+def test_correctness_pays_exactly_when_the_value_is_the_gold(answer_block: str, gold: object,
+                                                              expected: float) -> None:
+    assert correctness([fmt("r", answer_block)], answer=[gold]) == [expected]
+
+
+def test_correctness_reads_a_huge_number_without_raising() -> None:
+    digits = "9" * 5000  # past int()'s default limit of 4300 digits
+    assert answer_value(digits) is None
+    assert correctness([fmt("r", digits), fmt("r", "1" + "0" * 50)], answer=[digits, "1" + "0" * 50]) == [0.0, 1.0]
 
 
 # --------------------------------------------------------------------------- integer

@@ -29,7 +29,7 @@ class Verdict:
     completion: str  # the scored text: prefill + generated text
     extracted_answer: str | None  # stripped content of the last <answer>...</answer> block
     last_number: str | None  # last number anywhere in the completion (the lenient rule's pick)
-    strict_correct: bool  # `correctness` reward: the answer block holds exactly one number and it equals gold
+    strict_correct: bool  # `correctness` reward: the answer block states one value and it equals gold
     lenient_correct: bool  # the last number anywhere equals gold
     strict_format: bool  # `strict_format` reward is 1.0
     soft_format: bool  # `soft_format` reward is 1.0

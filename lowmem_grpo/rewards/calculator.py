@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .parsing import gold_value, parse_number
+from .parsing import CURRENCY, LITERAL, gold_value, literal_value, parse_number
 
 MAX_EXPRESSION_CHARS = 120  # longer expressions give None without being read
 MAX_TOKENS = 64  # numbers, operators and parentheses in one expression
@@ -38,10 +38,10 @@ class _Reject(Exception):
     """The expression is outside what the calculator accepts."""
 
 
-# An operator, or a literal: an optional "$", thousands in proper groups of three or plain digits, an optional
-# decimal part (or a bare ".5"), not run on by a digit, "," "." or "$" ("1,2", "1.2.3", "5$"). ASCII digits only.
-_TOKEN_RE = re.compile(r"[ \t]*(?:([-+*/()])|(\$?(?:(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9,])|[0-9]+)(?:\.[0-9]+)?"
-                       r"|\.[0-9]+)(?![0-9,.$])))")
+_CUR = re.escape(CURRENCY)
+# An operator, or a literal (parsing.LITERAL, the rewards' own) after an optional currency sign, not run on by a digit,
+# "," "." or a currency sign ("1,2", "1.2.3", "5$").
+_TOKEN_RE = re.compile(rf"[ \t]*(?:([-+*/()])|[{_CUR}]?({LITERAL})(?![0-9,.{_CUR}]))")
 _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _PRECEDENCE = (("+", "-"), ("*", "/"))
 
@@ -64,10 +64,10 @@ def _tokens(expr: str) -> list[str | Fraction | None]:
         if symbol:
             tokens.append(symbol)
             continue
-        whole, _, decimals = literal.lstrip("$").replace(",", "").partition(".")
-        if len(decimals) > MAX_DECIMALS:
+        value = literal_value(literal)
+        if value is None or len(literal.partition(".")[2]) > MAX_DECIMALS:
             raise _Reject
-        tokens.append(_checked(Fraction(int(whole + decimals), 10 ** len(decimals))))
+        tokens.append(_checked(value))
     return tokens + [None]  # the end, which no rule accepts
 
 
@@ -112,9 +112,9 @@ def _parse(tokens: list[str | Fraction | None]) -> Fraction:
 
 
 def evaluate(expr: Any) -> Fraction | None:
-    """The exact value of an arithmetic expression, or None (never raises) for anything but numbers (``12``, ``3.5``,
-    ``.5``, ``1,200``, an optional leading ``$``), ``+ - * /``, parentheses, one unary minus per operand and spaces,
-    or past the MAX_* bounds."""
+    """The exact value of an arithmetic expression, or None (never raises) for anything but literals as the rewards
+    read them (``12``, ``3.5``, ``.5``, ``1,200``; `parsing.LITERAL`) after an optional currency sign, ``+ - * /``,
+    parentheses, one unary minus per operand and spaces, or past the MAX_* bounds."""
     if not isinstance(expr, str) or len(expr) > MAX_EXPRESSION_CHARS:
         return None
     try:
@@ -174,8 +174,8 @@ class Calculation:
 
 _ANNOTATION_RE = re.compile(r"<<([^<>=\n]{1,%d})=([^<>\n]{0,40})>>" % MAX_EXPRESSION_CHARS)
 _EXPRESSION_CHARS = frozenset("0123456789.,$+-*/() \t")
-# The number written after a plain "E =": an optional minus and "$", then a literal.
-_WRITTEN_RE = re.compile(r"[ \t]*(-?\$?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?)")
+# The number written after a plain "E =": an optional minus and currency sign, then a literal.
+_WRITTEN_RE = re.compile(rf"[ \t]*(-?[{_CUR}]?{LITERAL})")
 _EQUALS_RE = re.compile(r"[0-9)][ \t]*=")
 _SENTENCE_BREAK_RE = re.compile(r"[.,][ \t]")
 _BINARY_RE = re.compile(r"[0-9)][ \t]*[-+*/]")

@@ -10,7 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 from .calculator import last_calculation
-from .parsing import extract_answer_block, find_numbers, gold_value, parse_number
+from .parsing import answer_value, extract_answer_block, gold_value
 from .registry import register
 
 GSM8K_DEFAULT_WEIGHTS: dict[str, float] = {"correctness": 2.0, "integer": 0.5, "strict_format": 0.5,
@@ -59,7 +59,7 @@ def column_values(values: Any, count: int, reward: str, column: str = "answer",
     reward when it is missing or of another length."""
     if values is None:
         raise ValueError(f"{reward} needs the {what} as the `{column}` dataset column")
-    if isinstance(values, (str, int, float, Decimal)):
+    if isinstance(values, (str, int, float, Decimal, Fraction)):
         values = [values] * count
     if len(values) != count:
         raise ValueError(f"got {len(values)} {what} for {count} completions")
@@ -67,26 +67,29 @@ def column_values(values: Any, count: int, reward: str, column: str = "answer",
 
 
 def _gold_scores(reward: str, completions: Sequence[Any], answer: Any, kwargs: dict[str, Any],
-                 right: Callable[[str, Decimal | None], bool]) -> list[float]:
+                 right: Callable[[str, Fraction | None], bool]) -> list[float]:
     texts = completion_texts(completions, **kwargs)
     golds = column_values(answer, len(texts), reward)
     return [float(right(text, gold_value(gold))) for text, gold in zip(texts, golds)]
 
 
-def _answer_right(text: str, target: Decimal | None) -> bool:
-    numbers = find_numbers(extract_answer_block(text))
-    return len(numbers) == 1 and target is not None and parse_number(numbers[0]) == target
+def _answer_right(text: str, target: Fraction | None) -> bool:
+    return target is not None and answer_value(extract_answer_block(text)) == target
 
 
-def _expression_right(text: str, target: Decimal | None) -> bool:
+def _expression_right(text: str, target: Fraction | None) -> bool:
     calc = last_calculation(text)
-    return calc is not None and calc.value is not None and target is not None and calc.value == Fraction(target)
+    return calc is not None and calc.value is not None and target is not None and calc.value == target
 
 
 @register("correctness")
 def correctness(completions: Sequence[Any], answer: Sequence[Any] | None = None,
                 **kwargs: Any) -> list[float]:
-    """1.0 when the answer block holds exactly one number equal to the gold ``answer``."""
+    """1.0 when the answer block states one value (`parsing.answer_value`: a value written twice counts once, a
+    calculator annotation ``<<E=C>>`` as its result C) equal to the gold ``answer`` (`parsing.gold_value`: an int,
+    float, Decimal, Fraction, number text or GSM8K solution). Numbers are read as docs/rewards.md ("Numbers") says:
+    ``.5`` is a half, ``1/2`` too, ``12k`` and ``12 thousand`` are 12000, ``50%`` is 50; a hedge (several different
+    values, ``18 or 19``) or working (``3 + 4 = 7``) earns 0.0."""
     return _gold_scores("correctness", completions, answer, kwargs, _answer_right)
 
 

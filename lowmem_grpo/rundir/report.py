@@ -216,7 +216,8 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     lines += ["", "## Groups that teach", "", *groups] if groups else []
     warnings = health.scan(steps, goal=goal_name(run_dir))
     lines += ["", "## Warnings", ""] + ([f"- step {w.step}: {w.message}. Fix: {w.fix}." for w in warnings] or ["None."])
-    for title, body in (("## What each stage bought", stage_lines(run_dir)), ("## Evaluation", eval_lines(run_dir)),
+    bought = stage_lines(run_dir, info.get("name"))
+    for title, body in (("## What each stage bought", bought), ("## Evaluation", eval_lines(run_dir)),
                         (None, export_scores.report_lines(run_dir)), ("## Memory", memory_lines(run_dir, records))):
         lines += ["", *([title, ""] if title else []), *body] if body else []
     lines += ["", "## Plots", ""]

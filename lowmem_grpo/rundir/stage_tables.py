@@ -5,6 +5,7 @@ stage bought, what the answers got wrong, by wording and by number of calculatio
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,10 @@ from lowmem_grpo.rewards.calculator import OUTCOME_DESCRIPTIONS, OUTCOMES
 from lowmem_grpo.rewards.chain import CHAIN_DESCRIPTIONS, CHAIN_OUTCOMES
 from lowmem_grpo.rundir import layout
 
+SEED_SPREAD_FILE = Path(__file__).resolve().parents[1] / "resources" / "seed_spread.json"
+"""Per recipe name, GRPO's greedy gain on its stage evaluation's problems over several training seeds
+(benchmarks/seeds.py): what a run's gain is compared with."""
+SEED_BAND = 2.0  # a gain within this many standard deviations of the seeds' gains could come from the seed alone
 WORDING_LABELS = {"seen": "seen", "heldout": "held-out"}  # of lowmem_grpo.evaluation.stages.WORDING_GROUPS
 OUTCOMES_TITLE = ("What the answers got wrong (the greedy answer of each problem; its last calculation checked by an "
                   "exact calculator):")
@@ -106,13 +111,39 @@ def steps_lines(data: dict[str, Any]) -> list[str]:
     return lines + outcome_lines(chains, CHAINS_TITLE, chains=True) if chains else lines[:-1]
 
 
-def stage_lines(run_dir: Path) -> list[str]:
-    """report.md's tables of stage_eval.json; [] when the run measured no stage."""
+def stage_lines(run_dir: Path, recipe_name: str | None = None, spreads: dict[str, Any] | None = None) -> list[str]:
+    """report.md's tables of stage_eval.json, then how GRPO's gain compares with the seed spread measured for the
+    recipe (`spreads`: SEED_SPREAD_FILE's table by default); [] when the run measured no stage."""
     path = run_dir / layout.STAGE_EVAL_FILE
     try:
-        return summary_lines(json.loads(path.read_text(encoding="utf-8")))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return []
+    if spreads is None:
+        spreads = json.loads(SEED_SPREAD_FILE.read_text(encoding="utf-8")) if SEED_SPREAD_FILE.exists() else {}
+    lines = summary_lines(data)
+    spread = seed_spread_lines(data, spreads.get(recipe_name or ""))
+    return lines + ["", *spread] if lines and spread else lines
+
+
+def seed_spread_lines(data: dict[str, Any], spread: dict[str, Any] | None) -> list[str]:
+    """The recipe's GRPO gain over training seeds beside this run's, and a warning when this run's gain is within
+    SEED_BAND standard deviations of zero: another seed moves the gain that much on its own, so the gain (or a
+    change of settings that produced it) is not shown by one run. [] without a measured spread or a GRPO gain."""
+    gain = (((data.get("differences") or {}).get("primed->trained") or {}).get("strict_accuracy") or {}).get("diff")
+    gains = list((spread or {}).get("gains", {}).values())
+    if gain is None or len(gains) < 2 or data.get("num_problems") != spread.get("num_problems"):
+        return []
+    sd = statistics.stdev(gains)
+    lines = [f"Across training seeds, this recipe's greedy gain from GRPO on these {spread['num_problems']} problems "
+             f"was {statistics.mean(gains):+.3f} on average ({min(gains):+.3f} to {max(gains):+.3f} over "
+             f"{len(gains)} seeds, sd {sd:.3f}; {spread.get('measured', 'benchmarks/seeds.py')})."]
+    if gain <= SEED_BAND * sd:
+        lines.append(f"**Warning**: this run's gain ({gain:+.3f}) is within the seed spread of its recipe "
+                     f"({SEED_BAND:g} sd = {SEED_BAND * sd:.3f}): one training seed can move the gain this much on "
+                     "its own. Judge a change of settings on several seeds (`python benchmarks/seeds.py`), not on "
+                     "this run alone.")
+    return lines
 
 
 def summary_lines(data: dict[str, Any]) -> list[str]:
