@@ -72,7 +72,8 @@ base() {
     command -v mmdebstrap > /dev/null || die "the local base needs mmdebstrap" "make docker-setup, or apt-get install mmdebstrap"
     [ "$(id -u)" = 0 ] || die "mmdebstrap makes the local base as root here" "run it as root"
     tar=$(mktemp --suffix=.tar)
-    trap 'rm -f "$tar"' RETURN
+    # removed when base returns; the trap then removes itself (a RETURN trap stays set for later functions)
+    trap 'rm -f "$tar"; trap - RETURN' RETURN
     echo "making $LOCAL_BASE: Debian 12 (bookworm, minbase) from Debian's packages"
     # shellcheck disable=SC2086  # DEBIAN_MIRROR is zero or more mirror arguments
     mmdebstrap --quiet --variant=minbase --include=ca-certificates \

@@ -372,11 +372,12 @@ def _bin_with(tmp_path: Path, fakes: dict[str, str]) -> dict[str, str]:
     """An environment whose PATH has the few tools engine.sh needs to start, plus the given fake programs."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("bash", "dirname", "sed", "id", "realpath", "mkdir", "stat", "date", "awk"):
+    for tool in ("bash", "dirname", "sed", "id", "realpath", "mkdir", "stat", "date", "awk", "mktemp", "rm"):
         found = shutil.which(tool)
         if found:
             (bin_dir / tool).symlink_to(found)
     for name, script in fakes.items():
+        (bin_dir / name).unlink(missing_ok=True)  # a fake in place of a linked tool: never write through the link
         (bin_dir / name).write_text("#!/bin/bash\n" + script)
         (bin_dir / name).chmod(0o755)
     return {"PATH": str(bin_dir), "HOME": str(tmp_path)}
@@ -406,6 +407,31 @@ def test_engine_skips_a_docker_without_a_daemon_and_prefers_podman(tmp_path):
     assert _engine_sh({**env, "ENGINE": "docker"}, "engine").stdout.strip() == "docker"
     wrong = _engine_sh({**env, "ENGINE": "nerdctl"}, "engine")
     assert wrong.returncode == 2 and "ENGINE=nerdctl is not installed" in wrong.stderr
+
+
+def test_build_makes_the_local_base_then_builds_on_it_when_the_registry_base_cannot_be_pulled(tmp_path):
+    """The whole `build` path of a machine with package registries only: the pull fails, mmdebstrap makes the base
+    (as root), it is imported, the image is built on it with the system Python, and the base's temporary file is
+    gone. Fakes stand in for podman, mmdebstrap and `id -u` (root); each logs its arguments."""
+    log = tmp_path / "calls.log"
+    podman = (f'echo "podman $*" >> {log}\n'
+              'case "$1 $2" in\n'
+              '  "image inspect") [ "$3" = --format ] && { echo 7630000000; exit 0; }; exit 1 ;;\n'
+              '  "pull "*) exit 125 ;;\n'
+              'esac\nexit 0\n')
+    mmdebstrap = f'echo "mmdebstrap $*" >> {log}\necho base > "${{@: -1}}"\n'
+    root = '[ "$1" = -u ] && { echo 0; exit 0; }\nexec /usr/bin/id "$@"\n'
+    env = _bin_with(tmp_path, {"podman": podman, "mmdebstrap": mmdebstrap, "id": root})
+    result = _engine_sh({**env, "PIP_CERT": "", "TMPDIR": str(tmp_path)}, "build")
+    assert result.returncode == 0, result.stderr
+    assert "built lowmem-grpo with podman on the local base" in result.stdout and "size 7.63 GB" in result.stdout
+    calls = log.read_text().splitlines()
+    tar = calls[[c.split()[0] for c in calls].index("mmdebstrap")].split()[-1]
+    assert not Path(tar).exists() and tar.startswith(str(tmp_path))
+    assert f"podman import --change CMD [\"/bin/bash\"] {tar} localhost/lowmem-grpo-base:bookworm" in calls
+    build = next(c for c in calls if c.startswith("podman build"))
+    assert build == ("podman build -t lowmem-grpo --format docker --build-arg BASE_IMAGE=localhost/lowmem-grpo-base"
+                     ":bookworm --build-arg PYTHON_FROM=system --pull=never .")
 
 
 def test_docker_demo_runs_the_cpu_default_with_the_callers_overrides():
