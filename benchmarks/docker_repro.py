@@ -1,18 +1,21 @@
 """The same short run of the CPU default on the host and in the container: per-step rewards and stage accuracies side
-by side, and whether they are identical (they should be on the same CPU: the same wheels, the same threads).
+by side, then every logged completion's text and the trained adapter's bytes, and whether all are identical (they
+should be on the same CPU: the same wheels, the same threads).
 
     python benchmarks/docker_repro.py                           # the image must exist: make docker-build
     python benchmarks/docker_repro.py --overrides train.max_steps=5 prime.max_steps=2
     python benchmarks/docker_repro.py --compare RUN_A RUN_B     # two finished runs, nothing trained
 
-Both runs land in ./runs (repro-host-STAMP, repro-container-STAMP, or --name NAME for STAMP); the container runs through docker/engine.sh
-(`make docker-demo`'s way: the image's user, ./runs and the model cache mounted). Exit 0 when the rewards of every
-GRPO step and every stage accuracy are identical, 1 otherwise.
+Both runs land in ./runs (repro-host-STAMP and repro-container-STAMP, STAMP a time stamp or --name NAME); the
+container runs through docker/engine.sh (`make docker-demo`'s way: the image's user, ./runs and the model cache
+mounted). Exit 0 when the rewards of every GRPO step, every stage accuracy, every completion text and the adapter's
+weights are identical, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -24,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lowmem_grpo.rundir.layout import (GRPO_STAGE, METRICS_FILE, PEAK_RSS_FILE,  # noqa: E402
-                                       STAGE_EVAL_FILE)
+from lowmem_grpo.rundir.layout import (ADAPTER_DIR, COMPLETIONS_FILE, GRPO_STAGE, METRICS_FILE,  # noqa: E402
+                                       PEAK_RSS_FILE, STAGE_EVAL_FILE)
 
 RECIPE = "recipes/smollm2_135m_arith_cpu.py"
 # A few GRPO steps and a small stage evaluation: about 4 minutes a run on 2 cores. No reward-signal stop: the
@@ -60,6 +63,17 @@ def stage_accuracies(run_dir: Path) -> dict[str, dict[str, float]]:
             for stage, values in results.items()}
 
 
+def completion_texts(run_dir: Path) -> list[tuple[int, str]]:
+    """(GRPO step, text) of every logged completion, in the order logged."""
+    rows = (json.loads(line) for line in (Path(run_dir) / COMPLETIONS_FILE).read_text(encoding="utf-8").splitlines())
+    return [(int(row["step"]), c["text"]) for row in rows for c in row["completions"]]
+
+
+def adapter_digest(run_dir: Path) -> str:
+    """sha256 of the trained adapter's weights file."""
+    return hashlib.sha256((Path(run_dir) / ADAPTER_DIR / "adapter_model.safetensors").read_bytes()).hexdigest()
+
+
 def _same(a, b) -> str:
     return "same" if a == b else "DIFFERENT"
 
@@ -90,6 +104,17 @@ def compare(host: Path, container: Path) -> tuple[list[str], bool]:
             verdict = _same(h.get(key), c.get(key))
             identical &= verdict == "same"
             lines.append(f"{stage:<8} {key:<24} {h.get(key, '-')!s:>8} {c.get(key, '-')!s:>10}  {verdict}")
+    host_texts, container_texts = completion_texts(host), completion_texts(container)
+    differ = [i for i, pair in enumerate(zip(host_texts, container_texts)) if pair[0] != pair[1]]
+    where = f", the first at step {host_texts[differ[0]][0]}" if differ else ""
+    verdict = _same(host_texts, container_texts)
+    identical &= verdict == "same"
+    lines.append(f"completions {len(host_texts)} host, {len(container_texts)} container, {len(differ)} texts differ"
+                 f"{where}  {verdict}")
+    host_digest, container_digest = adapter_digest(host), adapter_digest(container)
+    verdict = _same(host_digest, container_digest)
+    identical &= verdict == "same"
+    lines.append(f"adapter sha256 {host_digest[:16]} host, {container_digest[:16]} container  {verdict}")
     return lines, identical
 
 
@@ -115,7 +140,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overrides", nargs="*", default=list(SHORT), help="recipe overrides for both runs")
     parser.add_argument("--runs", default="runs", help="the host folder both runs land in (mounted as /runs)")
-    parser.add_argument("--name", help="the runs' suffix: repro-host-NAME, repro-container-NAME (default: a time stamp)")
+    parser.add_argument("--name", help="the runs' suffix: repro-host-NAME, repro-container-NAME (default: time stamp)")
     parser.add_argument("--compare", nargs=2, metavar=("HOST_RUN", "CONTAINER_RUN"),
                         help="compare two finished runs instead of training")
     args = parser.parse_args()
@@ -138,7 +163,7 @@ def main() -> int:
     for label, run_dir in (("host", host), ("container", container)):
         wall = f"{times[label]:.0f} s, " if label in times else ""
         print(f"{label}: {run_dir} ({wall}peak RSS {peak_rss_gb(run_dir)})")
-    print("IDENTICAL: every GRPO step's rewards and every stage accuracy" if identical
+    print("IDENTICAL: every GRPO step's rewards, every stage accuracy, every completion and the adapter" if identical
           else "NOT IDENTICAL: see DIFFERENT above")
     return 0 if identical else 1
 

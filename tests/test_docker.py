@@ -480,6 +480,8 @@ def test_repro_finds_two_runs_of_the_same_recipe_identical(repro, two_runs):
     assert set(accuracies) == {"base", "primed", "trained"}
     assert all("strict_accuracy" in values for values in accuracies.values())
     assert sum(line.endswith("same") for line in lines) >= 2 * 2 + len(accuracies)  # rewards and accuracies listed
+    assert lines[-2].startswith("completions ") and lines[-2].endswith(", 0 texts differ  same")
+    assert lines[-1].startswith("adapter sha256 ") and lines[-1].endswith("same")
 
 
 @pytest.mark.slow
@@ -501,6 +503,21 @@ def test_repro_names_a_changed_reward_and_a_changed_accuracy(repro, two_runs, tm
     lines, _ = repro.compare(two_runs[0], changed)
     assert [line.split()[:2] for line in lines if line.endswith("DIFFERENT")] == [["2", "reward"],
                                                                                  ["trained", "strict_accuracy"]]
+    completions = changed / "completions.jsonl"
+    rows = [json.loads(line) for line in completions.read_text().splitlines()]
+    rows[-1]["completions"][0]["text"] += " "  # one trailing space in the last step's first completion
+    completions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    adapter = changed / "adapter" / "adapter_model.safetensors"
+    weights = bytearray(adapter.read_bytes())
+    weights[-1] ^= 1  # the last bit of the last weight
+    adapter.write_bytes(bytes(weights))
+    lines, _ = repro.compare(two_runs[0], changed)
+    different = [line for line in lines if line.endswith("DIFFERENT")]
+    assert [line.split()[:2] for line in different[:2]] == [["2", "reward"], ["trained", "strict_accuracy"]]
+    assert len(different) == 4, "\n".join(lines)
+    assert different[2].startswith("completions ") and f", 1 texts differ, the first at step {rows[-1]['step']}" \
+        in different[2]
+    assert different[3].startswith("adapter sha256 ")
     result = subprocess.run([sys.executable, str(REPRO), "--compare", str(two_runs[0]), str(changed)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "NOT IDENTICAL" in result.stdout
