@@ -122,7 +122,8 @@ def test_the_float32_stage_moves_to_the_cpu_when_the_gpu_cannot_hold_it():
     from lowmem_grpo.memory.terms import GIB
 
     params = 1_543_714_304  # Qwen2.5-1.5B
-    assert params * 4 * REFERENCE_HEADROOM > 7.5 * GIB
-    assert reference_device("cuda", params, int(7.5 * GIB)) == "cpu"
+    card_free = 7 * GIB  # an 8 GB card after the CUDA context
+    assert params * 4 * REFERENCE_HEADROOM > card_free
+    assert reference_device("cuda", params, card_free) == "cpu"
     assert reference_device("cuda", params, 23 * GIB) == "cuda"
     assert reference_device("cpu", params, None) == "cpu"
