@@ -21,6 +21,8 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import yaml
+
 from lowmem_grpo.rewards import correctness
 from lowmem_grpo.rewards.parsing import extract_answer_block, find_numbers, parse_number
 
@@ -47,7 +49,7 @@ def _recipe_rows(path: Path, args: list[str]) -> list[dict[str, str]]:
     """The problems a calculator_gain file measured, made again from its run's recipe and its command."""
     from lowmem_grpo.data import load_eval_rows
     from lowmem_grpo.data.sources import load_rows
-    from lowmem_grpo.recipe_io import apply_overrides, load_recipe
+    from lowmem_grpo.recipe_io import apply_overrides, recipe_from_dict
 
     def option(name: str) -> str | None:
         return args[args.index(name) + 1] if name in args else None
@@ -57,7 +59,9 @@ def _recipe_rows(path: Path, args: list[str]) -> list[dict[str, str]]:
         return load_rows(str(REPO / option("--data")), "test")[:limit]
     overrides = [f"data.generated.{key}={option(flag)}" for flag, key in
                  (("--levels", "levels"), ("--stories", "eval_stories")) if option(flag)]
-    recipe = apply_overrides(load_recipe(str(path.parent / "recipe.yaml")), overrides)
+    # only the data section makes the problems: a run's train settings may name features since retired
+    saved = yaml.safe_load((path.parent / "recipe.yaml").read_text(encoding="utf-8"))
+    recipe = apply_overrides(recipe_from_dict({k: v for k, v in saved.items() if k != "train"}), overrides)
     return load_eval_rows(recipe.data, limit=limit)
 
 

@@ -435,7 +435,9 @@ def test_build_makes_the_local_base_then_builds_on_it_when_the_registry_base_can
 
 
 def test_docker_demo_runs_the_cpu_default_with_the_callers_overrides():
-    result = subprocess.run(["make", "-n", "docker-demo", "ARGS=train.max_steps=3 prime.max_steps=2"], cwd=REPO,
+    # run by `make test`, this make is a sub-make: without --no-print-directory it names the directory it enters
+    result = subprocess.run(["make", "--no-print-directory", "-n", "docker-demo",
+                             "ARGS=train.max_steps=3 prime.max_steps=2"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

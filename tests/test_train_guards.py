@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from resilience_helpers import REWARDS, cli_inprocess, one_torch_thread, tiny_args  # noqa: F401
+from resilience_helpers import REWARDS, cli_inprocess, fault_run, one_torch_thread, tiny_args  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_RECIPE = REPO / "recipes" / "smollm2_135m_gsm8k_cpu.py"
@@ -58,9 +58,12 @@ def test_auto_fit_inside_train_fits_the_gpu_it_is_told_about(tiny_model_dir, tmp
 
 
 def test_an_oom_retry_lowers_through_the_memory_planner(tiny_model_dir, tmp_path):
+    """In a child process: the retry replaces the process it runs in (train --resume)."""
     run = tmp_path / "run"
-    code, log = cli_inprocess(*tiny_args(tiny_model_dir, run, steps=2, save_steps=1), faults=["oom@2:update"])
-    assert code == 0, log[-3000:]
+    done = fault_run("oom@2:update", *tiny_args(tiny_model_dir, run, steps=2, save_steps=1),
+                     constructions=tmp_path / "constructions.jsonl")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "continuing in a fresh process" in done.stdout
     retry = json.loads((run / "oom_retries.jsonl").read_text().splitlines()[0])
     assert retry["how"] == "memory planner" and retry["phase"] == "update", retry
     assert not [k for k in retry["changes"] if k.startswith(("model.", "lora.")) or k == "train.gradient_checkpointing"]
