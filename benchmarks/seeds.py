@@ -173,7 +173,8 @@ def table(queue: Path) -> int:
         head = ["seed", "status", *labels, "checking 1 step", "checking 2 steps", "wall s", "peak GiB", "warnings"]
         print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
         for c in entries:
-            gains = c.get("gains") or {}
+            # a pending entry's gains are still the arguments that will measure them
+            gains = {k: v for k, v in (c.get("gains") or {}).items() if isinstance(v, dict)}
             steps = (gains.get("checking") or {}).get("by_steps") or {}
             rss = c.get("peak_rss_bytes")
             print(f"| {c['seed']} | {c['status']} | " + " | ".join(_cell(gains.get(label)) for label in labels)

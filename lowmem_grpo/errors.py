@@ -70,6 +70,11 @@ class SamplerMismatchError(LowmemError):
     """GRPO's sampler gives its own samples log-probs the policy does not: it samples other weights (exit 1)."""
 
 
+class VllmSamplerError(BadInputError):
+    """`eval --engine vllm`: vLLM's log-probs of its own samples are not the policy's, so its accuracy would not be
+    the adapter's (exit 2)."""
+
+
 class InterruptedRun(LowmemError):
     """Stopped by SIGINT/SIGTERM after writing a checkpoint: exit 128 + the signal (130, 143)."""
 

@@ -111,8 +111,28 @@ def cpu_paths(train: TrainConfig, device: str) -> CpuPaths:
     return CpuPaths(shared_prompt=on, merged=on, attention=on)
 
 
+class _Where:
+    """What the Runtime and the Placement say alike of where a run goes (both carry backend, device and launch)."""
+
+    backend: str
+    device: str
+    launch: Launch
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def processes(self) -> int:
+        return self.launch.num_processes
+
+    def describe(self) -> str:
+        """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-2"."""
+        return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
+
+
 @dataclass(frozen=True)
-class Runtime:
+class Runtime(_Where):
     """A run of a recipe as it will be: `resolve` builds it once from the recipe, the launch and the machine."""
 
     backend: str
@@ -149,18 +169,6 @@ class Runtime:
     fast_inference_reason: str = ""
     """Why fast_inference is on or off (choose_fast_inference)."""
 
-    @property
-    def cuda(self) -> bool:
-        return self.device == "cuda"
-
-    @property
-    def processes(self) -> int:
-        return self.launch.num_processes
-
-    def describe(self) -> str:
-        """One line, e.g. "backend hf on cuda, 2 processes, DeepSpeed ZeRO-2"."""
-        return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
-
     def block(self, recipe: Recipe) -> str:
         """The Runtime (with `recipe`'s batches) as `validate`, `plan` and `train` print it: one setting a line."""
         flags = "bf16" if self.bf16 else "fp16" if self.fp16 else "none (fp32 or the 16-bit weights as loaded)"
@@ -185,7 +193,7 @@ class Runtime:
 
 
 @dataclass(frozen=True)
-class Placement:
+class Placement(_Where):
     """Where a recipe runs under a launch, known before CUDA starts: what `combinations.check` judges and the
     Runtime is resolved from."""
 
@@ -195,16 +203,7 @@ class Placement:
     sampler: RolloutPlan
     launch: Launch
 
-    @property
-    def cuda(self) -> bool:
-        return self.device == "cuda"
-
-    @property
-    def processes(self) -> int:
-        return self.launch.num_processes
-
-    def describe(self) -> str:
-        return f"backend {self.backend} on {self.device}, {self.launch.describe()}"
+    # cuda, processes and describe() come from _Where, as the Runtime's
 
 
 def place(recipe: Recipe, launch: Launch, facts: CudaFacts, *, training: bool = True) -> Placement:

@@ -158,6 +158,7 @@ def test_the_proof_runs_a_quantized_file_the_same_without_llama_cpps_repacked_ke
 def test_llama_takes_its_model_parameters_from_the_function_the_runner_sets():
     """llama_runner._load turns repacking off through llama_model_default_params, read once by Llama.__init__ before
     the model loads (Llama has no argument for use_extra_bufts)."""
+    pytest.importorskip("llama_cpp")
     import inspect
 
     import llama_cpp.llama_cpp as bindings

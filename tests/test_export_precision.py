@@ -113,3 +113,17 @@ def test_the_export_plans_its_scoring_batch_for_the_merged_model_on_the_gpu_it_h
     roomy = CudaFacts(torch_cuda="12.4", available=True, capability=(8, 9), free_bytes=23 * GIB, total_bytes=24 * GIB)
     assert scoring_batch(run, recipe.model.name, "bfloat16", "cuda", facts=roomy) == planned  # never above the run's
     assert scoring_batch(run, recipe.model.name, "bfloat16", "cpu", facts=card) == planned
+
+
+def test_the_float32_stage_moves_to_the_cpu_when_the_gpu_cannot_hold_it():
+    """The exact adapter effect needs the base in float32: 1.5B parameters are 6.2 GB, beyond an 8 GB card's free
+    memory with headroom, within a 24 GB card's."""
+    from lowmem_grpo.export.merged import REFERENCE_HEADROOM, reference_device
+    from lowmem_grpo.memory.terms import GIB
+
+    params = 1_543_714_304  # Qwen2.5-1.5B
+    card_free = 7 * GIB  # an 8 GB card after the CUDA context
+    assert params * 4 * REFERENCE_HEADROOM > card_free
+    assert reference_device("cuda", params, card_free) == "cpu"
+    assert reference_device("cuda", params, 23 * GIB) == "cuda"
+    assert reference_device("cpu", params, None) == "cpu"

@@ -311,8 +311,7 @@ def test_start_asks_the_plan_for_vllms_room_only_where_auto_could_turn_it_on():
 
     hf = apply_overrides(Recipe(), ["model.name=nobody/no-such-model", "model.backend=hf"])
     run, _ = start(hf, Launch(), gpu(), vllm_room=room)
-    # the model loads where torch sees a GPU (on this CPU machine: cpu); the plan is not asked either way
-    assert asked == [] and not run.fast_inference and "this run is hf on" in run.fast_inference_reason
+    assert asked == [] and not run.fast_inference and f"hf on {run.device}" in run.fast_inference_reason
     assert settle_vllm(hf, run).model.fast_inference is False
     explicit = apply_overrides(hf, ["model.fast_inference=false"])
     assert settle_vllm(explicit, start(explicit, Launch(), gpu(), vllm_room=room)[0]) is explicit and asked == []

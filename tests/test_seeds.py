@@ -26,7 +26,7 @@ def seeds():
 def finished(queue: Path, name: str, seed: int, diff: float | None) -> dict:
     (queue.parent / name).mkdir(parents=True, exist_ok=True)
     (queue.parent / name / "recipe.yaml").write_text("name: smollm2-135m-arith-cpu\n", encoding="utf-8")
-    gains = {"heldout1": {"diff": 0.2, "low": 0.1, "high": 0.3}}
+    gains = {"heldout1": {"primed": 0.6, "trained": 0.8, "diff": 0.2, "low": 0.1, "high": 0.3}}
     if diff is not None:
         gains["report100"] = {"primed": 0.6, "trained": 0.6 + diff, "diff": diff, "low": diff - 0.1, "high": diff + 0.1}
     return {"name": name, "config": name.split("-s")[0], "seed": seed, "recipe": "", "overrides": [],
@@ -68,3 +68,14 @@ def test_spread_refuses_fewer_than_two_finished_seeds(seeds, tmp_path):
     with pytest.raises(SystemExit, match="fewer than 2 finished seeds"):
         seeds.spread(queue, "default", tmp_path / "out.json")
     assert not (tmp_path / "out.json").exists()
+
+
+def test_table_shows_finished_and_pending_seeds_with_the_spread_of_those_measured(seeds, tmp_path, capsys):
+    queue = tmp_path / "queue.json"
+    entries = [finished(queue, "default-s42", 42, 0.22), finished(queue, "default-s7", 7, 0.07)]
+    entries.append({**finished(queue, "default-s101", 101, None), "gains": dict(seeds.GAINS)})  # as `add` queues it
+    queue.write_text(json.dumps(entries))
+    assert seeds.table(queue) == 0
+    out = capsys.readouterr().out
+    assert "| 101 | pending | - |" in out
+    assert "report100: 2 seeds, mean +0.145" in out and "CI above 0 on 2 of 2" in out

@@ -32,15 +32,15 @@ PROMPTS = ["Sum: <<7*6=42>> and <<7*6=42>> and <<7*6=42>> and",
            "x = 5\ny = 5\nz = 5\nw = 5\n"]
 
 
-def _lora(model, seed: int, scale: float):
+def _lora(model, seed: int, scale: float, **config):
     """A PEFT LoRA on `model` whose B is nonzero (PEFT initialises B to 0): a deterministic adapter that moves
-    the log-probs."""
+    the log-probs. `config`: more LoraConfig fields."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                                   target_modules=["q_proj", "v_proj", "o_proj", "up_proj",
-                                                                  "down_proj"]))
+                                                                  "down_proj"], **config))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -64,6 +64,16 @@ def parts(tmp_path_factory):
     model.save_pretrained(str(root / "live"))
     llm = start_engine(EngineSpec(path, "float32", MAX_LEN, max_lora_rank=8, max_num_seqs=16))
     return llm, tokenizer, model, root / "live", root / "stale"
+
+
+def _policy(folder: Path):
+    """The PEFT model of an adapter folder on the embedded base in float32, as `eval` loads a run's policy."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(locate_model(MODEL), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(folder)).eval()
 
 
 def _rows(llm, tokenizer, prompts, request, max_tokens=40, temperature=0.0, seed=None):
@@ -169,3 +179,85 @@ def test_the_grpo_rollout_through_the_real_engine(parts, tmp_path):
     assert trainer.state.global_step == 1
     logged = trainer.state.log_history[0]
     assert logged["completions/mean_length"] > 0 and "loss" in logged
+
+
+def test_the_eval_check_passes_the_adapter_vllm_samples_and_refuses_another(parts):
+    """`eval --engine vllm`'s check on the real engine, greedy and sampled: vLLM given the policy's adapter passes;
+    vLLM given another adapter (the stale one) or none stops with VllmSamplerError (exit 2)."""
+    from lowmem_grpo.errors import VllmSamplerError
+    from lowmem_grpo.evaluation.vllm_check import check_engine
+
+    llm, tokenizer, _, live, stale = parts
+    model = _policy(live)  # the fixture's PEFT model is trained further by the GRPO test
+    for temperature in (0.0, 0.7):
+        kwargs = dict(dtype="float32", temperature=temperature, seed=3, max_new_tokens=32, calculator=True)
+        verdict = check_engine(llm, lora_request("live", 1, live), tokenizer, PROMPTS, lambda: model, **kwargs)
+        assert verdict.passed and verdict.figures.tokens > 30 and verdict.figures.mean < 1e-3, verdict
+        assert (verdict.choices is not None) == (temperature == 0.0)
+        for request in (lora_request("stale", 2, stale), None):
+            with pytest.raises(VllmSamplerError) as caught:
+                check_engine(llm, request, tokenizer, PROMPTS, lambda: model, **kwargs)
+            assert caught.value.exit_code == 2 and "--engine transformers" in caught.value.fix
+
+
+def test_eval_engine_vllm_of_a_run_checks_its_sampler(parts, tmp_path):
+    """`lowmem-grpo eval RUN --engine vllm` end to end: vLLM on the run's base with its adapter, the check's
+    figures in eval.json and the summary, the accuracy as the project's engine gets it (float32, greedy)."""
+    import json
+
+    from lowmem_grpo.evaluation.command import EvalOptions, render, run
+
+    _, _, _, live, _ = parts
+    run_dir = _run_dir(tmp_path / "run", live)
+    options = dict(model=str(run_dir), limit=4, max_new_tokens=40, progress=False)
+    on_vllm = run(EvalOptions(**options, engine="vllm", out=str(tmp_path / "vllm")))
+    check = on_vllm["settings"]["sampler_check"]
+    assert check["passed"] and check["rows"] == 4 and check["mean_abs_logprob_diff"] < 1e-3
+    assert on_vllm["settings"]["vllm_base"]["same_as_training"]
+    assert "sampler check:" in render(on_vllm) and "vLLM's base:" in render(on_vllm)
+    written = json.loads((tmp_path / "vllm" / "eval.json").read_text())
+    assert written["settings"]["sampler_check"] == check
+    on_engine = run(EvalOptions(**options, engine="transformers", out=str(tmp_path / "engine")))
+    assert on_engine["settings"]["sampler_check"] is None
+    texts = [[json.loads(line)["completion"] for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+             for name in ("vllm", "engine")]
+    assert texts[0] == texts[1]
+
+
+def _run_dir(folder: Path, adapter: Path) -> Path:
+    """A run directory of the CPU demo's recipe in float32 holding `adapter`, as `train` leaves it for `eval`."""
+    import shutil
+
+    from lowmem_grpo.recipe_io import dump_yaml, load_recipe
+
+    folder.mkdir(parents=True)
+    demo = load_recipe(str(Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m_arith_cpu.py"),
+                       ["model.dtype=float32"])
+    (folder / "recipe.yaml").write_text(dump_yaml(demo), encoding="utf-8")
+    shutil.copytree(adapter, folder / "adapter")
+    return folder
+
+
+def test_eval_engine_vllm_refuses_an_adapter_vllm_reads_otherwise(tmp_path, caplog):
+    """A PEFT adapter with a per-module alpha (`alpha_pattern`, which vLLM's PEFTHelper drops: it scales every
+    module by lora_alpha / r) loads in vLLM without a word and samples other weights than PEFT's: `lowmem-grpo eval
+    --engine vllm` stops with the sampler check's error, exit 2, nothing written."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_grpo.cli import main
+
+    model = AutoModelForCausalLM.from_pretrained(locate_model(MODEL), dtype=torch.float32)
+    patterned = _lora(model, seed=0, scale=0.02, alpha_pattern={"down_proj": 128})
+    patterned.save_pretrained(str(tmp_path / "patterned"))
+    assert json.loads((tmp_path / "patterned" / "adapter_config.json").read_text())["alpha_pattern"]
+    run_dir = _run_dir(tmp_path / "run", tmp_path / "patterned")
+    out = tmp_path / "eval"
+    code = main(["eval", "--model", str(run_dir), "--engine", "vllm", "--limit", "4", "--max-new-tokens", "40",
+                 "--no-progress", "--out", str(out)])
+    err = caplog.text
+    assert code == 2, err
+    assert "did not sample the adapter it was given" in err and "--engine transformers" in err, err
+    assert not (out / "eval.json").exists()

@@ -145,7 +145,7 @@ def load(recipe: Recipe, runtime: Runtime, *, with_lora: bool = True, adapter_pa
 
 
 def nf4_config(compute_dtype: Any) -> Any:
-    """bitsandbytes' 4-bit config: nf4 with double quantization (training's base, and a merged-4bit export)."""
+    """bitsandbytes' 4-bit config: nf4 with double quantization (training's base)."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

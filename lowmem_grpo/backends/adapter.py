@@ -169,20 +169,41 @@ def name_original_base(adapter_dir: Path, base_name: str | None) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def unsloth_name_tables() -> tuple[dict[str, str], dict[str, str]]:
-    """Unsloth's (4-bit upload -> 16-bit name, any name -> 4-bit upload) tables, lower-cased, executed from the
-    installed unsloth/models/mapper.py (plain dicts) without importing Unsloth, which patches transformers
-    process-wide. Empty when Unsloth is not installed."""
+def _unsloth_mapper() -> Any:
+    """The installed unsloth/models/mapper.py (plain dicts) executed without importing Unsloth, which patches
+    transformers process-wide; None when Unsloth is not installed or the file does not load."""
     try:
         spec = importlib.util.find_spec("unsloth")  # locates the package without importing it
         folder = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
         if folder is None or not (folder / "models" / "mapper.py").is_file():
-            return {}, {}
+            return None
         mapper_spec = importlib.util.spec_from_file_location("_lowmem_unsloth_mapper", folder / "models" / "mapper.py")
         mapper = importlib.util.module_from_spec(mapper_spec)
         mapper_spec.loader.exec_module(mapper)
-        return ({k.lower(): str(v) for k, v in mapper.INT_TO_FLOAT_MAPPER.items()},
-                {k.lower(): str(v).lower() for k, v in mapper.FLOAT_TO_INT_MAPPER.items()})
+        return mapper
     except Exception as exc:  # a changed table layout must not stop training: fall back to plain names
         log.debug("could not read Unsloth's model name table: %s", exc)
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def unsloth_name_tables() -> tuple[dict[str, str], dict[str, str]]:
+    """Unsloth's (4-bit upload -> 16-bit name, any name -> 4-bit upload) tables, lower-cased (_unsloth_mapper).
+    Empty when Unsloth is not installed."""
+    mapper = _unsloth_mapper()
+    try:
+        return ({k.lower(): str(v) for k, v in mapper.INT_TO_FLOAT_MAPPER.items()},
+                {k.lower(): str(v).lower() for k, v in mapper.FLOAT_TO_INT_MAPPER.items()})
+    except AttributeError as exc:  # no table (or another layout): plain names
+        log.debug("no Unsloth model name table: %s", exc)
         return {}, {}
+
+
+def unsloth_4bit_upload(name: str) -> str | None:
+    """The pre-quantized 4-bit upload FastLanguageModel loads for `name` with load_in_4bit (Unsloth's
+    FLOAT_TO_INT_MAPPER, spelled as listed; a `-bnb-4bit` name is its own); None when its table lists none."""
+    if name.lower().endswith(QUANTIZED_SUFFIX):
+        return name
+    table = getattr(_unsloth_mapper(), "FLOAT_TO_INT_MAPPER", None) or {}
+    upload = {str(k).lower(): str(v) for k, v in table.items()}.get(name.rstrip("/").lower())
+    return upload or None

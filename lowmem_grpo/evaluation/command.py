@@ -102,8 +102,10 @@ def default_out(opts: EvalOptions, run_dir: Path | None, split: str) -> Path:
     return Path("evals") / f"{slug}-{stamp}"
 
 
-def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: int, device: str) -> tuple[Any, Any]:
-    """A vLLM engine on the base model on `device` (cuda or cpu), with the adapter as a LoRA request."""
+def _vllm_engine(recipe: Recipe, base: Any, dtype: str, adapter: Path | None, seed: int, device: str
+                 ) -> tuple[Any, Any]:
+    """A vLLM engine on `base` (vllm_check.VllmBase) on `device` (cuda or cpu), with the adapter as a LoRA
+    request."""
     from lowmem_grpo.sampling.vllm_engine import EngineSpec, adapter_rank, lora_request, start_engine
 
     share = recipe.model.gpu_memory_utilization
@@ -119,19 +121,20 @@ def _vllm_engine(recipe: Recipe, model_path: str, adapter: Path | None, seed: in
     rank = recipe.lora.max_lora_rank or recipe.lora.r
     if adapter is not None:
         rank = max(rank, adapter_rank(adapter))
-    spec = EngineSpec(model_path=model_path, dtype=_vllm_dtype(recipe.model.dtype, device),
-                      max_model_len=recipe.model.max_seq_length, max_lora_rank=rank if adapter is not None else None,
-                      seed=seed, gpu_memory_utilization=share, trust_remote_code=recipe.model.trust_remote_code)
+    spec = EngineSpec(model_path=base.path, dtype=dtype, max_model_len=recipe.model.max_seq_length,
+                      max_lora_rank=rank if adapter is not None else None, seed=seed, gpu_memory_utilization=share,
+                      trust_remote_code=recipe.model.trust_remote_code, quantization=base.quantization)
     return start_engine(spec), (lora_request("adapter", 1, adapter) if adapter is not None else None)
 
 
-def _vllm_dtype(requested: str, device: str) -> str:
-    """model.dtype for vLLM: auto on a CPU as the hf backend resolves it there (the CPU's native bf16)."""
-    if requested == "auto" and device == "cpu":
-        from lowmem_grpo.device import cpu_auto_dtype
-
-        return cpu_auto_dtype().dtype
-    return requested
+def trained_setup(run_dir: Path | None, runtime: Any) -> tuple[str, str]:
+    """(backend, device) the run trained with, from its env.json; else this machine's for the recipe."""
+    if run_dir is not None:
+        with contextlib.suppress(OSError, ValueError):
+            env = json.loads((run_dir / layout.ENV_FILE).read_text(encoding="utf-8"))
+            if env.get("backend") in ("hf", "unsloth") and env.get("device") in ("cpu", "cuda"):
+                return env["backend"], env["device"]
+    return runtime.backend, runtime.device
 
 
 def vllm_device(engine: str) -> str | None:
@@ -159,26 +162,52 @@ def vllm_device(engine: str) -> str | None:
     return "cuda"
 
 
-def load_model(recipe: Recipe, adapter: Path | None, opts: EvalOptions) -> tuple[Any, Any, Any, dict[str, str]]:
-    """(generator, tokenizer, LoRA request, info): a vLLM engine where vllm_device says so, else the backend's."""
+def load_model(recipe: Recipe, adapter: Path | None, opts: EvalOptions, runtime: Any = None,
+               run_dir: Path | None = None) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(generator, tokenizer, LoRA request, info): a vLLM engine on the run's base (vllm_check.vllm_base) where
+    vllm_device says so, else the backend's model. `runtime`: the backend's, when the caller started it."""
     from lowmem_grpo import distributed
     from lowmem_grpo.backends import load, locate_model, start
 
     device = vllm_device(opts.engine)
+    if runtime is None:  # Unsloth imported before CUDA, transformers and vLLM
+        runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)
     if device is not None:
         from transformers import AutoTokenizer
 
+        from lowmem_grpo.backends.adapter import unsloth_4bit_upload
+        from lowmem_grpo.evaluation.vllm_check import vllm_base
+
         path = locate_model(recipe.model.name)
+        backend, trained_on = trained_setup(run_dir, runtime)
+        base = vllm_base(recipe.model.name, path, load_in_4bit=recipe.model.load_in_4bit, backend=backend,
+                         trained_on=trained_on, device=device, prequantized=unsloth_4bit_upload)
+        (log.info if base.same_as_training else log.warning)("vLLM's base: %s (%s)", base.path, base.note)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        engine, lora = _vllm_engine(recipe, path, adapter, opts.seed, device)
-        return engine, tokenizer, lora, {"model_path": path, "backend": "vllm", "device": device,
-                                         "dtype": _vllm_dtype(recipe.model.dtype, device)}
-    runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)  # Unsloth before CUDA
+        engine, lora = _vllm_engine(recipe, base, runtime.dtype, adapter, opts.seed, device)
+        return engine, tokenizer, lora, {"model_path": base.path, "backend": "vllm", "device": device,
+                                         "dtype": runtime.dtype, "vllm_base": base.as_dict()}
     loaded = load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None)
     return loaded.model, loaded.tokenizer, None, {"model_path": loaded.model_path, "backend": loaded.backend,
                                                   "device": loaded.device, "dtype": loaded.dtype}
+
+
+def check_vllm(engine: Any, lora: Any, tokenizer: Any, examples: list[dict[str, Any]], recipe: Recipe,
+               runtime: Any, adapter: Path | None, opts: EvalOptions, max_new_tokens: int) -> dict[str, Any]:
+    """The sampler check before vLLM evaluates (vllm_check.check_engine): the policy is the base + adapter as the
+    run's backend loads them, in the evaluation's dtype. Its figures, for eval.json."""
+    from lowmem_grpo.backends import load
+    from lowmem_grpo.evaluation.vllm_check import check_engine
+
+    def policy() -> Any:
+        return load(recipe, runtime, with_lora=False, adapter_path=str(adapter) if adapter else None).model
+
+    verdict = check_engine(engine, lora, tokenizer, [ex["prompt"] for ex in examples], policy, dtype=runtime.dtype,
+                           temperature=opts.temperature, seed=opts.seed, max_new_tokens=max_new_tokens,
+                           calculator=recipe.data.calculator)
+    return verdict.as_dict()
 
 
 def _clean(value: Any) -> Any:
@@ -193,7 +222,8 @@ def _clean(value: Any) -> Any:
 
 def run(opts: EvalOptions) -> dict[str, Any]:
     """Evaluate (or compare) and write eval.json + eval.jsonl; returns eval.json's content plus `out_dir`."""
-    from lowmem_grpo.backends import locate_model
+    from lowmem_grpo import distributed
+    from lowmem_grpo.backends import locate_model, start
     from lowmem_grpo.data import load_eval_rows, recipe_examples
     from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, compare
     from lowmem_grpo.evaluation.evaluate import run_eval
@@ -211,9 +241,11 @@ def run(opts: EvalOptions) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BadInputError(f"output folder {out_dir} cannot be created: {exc}", fix="pass a writable --out") from exc
-
-    engine, tokenizer, lora, info = load_model(recipe, adapter, opts)
+    runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)
+    engine, tokenizer, lora, info = load_model(recipe, adapter, opts, runtime, run_dir)
     examples = recipe_examples(rows, tokenizer, d)
+    checked = (check_vllm(engine, lora, tokenizer, examples, recipe, runtime, adapter, opts, max_new)
+               if info["backend"] == "vllm" else None)
     kwargs = dict(max_new_tokens=max_new, batch_size=opts.batch_size, num_samples=opts.samples,
                   temperature=opts.temperature, seed=opts.seed, progress=opts.progress, calculator=d.calculator)
     results = {}
@@ -236,7 +268,8 @@ def run(opts: EvalOptions) -> dict[str, Any]:
             "stories": d.generated.eval_stories if d.source == "generated" else None,
             "limit": opts.limit, "num_problems": len(examples), "system_prompt": d.system_prompt,
             "prefill": d.prefill, **last.settings, "backend": info["backend"], "device": info["device"],
-            "dtype": info["dtype"], "compare": opts.compare, "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
+            "dtype": info["dtype"], "vllm_base": info.get("vllm_base"), "sampler_check": checked,
+            "compare": opts.compare, "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
             "confidence": 0.95, "lenient_equality": "decimal, then math-verify",
             "started": datetime.now().isoformat(timespec="seconds"),
         },
@@ -264,4 +297,18 @@ def render(report: dict[str, Any]) -> str:
     body = compare_table(report["comparison"]) if "comparison" in report else metrics_table(report["metrics"])
     speed = "; ".join(f"{name}: {r['problems_per_minute']:.1f} problems/min ({r['seconds']:.0f} s)"
                       for name, r in report["runs"].items())
-    return head + body + f"\n{speed}\nwritten to {report['out_dir']}\n"
+    return head + body + f"\n{speed}\n" + _vllm_lines(s) + f"written to {report['out_dir']}\n"
+
+
+def _vllm_lines(settings: dict[str, Any]) -> str:
+    """What vLLM was started on and what the sampler check measured; empty for the other engines."""
+    base, check = settings.get("vllm_base"), settings.get("sampler_check")
+    lines = ""
+    if base:
+        lines += f"vLLM's base: {base['path']} ({base['note']})\n"
+    if check:
+        lines += (f"sampler check: vLLM's log-probs of its own tokens on {check['rows']} problems differ from the "
+                  f"policy's by {check['mean_abs_logprob_diff']:.4f} on average (tolerance {check['tolerance']:.3g})"
+                  + (f"; {check['greedy_beyond_margin']} of {check['greedy_tokens']} greedy choices beyond the margin"
+                     if "greedy_tokens" in check else "") + "\n")
+    return lines

@@ -34,6 +34,8 @@ class EngineSpec:
     seed: int = 0
     gpu_memory_utilization: float = 0.5
     trust_remote_code: bool = False
+    quantization: str | None = None
+    """vLLM's `quantization`: bitsandbytes for a 4-bit base (pre-quantized, or quantized while loading)."""
 
 
 def engine_arguments(spec: EngineSpec, device: str) -> dict[str, Any]:
@@ -44,6 +46,8 @@ def engine_arguments(spec: EngineSpec, device: str) -> dict[str, Any]:
                             "logprobs_mode": "processed_logprobs", "trust_remote_code": spec.trust_remote_code}
     if spec.max_lora_rank is not None:
         args.update(enable_lora=True, max_lora_rank=spec.max_lora_rank, max_loras=1)
+    if spec.quantization is not None:
+        args["quantization"] = spec.quantization
     if device == "cpu":
         args.update(enforce_eager=True, max_num_batched_tokens=spec.max_num_seqs * spec.max_model_len)
     else:
