@@ -372,25 +372,11 @@ def test_stage_peaks_are_written_in_order_with_their_seconds(tmp_path):
     assert rss.read(tmp_path / "missing.json") is None
 
 
-def test_rss_benchmark_arguments_and_what_it_prints_of_a_run(tmp_path):
-    import importlib.util
-
+def test_the_reports_memory_tables_of_a_run(tmp_path):
     from lowmem_grpo.rundir.layout import read_jsonl
     from lowmem_grpo.rundir.report import memory_lines
 
-    spec = importlib.util.spec_from_file_location("cpu_speed", Path(__file__).resolve().parents[1] / "benchmarks"
-                                                  / "cpu_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    args = bench.parse_args(["rss", "train.cpu.fast=false"])
-    assert args.loads.split(",") == ["default", "4x8x64"] and (args.steps, args.prime_steps, args.stage_eval) == (2, 2, 8)
-    with pytest.raises(SystemExit):
-        bench.parse_args(["rss", "--loads", "8x8x8"])
-    wide = bench.overrides(args, "4x8x64", tmp_path)
-    assert "train.per_device_train_batch_size=32" in wide and "train.max_completion_length=64" in wide
-    assert wide[-1] == "train.cpu.fast=false" and f"output.dir={tmp_path}" in wide
-    # a run directory as train() leaves it: peak_rss.json and the rss/<phase> keys of the GRPO steps; the benchmark
-    # prints its memory tables as report.md has them
+    # a run directory as train() leaves it: peak_rss.json and the rss/<phase> keys of the GRPO steps
     (tmp_path / "peak_rss.json").write_text(json.dumps({"sample_seconds": 0.01, "stages": [
         {"stage": "load", "peak_rss_bytes": 2**30, "exact": False, "seconds": 3.0},
         {"stage": "grpo", "peak_rss_bytes": 3 * 2**30, "exact": True, "seconds": 30.0}]}))

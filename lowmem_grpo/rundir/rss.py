@@ -147,7 +147,7 @@ class StagePeaks:
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 2 << 20
 """Blocks of 2 MiB and more are mmapped (freed ones leave the process); lower thresholds page-fault far more often
-(benchmarks/cpu_speed.py allocator)."""
+(docs/results.md, "Speed on CPU": the allocator threshold)."""
 
 
 def _glibc() -> Any:
