@@ -113,6 +113,23 @@ def test_a_converter_kept_beside_the_environment_comes_first(places):
     assert fetch.asked == [] and not cache_root(environ).exists()
 
 
+def test_a_converter_kept_by_one_user_is_readable_by_the_others(places):
+    """An image built as root keeps the converter for the image's user: the kept folder and files get the modes
+    the umask gives anything else made there (022: world-readable), not a temporary folder's 0700."""
+    import os
+    import stat
+
+    environ, prefix, index = places
+    umask = os.umask(0o022)
+    try:
+        kept = unpack_converter(build_sdist(index), runtime_of(), prefix_root(prefix))
+    finally:
+        os.umask(umask)
+    for path in [kept.parent, *kept.parent.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o044 == 0o044 and (not path.is_dir() or mode & 0o011 == 0o011), (path, oct(mode))
+
+
 def test_another_build_of_the_same_version_is_not_served_a_kept_converter(places):
     """A kept converter serves only the runtime whose bindings it recorded; the registry's file does not match a
     runtime built from other sources, which is refused naming the fix."""

@@ -128,6 +128,11 @@ def unpack_converter(sdist: Path, runtime: InstalledRuntime, root: Path) -> Path
                             f"source distribution ({known})", fix="download it again from the package index")
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{version}.partial-", dir=root))
+    # mkdtemp makes it 0700: a converter kept beside a shared environment (an image built as root) must be
+    # readable by the users who run it, as a folder made by mkdir would be
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     try:
         found = _extract(sdist, runtime, staging)
         record = {"version": version, "sdist": sdist.name, "sdist_sha256": digest, "bindings": runtime.bindings,
