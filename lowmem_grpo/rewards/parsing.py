@@ -27,7 +27,8 @@ MAX_GOLD_EXPONENT = 100  # |exponent| of a gold written in scientific notation
 
 # Grouped thousands must not run on into a digit ("1,2345" is 1 and 2345); a bare ".5" must not follow a word
 # character or a point ("No.5" is 5, "1.2.3" is 1.2 and 3).
-LITERAL = r"(?:(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|(?<![\w.])\.[0-9]+)"
+_WHOLE = r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)"
+LITERAL = rf"(?:{_WHOLE}(?:\.[0-9]+)?|(?<![\w.])\.[0-9]+)"
 CURRENCY = "$\u20ac\u00a3"
 _SIGN = re.escape("-+\u2212")
 _CUR = re.escape(CURRENCY)
@@ -37,6 +38,7 @@ _BODY = (rf"(?P<num>{LITERAL})(?:/(?P<den>{LITERAL})(?!/?[0-9])"
 # A sign counts only when not glued to a preceding word/number ("3-5" is 3 and 5).
 _NUMBER_RE = re.compile(rf"(?:(?<![\w{_SIGN}])(?P<sign>[{_SIGN}])(?=[{_CUR}]?\.?[0-9]))?"
                         rf"(?:[{_CUR}](?P<sign2>[{_SIGN}])?)?(?<![0-9]){_BODY}")
+_INTEGER_RE = re.compile(rf"(?P<sign>[{_SIGN}])?(?P<num>{_WHOLE})")
 _TOKEN_RE = re.compile(rf"(?:(?P<sign>[{_SIGN}])[{_CUR}]?|[{_CUR}](?P<sign2>[{_SIGN}])?)?{_BODY}")
 _SCIENTIFIC_RE = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE](?P<exp>[-+]?[0-9]{1,6})(?![\w.])")
 _ANSWER_BLOCK_RE = re.compile(r".*<answer>(.*?)</answer>", re.DOTALL)  # the greedy prefix finds the last pair
@@ -87,6 +89,17 @@ def parse_number(token: str | None) -> Fraction | None:
     or period; None for words, a second number, or a number without a value."""
     match = None if token is None else _TOKEN_RE.fullmatch(token.strip().rstrip(".").rstrip("%").strip())
     return _value(match) if match else None
+
+
+def integer_literal(text: str | None) -> int | None:
+    """The value of ``text`` (stripped) when it is one integer literal with an optional sign (``18``, ``-3``, the
+    Unicode minus, ``1,234``, ``007``), else None: ``18.0``, ``.5``, ``1/2``, ``12k``, ``$18``, ``18 or 19``, digits
+    other than ASCII, or a literal without a value (past `MAX_LITERAL_DIGITS` digits)."""
+    match = _INTEGER_RE.fullmatch(text.strip()) if text else None
+    value = literal_value(match.group("num")) if match else None
+    if value is None:
+        return None
+    return -int(value) if match.group("sign") in ("-", "\u2212") else int(value)
 
 
 def numbers_equal(a: str | None, b: str | None) -> bool:
