@@ -35,6 +35,7 @@ from lowmem_grpo.rewards.parsing import (
     gold_value,
     integer_literal,
     last_number,
+    number_at,
     numbers_equal,
     parse_number,
 )
@@ -423,6 +424,20 @@ INTEGER_CLASSES = [
     ("9" * (MAX_LITERAL_DIGITS + 1), 0.0),  # a literal without a value: was 1.0
     ("9" * MAX_LITERAL_DIGITS, 1.0),
 ]
+
+
+@pytest.mark.parametrize(("text", "pos", "expected"), [
+    (">>.5 kg", 2, (Fraction(1, 2), 4)),
+    (">>\u22123 kg", 2, (Fraction(-3), 4)),
+    (">>3/4 of", 2, (Fraction(3, 4), 5)),
+    (">>12k", 2, (Fraction(12000), 5)),
+    (">>1,200.", 2, (Fraction(1200), 7)),
+    ("1.5", 1, None),  # not from inside another number
+    ("x3-5", 2, None),  # a minus glued to a number is not a sign
+    ("a b", 1, None),
+])
+def test_number_at_reads_the_number_starting_there(text: str, pos: int, expected: tuple | None) -> None:
+    assert number_at(text, pos) == expected
 
 
 @pytest.mark.parametrize(("block", "expected"), INTEGER_CLASSES, ids=lambda v: ascii(v)[:24])

@@ -102,6 +102,14 @@ def integer_literal(text: str | None) -> int | None:
     return -int(value) if match.group("sign") in ("-", "\u2212") else int(value)
 
 
+def number_at(text: str, pos: int) -> tuple[Fraction | None, int] | None:
+    """The number starting exactly at ``text[pos]`` as `find_numbers` reads numbers (sign, currency sign, fraction or
+    magnitude included: ``.5``, ``\u22123``, ``1/2``, ``12k``), as (its value, where it ends); None when none starts
+    there."""
+    match = _NUMBER_RE.match(text, pos)
+    return (_value(match), match.end()) if match else None
+
+
 def numbers_equal(a: str | None, b: str | None) -> bool:
     """Both tokens parse (``parse_number``) to the same value."""
     left = parse_number(a)
