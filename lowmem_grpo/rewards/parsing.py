@@ -11,7 +11,9 @@ Scientific notation is not read in text: ``1e-05`` is the numbers 1 and 05. Valu
 more than `MAX_LITERAL_DIGITS` digits, or a fraction with a zero denominator, is a number without a value.
 
 The calculator (`calculator.py`) reads its literals with `LITERAL` and `literal_value` and does its own operators,
-so ``.5`` is a half there too, and ``1/2`` is 0.5 in both.
+so ``.5`` is a half there too, and ``1/2`` is 0.5 in both. The `integer` reward reads its literal with
+`integer_literal`, the evaluation's lenient rule its last number with `parse_number`, and priming the copy of a
+calculator result with `number_at`.
 """
 
 from __future__ import annotations
