@@ -68,6 +68,32 @@ def test_lenient_uses_last_number_only_and_exact_values():
     assert lenient_equal("-5", "5") is False and lenient_equal(None, "5") is False
 
 
+@pytest.mark.parametrize(("completion", "gold", "expected"), [
+    ("So the answer is 12 thousand", "12", False),  # math-verify alone reads 12
+    ("So the answer is 12 thousand", "12000", True),
+    ("They raised 12k dollars", "12", False),
+    ("They raised 12K dollars", "12000", True),
+    ("It costs 1.5 million", "1.5", False),
+    ("It is 3 hundred", "300", True),
+    ("The rate is 50%", "0.5", False),  # math-verify also takes 50% as 0.5
+    ("The rate is 50%", "50", True),
+    ("It drops by \u22125 degrees", "-5", True),
+    ("Each gets .5 of it", "0.5", True),
+    ("Each gets 1/2 of it", ".5", True),
+    ("It is 0.00001 grams", "1e-05", True),  # a float gold as it prints
+    ("It is 12", "12 thousand", False),
+])
+def test_lenient_reads_numbers_as_the_rewards_do(completion: str, gold: str, expected: bool) -> None:
+    assert judge(completion, gold).lenient_correct is expected
+    assert lenient_equal(judge(completion, gold).last_number, gold) is expected
+
+
+def test_lenient_asks_math_verify_only_for_a_gold_the_rewards_cannot_read() -> None:
+    pytest.importorskip("math_verify")
+    assert judge("Each gets 0.5 of it", "\\frac{1}{2}").lenient_correct is True
+    assert judge("Each gets 0.4 of it", "\\frac{1}{2}").lenient_correct is False
+
+
 def test_rates_truncation_and_tokens_aggregate_over_completions():
     verdicts = [
         [judge(STRICT, "18", completion_tokens=20)],

@@ -94,6 +94,38 @@ def test_calculator_rendering_of_gsm8k_lines():
     assert clean_reasoning("12+49-4=<<49-4=45>>45\n#### 57", calculator=True) == "12+49-4=<<49-4=45>>45"
 
 
+# (solution line, its calculator rendering): GSM8K's copy of the result after ">>" is any number of the value of
+# the annotation's result, read as the rewards read numbers, and follows the calculator's text
+COPY_CLASSES = [
+    ("Half is 1/2=<<1/2=.5>>.5 now", "Half is <<1/2=0.5>>0.5 now"),  # a decimal part alone
+    ("It fell <<5-8=-3>>\u22123 degrees", "It fell <<5-8=-3>>-3 degrees"),  # the Unicode minus
+    ("So <<3/4=3/4>>3/4 of it", "So <<3/4=0.75>>0.75 of it"),  # a fraction
+    ("They made <<12*1000=12000>>12k", "They made <<12*1000=12000>>12000"),  # a magnitude
+    ("It is <<1000+200=1200>>1,200 now", "It is <<1000+200=1200>>1200 now"),  # thousands commas
+    ("It is <<2+3=5>>5,000 now", "It is <<2+3=5>>5,000 now"),  # another number: not the copy
+    ("Then <<10*2=20>>20/2=10", "Then <<10*2=20>>20/2=10"),
+    ("Either <<2*3=6>>6 or 7", "Either <<2*3=6>>6 or 7"),  # the copy, then a second number
+    ("He got <<4*5=20>>$20", "He got <<4*5=20>>$20"),  # a copy with a currency sign: left as written
+]
+
+
+@pytest.mark.parametrize("line,rendered", COPY_CLASSES, ids=lambda v: ascii(v)[:30])
+def test_the_copy_after_an_annotation_is_read_as_the_rewards_read_numbers(line, rendered):
+    from lowmem_grpo.rewards.calculator import calculations
+
+    assert clean_reasoning(f"{line}\n#### 1", calculator=True) == rendered
+    assert all(calc.arithmetic_right for calc in calculations(rendered))
+
+
+def test_a_gold_in_scientific_notation_is_rendered_as_correctness_reads_it():
+    solution = "It is 1/100000=<<1/100000=0.00001>>0.00001 of it.\n#### 1e-05"
+    completion = render_target(solution, "<reasoning>\n")
+    assert completion.endswith("<answer>\n0.00001\n</answer>")
+    assert correctness([completion], answer=[solution], prefill=["<reasoning>\n"]) == [1.0]
+    assert correctness([completion], answer=[1e-05], prefill=["<reasoning>\n"]) == [1.0]
+    assert render_target("#### 1.5E3", "").endswith("<answer>\n1500\n</answer>")
+
+
 # answers as the hub's openai/gsm8k writes them: prose arithmetic, often with "x" for "*", in front of each annotation
 HUB_ANSWERS = [
     ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in "

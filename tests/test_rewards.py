@@ -33,7 +33,9 @@ from lowmem_grpo.rewards.parsing import (
     find_numbers,
     gold_number,
     gold_value,
+    integer_literal,
     last_number,
+    number_at,
     numbers_equal,
     parse_number,
 )
@@ -407,6 +409,43 @@ def test_correctness_reads_a_huge_number_without_raising() -> None:
 )
 def test_integer(completion: str | None, expected: float) -> None:
     assert integer([completion]) == [expected]
+
+
+# (answer block, integer score): one row per class of input; the ones marked "was 1.0" were paid by the reward's
+# own regex, though no other reward can read them
+INTEGER_CLASSES = [
+    ("1,234", 1.0), ("1,2345", 0.0), ("12,34", 0.0), ("007", 1.0),  # commas, leading zeros
+    (".5", 0.0), ("-.5", 0.0), ("18.0", 0.0), ("5.", 0.0),  # decimals
+    ("\u22123", 1.0), ("+3", 1.0), ("- 3", 0.0), ("\u2212$3", 0.0),  # signs
+    ("12k", 0.0), ("12 thousand", 0.0),  # magnitudes
+    ("1/2", 0.0), ("4/2", 0.0),  # fractions
+    ("18 or 19", 0.0), ("3 + 4 = 7", 0.0), ("<<5=5>>5", 0.0), ("5 5", 0.0),  # several numbers, hedges, working
+    ("\u0661\u0668", 0.0), ("\uff11\uff18", 0.0), ("\u0967\u096e", 0.0),  # digits other than ASCII: was 1.0
+    ("9" * (MAX_LITERAL_DIGITS + 1), 0.0),  # a literal without a value: was 1.0
+    ("9" * MAX_LITERAL_DIGITS, 1.0),
+]
+
+
+@pytest.mark.parametrize(("text", "pos", "expected"), [
+    (">>.5 kg", 2, (Fraction(1, 2), 4)),
+    (">>\u22123 kg", 2, (Fraction(-3), 4)),
+    (">>3/4 of", 2, (Fraction(3, 4), 5)),
+    (">>12k", 2, (Fraction(12000), 5)),
+    (">>1,200.", 2, (Fraction(1200), 7)),
+    ("1.5", 1, None),  # not from inside another number
+    ("x3-5", 2, None),  # a minus glued to a number is not a sign
+    ("a b", 1, None),
+])
+def test_number_at_reads_the_number_starting_there(text: str, pos: int, expected: tuple | None) -> None:
+    assert number_at(text, pos) == expected
+
+
+@pytest.mark.parametrize(("block", "expected"), INTEGER_CLASSES, ids=lambda v: ascii(v)[:24])
+def test_integer_reads_numbers_as_correctness_does(block: str, expected: float) -> None:
+    assert integer([fmt("r", block)]) == [expected]
+    if expected:  # what integer pays, correctness reads as the same integer
+        assert answer_value(block) == integer_literal(block)
+        assert correctness([fmt("r", block)], answer=[integer_literal(block)]) == [1.0]
 
 
 # --------------------------------------------------------------------------- formats

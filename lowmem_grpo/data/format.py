@@ -4,24 +4,26 @@ prefill rule shared by priming, GRPO, preflight and eval.
 The calculator annotations `<<7*7=49>>` are removed, unless data.calculator is on: then each is kept in the form the
 sampling engine completes (`<<EXPR=` + `RESULT>>`) and GSM8K's duplicate expression in front of it is dropped
 (`49-4=<<49-4=45>>45` becomes `<<49-4=45>>45`, also where the prose writes "x" for "*" or "$" around it; arithmetic
-running on in front of it is left as written). An annotation the calculator refuses is removed. The prefill is part
-of the prompt, so the SFT completion is the target minus the prefill, the text GRPO samples after it.
+running on in front of it is left as written); GSM8K's copy of the result after it, any number of that value as
+the rewards read numbers (`.5`, `3/4`, `12k`), follows the calculator's text. An annotation the calculator refuses
+is removed. The prefill is part of the prompt, so the SFT completion is the target minus the prefill, the text GRPO
+samples after it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any
 
 from lowmem_grpo.errors import RecipeError
 from lowmem_grpo.rewards.calculator import evaluate, format_result
-from lowmem_grpo.rewards.parsing import gold_number, parse_number
+from lowmem_grpo.rewards.parsing import CURRENCY, answer_value, gold_number, gold_value, number_at, parse_number
 
 _ANNOTATION_RE = re.compile(r"<<[^<>]*>>")
 _CALL_RE = re.compile(r"<<([^<>=]*)=([^<>=]*)>>")
 _EXPRESSION_CHARS = frozenset("0123456789.,+-*/()")
-_COPY_RE = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?")
 _TAG_RE = re.compile(r"</?(?:reasoning|answer)>")
 _REASONING_OPEN = "<reasoning>\n"
 _TIMES = frozenset("xX\u00d7")  # how GSM8K's prose writes the "*" of its annotations: "12 x 2 = <<12*2=24>>24"
@@ -73,10 +75,13 @@ def _calculator_line(line: str) -> str:
             continue
         expr, result = call.group(1).strip(), format_result(value)
         out = _drop_duplicate(out, expr) + f"<<{expr}={result}>>"
-        copy = _COPY_RE.match(line, pos)  # GSM8K's copy of the result after ">>" follows the calculator
-        if copy is not None and parse_number(copy.group(0)) == parse_number(call.group(2)):
+        # GSM8K's copy of the result after ">>" (any number of the same value as its C: ".5", "1/2", "12k") follows
+        # the calculator; one written with a currency sign is left as written
+        copy = number_at(line, pos)
+        if (copy is not None and copy[0] is not None and copy[0] == parse_number(call.group(2))
+                and not any(char in CURRENCY for char in line[pos:copy[1]])):
             out += result
-            pos = copy.end()
+            pos = copy[1]
     return out + line[pos:]
 
 
@@ -92,6 +97,8 @@ def clean_reasoning(solution: str, calculator: bool = False) -> str:
 def render_full_target(solution: str, calculator: bool = False) -> str:
     """The whole assistant turn in the target format for one GSM8K solution (prefill included)."""
     answer = gold_number(solution)
+    if answer_value(answer) != gold_value(answer):  # "1e-05": scientific notation is not read in an answer
+        answer = format(Decimal(answer), "f")
     reasoning = clean_reasoning(solution, calculator) or f"The answer is {answer}."
     return f"{_REASONING_OPEN}{reasoning}\n</reasoning>\n<answer>\n{answer}\n</answer>"
 

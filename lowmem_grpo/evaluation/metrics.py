@@ -1,5 +1,6 @@
 """Evaluation metrics as pure functions of text (no torch): verdicts per completion, aggregates, bootstrap CIs.
-The rules are the rewards' own (strict: `correctness`; lenient: the last number equals gold) on prefill + output."""
+The rules are the rewards' own (strict: `correctness`; lenient: the last number equals gold, read as the rewards read
+numbers) on prefill + output."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 from lowmem_grpo.rewards import correctness, soft_format, strict_format
 from lowmem_grpo.rewards.calculator import OUTCOMES, outcome
 from lowmem_grpo.rewards.chain import CHAIN_OUTCOMES, chain_outcome
-from lowmem_grpo.rewards.parsing import extract_answer_block, last_number, numbers_equal
+from lowmem_grpo.rewards.parsing import extract_answer_block, gold_value, last_number, parse_number
 
 VERDICT_OF = {"strict_accuracy": "strict_correct", "lenient_accuracy": "lenient_correct",
               "strict_format_rate": "strict_format", "soft_format_rate": "soft_format",
@@ -58,8 +59,15 @@ def _math_verify_equal(token: str, gold: str) -> bool:
 
 
 def lenient_equal(token: str | None, gold: str) -> bool:
-    """The lenient rule's equality: exact decimal equality, else math-verify on the same two numbers."""
-    return token is not None and (numbers_equal(token, gold) or _math_verify_equal(token, gold))
+    """The lenient rule's equality: the exact values the rewards read (docs/rewards.md, "Numbers": ``12 thousand``
+    and ``12k`` are 12000, ``50%`` is 50) when both the token and the gold have one; math-verify only when one of
+    them has none (a gold such as ``\\frac{1}{2}``), so it never overrules the rewards' reading."""
+    if token is None:
+        return False
+    value, target = parse_number(token), gold_value(gold)
+    if value is not None and target is not None:
+        return value == target
+    return _math_verify_equal(token, gold)
 
 
 def judge(completion: str, gold: str, *, truncated: bool = False, completion_tokens: int = 0,

@@ -10,7 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 from .calculator import last_calculation
-from .parsing import answer_value, extract_answer_block, gold_value
+from .parsing import answer_value, extract_answer_block, gold_value, integer_literal
 from .registry import register
 
 GSM8K_DEFAULT_WEIGHTS: dict[str, float] = {"correctness": 2.0, "integer": 0.5, "strict_format": 0.5,
@@ -22,7 +22,6 @@ _CONTENT = r"(?:(?!</?(?:reasoning|answer)>).)"
 _STRICT_RE = re.compile(rf"<reasoning>\n(?P<reasoning>{_CONTENT}+?)\n</reasoning>\n"
                         rf"<answer>\n(?P<answer>{_CONTENT}+?)\n</answer>", re.DOTALL)
 _SOFT_RE = re.compile(rf"<reasoning>{_CONTENT}*?</reasoning>\s*<answer>{_CONTENT}*?</answer>", re.DOTALL)
-_INTEGER_RE = re.compile(r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)")
 XML_TAIL_PENALTY = 0.002
 
 
@@ -103,9 +102,10 @@ def expression(completions: Sequence[Any], answer: Sequence[Any] | None = None,
 
 @register("integer")
 def integer(completions: Sequence[Any], **kwargs: Any) -> list[float]:
-    """1.0 when the stripped answer block is an integer literal (``18``, ``-3``, ``1,234``)."""
+    """1.0 when the stripped answer block is one integer literal as `parsing.integer_literal` reads it (``18``,
+    ``-3``, ``1,234``; ASCII digits, as `correctness` reads them)."""
     blocks = [extract_answer_block(text) for text in completion_texts(completions, **kwargs)]
-    return [1.0 if block is not None and _INTEGER_RE.fullmatch(block.strip()) else 0.0 for block in blocks]
+    return [0.0 if integer_literal(block) is None else 1.0 for block in blocks]
 
 
 @register("strict_format")

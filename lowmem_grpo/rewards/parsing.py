@@ -11,7 +11,9 @@ Scientific notation is not read in text: ``1e-05`` is the numbers 1 and 05. Valu
 more than `MAX_LITERAL_DIGITS` digits, or a fraction with a zero denominator, is a number without a value.
 
 The calculator (`calculator.py`) reads its literals with `LITERAL` and `literal_value` and does its own operators,
-so ``.5`` is a half there too, and ``1/2`` is 0.5 in both.
+so ``.5`` is a half there too, and ``1/2`` is 0.5 in both. The `integer` reward reads its literal with
+`integer_literal`, the evaluation's lenient rule its last number with `parse_number`, and priming the copy of a
+calculator result with `number_at`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ MAX_GOLD_EXPONENT = 100  # |exponent| of a gold written in scientific notation
 
 # Grouped thousands must not run on into a digit ("1,2345" is 1 and 2345); a bare ".5" must not follow a word
 # character or a point ("No.5" is 5, "1.2.3" is 1.2 and 3).
-LITERAL = r"(?:(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|(?<![\w.])\.[0-9]+)"
+_WHOLE = r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)"
+LITERAL = rf"(?:{_WHOLE}(?:\.[0-9]+)?|(?<![\w.])\.[0-9]+)"
 CURRENCY = "$\u20ac\u00a3"
 _SIGN = re.escape("-+\u2212")
 _CUR = re.escape(CURRENCY)
@@ -37,6 +40,7 @@ _BODY = (rf"(?P<num>{LITERAL})(?:/(?P<den>{LITERAL})(?!/?[0-9])"
 # A sign counts only when not glued to a preceding word/number ("3-5" is 3 and 5).
 _NUMBER_RE = re.compile(rf"(?:(?<![\w{_SIGN}])(?P<sign>[{_SIGN}])(?=[{_CUR}]?\.?[0-9]))?"
                         rf"(?:[{_CUR}](?P<sign2>[{_SIGN}])?)?(?<![0-9]){_BODY}")
+_INTEGER_RE = re.compile(rf"(?P<sign>[{_SIGN}])?(?P<num>{_WHOLE})")
 _TOKEN_RE = re.compile(rf"(?:(?P<sign>[{_SIGN}])[{_CUR}]?|[{_CUR}](?P<sign2>[{_SIGN}])?)?{_BODY}")
 _SCIENTIFIC_RE = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE](?P<exp>[-+]?[0-9]{1,6})(?![\w.])")
 _ANSWER_BLOCK_RE = re.compile(r".*<answer>(.*?)</answer>", re.DOTALL)  # the greedy prefix finds the last pair
@@ -87,6 +91,25 @@ def parse_number(token: str | None) -> Fraction | None:
     or period; None for words, a second number, or a number without a value."""
     match = None if token is None else _TOKEN_RE.fullmatch(token.strip().rstrip(".").rstrip("%").strip())
     return _value(match) if match else None
+
+
+def integer_literal(text: str | None) -> int | None:
+    """The value of ``text`` (stripped) when it is one integer literal with an optional sign (``18``, ``-3``, the
+    Unicode minus, ``1,234``, ``007``), else None: ``18.0``, ``.5``, ``1/2``, ``12k``, ``$18``, ``18 or 19``, digits
+    other than ASCII, or a literal without a value (past `MAX_LITERAL_DIGITS` digits)."""
+    match = _INTEGER_RE.fullmatch(text.strip()) if text else None
+    value = literal_value(match.group("num")) if match else None
+    if value is None:
+        return None
+    return -int(value) if match.group("sign") in ("-", "\u2212") else int(value)
+
+
+def number_at(text: str, pos: int) -> tuple[Fraction | None, int] | None:
+    """The number starting exactly at ``text[pos]`` as `find_numbers` reads numbers (sign, currency sign, fraction or
+    magnitude included: ``.5``, ``\u22123``, ``1/2``, ``12k``), as (its value, where it ends); None when none starts
+    there."""
+    match = _NUMBER_RE.match(text, pos)
+    return (_value(match), match.end()) if match else None
 
 
 def numbers_equal(a: str | None, b: str | None) -> bool:
