@@ -132,6 +132,23 @@ def test_eval_bad_input_exits_2(tiny_model_dir, tmp_path, capsys):
     assert main(eval_args(tiny_model_dir, tmp_path / "x", "--limit", "0")) == EXIT_BAD_INPUT
 
 
+def test_a_refused_eval_leaves_no_folder_it_made_and_a_users_folder_as_it_was(tiny_model_dir, tmp_path):
+    """--engine vllm where vLLM is not installed is refused after --out is made (so that an unwritable one is
+    named before the model loads): nothing of it is left, and a folder the user made keeps only what it had."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: --engine vllm is not refused")
+    out = tmp_path / "evals" / "first"
+    assert main(eval_args(tiny_model_dir, out, "--engine", "vllm")) == EXIT_BAD_INPUT
+    assert not (tmp_path / "evals").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(eval_args(tiny_model_dir, mine, "--engine", "vllm")) == EXIT_BAD_INPUT
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
 def test_an_adapter_is_found_in_a_run_dir_its_newest_checkpoint_by_step(tmp_path):
     from lowmem_grpo.errors import BadInputError
     from lowmem_grpo.evaluation.command import find_adapter

@@ -222,11 +222,8 @@ def _clean(value: Any) -> Any:
 
 def run(opts: EvalOptions) -> dict[str, Any]:
     """Evaluate (or compare) and write eval.json + eval.jsonl; returns eval.json's content plus `out_dir`."""
-    from lowmem_grpo import distributed
-    from lowmem_grpo.backends import locate_model, start
-    from lowmem_grpo.data import load_eval_rows, recipe_examples
-    from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, compare
-    from lowmem_grpo.evaluation.evaluate import run_eval
+    from lowmem_grpo.backends import locate_model
+    from lowmem_grpo.data import load_eval_rows
 
     recipe, adapter, run_dir = resolve(opts)
     d = recipe.data
@@ -237,10 +234,46 @@ def run(opts: EvalOptions) -> dict[str, Any]:
     rows = load_eval_rows(d, split=split, limit=opts.limit)  # bad data fails before the model loads
     max_new = opts.max_new_tokens or recipe.train.max_completion_length
     out_dir = Path(opts.out).expanduser() if opts.out else default_out(opts, run_dir, split)
+    made = next((p for p in [*reversed(out_dir.parents), out_dir] if not p.exists()), None)  # the first it makes
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)  # an unwritable --out is named before the model loads
     except OSError as exc:
         raise BadInputError(f"output folder {out_dir} cannot be created: {exc}", fix="pass a writable --out") from exc
+    try:
+        report = _evaluate(opts, recipe, adapter, run_dir, rows, split, max_new)
+    except BaseException:
+        _remove_empty(out_dir, made)  # a refused or failed evaluation leaves no folder it made
+        raise
+    lines = "".join(json.dumps(_clean({"variant": name, **record})) + "\n"
+                    for name, records in report.pop("records").items() for record in records)
+    layout.replace_text(out_dir / EVAL_JSONL, lines)
+    layout.replace_text(out_dir / EVAL_JSON, json.dumps(_clean(report), indent=2))  # last: it says the eval is whole
+    log.info("wrote %s and %s in %s", EVAL_JSON, EVAL_JSONL, out_dir)
+    return {**report, "out_dir": str(out_dir)}
+
+
+def _remove_empty(folder: Path, top: Path | None) -> None:
+    """Remove `folder` and its parents up to `top` (the first folder made for it) while they are empty."""
+    while top is not None:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: something else is there
+            return
+        if folder == top:
+            return
+        folder = folder.parent
+
+
+def _evaluate(opts: EvalOptions, recipe: Any, adapter: Path | None, run_dir: Path | None, rows: list[dict],
+              split: str, max_new: int) -> dict[str, Any]:
+    """The evaluation itself: eval.json's content, with each variant's per-problem records under "records"."""
+    from lowmem_grpo import distributed
+    from lowmem_grpo.backends import start
+    from lowmem_grpo.data import recipe_examples
+    from lowmem_grpo.evaluation.metrics import BOOTSTRAP_RESAMPLES, compare
+    from lowmem_grpo.evaluation.evaluate import run_eval
+
+    d = recipe.data
     runtime, _ = start(recipe, distributed.launch(recipe.train.extra), training=False)
     engine, tokenizer, lora, info = load_model(recipe, adapter, opts, runtime, run_dir)
     examples = recipe_examples(rows, tokenizer, d)
@@ -270,20 +303,14 @@ def run(opts: EvalOptions) -> dict[str, Any]:
             "prefill": d.prefill, **last.settings, "backend": info["backend"], "device": info["device"],
             "dtype": info["dtype"], "vllm_base": info.get("vllm_base"), "sampler_check": checked,
             "compare": opts.compare, "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
-            "confidence": 0.95, "lenient_equality": "decimal, then math-verify",
+            "confidence": 0.95, "lenient_equality": "the rewards' number reading, then math-verify for a gold it cannot read",
             "started": datetime.now().isoformat(timespec="seconds"),
         },
         "versions": env["packages"], "python": env["python"],
     }
     if opts.compare:
         report["comparison"] = compare(results["base"].verdicts, results["adapter"].verdicts, seed=opts.seed)
-    (out_dir / EVAL_JSON).write_text(json.dumps(_clean(report), indent=2), encoding="utf-8")
-    with (out_dir / EVAL_JSONL).open("w", encoding="utf-8") as handle:
-        for name, result in results.items():
-            for record in result.records:
-                handle.write(json.dumps(_clean({"variant": name, **record})) + "\n")
-    log.info("wrote %s and %s in %s", EVAL_JSON, EVAL_JSONL, out_dir)
-    return {**report, "out_dir": str(out_dir)}
+    return {**report, "records": {name: result.records for name, result in results.items()}}
 
 
 def render(report: dict[str, Any]) -> str:
