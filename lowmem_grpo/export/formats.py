@@ -32,7 +32,6 @@ from lowmem_grpo.rundir.checkpoints import complete_checkpoints, is_complete
 log = logging.getLogger(__name__)
 
 FORMATS = ("merged", "merged-16bit", "lora", "gguf")
-DEFAULT_FORMAT = "merged"
 RETIRED = {"merged-4bit": "--format merged-4bit is retired: no measurement showed its bitsandbytes 4-bit folder "
                           "serving a use that merged-16bit (bitsandbytes quantizes it as it loads) or GGUF's 4-bit "
                           "files (llama.cpp, Ollama) do not"}
