@@ -102,8 +102,7 @@ def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None
         if not (src / "adapter_config.json").exists():
             raise BadInputError(f"{run_dir} has no adapter checkpoint at step {checkpoint}", fix=fix)
         if not is_complete(src):
-            raise BadInputError(f"{src} is incomplete (no valid completion marker: its save was interrupted)",
-                                fix=fix)
+            raise BadInputError(f"{src} is incomplete (no valid completion marker: its save was interrupted)", fix=fix)
         return src, checkpoint
     src = run_dir / layout.ADAPTER_DIR
     if not (src / "adapter_config.json").exists():

@@ -34,8 +34,7 @@ EIGHT_BIT_OPTIMIZERS = {"adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "pag
                         "paged_lion_8bit", "lion_8bit", "rmsprop_bnb_8bit"}
 PAGED_OPTIMIZERS = {"paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw", "paged_adam_8bit", "paged_adam_32bit",
                     "paged_lion_8bit", "paged_lion_32bit"}
-ONE_STATE_OPTIMIZERS = {"lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit",
-                        "rmsprop"}
+ONE_STATE_OPTIMIZERS = {"lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit", "rmsprop"}
 STATELESS_OPTIMIZERS = {"sgd"}
 
 
@@ -76,8 +75,7 @@ def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> int:
     """Bytes of one bitsandbytes nf4 tensor: packed data, absmax per 64-block, code tables (quantize_4bit)."""
     blocks = math.ceil(numel / NF4_BLOCK)
     if double_quant:
-        return (math.ceil(numel / 2) + blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 4 + NF4_CODE_BYTES
-                + DQ_CODE_BYTES)
+        return math.ceil(numel / 2) + blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 4 + NF4_CODE_BYTES + DQ_CODE_BYTES
     return math.ceil(numel / 2) + blocks * 4 + NF4_CODE_BYTES
 
 
@@ -252,8 +250,7 @@ def attention_mask_bytes(s: Settings, shared: bool) -> int:
     """The training forward's bool mask: b x S x S; hf shared b x C x S + k x P x P."""
     if not shared:
         return s.per_device_batch * s.seq_len * s.seq_len
-    return (s.per_device_batch * s.completion_len * s.seq_len
-            + prompts_in_micro_batch(s) * s.prompt_len * s.prompt_len)
+    return s.per_device_batch * s.completion_len * s.seq_len + prompts_in_micro_batch(s) * s.prompt_len * s.prompt_len
 
 
 def _forward_activations(a: Architecture, s: Settings, shared: bool) -> int:

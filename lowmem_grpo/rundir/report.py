@@ -183,8 +183,7 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     done = [r for r in records if "train_runtime" in r]
     max_steps = (info.get("train") or {}).get("max_steps")
     last = steps[-1].get("step") if steps else 0
-    state = (f"finished in {_num(done[-1]['train_runtime'])} s" if done
-             else f"in progress (or stopped) at step {last}")
+    state = f"finished in {_num(done[-1]['train_runtime'])} s" if done else f"in progress (or stopped) at step {last}"
     lines = [f"# Run report: {info.get('name', run_dir.name)}", "",
              f"- run directory: `{run_dir}`",
              f"- model: `{(info.get('model') or {}).get('name', '?')}`",

@@ -161,8 +161,7 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
     columns = ["strict_accuracy", "strict_format_rate", *sampled]
     lines = [f"The same {data.get('num_problems')} held-out problems at each stage, greedy"
              + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", ""]
-    lines += _side_by_side({s: {"": m} for s, m in stages.items()}, columns, [""], [names[c] for c in columns],
-                           "stage")
+    lines += _side_by_side({s: {"": m} for s, m in stages.items()}, columns, [""], [names[c] for c in columns], "stage")
     if sampled:
         lines += ["", "pass@k - greedy is the room GRPO has on the greedy answer: problems some sample solves and "
                   "the greedy answer does not."]

@@ -54,8 +54,7 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
         model=model, args=config, train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
         callbacks=[TelemetryCallback(run_dir, layout.PRIME_STAGE, [])])
     trainer.remove_callback(PrinterCallback)
-    log.info("priming %d steps on %d rendered solutions (lr %.1e)", config.max_steps, len(pairs),
-             config.learning_rate)
+    log.info("priming %d steps on %d rendered solutions (lr %.1e)", config.max_steps, len(pairs), config.learning_rate)
     started = time.monotonic()
     trainer.train()
     seconds = time.monotonic() - started
