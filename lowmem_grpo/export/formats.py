@@ -212,7 +212,7 @@ def _load_job(run_dir: Path, src: Path, fmt: str, base: str | None, dtype: str |
     if fmt != "lora":
         proof.check_base_unquantized(base_path, trust)
         if where_float32 == "cuda":
-            params = load_architecture(base_path, allow_hub=False, trust_remote_code=trust).total_params()
+            params = load_architecture(base_path, allow_hub=False).total_params()
             where_float32 = merged.reference_device("cuda", params, cuda_facts().free_bytes)
     where = src if (src / "tokenizer_config.json").exists() else base_path
     tokenizer = AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust)

@@ -137,7 +137,7 @@ def _read_json(path: Path) -> dict[str, Any]:
                             fix="point model.name at a folder with a valid config.json") from exc
 
 
-def load_architecture(name: str, *, allow_hub: bool = True, trust_remote_code: bool = False) -> Architecture:
+def load_architecture(name: str, *, allow_hub: bool = True) -> Architecture:
     """The architecture of model.name: local folder, else shipped config, else the hub."""
     local = Path(name).expanduser()
     if not name.startswith("embedded:") and local.is_dir():

@@ -98,7 +98,7 @@ def lower_by_planner(recipe: Recipe, phase: str = "generation") -> Lowering | No
     out of memory shrinks too; None when unusable."""
     planner_phase = "training" if phase == "update" else "generation"
     try:
-        arch = load_architecture(recipe.model.name, allow_hub=False, trust_remote_code=recipe.model.trust_remote_code)
+        arch = load_architecture(recipe.model.name, allow_hub=False)
         current = plan(recipe, arch=arch)
         static = current.phases["static"]
         budget = int(static + (1 - PLANNER_CUT) * (current.total_bytes - static))
