@@ -62,7 +62,6 @@ class Settings:
     gpu_free_bytes: int = 0  # free GPU memory when the model loads (0: unknown, taken as gpu_total_bytes)
     logits: str = "chunked"  # "chunked" (the backend's fused LM-head kernel) or "full" (materialized logits)
     prompt_sharing: str = "none"  # none or shared_prompt (hf; memory.sharing)
-    sharing_verify: bool = False  # a full-row pass beside the shared one at the peak (memory.sharing.Sharing.verify)
     eval_batch: int = 0  # sequences an evaluation decodes at once through the sampling engine (0: none runs there)
 
     @property
@@ -271,10 +270,7 @@ def activations(a: Architecture, s: Settings) -> int:
     k x P + b x C with a shared-prompt pass).
 
     L x T x per_token; checkpointed L x T x H x rb + T x per_token (Unsloth offloads: 2 x T x H x rb); + 4 x T x H
-    x rb + mask + dequant; a self-verify keeps the full-row figure (+ its no-grad pass's layer)."""
-    if s.prompt_sharing != "none" and s.sharing_verify:
-        verify = 0 if s.gradient_checkpointing else forward_tokens(a, s, True) * layer_activation_bytes_per_token(a, s)
-        return _forward_activations(a, s, False) + verify
+    x rb + mask + dequant."""
     return _forward_activations(a, s, s.prompt_sharing != "none")
 
 
