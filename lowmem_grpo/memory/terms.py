@@ -58,9 +58,7 @@ class Settings:
     fast_inference: bool
     gpu_memory_utilization: float
     gpu_total_bytes: int
-    double_quant: bool = True
     gpu_free_bytes: int = 0  # free GPU memory when the model loads (0: unknown, taken as gpu_total_bytes)
-    logits: str = "chunked"  # "chunked" (the backend's fused LM-head kernel) or "full" (materialized logits)
     prompt_sharing: str = "none"  # none or shared_prompt (hf; memory.sharing)
     eval_batch: int = 0  # sequences an evaluation decodes at once through the sampling engine (0: none runs there)
 
@@ -70,12 +68,11 @@ class Settings:
         return self.prompt_len + self.completion_len
 
 
-def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> int:
-    """Bytes of one bitsandbytes nf4 tensor: packed data, absmax per 64-block, code tables (quantize_4bit)."""
+def nf4_tensor_bytes(numel: int) -> int:
+    """Bytes of one bitsandbytes nf4 tensor with double quantization (every 4-bit load here): packed data, absmax per
+    64-block quantized again per 256, code tables (quantize_4bit)."""
     blocks = math.ceil(numel / NF4_BLOCK)
-    if double_quant:
-        return math.ceil(numel / 2) + blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 4 + NF4_CODE_BYTES + DQ_CODE_BYTES
-    return math.ceil(numel / 2) + blocks * 4 + NF4_CODE_BYTES
+    return math.ceil(numel / 2) + blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 4 + NF4_CODE_BYTES + DQ_CODE_BYTES
 
 
 def unquantized_bytes(s: Settings) -> int:
@@ -91,7 +88,7 @@ def base_weights(a: Architecture, s: Settings) -> int:
         return 0
     if not s.load_in_4bit:
         return a.total_params() * s.compute_bytes
-    quantized = a.num_layers * sum(nf4_tensor_bytes(i * o, s.double_quant) for i, o in a.linear_shapes().values())
+    quantized = a.num_layers * sum(nf4_tensor_bytes(i * o) for i, o in a.linear_shapes().values())
     small = a.embedding_params() + a.num_layers * a.small_params_per_layer() + a.hidden_size
     return quantized + small * unquantized_bytes(s)
 
