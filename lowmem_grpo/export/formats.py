@@ -63,7 +63,6 @@ class ExportResult:
     proof_tokens: int = 0
     logit_scale: float = 0.0
     checks: dict[str, float] = field(default_factory=dict)  # each proof's max |logit difference|
-    tolerances: dict[str, float] = field(default_factory=dict)  # each proof's bound (`tolerance`: the last one's)
     gguf_type: str | None = None
     gguf_proof: dict[str, Any] = field(default_factory=dict)  # the llama.cpp proof's figures
     score: dict[str, Any] | None = None  # accuracy beside the adapter's (score.summarize); None: not scored

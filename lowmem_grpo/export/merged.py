@@ -187,7 +187,7 @@ def _prove(job: Any, work: Path, dtype: str, inputs: list[list[int]], reference:
     whose effect fails, with a warning in the log and the card."""
     device = job.reference_device
     tolerance = job.tolerance if job.tolerance is not None else proof.tolerance_for(dtype, result.logit_scale)
-    result.tolerance = result.tolerances["prove"] = tolerance
+    result.tolerance = tolerance
     try:
         model = proof.load_causal_lm(work, dtype, device, job.trust)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
