@@ -505,8 +505,8 @@ def predicted_sharing(predicted) -> dict:
     from lowmem_grpo.memory.plan import evaluate
 
     s = predicted.settings
-    on = dataclasses.replace(s, prompt_sharing=predicted.sharing.available, sharing_verify=predicted.sharing.verify)
-    off = dataclasses.replace(s, prompt_sharing="none", sharing_verify=False)
+    on = dataclasses.replace(s, prompt_sharing=predicted.sharing.available)
+    off = dataclasses.replace(s, prompt_sharing="none")
     return {"predicted_allocated_shared": evaluate(predicted.architecture, on).allocated_bytes,
             "predicted_allocated_unshared": evaluate(predicted.architecture, off).allocated_bytes}
 

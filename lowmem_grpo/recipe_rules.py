@@ -61,6 +61,15 @@ def validate(recipe: Recipe, num_processes: int = 1) -> None:
     _validate_rewards(recipe)
 
 
+def is_valid(recipe: Recipe) -> bool:
+    """Whether `validate` accepts the recipe (a candidate setting tried by auto-fit or the OOM retry)."""
+    try:
+        validate(recipe)
+    except RecipeError:
+        return False
+    return True
+
+
 def _validate_train(recipe: Recipe, num_processes: int) -> None:
     m, d, t = recipe.model, recipe.data, recipe.train
     _require(t.num_generations >= 2, "train.num_generations", f"is {t.num_generations}; GRPO compares completions "

@@ -191,6 +191,13 @@ class Runtime(_Where):
         flags = _precision_flags(self.precision, dtype, cuda=self.cuda)
         return flags["bf16"], flags["fp16"]
 
+    def trainer_args(self, dtype: str | None = None) -> dict[str, object]:
+        """The TrainingArguments every trainer of the run shares: the optimizer, the device, no progress bar (the
+        telemetry line per step carries progress and ETA) and the bf16/fp16 flags of `dtype`, the dtype the model
+        was loaded in (default the Runtime's)."""
+        bf16, fp16 = self.flags(dtype or self.dtype)
+        return {"optim": self.optimizer, "use_cpu": not self.cuda, "disable_tqdm": True, "bf16": bf16, "fp16": fp16}
+
 
 @dataclass(frozen=True)
 class Placement(_Where):

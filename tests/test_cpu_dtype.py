@@ -101,7 +101,7 @@ def test_a_run_and_its_exports_under_each_resolution(dtype, tiny_model_dir, tmp_
     from lowmem_grpo.export.proof import MAX_EFFECT_ERROR
 
     merged = export(run, "merged", tmp_path / "merged")
-    assert merged.dtype == merged.precision["dtype"] and merged.checks["prove"] <= merged.tolerances["prove"]
+    assert merged.dtype == merged.precision["dtype"] and merged.checks["prove"] <= merged.tolerance
     assert merged.effect["error"] <= MAX_EFFECT_ERROR
     exact = export(run, "merged", tmp_path / "exact", dtype="float32")  # an exact merge: summation order only
     assert exact.checks["prove"] <= 1e-4

@@ -349,7 +349,7 @@ def test_rss_watches_leave_the_process_peak_intact():
 
 
 def test_stage_peaks_are_written_in_order_with_their_seconds(tmp_path):
-    from lowmem_grpo.rundir import rss
+    from lowmem_grpo.rundir import layout, rss
 
     import time
 
@@ -360,16 +360,16 @@ def test_stage_peaks_are_written_in_order_with_their_seconds(tmp_path):
         time.sleep(0.1)  # held for ten sampling intervals
         del block
     peaks.attach(tmp_path / "peak_rss.json")  # what came before is written at once
-    assert [r["stage"] for r in rss.read(tmp_path / "peak_rss.json")["stages"]] == ["first"]
+    assert [r["stage"] for r in layout.read_json(tmp_path / "peak_rss.json")["stages"]] == ["first"]
     with pytest.raises(ValueError):
         with peaks.stage("second"):
             raise ValueError("a failing stage is recorded too")
-    data = rss.read(tmp_path / "peak_rss.json")
+    data = layout.read_json(tmp_path / "peak_rss.json")
     assert [r["stage"] for r in data["stages"]] == ["first", "second"]
     assert data["sample_seconds"] == rss.SAMPLE_SECONDS and all(r["seconds"] >= 0 for r in data["stages"])
     assert all(isinstance(r["exact"], bool) for r in data["stages"])
     assert data["stages"][0]["peak_rss_bytes"] >= base + 45 * 2**20
-    assert rss.read(tmp_path / "missing.json") is None
+    assert layout.read_json(tmp_path / "missing.json") is None
 
 
 def test_the_reports_memory_tables_of_a_run(tmp_path):

@@ -140,8 +140,7 @@ class _Builder:
             raise Retry("no distractor")
         place = self.rng.choice(places)
         words, item = self.after[place - 1]
-        self.sentences.insert(place, fill(self.pick(self.frame.distract), words, {"d": self.rng.choice(choices)},
-                                          item))
+        self.sentences.insert(place, fill(self.pick(self.frame.distract), words, {"d": self.rng.choice(choices)}, item))
 
 
 def _choose(rng: random.Random, b: _Builder, pool: tuple[Phrasing, ...], spec: Spec, index: int) -> Phrasing:

@@ -129,11 +129,9 @@ def _vllm_engine(recipe: Recipe, base: Any, dtype: str, adapter: Path | None, se
 
 def trained_setup(run_dir: Path | None, runtime: Any) -> tuple[str, str]:
     """(backend, device) the run trained with, from its env.json; else this machine's for the recipe."""
-    if run_dir is not None:
-        with contextlib.suppress(OSError, ValueError):
-            env = json.loads((run_dir / layout.ENV_FILE).read_text(encoding="utf-8"))
-            if env.get("backend") in ("hf", "unsloth") and env.get("device") in ("cpu", "cuda"):
-                return env["backend"], env["device"]
+    env = layout.read_json(run_dir / layout.ENV_FILE) if run_dir is not None else None
+    if isinstance(env, dict) and env.get("backend") in ("hf", "unsloth") and env.get("device") in ("cpu", "cuda"):
+        return env["backend"], env["device"]
     return runtime.backend, runtime.device
 
 

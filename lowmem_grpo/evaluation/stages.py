@@ -133,8 +133,7 @@ def _summary(per_stage: dict[str, list[list[Verdict]]], seed: int, sampled: dict
     pairs = list(zip(stages, stages[1:])) + ([("base", "trained")] if len(stages) >= 3 else [])
     for a, b in pairs:
         shared = [m for m in values[a] if m in values[b] and not m.startswith("room@")]
-        out["differences"][f"{a}->{b}"] = {m: paired_bootstrap(values[a][m], values[b][m], seed=seed)
-                                           for m in shared}
+        out["differences"][f"{a}->{b}"] = {m: paired_bootstrap(values[a][m], values[b][m], seed=seed) for m in shared}
     return out
 
 

@@ -305,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime = installed_runtime()
         if runtime is None:
             raise BadInputError("llama-cpp-python is not installed", fix=f"install the gguf extra: {INSTALL}")
-        script = (unpack_converter(Path(args.sdist), runtime, root) if args.sdist
-                  else provide(runtime, root))
+        script = unpack_converter(Path(args.sdist), runtime, root) if args.sdist else provide(runtime, root)
     except LowmemError as exc:
         log.error("error: %s", exc)
         return exc.exit_code

@@ -32,7 +32,6 @@ from lowmem_grpo.rundir.checkpoints import complete_checkpoints, is_complete
 log = logging.getLogger(__name__)
 
 FORMATS = ("merged", "merged-16bit", "lora", "gguf")
-DEFAULT_FORMAT = "merged"
 RETIRED = {"merged-4bit": "--format merged-4bit is retired: no measurement showed its bitsandbytes 4-bit folder "
                           "serving a use that merged-16bit (bitsandbytes quantizes it as it loads) or GGUF's 4-bit "
                           "files (llama.cpp, Ollama) do not"}
@@ -64,7 +63,6 @@ class ExportResult:
     proof_tokens: int = 0
     logit_scale: float = 0.0
     checks: dict[str, float] = field(default_factory=dict)  # each proof's max |logit difference|
-    tolerances: dict[str, float] = field(default_factory=dict)  # each proof's bound (`tolerance`: the last one's)
     gguf_type: str | None = None
     gguf_proof: dict[str, Any] = field(default_factory=dict)  # the llama.cpp proof's figures
     score: dict[str, Any] | None = None  # accuracy beside the adapter's (score.summarize); None: not scored
@@ -103,8 +101,7 @@ def find_source(run_dir: Path, checkpoint: int | None) -> tuple[Path, int | None
         if not (src / "adapter_config.json").exists():
             raise BadInputError(f"{run_dir} has no adapter checkpoint at step {checkpoint}", fix=fix)
         if not is_complete(src):
-            raise BadInputError(f"{src} is incomplete (no valid completion marker: its save was interrupted)",
-                                fix=fix)
+            raise BadInputError(f"{src} is incomplete (no valid completion marker: its save was interrupted)", fix=fix)
         return src, checkpoint
     src = run_dir / layout.ADAPTER_DIR
     if not (src / "adapter_config.json").exists():
@@ -214,7 +211,7 @@ def _load_job(run_dir: Path, src: Path, fmt: str, base: str | None, dtype: str |
     if fmt != "lora":
         proof.check_base_unquantized(base_path, trust)
         if where_float32 == "cuda":
-            params = load_architecture(base_path, allow_hub=False, trust_remote_code=trust).total_params()
+            params = load_architecture(base_path, allow_hub=False).total_params()
             where_float32 = merged.reference_device("cuda", params, cuda_facts().free_bytes)
     where = src if (src / "tokenizer_config.json").exists() else base_path
     tokenizer = AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust)

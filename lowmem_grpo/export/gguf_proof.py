@@ -59,8 +59,7 @@ def run_child(job: dict[str, Any], what: str) -> dict[str, Any]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, "-m", "lowmem_grpo.export.llama_runner", str(request)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env,
-                                  check=False)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env, check=False)
         except subprocess.TimeoutExpired as exc:
             raise LowmemError(f"{what}: llama.cpp did not finish in {CHILD_TIMEOUT_S} s",
                               fix="see the log; nothing was written") from exc

@@ -68,7 +68,7 @@ def export_merged(job: Any, tmp: Path, result: Any, done: Callable[[str], None],
         shutil.rmtree(work)
         if attempt + 1 == len(tries):
             raise LowmemError(f"prove: the exported model's logits ({dtype}) {failure}; nothing was written",
-                              fix=_fix(result.format, job.dtype_why, dtype))
+                              fix=_fix(result.format, job.dtype_why))
         choice = _step_up(job, result, choice, tries[attempt + 1], failure)
     done("prove")
     if result.format == "gguf":
@@ -155,7 +155,7 @@ def _set_precision(job: Any, result: Any, choice: precision.Choice) -> None:
     log.info("precision of the export: %s: %s", choice.dtype, choice.reason)
 
 
-def _fix(fmt: str, asked: str, dtype: str) -> str:
+def _fix(fmt: str, asked: str) -> str:
     """What to do when the last precision tried fails its proof."""
     publish = "; --tolerance publishes it anyway, marked as such in its card"
     if asked:
@@ -187,7 +187,7 @@ def _prove(job: Any, work: Path, dtype: str, inputs: list[list[int]], reference:
     whose effect fails, with a warning in the log and the card."""
     device = job.reference_device
     tolerance = job.tolerance if job.tolerance is not None else proof.tolerance_for(dtype, result.logit_scale)
-    result.tolerance = result.tolerances["prove"] = tolerance
+    result.tolerance = tolerance
     try:
         model = proof.load_causal_lm(work, dtype, device, job.trust)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:

@@ -31,8 +31,7 @@ def held_out(recipe: Any, tokenizer: Any) -> list[dict[str, Any]]:
     return load_eval_examples(recipe, tokenizer, limit=recipe.train.eval.stage.problems or PROOF_PROBLEMS)
 
 
-def scoring_batch(recipe: Any, model: str, dtype: str, device: str, facts: Any = None,
-                  trust_remote_code: bool = False) -> int:
+def scoring_batch(recipe: Any, model: str, dtype: str, device: str, facts: Any = None) -> int:
     """Sequences the export's score decodes at once. The run's evaluation batch was planned for the model it trained
     (a 4-bit base beside its LoRA and optimizer): on a GPU the export plans its own, for the merged weights of `model`
     in `dtype` in the GPU memory free now (`facts`, a device.CudaFacts: this machine's when None), at most the run's
@@ -46,7 +45,7 @@ def scoring_batch(recipe: Any, model: str, dtype: str, device: str, facts: Any =
         facts = cuda_facts()
     if not (facts.free_bytes and facts.total_bytes):
         return run
-    arch = load_architecture(model, allow_hub=False, trust_remote_code=trust_remote_code)
+    arch = load_architecture(model, allow_hub=False)
     budget = plan.device_budget(facts.free_bytes, facts.total_bytes)
     batch = plan.scoring_batch(arch, precision.BYTES[dtype], recipe.data.max_prompt_length,
                                recipe.train.max_completion_length, run, budget)
@@ -70,7 +69,7 @@ def answer_transformers(model: Any, tokenizer: Any, examples: list[dict[str, Any
 
 def job_batch(job: Any) -> int:
     """scoring_batch for an export's job (formats._Job), once its precision is chosen."""
-    return scoring_batch(job.recipe, job.base_path, job.dtype, job.device, trust_remote_code=job.trust)
+    return scoring_batch(job.recipe, job.base_path, job.dtype, job.device)
 
 
 def judged(examples: list[dict[str, Any]], generations: list[dict[str, Any]]) -> list[list[Verdict]]:

@@ -18,9 +18,6 @@ EMBEDDED_ARCHITECTURES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolL
 QKV_BIAS_TYPES = {"qwen2"}  # q/k/v biases even where the config does not say so
 QK_NORM_TYPES = {"qwen3", "gemma3_text", "gemma3"}  # a per-head RMSNorm on q and k
 FOUR_NORM_TYPES = {"gemma2", "gemma3_text", "gemma3"}  # pre/post attention and feed-forward norms
-# config keys whose presence (not None) marks a mixture-of-experts or a hybrid state-space decoder
-MOE_KEYS = ("num_experts", "num_experts_per_tok", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-SSM_KEYS = ("mamba_d_ssm", "mamba_d_state", "mamba_expand")
 
 
 @dataclass(frozen=True)
@@ -42,10 +39,6 @@ class Architecture:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default_factory=tuple)
     source: str = ""
-    attention_window: int | None = None  # the window the loaded config keeps (None: use_sliding_window=false)
-    attn_softcapping: bool = False  # attention logits soft-capped (Gemma 2)
-    moe: bool = False  # mixture-of-experts layers
-    ssm: bool = False  # hybrid state-space (Mamba) layers
 
     @property
     def q_dim(self) -> int:
@@ -127,12 +120,7 @@ def architecture_from_config(config: dict[str, Any], source: str = "") -> Archit
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in QKV_BIAS_TYPES,
         qk_norm=model_type in QK_NORM_TYPES, norms_per_layer=4 if model_type in FOUR_NORM_TYPES else 2,
-        sliding_window=window, layer_types=_layer_types(cfg, layers), source=source,
-        # transformers drops the window of Qwen-style configs that say use_sliding_window=false
-        attention_window=None if cfg.get("use_sliding_window") is False else window,
-        attn_softcapping=cfg.get("attn_logit_softcapping") is not None,
-        moe=any(cfg.get(k) is not None for k in MOE_KEYS), ssm=any(cfg.get(k) is not None for k in SSM_KEYS),
-    )
+        sliding_window=window, layer_types=_layer_types(cfg, layers), source=source)
 
 
 def shipped_config_path(name: str) -> Path | None:
@@ -149,7 +137,7 @@ def _read_json(path: Path) -> dict[str, Any]:
                             fix="point model.name at a folder with a valid config.json") from exc
 
 
-def load_architecture(name: str, *, allow_hub: bool = True, trust_remote_code: bool = False) -> Architecture:
+def load_architecture(name: str, *, allow_hub: bool = True) -> Architecture:
     """The architecture of model.name: local folder, else shipped config, else the hub."""
     local = Path(name).expanduser()
     if not name.startswith("embedded:") and local.is_dir():

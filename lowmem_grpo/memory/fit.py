@@ -15,7 +15,7 @@ from lowmem_grpo.memory.arch import Architecture, load_architecture
 from lowmem_grpo.memory.ladder import LADDER, Knob, apply_change
 from lowmem_grpo.memory.plan import Plan, device_budget, format_bytes, plan, settings_for
 from lowmem_grpo.recipe import Recipe
-from lowmem_grpo.recipe_rules import validate
+from lowmem_grpo.recipe_rules import is_valid, validate
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,7 @@ MEMORY_KEYS = ["model.name", "model.load_in_4bit", "model.gpu_memory_utilization
 
 def _valid_change(recipe: Recipe, change: dict[str, Any]) -> Recipe | None:
     candidate = apply_change(recipe, change)
-    try:
-        validate(candidate)
-    except RecipeError:
-        return None
-    return candidate
+    return candidate if is_valid(candidate) else None
 
 
 def _vllm_ok(p: Plan) -> bool:

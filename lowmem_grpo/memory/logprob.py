@@ -1,5 +1,5 @@
 """The log-prob pass's term (training phase): the N = b x C completion tokens scored over the vocabulary by TRL's
-fused LM-head kernel (hf), Unsloth's own kernel (unsloth), or the full logits. Notation as in memory.terms."""
+fused LM-head kernel (hf) or Unsloth's own kernel (unsloth). Notation as in memory.terms."""
 
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ UNSLOTH_SMALL_CARD_BYTES = int(24.5 * GIB)  # _SMALL_CARD_BYTES: above it, fewer
 
 def logits(a: Architecture, s: Settings) -> int:
     """The log-prob pass over the vocabulary for the N = b x C completion tokens: TRL's kernel on hf
-    (trl_logits), Unsloth's own on unsloth (unsloth_logits), or the full logits N x V x (2 cb + 4)."""
-    if s.logits == "full":
-        return s.per_device_batch * s.completion_len * a.vocab_size * (2 * s.compute_bytes + 4)
+    (trl_logits), Unsloth's own on unsloth (unsloth_logits)."""
     return unsloth_logits(a, s) if s.backend == "unsloth" else trl_logits(a, s)
 
 

@@ -90,7 +90,7 @@ class Plan:
         if self.sharing is None:
             return None
         return {"applies": self.sharing.applies, "available": self.sharing.available, "reason": self.sharing.reason,
-                "verify": self.sharing.verify, **self.sharing_figures}
+                **self.sharing_figures}
 
 
 def _first_line(doc: str | None) -> str:
@@ -145,8 +145,7 @@ def settings_for(recipe: Recipe, gpu_total_bytes: int = 0, gpu_free_bytes: int =
         generation_batch=t.generation_batch_size(), num_generations=t.num_generations,
         prompt_len=recipe.data.max_prompt_length, completion_len=t.max_completion_length, beta=t.beta,
         fast_inference=at.fast_inference, gpu_memory_utilization=m.gpu_memory_utilization,
-        gpu_total_bytes=gpu_total_bytes, gpu_free_bytes=gpu_free_bytes, prompt_sharing=sharing.applies,
-        sharing_verify=sharing.verify)
+        gpu_total_bytes=gpu_total_bytes, gpu_free_bytes=gpu_free_bytes, prompt_sharing=sharing.applies)
 
 
 def evaluate(arch: Architecture, s: Settings, budget_bytes: int | None = None) -> Plan:
@@ -249,8 +248,8 @@ def plan(recipe: Recipe, budget_bytes: int | None = None, *, arch: Architecture 
 def sharing_figures(arch: Architecture, s: Settings, sharing: ms.Sharing) -> dict[str, int]:
     """The peak without prompt sharing, with the backend's pass engaged (even where it does not engage), their
     difference."""
-    without = evaluate(arch, dataclasses.replace(s, prompt_sharing=ms.NONE, sharing_verify=False)).total_bytes
-    engaged = dataclasses.replace(s, prompt_sharing=sharing.available, sharing_verify=sharing.verify)
+    without = evaluate(arch, dataclasses.replace(s, prompt_sharing=ms.NONE)).total_bytes
+    engaged = dataclasses.replace(s, prompt_sharing=sharing.available)
     figures = {"peak_without_bytes": without, "peak_with_bytes": evaluate(arch, engaged).total_bytes}
     figures["saving_bytes"] = figures["peak_without_bytes"] - figures["peak_with_bytes"]
     return figures

@@ -16,12 +16,11 @@ NONE = "none"
 @dataclass(frozen=True)
 class Sharing:
     """`applies`: shared_prompt or none; `available`: the backend's pass (what the figure "with prompt sharing"
-    models); `verify`: a full-row pass beside the shared one at the peak (no modelled pass has one)."""
+    models)."""
 
     applies: str
     available: str
     reason: str
-    verify: bool = False
 
 
 # the devices whose trainer runs our shared-prompt pass (train.trainer.CpuSafeGRPOTrainer)

@@ -34,8 +34,7 @@ EIGHT_BIT_OPTIMIZERS = {"adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "pag
                         "paged_lion_8bit", "lion_8bit", "rmsprop_bnb_8bit"}
 PAGED_OPTIMIZERS = {"paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw", "paged_adam_8bit", "paged_adam_32bit",
                     "paged_lion_8bit", "paged_lion_32bit"}
-ONE_STATE_OPTIMIZERS = {"lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit",
-                        "rmsprop"}
+ONE_STATE_OPTIMIZERS = {"lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit", "rmsprop"}
 STATELESS_OPTIMIZERS = {"sgd"}
 
 
@@ -59,11 +58,8 @@ class Settings:
     fast_inference: bool
     gpu_memory_utilization: float
     gpu_total_bytes: int
-    double_quant: bool = True
     gpu_free_bytes: int = 0  # free GPU memory when the model loads (0: unknown, taken as gpu_total_bytes)
-    logits: str = "chunked"  # "chunked" (the backend's fused LM-head kernel) or "full" (materialized logits)
     prompt_sharing: str = "none"  # none or shared_prompt (hf; memory.sharing)
-    sharing_verify: bool = False  # a full-row pass beside the shared one at the peak (memory.sharing.Sharing.verify)
     eval_batch: int = 0  # sequences an evaluation decodes at once through the sampling engine (0: none runs there)
 
     @property
@@ -72,13 +68,11 @@ class Settings:
         return self.prompt_len + self.completion_len
 
 
-def nf4_tensor_bytes(numel: int, double_quant: bool = True) -> int:
-    """Bytes of one bitsandbytes nf4 tensor: packed data, absmax per 64-block, code tables (quantize_4bit)."""
+def nf4_tensor_bytes(numel: int) -> int:
+    """Bytes of one bitsandbytes nf4 tensor with double quantization (every 4-bit load here): packed data, absmax per
+    64-block quantized again per 256, code tables (quantize_4bit)."""
     blocks = math.ceil(numel / NF4_BLOCK)
-    if double_quant:
-        return (math.ceil(numel / 2) + blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 4 + NF4_CODE_BYTES
-                + DQ_CODE_BYTES)
-    return math.ceil(numel / 2) + blocks * 4 + NF4_CODE_BYTES
+    return math.ceil(numel / 2) + blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 4 + NF4_CODE_BYTES + DQ_CODE_BYTES
 
 
 def unquantized_bytes(s: Settings) -> int:
@@ -94,7 +88,7 @@ def base_weights(a: Architecture, s: Settings) -> int:
         return 0
     if not s.load_in_4bit:
         return a.total_params() * s.compute_bytes
-    quantized = a.num_layers * sum(nf4_tensor_bytes(i * o, s.double_quant) for i, o in a.linear_shapes().values())
+    quantized = a.num_layers * sum(nf4_tensor_bytes(i * o) for i, o in a.linear_shapes().values())
     small = a.embedding_params() + a.num_layers * a.small_params_per_layer() + a.hidden_size
     return quantized + small * unquantized_bytes(s)
 
@@ -252,8 +246,7 @@ def attention_mask_bytes(s: Settings, shared: bool) -> int:
     """The training forward's bool mask: b x S x S; hf shared b x C x S + k x P x P."""
     if not shared:
         return s.per_device_batch * s.seq_len * s.seq_len
-    return (s.per_device_batch * s.completion_len * s.seq_len
-            + prompts_in_micro_batch(s) * s.prompt_len * s.prompt_len)
+    return s.per_device_batch * s.completion_len * s.seq_len + prompts_in_micro_batch(s) * s.prompt_len * s.prompt_len
 
 
 def _forward_activations(a: Architecture, s: Settings, shared: bool) -> int:
@@ -274,10 +267,7 @@ def activations(a: Architecture, s: Settings) -> int:
     k x P + b x C with a shared-prompt pass).
 
     L x T x per_token; checkpointed L x T x H x rb + T x per_token (Unsloth offloads: 2 x T x H x rb); + 4 x T x H
-    x rb + mask + dequant; a self-verify keeps the full-row figure (+ its no-grad pass's layer)."""
-    if s.prompt_sharing != "none" and s.sharing_verify:
-        verify = 0 if s.gradient_checkpointing else forward_tokens(a, s, True) * layer_activation_bytes_per_token(a, s)
-        return _forward_activations(a, s, False) + verify
+    x rb + mask + dequant."""
     return _forward_activations(a, s, s.prompt_sharing != "none")
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.rundir.layout import (ADAPTER_DIR, CHECKPOINT_MARKER, CHECKPOINT_PREFIX, COMPLETIONS_FILE,
-                                       METRICS_FILE, PRIME_STAGE, PRIMED_ADAPTER_DIR, RECIPE_FILE,
+                                       METRICS_FILE, PRIME_STAGE, PRIMED_ADAPTER_DIR, RECIPE_FILE, read_json,
                                        replace_text)
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,7 @@ def is_complete(folder: Path) -> bool:
     size."""
     folder = Path(folder)
     match = _CKPT.match(folder.name)
-    try:
-        record = json.loads((folder / CHECKPOINT_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    record = read_json(folder / CHECKPOINT_MARKER)
     if not isinstance(record, dict) or (match and record.get("step") != int(match.group(1))):
         return False
     files = record.get("files")

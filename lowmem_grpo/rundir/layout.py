@@ -94,6 +94,14 @@ def replace_text(path: Path, text: str) -> Path:
     return path
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or None when it is missing or unreadable."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The lines of a run's .jsonl file, oldest first ([] before it exists); a half-written line is skipped."""
     path = Path(path)

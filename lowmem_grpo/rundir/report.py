@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -101,10 +100,7 @@ def eval_lines(run_dir: Path) -> list[str]:
     candidates = [run_dir / layout.EVAL_FILE] if (run_dir / layout.EVAL_FILE).is_file() else sorted(
         (run_dir / layout.EVAL_DIR).glob(f"*/{layout.EVAL_FILE}"), key=lambda p: p.stat().st_mtime)
     for path in reversed(candidates):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            continue
+        data = layout.read_json(path)
         if isinstance(data, dict):
             break
     else:
@@ -131,7 +127,7 @@ def eval_lines(run_dir: Path) -> list[str]:
 def memory_lines(run_dir: Path, records: list[dict[str, Any]]) -> list[str]:
     """The peak RSS in each stage (peak_rss.json) and each phase of a GRPO step (rss/<phase>), and each CUDA
     out-of-memory error's lowered settings (oom_retries.jsonl); [] without any."""
-    data = rss.read(run_dir / layout.PEAK_RSS_FILE) or {}
+    data = layout.read_json(run_dir / layout.PEAK_RSS_FILE) or {}
     stages = data.get("stages") or []
     lines: list[str] = []
     if stages:
@@ -183,8 +179,7 @@ def build_markdown(run_dir: Path, records: list[dict[str, Any]], plots: list[Pat
     done = [r for r in records if "train_runtime" in r]
     max_steps = (info.get("train") or {}).get("max_steps")
     last = steps[-1].get("step") if steps else 0
-    state = (f"finished in {_num(done[-1]['train_runtime'])} s" if done
-             else f"in progress (or stopped) at step {last}")
+    state = f"finished in {_num(done[-1]['train_runtime'])} s" if done else f"in progress (or stopped) at step {last}"
     lines = [f"# Run report: {info.get('name', run_dir.name)}", "",
              f"- run directory: `{run_dir}`",
              f"- model: `{(info.get('model') or {}).get('name', '?')}`",

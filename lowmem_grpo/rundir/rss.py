@@ -178,11 +178,3 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
-
-
-def read(path: Path) -> dict[str, Any] | None:
-    """A written StagePeaks file, or None when there is none (or it is unreadable)."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None

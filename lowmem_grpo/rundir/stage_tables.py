@@ -114,10 +114,8 @@ def steps_lines(data: dict[str, Any]) -> list[str]:
 def stage_lines(run_dir: Path, recipe_name: str | None = None, spreads: dict[str, Any] | None = None) -> list[str]:
     """report.md's tables of stage_eval.json, then how GRPO's gain compares with the seed spread measured for the
     recipe (`spreads`: SEED_SPREAD_FILE's table by default); [] when the run measured no stage."""
-    path = run_dir / layout.STAGE_EVAL_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    data = layout.read_json(run_dir / layout.STAGE_EVAL_FILE)
+    if data is None:
         return []
     if spreads is None:
         spreads = json.loads(SEED_SPREAD_FILE.read_text(encoding="utf-8")) if SEED_SPREAD_FILE.exists() else {}
@@ -161,8 +159,7 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
     columns = ["strict_accuracy", "strict_format_rate", *sampled]
     lines = [f"The same {data.get('num_problems')} held-out problems at each stage, greedy"
              + (" and sampled at the training temperature" if sampled else "") + " (95% bootstrap CIs):", ""]
-    lines += _side_by_side({s: {"": m} for s, m in stages.items()}, columns, [""], [names[c] for c in columns],
-                           "stage")
+    lines += _side_by_side({s: {"": m} for s, m in stages.items()}, columns, [""], [names[c] for c in columns], "stage")
     if sampled:
         lines += ["", "pass@k - greedy is the room GRPO has on the greedy answer: problems some sample solves and "
                   "the greedy answer does not."]

@@ -1,6 +1,5 @@
 """Run telemetry: metrics.jsonl, env.json, the console line per step (lowmem_grpo.train.callbacks.TelemetryCallback)
-and the phase-timing keys time/<phase> (lowmem_grpo.train.callbacks.PhaseTimer) with `phase_table`, which prints them.
-"""
+and the phase-timing keys time/<phase> (lowmem_grpo.train.callbacks.PhaseTimer)."""
 
 from __future__ import annotations
 
@@ -14,14 +13,12 @@ from lowmem_grpo.rundir import layout
 PHASE_PREFIX = "time/"
 PHASES = ("generation", "rewards", "prepare_other", "loss_forward", "backward", "optimizer", "other",
           "checkpoint_telemetry")
-"""A GRPO step's phases, logged as time/<phase> seconds that sum to time/step (PHASE_LABELS says what each holds)."""
+"""A GRPO step's phases, logged as time/<phase> seconds that sum to time/step. prepare_other: old/ref log-probs and
+advantages; loss_forward: log-prob + loss forward; other: clip, scheduler, callbacks; checkpoint_telemetry: the
+previous step's checkpoint and telemetry."""
 STEP_KEY = "time/step"
 SHARE_KEY = "time/sampling_share"
 TOKENS_KEY = "tokens_per_s"
-PHASE_LABELS = {"generation": "generation", "rewards": "reward scoring",
-                "prepare_other": "old/ref log-probs, advantages", "loss_forward": "log-prob + loss forward",
-                "backward": "backward", "optimizer": "optimizer step", "other": "clip, scheduler, callbacks",
-                "checkpoint_telemetry": "checkpoint, telemetry (prev. step)"}
 
 REPORT_TO_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
                       "trackio": ("trackio", "trackio")}  # report_to -> (module to import, pip package)
@@ -117,21 +114,3 @@ def phase_means(records: list[dict[str, Any]] | dict[str, Any]) -> dict[str, flo
     keys = [f"{PHASE_PREFIX}{p}" for p in PHASES] + [STEP_KEY, SHARE_KEY, TOKENS_KEY]
     values = {key: [r[key] for r in timed if isinstance(r.get(key), (int, float))] for key in keys}
     return {key: sum(v) / len(v) for key, v in values.items() if v}
-
-
-def phase_table(records: list[dict[str, Any]] | dict[str, Any]) -> str:
-    """Where a step's time went, as a fixed-width text table: mean seconds and share of the step per phase."""
-    means, count = phase_means(records), len(phase_records(records))
-    if not means:
-        return "no phase timing in these records (time/step not logged)\n"
-    step = means[STEP_KEY]
-    names = {phase: f"{phase} ({PHASE_LABELS[phase]})" for phase in PHASES}
-    width = max(len(name) for name in names.values())
-    lines = [f"{'phase':<{width}} {'s/step':>9} {'share':>7}"]
-    for phase in PHASES:
-        seconds = means.get(f"{PHASE_PREFIX}{phase}", 0.0)
-        lines.append(f"{names[phase]:<{width}} {seconds:9.3f} {(seconds / step if step else 0.0):7.1%}")
-    lines.append(f"{'step (' + STEP_KEY + ')':<{width}} {step:9.3f} {1.0:7.1%}")
-    lines.append(f"generated tokens/s: {means.get(TOKENS_KEY, 0.0):.1f}; sampling share: "
-                 f"{means.get(SHARE_KEY, 0.0):.1%}; mean of {count} step(s)")
-    return "\n".join(lines) + "\n"

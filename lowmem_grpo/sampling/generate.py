@@ -80,8 +80,7 @@ def _grouped(tokenizer: Any, rows: list[Any], eos: set[int], num_samples: int) -
     out = []
     for r in rows:
         kept = r.ids[:-1] if not r.truncated and r.ids and r.ids[-1] in eos else r.ids
-        out.append(Generation(tokenizer.decode(kept, skip_special_tokens=True), len(r.ids), r.truncated,
-                              sum(r.forced)))
+        out.append(Generation(tokenizer.decode(kept, skip_special_tokens=True), len(r.ids), r.truncated, sum(r.forced)))
     return [out[i:i + num_samples] for i in range(0, len(out), num_samples)]
 
 

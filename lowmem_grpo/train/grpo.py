@@ -46,43 +46,23 @@ def check_trainer_fields(recipe: Recipe) -> None:
 
 def build_grpo_config(recipe: Recipe, run_dir: Path, runtime: Runtime, reward_weights: list[float],
                       dtype: str | None = None) -> GRPOConfig:
-    """GRPOConfig from the recipe's train section, the Runtime's optimizer and device, and the bf16/fp16 flags of
-    `dtype`, the dtype the model was loaded in (default the Runtime's)."""
+    """GRPOConfig from the recipe's train section and the Runtime's shared trainer arguments for `dtype`."""
     t = recipe.train
-    bf16, fp16 = runtime.flags(dtype or runtime.dtype)
     return GRPOConfig(
-        output_dir=str(run_dir),
-        max_steps=t.max_steps,
-        num_generations=t.num_generations,
+        output_dir=str(run_dir), max_steps=t.max_steps, num_generations=t.num_generations,
         per_device_train_batch_size=t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         steps_per_generation=None if "generation_batch_size" in t.extra else t.steps_per_generation,
-        max_completion_length=t.max_completion_length,
-        mask_truncated_completions=t.mask_truncated_completions,
-        temperature=t.temperature,
-        learning_rate=t.learning_rate,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
+        max_completion_length=t.max_completion_length, mask_truncated_completions=t.mask_truncated_completions,
+        temperature=t.temperature, learning_rate=t.learning_rate, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
         weight_decay=t.weight_decay,
         warmup_steps=t.warmup_ratio,  # TRL 1.x reads a float below 1 as a ratio of max_steps
-        lr_scheduler_type=t.lr_scheduler_type,
-        max_grad_norm=t.max_grad_norm,
-        optim=runtime.optimizer,
-        gradient_checkpointing=t.gradient_checkpointing,
-        beta=t.beta,
-        logging_steps=t.logging_steps,
-        save_strategy="steps",
-        save_steps=t.save_steps,
+        lr_scheduler_type=t.lr_scheduler_type, max_grad_norm=t.max_grad_norm,
+        gradient_checkpointing=t.gradient_checkpointing, beta=t.beta, logging_steps=t.logging_steps,
+        save_strategy="steps", save_steps=t.save_steps,
         save_total_limit=None,  # lowmem_grpo.rundir.checkpoints.rotate keeps train.save_total_limit complete ones
-        seed=t.seed,
-        report_to=[] if t.report_to == "none" else [t.report_to],
-        reward_weights=reward_weights,
-        use_cpu=not runtime.cuda,
-        disable_tqdm=True,  # the telemetry line per step carries progress and ETA
-        bf16=bf16,
-        fp16=fp16,
-        **t.extra,
-    )
+        seed=t.seed, report_to=[] if t.report_to == "none" else [t.report_to], reward_weights=reward_weights,
+        **runtime.trainer_args(dtype), **t.extra)
 
 
 def build_trainer(loaded: Any, recipe: Recipe, dataset: Any, run_dir: Path, reward_funcs: list[Callable[..., Any]],

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_grpo import distributed
-from lowmem_grpo.errors import OutOfMemoryError, RecipeError, ResumeAfterOom
+from lowmem_grpo.errors import OutOfMemoryError, ResumeAfterOom
 from lowmem_grpo.memory.arch import load_architecture
 from lowmem_grpo.memory.fit import auto_fit
 from lowmem_grpo.memory.ladder import LADDER
 from lowmem_grpo.memory.plan import plan
 from lowmem_grpo.recipe import LoraConfig, ModelConfig, Recipe
-from lowmem_grpo.recipe_rules import validate
+from lowmem_grpo.recipe_rules import is_valid
 from lowmem_grpo.rundir import checkpoints, layout
 
 log = logging.getLogger(__name__)
@@ -85,20 +85,12 @@ def changes_between(old: Recipe, new: Recipe) -> dict[str, tuple[Any, Any]]:
     return {k: (a.get(k), b.get(k)) for k in {**a, **b} if a.get(k) != b.get(k)}
 
 
-def _valid(recipe: Recipe) -> bool:
-    try:
-        validate(recipe)
-    except RecipeError:
-        return False
-    return True
-
-
 def lower_by_planner(recipe: Recipe, phase: str = "generation") -> Lowering | None:
     """The planner's auto-fit into PLANNER_CUT less of its predicted non-static peak, kept only when the phase that ran
     out of memory shrinks too; None when unusable."""
     planner_phase = "training" if phase == "update" else "generation"
     try:
-        arch = load_architecture(recipe.model.name, allow_hub=False, trust_remote_code=recipe.model.trust_remote_code)
+        arch = load_architecture(recipe.model.name, allow_hub=False)
         current = plan(recipe, arch=arch)
         static = current.phases["static"]
         budget = int(static + (1 - PLANNER_CUT) * (current.total_bytes - static))
@@ -114,14 +106,14 @@ def lower_by_planner(recipe: Recipe, phase: str = "generation") -> Lowering | No
                  planner_phase)
         return None
     changes = changes_between(recipe, new)
-    return Lowering(new, changes, "memory planner") if changes and _valid(new) else None
+    return Lowering(new, changes, "memory planner") if changes and is_valid(new) else None
 
 
 def lower_by_halving(recipe: Recipe) -> Lowering | None:
     """The first knob of LADDER that halves into a valid recipe; None when every knob is at its floor."""
     for knob in LADDER:
         new = knob.halve(recipe) if knob.halve is not None else None
-        if new is not None and _valid(new):
+        if new is not None and is_valid(new):
             return Lowering(new, changes_between(recipe, new), f"halving: {knob.label}")
     return None
 

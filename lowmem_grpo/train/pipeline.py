@@ -96,8 +96,7 @@ def make_run(recipe: Recipe, runtime: Runtime, facts: CudaFacts, resume: checkpo
     examples = recipe_examples(rows, loaded.tokenizer, recipe.data)
     stages = None  # the per-stage held-out evaluation (rank 0); its file holds what a resumed run measured
     if recipe.train.eval.stage.problems and distributed.is_main_process():
-        stages = StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks,
-                            cpu=runtime.cpu)
+        stages = StageEvals(recipe, loaded.tokenizer, run_dir / layout.STAGE_EVAL_FILE, peaks=peaks, cpu=runtime.cpu)
     run = Run(recipe, loaded, run_dir, resume, examples, grpo_examples(examples, recipe.data), plan, peaks, stages,
               start_adapter)
     open_run_dir(run)  # inputs are good: the run dir is written now

@@ -19,37 +19,21 @@ log = logging.getLogger(__name__)
 
 
 def build_sft_config(recipe: Recipe, run_dir: Path, runtime: Runtime, dtype: str | None = None) -> Any:
-    """SFTConfig for the prime stage: loss on completions only, no checkpoints, the Runtime's optimizer and the flags
-    of `dtype`, the dtype the model was loaded in (default the Runtime's)."""
+    """SFTConfig for the prime stage: loss on completions only, no checkpoints, and the Runtime's shared trainer
+    arguments for `dtype`."""
     from trl import SFTConfig
 
     p, t = recipe.prime, recipe.train
-    bf16, fp16 = runtime.flags(dtype or runtime.dtype)
     return SFTConfig(
-        output_dir=str(run_dir),
-        max_steps=p.max_steps,
-        per_device_train_batch_size=p.per_device_train_batch_size,
-        gradient_accumulation_steps=p.gradient_accumulation_steps,
-        learning_rate=p.learning_rate,
+        output_dir=str(run_dir), max_steps=p.max_steps, per_device_train_batch_size=p.per_device_train_batch_size,
+        gradient_accumulation_steps=p.gradient_accumulation_steps, learning_rate=p.learning_rate,
         lr_scheduler_type=p.lr_scheduler_type,
         warmup_steps=p.warmup_ratio,  # a float below 1 is a ratio of max_steps
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        optim=runtime.optimizer,
-        max_length=recipe.model.max_seq_length,
-        completion_only_loss=True,
+        weight_decay=0.0, max_grad_norm=1.0, max_length=recipe.model.max_seq_length, completion_only_loss=True,
         packing=False,
         gradient_checkpointing=t.gradient_checkpointing,  # the same model object goes on to GRPO
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=t.seed,
-        use_cpu=not runtime.cuda,
-        disable_tqdm=True,
-        dataset_num_proc=None,
-        bf16=bf16,
-        fp16=fp16,
-    )
+        logging_steps=1, save_strategy="no", report_to=[], seed=t.seed, dataset_num_proc=None,
+        **runtime.trainer_args(dtype))
 
 
 def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe: Recipe, run_dir: Path,
@@ -70,8 +54,7 @@ def prime(model: Any, tokenizer: Any, examples: Sequence[dict[str, Any]], recipe
         model=model, args=config, train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
         callbacks=[TelemetryCallback(run_dir, layout.PRIME_STAGE, [])])
     trainer.remove_callback(PrinterCallback)
-    log.info("priming %d steps on %d rendered solutions (lr %.1e)", config.max_steps, len(pairs),
-             config.learning_rate)
+    log.info("priming %d steps on %d rendered solutions (lr %.1e)", config.max_steps, len(pairs), config.learning_rate)
     started = time.monotonic()
     trainer.train()
     seconds = time.monotonic() - started
