@@ -79,3 +79,21 @@ def test_table_shows_finished_and_pending_seeds_with_the_spread_of_those_measure
     out = capsys.readouterr().out
     assert "| 101 | pending | - |" in out
     assert "report100: 2 seeds, mean +0.145" in out and "CI above 0 on 2 of 2" in out
+
+
+def test_the_shipped_seed_spread_is_the_committed_queues_and_fits_its_recipe():
+    """Each recipe in the package's seed-spread table is a shipped recipe whose stage evaluation has that many
+    problems (else the report would compare gains on other problems), and its gains are the committed queue's."""
+    from lowmem_grpo.recipe_io import load_recipe, shipped_recipes
+    from lowmem_grpo.rundir.stage_tables import SEED_SPREAD_FILE
+
+    table = json.loads(SEED_SPREAD_FILE.read_text(encoding="utf-8"))
+    recipes = {r.name: r for r in map(lambda p: load_recipe(str(p)), shipped_recipes())}
+    queue = json.loads((SCRIPT.parents[1] / "results" / "seeds-bf16" / "queue.json").read_text(encoding="utf-8"))
+    assert table
+    for name, spread in table.items():
+        assert recipes[name].train.eval.stage.problems == spread["num_problems"]
+        config = spread["measured"].split("configuration ", 1)[1].split()[0]  # as `seeds.py spread CONFIG` writes it
+        measured = {str(e["seed"]): e["gains"]["report100"]["diff"] for e in queue
+                    if e["config"] == config and "diff" in (e["gains"].get("report100") or {})}
+        assert spread["gains"] == measured and len(measured) >= 2
