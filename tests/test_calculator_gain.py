@@ -3,9 +3,7 @@ reuses what it measured, and seen and held-out wording side by side."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from lowmem_grpo.evaluation.command import EvalOptions, resolve
 from lowmem_grpo.runtime import EVAL_BATCH
 from lowmem_grpo.recipe_io import dump_yaml, load_recipe
 from lowmem_grpo.rewards.calculator import OUTCOMES
+from scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "calculator_gain.py"
 ARITH_RECIPE = str(SCRIPT.parents[1] / "recipes" / "smollm2_135m_arith_cpu.py")
@@ -25,11 +24,7 @@ GENERATED = ("data.source=generated", "data.generated.levels=1", "data.generated
 
 @pytest.fixture(scope="module")
 def gain():
-    spec = importlib.util.spec_from_file_location("calculator_gain", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ Makefile's Docker commands (docker/engine.sh), the reproduction check's comparis
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import importlib.metadata
 import json
 import os
@@ -22,6 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -454,11 +454,7 @@ REPRO = REPO / "benchmarks" / "docker_repro.py"
 
 @pytest.fixture(scope="module")
 def repro():
-    spec = importlib.util.spec_from_file_location("docker_repro", REPRO)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPRO)
 
 
 @pytest.fixture(scope="module")

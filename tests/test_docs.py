@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lowmem_grpo import DEFAULT_RECIPE
+from scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -153,11 +154,7 @@ def test_the_architecture_page_names_every_package_folder_and_module():
 
 
 def test_the_architecture_floors_are_the_layout_tools_floors():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("layout_report", REPO / "tools" / "layout_report.py")
-    layout_report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(layout_report)
+    layout_report = load_script(REPO / "tools" / "layout_report.py")
     rows = re.findall(r"^\| (\d+) \| (.+) \|$", _text(REPO / "docs" / "architecture.md"), flags=re.M)
     floors = {name: int(floor) for floor, names in rows for name in re.findall(r"`([a-z_]+)/?`", names)}
     assert floors == layout_report.FLOORS

@@ -6,13 +6,13 @@ These tests read the files directly and do not import ``lowmem_grpo``.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO / "lowmem_grpo/resources/gsm8k"
@@ -65,11 +65,7 @@ def data() -> dict[str, list[dict]]:
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("make_embedded_gsm8k", GENERATOR)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GENERATOR)
 
 
 def all_rows(data):

@@ -7,6 +7,7 @@ capability, a CudaFacts, a module table) as an argument, and the models are smal
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from lowmem_grpo.errors import BadInputError
 from lowmem_grpo.recipe import Recipe
 from lowmem_grpo.recipe_io import apply_overrides
 from lowmem_grpo.runtime import Runtime, auto_dtype, resolve
+from scripts import load_script
 
 
 def gpu(capability=(8, 6)) -> CudaFacts:
@@ -482,16 +484,7 @@ def test_a_lost_adapter_fails_even_within_the_bf16_tolerance():
 
 
 def _gpu_check():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # as a script run has it: its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("gpu_check")
 
 
 def test_gpu_check_arguments_and_the_checks_it_plans():
@@ -601,7 +594,6 @@ def test_gpu_check_writes_one_file_after_every_check(tmp_path):
 def test_gpu_check_answers_help_and_its_plan_on_cpu():
     import subprocess
     import sys
-    from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
@@ -615,7 +607,6 @@ def test_gpu_check_refuses_to_measure_a_machine_without_a_gpu(tmp_path):
     """Run on a CPU machine, the check writes no file that could be read as a GPU measurement: exit 2, named."""
     import subprocess
     import sys
-    from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     out = tmp_path / "gpu_check.json"
@@ -764,18 +755,7 @@ def test_gpu_check_records_the_plans_peak_with_prompt_sharing_engaged_and_not():
 
 
 def _benchmark(name):
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

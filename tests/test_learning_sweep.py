@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from lowmem_grpo.evaluation.metrics import judge
 from lowmem_grpo.evaluation.stages import summarize
 from lowmem_grpo.recipe_io import dump_yaml, load_recipe
 from lowmem_grpo.recipe_rules import validate
+from scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_sweep.py"
 RIGHT = "<reasoning>\n2+2=4\n</reasoning>\n<answer>\n4\n</answer>"
@@ -24,11 +23,7 @@ WRONG = "<reasoning>\n2+2=5\n</reasoning>\n<answer>\n5\n</answer>"
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("learning_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)  # imports nothing heavy: the training runs in subprocesses
-    return module
+    return load_script(SCRIPT)  # imports nothing heavy: the training runs in subprocesses
 
 
 def as_dict(overrides: list[str]) -> dict[str, str]:

@@ -3,14 +3,13 @@ results/ and on edge cases, the two disagree only in the classes docs/rewards.md
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from lowmem_grpo.rewards import correctness
+from scripts import load_script
 
 pytest.importorskip("math_verify")
 
@@ -20,11 +19,7 @@ SCRIPT = REPO / "benchmarks" / "reward_agreement.py"
 
 @pytest.fixture(scope="module")
 def agreement_script():
-    spec = importlib.util.spec_from_file_location("reward_agreement", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from lowmem_grpo.rundir.stage_tables import seed_spread_lines
+from scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "seeds.py"
 
 
 @pytest.fixture(scope="module")
 def seeds():
-    spec = importlib.util.spec_from_file_location("seeds", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)  # imports nothing heavy: training and evaluation run in subprocesses
-    return module
+    return load_script(SCRIPT)  # imports nothing heavy: training and evaluation run in subprocesses
 
 
 def finished(queue: Path, name: str, seed: int, diff: float | None) -> dict:
