@@ -90,9 +90,11 @@ def test_the_chains_recipe_is_the_cpu_default_on_one_and_two_step_problems():
     validate(chains)
     before = _flat(recipe_to_dict(default))
     differs = {k for k, v in _flat(recipe_to_dict(chains)).items() if before[k] != v}
-    # rewards, GRPO's settings and the stage evaluation stay the default's: only the problems and priming's size move
+    # rewards and the stage evaluation stay the default's: the problems, priming's size and how advantages are
+    # scaled move (per group: the one-step answers held on three seeds, docs/results.md)
     assert differs == {"name", "description", "data.generated.levels", "data.generated.grpo_levels",
-                       "prime.num_examples", "prime.max_steps", "train.max_completion_length"}
+                       "prime.num_examples", "prime.max_steps", "train.max_completion_length", "train.scale_rewards"}
+    assert chains.train.extra["scale_rewards"] == "group" and default.train.extra["scale_rewards"] == "batch"
     rows = load_train_rows(chains.data)
     primed = rows[:primed_count(len(rows), chains.prime.num_examples)]  # what priming trains on
     assert {level_of(r["question"], r["answer"]) for r in primed} == {1, 2}
